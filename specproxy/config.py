@@ -1,0 +1,140 @@
+"""A frozen ``Config``, from a TOML file, then ``SPECPROXY_*`` environment variables, then CLI flags.
+
+Why frozen and in one place: the proxy reads its settings on every request; a value that cannot change
+under it cannot surprise it. ``config.example.toml`` documents every key and is checked against
+``KEYS`` by the test suite, so the docs cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from yarl import URL
+
+from .errors import ConfigError
+
+__all__ = ["Config", "load_config"]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    upstream: str | None = None
+    """Base URL of the inference server, e.g. ``http://127.0.0.1:8000``; every request goes there."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback by default: exposing the proxy is a choice you make."""
+    port: int = 8080
+    """Port to listen on."""
+    db: str = "specproxy.db"
+    """SQLite database file for the turns."""
+    tokenizer: str | None = None
+    """``hf:DIR``, ``tiktoken:ENCODING`` or ``none``: counts tokens with the model's own tokenizer."""
+    label: str | None = None
+    """Label stamped on every turn (an A/B arm); a request's ``X-Specproxy-Label`` header overrides it."""
+    store_text: bool = False
+    """Store prompt and response text in the database (opt-in; off by default for privacy)."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body accepted; a larger one gets 413 and never reaches the upstream."""
+    max_concurrent: int = 1024
+    """Requests in flight at once; one more gets an immediate 503."""
+    connect_timeout_s: float = 10.0
+    """Seconds to connect to the upstream before answering 502."""
+    idle_timeout_s: float = 600.0
+    """Seconds without a byte from the upstream before giving up. There is no total deadline."""
+    queue_size: int = 10000
+    """Records waiting for the database writer; when full, a record is dropped and counted, never traffic."""
+    metrics_path: str = "/metrics"
+    """The upstream's Prometheus endpoint, polled for its own counters."""
+    scrape_interval_s: float = 5.0
+    """Seconds between polls of ``metrics_path``; 0 turns scraping off."""
+
+    @property
+    def upstream_url(self) -> URL:
+        if not self.upstream:
+            raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000)")
+        return URL(self.upstream)
+
+
+KEYS: dict[str, type] = {}
+for _f in fields(Config):
+    _t = str(_f.type)
+    KEYS[_f.name] = bool if "bool" in _t else int if _t == "int" else float if _t == "float" else str
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    kind = KEYS[key]
+    if value is None:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} must be {kind.__name__}, got {value!r}") from None
+
+
+def _validate(cfg: Config) -> Config:
+    if cfg.upstream is not None:
+        url = URL(cfg.upstream)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ConfigError(f"upstream {cfg.upstream!r} is not an http(s) URL with a host")
+    if not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"port {cfg.port} is out of range")
+    for key in ("max_body_bytes", "max_concurrent", "queue_size"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive")
+    for key in ("connect_timeout_s", "idle_timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive")
+    if cfg.scrape_interval_s < 0:
+        raise ConfigError("scrape_interval_s must be >= 0")
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """File, then environment (``SPECPROXY_PORT=9000``...), then flags (``None`` means not given)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        for key, value in data.items():
+            if key not in KEYS:
+                raise ConfigError(f"config file {p}: unknown key {key!r} (see config.example.toml)")
+            values[key] = _coerce(key, value, str(p))
+    env = os.environ if env is None else env
+    for key in KEYS:
+        name = f"SPECPROXY_{key.upper()}"
+        if name in env:
+            values[key] = _coerce(key, env[name], name)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            if key not in KEYS:
+                raise ConfigError(f"unknown setting {key!r}")
+            values[key] = _coerce(key, value, f"--{key.replace('_', '-')}")
+    return _validate(replace(Config(), **values))

@@ -1,0 +1,330 @@
+"""``RecordBuilder``: turns the bytes of one turn, stamped as they crossed the sockets, into a Record.
+
+Why it is shaped this way: the forwarding path may only append (``on_bytes`` is three list appends);
+everything that costs CPU (SSE decoding, JSON parsing, decompression, tokenizing) happens in ``build``,
+which runs once per turn in a worker thread after the last byte was forwarded. Events are timed by the
+read that completed them, so deferring the parse loses no precision.
+
+Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at most once) ->
+``on_bytes`` (any number) -> exactly one of ``finish`` or ``fail`` -> ``build`` (once).
+"""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+import zlib
+from dataclasses import dataclass, field
+
+import orjson
+
+from .openai import MEASURED_PATHS, PromptParts, parse_json, read_chunk, read_full_response, split_prompt
+from .record import Record
+from .sse import SSEDecoder
+from .tokens import Tokenizer, tokens_in_first
+
+__all__ = ["RecordBuilder", "Texts"]
+
+
+@dataclass(slots=True)
+class Texts:
+    """Delivered text per (choice, kind), with when it arrived, gathered from the response."""
+
+    texts: dict[tuple[int, str], str] = field(default_factory=dict)
+    first_lens: dict[tuple[int, str], int] = field(default_factory=dict)  # chars after the first chunk
+    chunks: int = 0
+    t_first: float | None = None
+    t_last: float | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+    finish_reason: str | None = None
+    saw_done: bool | None = None
+    bad_events: int = 0
+
+    def add(self, delta_texts: dict[tuple[int, str], str], t: float) -> None:
+        if not delta_texts:
+            return
+        for key, text in delta_texts.items():
+            self.texts[key] = self.texts.get(key, "") + text
+        self.chunks += 1
+        if self.t_first is None:
+            self.t_first = t
+            self.first_lens = {k: len(v) for k, v in self.texts.items()}
+        self.t_last = t
+
+
+class RecordBuilder:
+    """Collects one turn on the forwarding path; ``build`` makes the Record off it."""
+
+    __slots__ = (
+        "_ended",
+        "body",
+        "concurrency",
+        "content_encoding",
+        "content_type",
+        "error",
+        "instance_id",
+        "label",
+        "method",
+        "outcome",
+        "path",
+        "read_times",
+        "reads",
+        "status",
+        "store_text",
+        "t_done",
+        "t_request",
+        "t_upstream_headers",
+        "t_wall",
+        "write_times",
+    )
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        path: str,
+        body: bytes,
+        t_wall: float,
+        t_request: float,
+        concurrency: int = 1,
+        label: str | None = None,
+        instance_id: str | None = None,
+        store_text: bool = False,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.body = body
+        self.t_wall = t_wall
+        self.t_request = t_request
+        self.concurrency = concurrency
+        self.label = label
+        self.instance_id = instance_id
+        self.store_text = store_text
+        self.status: int | None = None
+        self.content_type = ""
+        self.content_encoding = ""
+        self.t_upstream_headers: float | None = None
+        self.reads: list[bytes] = []
+        self.read_times: list[float] = []
+        self.write_times: list[float] = []
+        self.t_done: float | None = None
+        self.outcome: str | None = None
+        self.error: str | None = None
+        self._ended = False
+
+    # --- the forwarding path: cheap, no parsing --------------------------------------------------
+
+    def on_headers(self, t: float, status: int, content_type: str, content_encoding: str = "") -> None:
+        assert self.t_upstream_headers is None, "on_headers called twice"
+        self.t_upstream_headers = t
+        self.status = status
+        self.content_type = content_type
+        self.content_encoding = content_encoding
+
+    def on_bytes(self, data: bytes, t_read: float, t_written: float) -> None:
+        self.reads.append(data)
+        self.read_times.append(t_read)
+        self.write_times.append(t_written)
+
+    def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
+        """The response ended (normally, or with an outcome the proxy observed)."""
+        assert not self._ended, "a turn ends once: finish xor fail"
+        self._ended = True
+        self.t_done = t_done
+        self.outcome = outcome
+        self.error = error
+
+    def fail(self, t_done: float, outcome: str, status: int | None, error: str) -> None:
+        """No response came from the upstream (the client got an error from specproxy itself)."""
+        assert not self._ended, "a turn ends once: finish xor fail"
+        self._ended = True
+        self.t_done = t_done
+        self.outcome = outcome
+        self.status = status
+        self.error = error
+
+    # --- off the forwarding path: parse, count, derive ------------------------------------------
+
+    def build(self, tokenizer: Tokenizer | None) -> Record:
+        """Make the Record. CPU work: call from a worker thread, once, after finish/fail."""
+        assert self._ended, "build before finish/fail"
+        request = _read_request(self.body)
+        reads = self._decoded_reads()
+        streamed = self.content_type.startswith("text/event-stream")
+        texts = _stream_texts(reads, self.read_times) if streamed else _body_texts(reads, self.read_times)
+        outcome = self.outcome or "ok"
+        if outcome == "client_abort" and texts.saw_done:
+            outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
+        if outcome == "ok" and self.status is not None and self.status >= 400:
+            outcome = "upstream_error"
+        return self._record(request, texts, streamed, outcome, tokenizer)
+
+    def _decoded_reads(self) -> list[bytes]:
+        """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""
+        enc = self.content_encoding.lower()
+        if enc not in ("gzip", "deflate", "x-gzip"):
+            return self.reads
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header, auto-detected
+        out: list[bytes] = []
+        try:
+            for data in self.reads:
+                out.append(inflater.decompress(data))
+        except zlib.error:
+            out.extend(b"" for _ in range(len(self.reads) - len(out)))
+        return out
+
+    def _record(self, request: _Request, texts: Texts, streamed: bool, outcome: str, tok: Tokenizer | None) -> Record:
+        t_req = self.t_request
+        counts = _count_completion(texts, tok) if tok is not None else None
+        prompt = None
+        if tok is not None and request.parts is not None:
+            try:
+                prompt = tok.count_prompt(request.parts)
+            except Exception:
+                prompt = None
+        usage = texts.usage or {}
+        ttft = texts.t_first - t_req if texts.t_first is not None else None
+        decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
+        completion = counts["completion"] if counts else None
+        if counts is None and tok is not None and not texts.texts and self.status is not None and self.status < 400:
+            completion = 0  # a tokenizer and a successful answer with no text: truly zero tokens
+        decode_tps = None
+        if counts and decode and decode > 0:
+            decode_tps = (counts["completion"] - counts["first"]) / decode
+        delays = [w - r for r, w in zip(self.read_times, self.write_times)]
+        response_text = None
+        if self.store_text and texts.texts:
+            response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
+        return Record(
+            id=uuid.uuid4().hex,
+            t_wall=self.t_wall,
+            method=self.method,
+            path=self.path,
+            status=self.status,
+            outcome=outcome,
+            error=self.error or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None),
+            streamed=streamed,
+            model=request.model,
+            label=self.label,
+            instance_id=self.instance_id,
+            request_parsed=request.parsed,
+            concurrency=self.concurrency,
+            t_request=t_req,
+            t_upstream_headers=self.t_upstream_headers,
+            t_first_token=texts.t_first,
+            t_last_token=texts.t_last,
+            t_done=self.t_done,
+            ttft_s=ttft,
+            decode_s=decode,
+            total_s=self.t_done - t_req if self.t_done is not None else None,
+            completion_tokens=completion,
+            content_tokens=counts["content"] if counts else None,
+            reasoning_tokens=counts["reasoning"] if counts else None,
+            tool_args_tokens=counts["tool_args"] if counts else None,
+            first_chunk_tokens=counts["first"] if counts else None,
+            usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
+            tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
+            decode_tps=decode_tps,
+            prompt_tokens=prompt.total if prompt else None,
+            prompt_system_tokens=prompt.system if prompt else None,
+            prompt_tools_tokens=prompt.tools if prompt else None,
+            prompt_history_tokens=prompt.history if prompt else None,
+            prompt_new_tokens=prompt.new if prompt else None,
+            proxy_delay_s=statistics.median(delays) if delays else None,
+            request_bytes=len(self.body),
+            response_bytes=sum(map(len, self.reads)),
+            saw_done=texts.saw_done,
+            finish_reason=texts.finish_reason,
+            server_timings=orjson.dumps(texts.timings).decode() if texts.timings else None,
+            tokenizer=tok.name if tok is not None else None,
+            prompt_text=self.body.decode("utf-8", "replace") if self.store_text else None,
+            response_text=response_text,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    parsed: bool
+    model: str | None = None
+    parts: PromptParts | None = None
+
+
+def _read_request(body: bytes) -> _Request:
+    try:
+        obj = parse_json(body)
+        parts = split_prompt(obj)
+    except (ValueError, TypeError, RecursionError):
+        return _Request(parsed=False)
+    model = obj.get("model")
+    return _Request(parsed=True, model=model if isinstance(model, str) else None, parts=parts)
+
+
+def _stream_texts(reads: list[bytes], times: list[float]) -> Texts:
+    texts = Texts(saw_done=False)
+    decoder = SSEDecoder()
+    events = []
+    for data in reads:
+        events.extend(decoder.feed(data))
+    events.extend(decoder.finish())
+    for ev in events:
+        data = ev.data
+        if data.strip() == "[DONE]":
+            texts.saw_done = True
+            continue
+        if not data:
+            continue
+        try:
+            delta = read_chunk(parse_json(data))
+        except (ValueError, RecursionError):
+            texts.bad_events += 1
+            continue
+        texts.add(delta.texts, times[min(ev.read_index, len(times) - 1)])
+        _take_accounting(texts, delta)
+    return texts
+
+
+def _body_texts(reads: list[bytes], times: list[float]) -> Texts:
+    texts = Texts()
+    if not reads:
+        return texts
+    try:
+        delta = read_full_response(parse_json(b"".join(reads)))
+    except (ValueError, RecursionError):
+        return texts
+    texts.add(delta.texts, times[-1])  # a non-streamed answer is usable only once it is whole
+    _take_accounting(texts, delta)
+    return texts
+
+
+def _take_accounting(texts: Texts, delta) -> None:
+    if delta.usage is not None:
+        texts.usage = delta.usage  # servers may send usage cumulatively: the last one wins
+    if delta.timings is not None:
+        texts.timings = delta.timings
+    if delta.finish_reason is not None:
+        texts.finish_reason = delta.finish_reason
+
+
+def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:
+    """Encode each (choice, kind) text once; map tokens to the first chunk by character offsets."""
+    if not texts.texts:
+        return None
+    out = {"content": 0, "reasoning": 0, "tool_args": 0, "first": 0}
+    for key, text in texts.texts.items():
+        ends = tok.token_ends(text)
+        out[key[1]] += len(ends)
+        out["first"] += tokens_in_first(ends, texts.first_lens.get(key, 0))
+    out["completion"] = out["content"] + out["reasoning"] + out["tool_args"]
+    return out
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def is_measured(method: str, path: str) -> bool:
+    """Only generation endpoints are measured; everything else is forwarded and not recorded."""
+    return method == "POST" and path in MEASURED_PATHS

