@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .fielddocs import field_docs
+
 __all__ = ["OUTCOMES", "Record", "FIELD_DOCS"]
 
 OUTCOMES = (
@@ -138,19 +140,4 @@ class Record:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Record))
 
 
-def _field_docs() -> dict[str, str]:
-    """Each field's docstring, read from this file's source (dataclasses keep no field docs)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Record)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
-    return docs
-
-
-FIELD_DOCS: dict[str, str] = _field_docs()
+FIELD_DOCS: dict[str, str] = field_docs(Record)

