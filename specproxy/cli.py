@@ -1,0 +1,190 @@
+"""The command line: parse, call, print. Every user error is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import functools
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from . import __version__
+from .config import load_config
+from .errors import SpecproxyError
+
+log = logging.getLogger("specproxy")
+
+
+def _friendly(fn):
+    """Turn SpecproxyError into one clear line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SpecproxyError as exc:
+            click.echo(f"specproxy: error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="specproxy")
+def main() -> None:
+    """Measure what users of an LLM inference server actually get.
+
+    Run `specproxy serve --upstream URL`, point a chat client's base URL at the proxy's /v1, chat,
+    then `specproxy report`. `specproxy demo` does all of it against a built-in scripted server.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+db_option = click.option("--db", default=None, help="SQLite database file [default: specproxy.db]")
+
+
+@main.command()
+@click.option("--upstream", help="Base URL of the inference server, e.g. http://127.0.0.1:8000")
+@click.option("--host", default=None, help="Address to listen on [default: 127.0.0.1]")
+@click.option("--port", type=int, default=None, help="Port to listen on [default: 8080]")
+@db_option
+@click.option("--tokenizer", default=None, help="hf:DIR, tiktoken:ENCODING or none [default: none]")
+@click.option("--label", default=None, help="Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@click.option("--store-text/--no-store-text", default=None, help="Store prompt and response text (opt-in)")
+@click.option("--max-concurrent", type=int, default=None, help="Requests in flight before 503 [default: 1024]")
+@click.option("--idle-timeout", "idle_timeout_s", type=float, default=None,
+              help="Seconds without upstream bytes before giving up [default: 600]; no total deadline")
+@click.option("--scrape-interval", "scrape_interval_s", type=float, default=None,
+              help="Seconds between polls of the upstream's /metrics; 0 = off [default: 5]")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML config file (see config.example.toml)")
+@_friendly
+def serve(config_path: str | None, **flags: Any) -> None:
+    """Run the measuring proxy in front of an inference server."""
+    from .service import Service, install_uvloop
+
+    cfg = load_config(config_path, overrides=flags)
+    service = Service.from_config(cfg)
+    install_uvloop()
+
+    def ready(svc: Service) -> None:
+        click.echo(
+            f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
+            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}\n"
+            f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
+            err=True,
+        )
+
+    try:
+        asyncio.run(service.run_forever(ready))
+    except OSError as exc:
+        raise SpecproxyError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
+
+
+def _load(db: str | None, label: str | None, since: str | None, until: str | None):
+    from .dataset import load_turns, parse_time
+
+    path = db or load_config(overrides={}).db
+    return path, load_turns(path, label=label, since=parse_time(since), until=parse_time(until))
+
+
+window_options = [
+    click.option("--label", default=None, help="Only turns with this label"),
+    click.option("--since", default=None, help="Only turns at or after this time (ISO 8601 UTC or epoch s)"),
+    click.option("--until", default=None, help="Only turns before this time (ISO 8601 UTC or epoch s)"),
+]
+
+
+def _window(fn):
+    for opt in reversed(window_options):
+        fn = opt(fn)
+    return fn
+
+
+@main.command()
+@db_option
+@_window
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@_friendly
+def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
+    """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
+    from .report import build_report, render_text
+
+    path, turns = _load(db, label, since, until)
+    r = build_report(turns, source=str(path))
+    if as_json:
+        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        click.echo(render_text(r), nl=False)
+
+
+@main.command()
+@db_option
+@_window
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default="-",
+              help="File to write [default: stdout]")
+@_friendly
+def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
+    """Every turn, one JSON object (or CSV row) each, with METRICS.md's field names."""
+    from .dataset import parse_time
+    from .record import FIELD_NAMES
+    from .store import connect
+
+    path = db or load_config(overrides={}).db
+    conn = connect(path, readonly=True)
+    where, params = [], []
+    for clause, value in (("label IS ?", label), ("t_wall >= ?", parse_time(since)), ("t_wall < ?", parse_time(until))):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    sql = f"SELECT {', '.join(FIELD_NAMES)} FROM turns" + (" WHERE " + " AND ".join(where) if where else "")
+    out = sys.stdout if output == "-" else open(output, "w", newline="")
+    try:
+        rows = conn.execute(sql + " ORDER BY t_wall", params)
+        if fmt == "csv":
+            writer = csv.writer(out)
+            writer.writerow(FIELD_NAMES)
+            writer.writerows(rows)
+        else:
+            for row in rows:
+                out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
+    finally:
+        conn.close()
+        if out is not sys.stdout:
+            out.close()
+
+
+@main.command()
+@click.option("--db", default=None, help="Database for the demo's turns [default: a new temporary file]")
+@click.option("--turns", type=int, default=8, show_default=True, help="Turns per client at each concurrency")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@_friendly
+def demo(db: str | None, turns: int, as_json: bool) -> None:
+    """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
+    from .dataset import load_turns
+    from .demo import run_demo
+    from .report import build_report, render_text
+    from .service import install_uvloop
+
+    if turns < 1:
+        raise SpecproxyError("--turns must be at least 1")
+    path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
+    install_uvloop()
+    asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True)))
+    r = build_report(load_turns(path), source=str(path))
+    if as_json:
+        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        click.echo(render_text(r), nl=False)
+        click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The report: what users actually got, as a JSON-able dict and as text.
+
+Why a dict first: ``--json`` and the text are two renderings of one computation, so they cannot
+disagree. Every figure that summarises comes with n, median, p95 and a 95% interval; every cell says
+which cell it is (concurrency bucket, prompt-length bucket); at each concurrency both per-stream and
+aggregate throughput are printed, with which one to read there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dataset import Turns, busy_seconds
+from .speedup import window_speedups
+from .stats import concurrency_bucket, prompt_bucket, summarize, which_to_read
+
+__all__ = ["ENGINE_SPEEDUPS", "build_report", "render_text"]
+
+ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
+
+# (report key, column, label, unit scale, format)
+USER_FIGURES = (
+    ("ttft_s", "ttft_s", "TTFT (s)", 1.0, "{:.3f}"),
+    ("decode_tps", "decode_tps", "decode speed, per stream (tok/s)", 1.0, "{:.1f}"),
+    ("decode_s", "decode_s", "decode time (s)", 1.0, "{:.3f}"),
+    ("total_s", "total_s", "whole turn (s)", 1.0, "{:.3f}"),
+    ("completion_tokens", "completion_tokens", "completion tokens", 1.0, "{:.0f}"),
+    ("tokens_per_chunk", "tokens_per_chunk", "tokens per chunk", 1.0, "{:.2f}"),
+    ("proxy_delay_ms", "proxy_delay_s", "proxy delay (ms)", 1000.0, "{:.3f}"),
+)
+PROMPT_PARTS = ("prompt_system_tokens", "prompt_tools_tokens", "prompt_history_tokens", "prompt_new_tokens")
+
+
+def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
+    return summarize(values * scale).to_dict()
+
+
+def _aggregate(turns: Turns) -> dict[str, Any]:
+    """Delivered tokens / the time at least one of these turns was in flight (wall clock)."""
+    start = turns.num["t_wall"]
+    end = start + turns.num["total_s"]
+    tokens = turns.num["completion_tokens"]
+    known = np.isfinite(tokens)
+    busy = busy_seconds(start[known], end[known])
+    if not known.any() or busy <= 0:
+        return {"tokens": None, "busy_s": None, "tps": None}
+    total = float(np.sum(tokens[known]))
+    return {"tokens": total, "busy_s": busy, "tps": total / busy}
+
+
+def build_report(turns: Turns, *, source: str = "") -> dict[str, Any]:
+    """Everything ``specproxy report`` says, as plain data."""
+    n_all = len(turns)
+    outcomes: dict[str, int] = {}
+    for o in turns.txt["outcome"]:
+        outcomes[str(o)] = outcomes.get(str(o), 0) + 1
+    ok = turns.select(turns.ok) if n_all else turns
+    report: dict[str, Any] = {
+        "source": source,
+        "turns": n_all,
+        "outcomes": outcomes,
+        "first_t_wall": float(np.min(turns.num["t_wall"])) if n_all else None,
+        "last_t_wall": float(np.max(turns.num["t_wall"])) if n_all else None,
+        "tokenizers": sorted({str(t) for t in turns.txt["tokenizer"] if t}),
+        "labels": sorted({str(t) for t in turns.txt["label"] if t}),
+    }
+    report["user"] = {key: _summary(ok.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
+    report["usage_vs_delivered"] = _usage_gap(ok)
+    report["prompt"] = _prompt(ok)
+    report["by_concurrency"] = _by_concurrency(ok)
+    report["by_prompt_length"] = _by_prompt_length(ok)
+    report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
+    report["whole_turn"] = _whole_turn(ok)
+    return report
+
+
+def _usage_gap(ok: Turns) -> dict[str, Any]:
+    """Our delivered count beside the server's own usage count, where both exist."""
+    ours, theirs = ok.num["completion_tokens"], ok.num["usage_completion_tokens"]
+    both = np.isfinite(ours) & np.isfinite(theirs)
+    diff = theirs[both] - ours[both]
+    return {
+        "n": int(both.sum()),
+        "delivered_tokens": float(ours[both].sum()) if both.any() else None,
+        "usage_tokens": float(theirs[both].sum()) if both.any() else None,
+        "median_usage_minus_delivered": float(np.median(diff)) if both.any() else None,
+    }
+
+
+def _prompt(ok: Turns) -> dict[str, Any]:
+    total = ok.num["prompt_tokens"]
+    out: dict[str, Any] = {"prompt_tokens": _summary(total)}
+    med_total = out["prompt_tokens"]["median"]
+    for part in PROMPT_PARTS:
+        s = _summary(ok.num[part])
+        s["share_of_median_prompt"] = (s["median"] / med_total) if s["median"] is not None and med_total else None
+        out[part] = s
+    return out
+
+
+def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
+    conc = ok.num["concurrency"]
+    rows = []
+    buckets: dict[str, list[int]] = {}
+    for i, c in enumerate(conc):
+        if np.isfinite(c):
+            buckets.setdefault(concurrency_bucket(int(c)), []).append(i)
+    for bucket, idx in sorted(buckets.items(), key=lambda kv: min(conc[kv[1]])):
+        cell = ok.select(np.array(idx))
+        med_c = float(np.median(cell.num["concurrency"]))
+        rows.append(
+            {
+                "concurrency": bucket,
+                "n": len(idx),
+                "per_stream_tps": _summary(cell.num["decode_tps"]),
+                "aggregate": _aggregate(cell),
+                "ttft_s": _summary(cell.num["ttft_s"]),
+                "read": which_to_read(med_c),
+            }
+        )
+    return rows
+
+
+def _by_prompt_length(ok: Turns) -> list[dict[str, Any]]:
+    prompt = ok.num["prompt_tokens"]
+    buckets: dict[str, list[int]] = {}
+    for i, p in enumerate(prompt):
+        if np.isfinite(p):
+            buckets.setdefault(prompt_bucket(int(p)), []).append(i)
+    rows = []
+    for bucket, idx in sorted(buckets.items(), key=lambda kv: min(prompt[kv[1]])):
+        cell = ok.select(np.array(idx))
+        rows.append(
+            {"prompt_tokens": bucket, "n": len(idx), "ttft_s": _summary(cell.num["ttft_s"]),
+             "per_stream_tps": _summary(cell.num["decode_tps"])}
+        )
+    return rows
+
+
+def _whole_turn(ok: Turns) -> dict[str, Any]:
+    """The speedup a user would feel for engine decode speedups, from this traffic (streamed turns).
+
+    TTFT held (prefill does not get faster when decoding does), in the before-a-change form, over the
+    window's summed TTFT and decode time: the exact ratio of all users' turn time before and after.
+    """
+    streamed = ok.num["streamed"] == 1
+    w = window_speedups(ok.num["ttft_s"][streamed], ok.num["decode_s"][streamed], speedups=ENGINE_SPEEDUPS)
+    n = w.n
+    return {
+        "n": n,
+        "mean_ttft_s": w.ttft_s / n if n and w.ttft_s is not None else None,
+        "mean_decode_s": w.decode_s / n if n and w.decode_s is not None else None,
+        "ttft_share": w.ttft_share,
+        "max_speedup": w.max_speedup if w.max_speedup is None or np.isfinite(w.max_speedup) else None,
+        "speedups": {f"{s:g}": v for s, v in w.speedups.items()},
+    }
+
+
+# --- text -------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _ci(s: dict[str, Any], fmt: str) -> str:
+    if s.get("ci_low") is None:
+        return "-"
+    return f"[{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]"
+
+
+def render_text(r: dict[str, Any]) -> str:
+    from datetime import datetime, timezone
+
+    lines: list[str] = []
+    when = ""
+    if r["first_t_wall"] is not None:
+        a = datetime.fromtimestamp(r["first_t_wall"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        b = datetime.fromtimestamp(r["last_t_wall"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = f", {a} to {b} UTC"
+    outcomes = ", ".join(f"{v} {k}" for k, v in sorted(r["outcomes"].items())) or "none"
+    lines.append(f"specproxy report: {r['source']}: {r['turns']} turns ({outcomes}){when}")
+    tok = ", ".join(r["tokenizers"]) or "none (token counts missing: start serve with --tokenizer)"
+    lines.append(f"tokenizer: {tok}" + (f"; labels: {', '.join(r['labels'])}" if r["labels"] else ""))
+    if not r["turns"]:
+        lines.append("no turns recorded yet: point a client at the proxy's /v1 and chat")
+        return "\n".join(lines) + "\n"
+    lines.append("")
+    lines.append("What users got (turns that completed; 95% CI of the median)")
+    lines.append(f"  {'figure':36} {'n':>6} {'median':>10} {'p95':>10}  95% CI")
+    for key, _, label, _, fmt in USER_FIGURES:
+        s = r["user"][key]
+        lines.append(f"  {label:36} {s['n']:>6} {_fmt(s['median'], fmt):>10} {_fmt(s['p95'], fmt):>10}  {_ci(s, fmt)}")
+    gap = r["usage_vs_delivered"]
+    if gap["n"]:
+        lines.append(
+            f"  server usage.completion_tokens minus delivered tokens: median {_fmt(gap['median_usage_minus_delivered'], '{:+.0f}')}"
+            f" over {gap['n']} turns (the server may count tokens the client never saw, e.g. an end-of-turn token)"
+        )
+    p = r["prompt"]
+    lines.append("")
+    lines.append("Prompt make-up (median tokens per turn; share of the median prompt)")
+    lines.append(f"  prompt_tokens {_fmt(p['prompt_tokens']['median'], '{:.0f}')} "
+                 f"(p95 {_fmt(p['prompt_tokens']['p95'], '{:.0f}')}, n {p['prompt_tokens']['n']})")
+    for part, name in zip(PROMPT_PARTS, ("system", "tools", "history", "new message")):
+        s = p[part]
+        share = s["share_of_median_prompt"]
+        lines.append(f"  {name:12} {_fmt(s['median'], '{:.0f}'):>8}  {_fmt(share * 100 if share is not None else None, '{:.0f}'):>3}%")
+    sys_med, tools_med = p["prompt_system_tokens"]["median"], p["prompt_tools_tokens"]["median"]
+    if sys_med or tools_med:
+        lines.append(f"  -> the client injects {_fmt(sys_med, '{:.0f}')} tokens of system prompt and "
+                     f"{_fmt(tools_med, '{:.0f}')} tokens of tool definitions every turn")
+    lines.append("")
+    op = r["operating_point"]["concurrency"]
+    lines.append(f"By concurrency (operating point: median {_fmt(op['median'], '{:.0f}')}, p95 {_fmt(op['p95'], '{:.0f}')}"
+                 " in flight through the proxy; not the server's configured maximum)")
+    lines.append(f"  {'concurrency':>11} {'n':>6} {'per-stream tok/s [95% CI]':>30} {'aggregate tok/s':>16} {'TTFT p50 s':>11}  read")
+    for row in r["by_concurrency"]:
+        ps = row["per_stream_tps"]
+        per = f"{_fmt(ps['median'], '{:.1f}')} {_ci(ps, '{:.1f}')}"
+        lines.append(f"  {row['concurrency']:>11} {row['n']:>6} {per:>30} {_fmt(row['aggregate']['tps'], '{:.1f}'):>16}"
+                     f" {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}  {row['read']}")
+    if r["by_prompt_length"]:
+        lines.append("")
+        lines.append("By prompt length")
+        lines.append(f"  {'prompt tokens':>13} {'n':>6} {'TTFT p50 s':>11} {'per-stream tok/s':>17}")
+        for row in r["by_prompt_length"]:
+            lines.append(f"  {row['prompt_tokens']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
+                         f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}")
+    w = r["whole_turn"]
+    lines.append("")
+    if w["n"] and w["ttft_share"] is not None:
+        lines.append(f"Whole-turn speedup a user would feel ({w['n']} streamed turns: mean TTFT {w['mean_ttft_s']:.3f} s"
+                     f" + decode {w['mean_decode_s']:.3f} s; TTFT is {w['ttft_share'] * 100:.0f}% of the users' time)")
+        lines.append("  " + "   ".join(f"engine decode {s}x -> {v:.2f}x" for s, v in w["speedups"].items()))
+        ceiling = f"; no decode speedup can beat {w['max_speedup']:.2f}x" if w["max_speedup"] else ""
+        lines.append(f"  (TTFT held: prefill does not get faster when decoding does{ceiling})")
+    else:
+        lines.append("Whole-turn speedup: no streamed turns with both TTFT and decode time yet")
+    return "\n".join(lines) + "\n"
