@@ -116,8 +116,14 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
     from .report import build_report, render_text
 
+    from .store import connect
+
     path, turns = _load(db, label, since, until)
-    r = build_report(turns, source=str(path))
+    conn = connect(path, readonly=True)
+    try:
+        r = build_report(turns, source=str(path), conn=conn)
+    finally:
+        conn.close()
     if as_json:
         click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
     else:
@@ -178,7 +184,13 @@ def demo(db: str | None, turns: int, as_json: bool) -> None:
     path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
     install_uvloop()
     asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True)))
-    r = build_report(load_turns(path), source=str(path))
+    from .store import connect
+
+    conn = connect(path, readonly=True)
+    try:
+        r = build_report(load_turns(conn), source=str(path), conn=conn)
+    finally:
+        conn.close()
     if as_json:
         click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
     else:

@@ -105,6 +105,7 @@ async def _client(proxy_url: str, turns: int, tools: list[dict], system: str, se
                 async for line in resp.content:
                     if line.startswith(b"data: {") and b'"content"' in line:
                         answer.append(line)  # a real client would render it
+            await asyncio.sleep(rng.uniform(0.02, 0.06))  # the person reads the answer before typing again
             history += [{"role": "user", "content": question},
                         {"role": "assistant", "content": rng.choice(ANSWERS)}]
             history = history[-8:]
@@ -121,7 +122,7 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     ref.append(upstream)
     await upstream.start()
     cfg = load_config(env={}, overrides={"upstream": upstream.url, "port": 0, "db": str(db),
-                                          "tokenizer": tokenizer, "label": "demo"})
+                                          "tokenizer": tokenizer, "label": "demo", "scrape_interval_s": 0.25})
     service = Service(cfg=cfg, tokenizer=tok)
     from .store import Writer
 

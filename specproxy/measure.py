@@ -63,6 +63,7 @@ class RecordBuilder:
         "content_encoding",
         "content_type",
         "error",
+        "id",
         "instance_id",
         "label",
         "method",
@@ -92,6 +93,7 @@ class RecordBuilder:
         instance_id: str | None = None,
         store_text: bool = False,
     ) -> None:
+        self.id = uuid.uuid4().hex  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
         self.body = body
@@ -197,7 +199,7 @@ class RecordBuilder:
         if self.store_text and texts.texts:
             response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
         return Record(
-            id=uuid.uuid4().hex,
+            id=self.id,
             t_wall=self.t_wall,
             method=self.method,
             path=self.path,

@@ -99,6 +99,9 @@ class Proxy:
         self.instance_id = instance_id
         self.in_flight = 0  # every request being handled
         self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
+        self.turns_started = 0
+        self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
+        self.on_turn_end: Callable[[str, float, float, bool], object] | None = None
         self.measure_dropped = 0
         self.measure_errors = 0
         self.rejected_busy = 0
@@ -167,6 +170,9 @@ class Proxy:
         builder = None
         if is_measured(request.method, path):
             self.measured_in_flight += 1
+            self.turns_started += 1
+            started_before = self.turns_started
+            prev_done = self.last_turn_done
             builder = RecordBuilder(
                 method=request.method,
                 path=path,
@@ -184,6 +190,11 @@ class Proxy:
             if builder is not None:
                 self.measured_in_flight -= 1
                 self._submit(builder)
+                # a turn that ran alone can be joined with the server's counter deltas over it
+                alone = builder.concurrency == 1 and self.turns_started == started_before
+                self.last_turn_done = clock()
+                if self.on_turn_end is not None:
+                    self.on_turn_end(builder.id, t_request, prev_done, alone)
 
     async def _relay(self, request: web.Request, body: bytes, b: RecordBuilder | None) -> web.StreamResponse:
         assert self._session is not None

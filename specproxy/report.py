@@ -8,11 +8,13 @@ aggregate throughput are printed, with which one to read there.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import numpy as np
 
 from .dataset import Turns, busy_seconds
+from .server_report import render_server, server_section
 from .speedup import window_speedups
 from .stats import concurrency_bucket, prompt_bucket, summarize, which_to_read
 
@@ -50,7 +52,7 @@ def _aggregate(turns: Turns) -> dict[str, Any]:
     return {"tokens": total, "busy_s": busy, "tps": total / busy}
 
 
-def build_report(turns: Turns, *, source: str = "") -> dict[str, Any]:
+def build_report(turns: Turns, *, source: str = "", conn: sqlite3.Connection | None = None) -> dict[str, Any]:
     """Everything ``specproxy report`` says, as plain data."""
     n_all = len(turns)
     outcomes: dict[str, int] = {}
@@ -73,6 +75,8 @@ def build_report(turns: Turns, *, source: str = "") -> dict[str, Any]:
     report["by_prompt_length"] = _by_prompt_length(ok)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
+    if conn is not None:
+        report["server"] = server_section(conn, ok)
     return report
 
 
@@ -239,4 +243,6 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append(f"  (TTFT held: prefill does not get faster when decoding does{ceiling})")
     else:
         lines.append("Whole-turn speedup: no streamed turns with both TTFT and decode time yet")
+    if "server" in r:
+        lines.extend(render_server(r["server"]))
     return "\n".join(lines) + "\n"

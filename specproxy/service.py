@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .config import Config
+from .observe import ServerWatch
 from .proxy import Proxy
 from .record import Record
 from .store import Writer
@@ -48,6 +49,7 @@ class Service:
     extra_sinks: list[Callable[[Record], object]] = field(default_factory=list)
     writer: Writer | None = None
     proxy: Proxy | None = None
+    watch: ServerWatch | None = None
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -70,7 +72,11 @@ class Service:
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
-        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink)
+        self.watch = ServerWatch(self.cfg, self.writer)
+        await self.watch.start()
+        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
+                           instance_id=lambda: self.watch.instance_id if self.watch else None)
+        self.proxy.on_turn_end = self.watch.turn_ended
         app = self.proxy.make_app()
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=30.0)
         await self._runner.setup()
@@ -88,6 +94,9 @@ class Service:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.watch is not None:
+            await self.watch.stop()
+            self.watch = None
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close)
 

@@ -71,10 +71,29 @@ def _m002_scrapes(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m003_turn_counters(db: sqlite_utils.Database) -> None:
+    db["scrapes"].add_column("error", str)
+    db["turn_counters"].create(
+        {
+            "turn_id": str,
+            "instance_id": str,
+            "seconds": float,
+            "generated_tokens": float,
+            "drafts": float,
+            "draft_tokens": float,
+            "accepted_tokens": float,
+            "mal": float,
+            "acceptance_rate": float,
+        },
+        pk="turn_id",
+    )
+
+
 # Named and ordered; each runs once, in its own transaction, and is recorded in _migrations.
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_turns", _m001_turns),
     ("002_scrapes_and_instances", _m002_scrapes),
+    ("003_turn_counters_and_scrape_errors", _m003_turn_counters),
 ]
 
 

@@ -1,0 +1,151 @@
+"""The report's server side: what the server's own counters say over the same window as the turns.
+
+Why: "Your server says 40.7 tok/s. Your users get 27.8." Three numbers of one window are put side by
+side (tokens the server generated per second, accepted draft tokens per second, tokens delivered to
+clients per second), with the operating point from the server's running-requests gauge beside the
+proxy's own in-flight count, the mean acceptance length (MAL) from counter deltas, and forward passes
+per second = per-stream decode speed / MAL.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import numpy as np
+
+from .dataset import Turns
+from .scrape import ScrapeSample
+from .server_metrics import Snapshot, running_distribution, window_counters
+from .stats import summarize
+
+__all__ = ["server_section", "render_server"]
+
+_FIELDS = ("requests_running", "requests_waiting", "generation_tokens_total", "prompt_tokens_total",
+           "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
+           "spec_accept_length", "spec_accept_rate")
+
+
+def _samples(conn: sqlite3.Connection, t0: float, t1: float) -> tuple[list[ScrapeSample], int]:
+    """Stored scrapes in [t0, t1] as ScrapeSamples (wall time as their clock), and failed scrapes."""
+    try:
+        rows = conn.execute(
+            f"SELECT t_wall, instance_id, server_kind, error, {', '.join(_FIELDS)} FROM scrapes "
+            "WHERE t_wall >= ? AND t_wall <= ? ORDER BY t_wall", (t0, t1)).fetchall()
+    except sqlite3.OperationalError:
+        return [], 0
+    samples, failures = [], 0
+    for t_wall, instance_id, kind, error, *values in rows:
+        if error is not None or kind is None:
+            failures += 1
+            continue
+        snap = Snapshot(server_kind=kind, **dict(zip(_FIELDS, values)))
+        samples.append(ScrapeSample(t_mono=t_wall, t_wall=t_wall, snapshot=snap, instance_id=instance_id or ""))
+    return samples, failures
+
+
+def _turn_counters(conn: sqlite3.Connection, ids: set[str]) -> list[tuple]:
+    try:
+        rows = conn.execute("SELECT turn_id, mal, acceptance_rate, generated_tokens FROM turn_counters").fetchall()
+    except sqlite3.OperationalError:
+        return []
+    return [r for r in rows if r[0] in ids]
+
+
+def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
+    """Everything the server's counters add to a report over these turns' window."""
+    if not len(turns):
+        return {"scrapes": 0}
+    start = turns.num["t_wall"]
+    end = start + np.nan_to_num(turns.num["total_s"])
+    t0, t1 = float(np.min(start)) - 60.0, float(np.max(end)) + 60.0  # scrapes just around the turns
+    samples, failures = _samples(conn, t0, t1)
+    out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures}
+    instances = sorted({s.instance_id for s in samples if s.instance_id})
+    turn_instances = sorted({str(i) for i in turns.txt["instance_id"] if i})
+    out["instances"] = instances
+    out["turn_instances"] = turn_instances
+    if not samples:
+        return out
+    out["server_kind"] = samples[-1].snapshot.server_kind
+    running = running_distribution(samples)
+    out["requests_running"] = _dist(running)
+    out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
+    d = window_counters(samples, samples[0].t_mono, samples[-1].t_mono)
+    per_stream = summarize(turns.num["decode_tps"]).median
+    if d is not None and d.seconds:
+        w0, w1 = samples[0].t_wall, samples[-1].t_wall
+        done = start + np.nan_to_num(turns.num["total_s"])
+        inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])
+        delivered = float(np.sum(turns.num["completion_tokens"][inside]))
+        out["window"] = {
+            "seconds": d.seconds,
+            "segments": d.segments,
+            "generated_tps": d.generated_tps,
+            "accepted_draft_tps": d.accepted_tps,
+            "delivered_tps": delivered / d.seconds if inside.any() else None,
+            "mal": d.mal,
+            "mal_source": d.mal_source,
+            "acceptance_rate": d.acceptance_rate,
+            "drafts": d.drafts,
+            "draft_tokens": d.draft_tokens,
+            "accepted_tokens": d.accepted_tokens,
+            "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
+        }
+    joined = _turn_counters(conn, {str(i) for i in turns.txt["id"]})
+    if joined:
+        by_id = dict(zip(turns.txt["id"], turns.num["decode_tps"]))
+        mal = np.array([r[1] if r[1] is not None else np.nan for r in joined], dtype=float)
+        fwd = np.array([by_id.get(r[0], np.nan) / r[1] if r[1] else np.nan for r in joined], dtype=float)
+        out["lone_turns"] = {
+            "joined": len(joined),
+            "alone": int(np.sum(turns.num["concurrency"] == 1)),
+            "mal": summarize(mal).to_dict(),
+            "forward_passes_per_s": summarize(fwd).to_dict(),
+        }
+    return out
+
+
+def _dist(values) -> dict[str, Any]:
+    arr = np.asarray(list(values), dtype=float)
+    arr = arr[np.isfinite(arr)]
+    if not arr.size:
+        return {"n": 0, "median": None, "p95": None, "max": None}
+    return {"n": int(arr.size), "median": float(np.median(arr)), "p95": float(np.percentile(arr, 95)),
+            "max": float(arr.max())}
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render_server(s: dict[str, Any]) -> list[str]:
+    lines = [""]
+    if not s.get("scrapes"):
+        fails = s.get("scrape_failures")
+        why = f" ({fails} scrapes failed)" if fails else ""
+        lines.append(f"Server's own counters: none recorded for this window{why} (serve scrapes the upstream's /metrics)")
+        return lines
+    n_inst = len(s["instances"])
+    lines.append(f"Server's own counters ({s['server_kind']}, {s['scrapes']} scrapes, {s['scrape_failures']} failed, "
+                 f"{n_inst} server instance{'s' if n_inst != 1 else ''})")
+    r, p = s["requests_running"], s["proxy_in_flight"]
+    lines.append(f"  operating point: server running median {_f(r['median'], '{:.0f}')}, p95 {_f(r['p95'], '{:.0f}')}, "
+                 f"max {_f(r['max'], '{:.0f}')}; through the proxy median {_f(p['median'], '{:.0f}')}, "
+                 f"p95 {_f(p['p95'], '{:.0f}')}, max {_f(p['max'], '{:.0f}')} (never the configured ceiling)")
+    w = s.get("window")
+    if w:
+        lines.append(f"  over {w['seconds']:.1f} s: server generated {_f(w['generated_tps'], '{:.1f}')} tok/s | "
+                     f"accepted drafts {_f(w['accepted_draft_tps'], '{:.1f}')} tok/s | "
+                     f"delivered to clients {_f(w['delivered_tps'], '{:.1f}')} tok/s")
+        lines.append(f"  MAL {_f(w['mal'], '{:.2f}')} ({w['mal_source'] or 'no counters'}; acceptance rate "
+                     f"{_f(w['acceptance_rate'], '{:.2f}')}) -> forward passes/s = per-stream decode speed / MAL = "
+                     f"{_f(w['forward_passes_per_s'], '{:.1f}')}")
+        if w["segments"] > 1:
+            lines.append(f"  the window spans {w['segments']} server instances (restarts): counts are summed per instance")
+    lt = s.get("lone_turns")
+    if lt:
+        lines.append(f"  turns that ran alone joined with their own counter deltas: {lt['joined']} of {lt['alone']}; "
+                     f"per-turn MAL median {_f(lt['mal']['median'], '{:.2f}')}, forward passes/s median "
+                     f"{_f(lt['forward_passes_per_s']['median'], '{:.1f}')}")
+    return lines
