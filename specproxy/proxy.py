@@ -137,7 +137,7 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
         await self.drain_measurements()
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._executor.shutdown, True)  # joining threads blocks: not on the loop
 
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""

@@ -190,6 +190,9 @@ class Writer:
 
     def put(self, item: Record | tuple[str, tuple]) -> bool:
         """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full."""
+        if self._stop.is_set():  # closing: what comes after close() is not waited for
+            self.dropped += 1
+            return False
         try:
             self._queue.put_nowait(item)
             return True

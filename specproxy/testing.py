@@ -103,6 +103,7 @@ class FakeUpstream:
         self.counters = {"prompt": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.processing = 0
         self.connections = 0
+        self.metrics_status = 200  # set to 500 to make /metrics fail
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -137,7 +138,14 @@ class FakeUpstream:
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+    def restart(self) -> None:
+        """Behave like a restarted server: counters from zero, a new process start time."""
+        self.started = time.time() + 1.0
+        self.counters = dict.fromkeys(self.counters, 0)
+
     async def _metrics(self, _request: web.Request) -> web.Response:
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="scripted failure")
         c = self.counters
         lines = [
             "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
@@ -165,6 +173,8 @@ class FakeUpstream:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if not request.path.endswith("completions"):
+            return web.json_response({"error": {"message": f"no route {request.path}"}}, status=404)
         body = await request.read()
         sent = Sent(t_received=clock(), request_headers=dict(request.headers), request_body=body, path=request.path)
         self.sent.append(sent)

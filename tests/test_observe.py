@@ -1,0 +1,93 @@
+"""The server's own counters beside the traffic: instances, restarts, scrape failures, lone turns."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import aiohttp
+
+from specproxy.dataset import load_turns
+from specproxy.report import build_report, render_text
+from specproxy.testing import Script
+
+
+async def chat(url: str, n: int) -> list[int]:
+    statuses = []
+    async with aiohttp.ClientSession() as c:
+        for _ in range(n):
+            async with c.post(url + "/v1/chat/completions", json={
+                    "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                await r.read()
+                statuses.append(r.status)
+    return statuses
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def report_of(stack):
+    stack.settle()
+    stack.run(stack.service.stop())  # drains the measurements and the writer's queue
+    conn = sqlite3.connect(stack.cfg.db)
+    r = build_report(load_turns(conn), source="test", conn=conn)
+    return r, conn
+
+
+def test_restart_shows_two_instances(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0.05)
+    stack.upstream.script = Script(pieces=["a", " b", " c", " d"], tokens_per_chunk=2, drafts_per_chunk=2)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    first = watch.instance_id
+    assert stack.run(chat(stack.url, 3)) == [200] * 3
+    stack.upstream.restart()
+    assert wait_for(lambda: watch.instance_id not in (None, first))
+    assert stack.run(chat(stack.url, 3)) == [200] * 3
+    r, conn = report_of(stack)
+    ids = [rec.instance_id for rec in sorted(stack.records, key=lambda x: x.t_request)]
+    assert ids[:3] == [first] * 3 and len(set(ids[3:])) == 1 and ids[3] != first
+    assert len(r["server"]["instances"]) == 2 and r["server"]["window"]["segments"] == 2
+    assert "2 server instances" in render_text(r)
+    assert conn.execute("SELECT count(*) FROM instances").fetchone()[0] == 2
+
+
+def test_scrape_failure_never_touches_traffic_and_is_reported(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0.05)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    stack.upstream.metrics_status = 500
+    assert wait_for(lambda: watch.failures >= 3)
+    assert stack.run(chat(stack.url, 3)) == [200] * 3
+    r, _ = report_of(stack)
+    assert r["server"]["scrape_failures"] >= 3
+    assert f"{r['server']['scrape_failures']} failed" in render_text(r)
+    assert [rec.outcome for rec in stack.records] == ["ok"] * 3
+
+
+def test_lone_turns_are_joined_with_their_counter_deltas(make_stack, tiktoken_tok):
+    """Each turn alone: the server's counter delta over it is exactly that turn's drafts and accepts."""
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0.05)
+    # 12 tokens in chunks of 3: 4 chunks, each a verification pass with 2 drafted, 2 accepted
+    stack.upstream.script = Script(pieces=[f" w{i}" for i in range(12)], tokens_per_chunk=3, drafts_per_chunk=2)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    for _ in range(4):
+        assert stack.run(chat(stack.url, 1)) == [200]
+        n = watch.joined
+        wait_for(lambda: watch.joined > n or not watch._turn_tasks, 5)
+        time.sleep(0.06)  # like a person between turns: lets the post-turn scrape land first
+    r, conn = report_of(stack)
+    rows = conn.execute("SELECT drafts, draft_tokens, accepted_tokens, generated_tokens, mal FROM turn_counters").fetchall()
+    assert len(rows) >= 3
+    for drafts, draft_tokens, accepted, generated, mal in rows:
+        assert (drafts, draft_tokens, accepted, generated) == (4, 8, 8, 12)
+        assert mal == 3.0
+    assert r["server"]["lone_turns"]["mal"]["median"] == 3.0
+    assert r["server"]["window"]["mal"] == 3.0
