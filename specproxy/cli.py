@@ -167,6 +167,41 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
             out.close()
 
 
+@main.command("compare")
+@click.argument("arm_a")
+@click.argument("arm_b", required=False)
+@db_option
+@click.option("--negative-control", is_flag=True,
+              help="Compare A against itself (random halves, by instance when it has several)")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
+@_friendly
+def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, as_json: bool) -> None:
+    """Ratio B/A with 95% intervals and a verdict: faster, slower or not distinguishable.
+
+    An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
+    (ISO 8601, UTC unless a zone is given), e.g. @2026-11-29T08:00..2026-11-29T09:00.
+    """
+    from .compare import compare, negative_control_report, parse_arm, render_compare
+    from .store import connect
+
+    if not negative_control and arm_b is None:
+        raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
+    path = db or load_config(overrides={}).db
+    conn = connect(path, readonly=True)
+    try:
+        if negative_control:
+            r = negative_control_report(conn, parse_arm(arm_a), seed=seed)
+        else:
+            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed)
+    finally:
+        conn.close()
+    if as_json:
+        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        click.echo(render_compare(r), nl=False)
+
+
 @main.command()
 @click.option("--db", default=None, help="Database for the demo's turns [default: a new temporary file]")
 @click.option("--turns", type=int, default=8, show_default=True, help="Turns per client at each concurrency")

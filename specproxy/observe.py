@@ -80,6 +80,7 @@ class ServerWatch:
         self.scraper = Scraper(self._session, self.cfg.upstream_url.human_repr(), self.cfg.metrics_path,
                                self.cfg.scrape_interval_s, on_sample=self._store, clock=clock)
         self._stop = asyncio.Event()
+        await self._scrape()  # know the instance before the first turn (bounded by the scrape timeout)
         self._task = asyncio.get_running_loop().create_task(self._poll(), name="specproxy-scrape")
 
     async def stop(self) -> None:
@@ -95,12 +96,13 @@ class ServerWatch:
         """Scrape on a fixed cadence until stopped; failures are stored, counted, and survived."""
         assert self.scraper is not None
         while not self._stop.is_set():
-            await self._scrape()
             if self.scraper.disabled_reason is not None:
                 log.warning("%s", self.scraper.disabled_reason)
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.cfg.scrape_interval_s)
+            if not self._stop.is_set():
+                await self._scrape()
 
     async def _scrape(self) -> ScrapeSample | None:
         assert self.scraper is not None

@@ -15,12 +15,13 @@ import numpy as np
 
 from .dataset import Turns, busy_seconds
 from .server_report import render_server, server_section
-from .speedup import window_speedups
+from .speedup import required_decode_speedup, window_speedups
 from .stats import concurrency_bucket, prompt_bucket, summarize, which_to_read
 
 __all__ = ["ENGINE_SPEEDUPS", "build_report", "render_text"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
+WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
 
 # (report key, column, label, unit scale, format)
 USER_FIGURES = (
@@ -159,6 +160,9 @@ def _whole_turn(ok: Turns) -> dict[str, Any]:
         "ttft_share": w.ttft_share,
         "max_speedup": w.max_speedup if w.max_speedup is None or np.isfinite(w.max_speedup) else None,
         "speedups": {f"{s:g}": v for s, v in w.speedups.items()},
+        # the inverse: the engine decode speedup a wanted whole-turn speedup needs (None: unreachable)
+        "needed_decode_speedup": {f"{t:g}": (required_decode_speedup(w.ttft_s, w.decode_s, t) if n else None)
+                                  for t in WANTED_TURN_SPEEDUPS},
     }
 
 
@@ -241,6 +245,9 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append("  " + "   ".join(f"engine decode {s}x -> {v:.2f}x" for s, v in w["speedups"].items()))
         ceiling = f"; no decode speedup can beat {w['max_speedup']:.2f}x" if w["max_speedup"] else ""
         lines.append(f"  (TTFT held: prefill does not get faster when decoding does{ceiling})")
+        lines.append("  to make whole turns faster by: " + "   ".join(
+            f"{t}x needs decode {v:.2f}x" if v is not None else f"{t}x is unreachable by decode alone"
+            for t, v in w["needed_decode_speedup"].items()))
     else:
         lines.append("Whole-turn speedup: no streamed turns with both TTFT and decode time yet")
     if "server" in r:

@@ -1,0 +1,174 @@
+"""``specproxy compare A B``: an A/B verdict that survives noise and restarts.
+
+Why: the same config varies 15-19% run to run, and two restarts of one config can give
+non-overlapping intervals. So every ratio B/A comes with a 95% interval and a verdict (faster,
+slower, or not distinguishable when the interval contains 1); requests are grouped by server
+instance, and when an arm spans several instances the interval is computed over instances. An arm
+that ran in one instance only is flagged: an A/B inside one server instance is confounded with it.
+
+An arm is a label (``X-Specproxy-Label`` or ``--label`` at serve time) or a time window written
+``@START..END`` (ISO 8601, UTC unless a zone is given; either end may be empty).
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dataset import Turns, busy_seconds, load_turns, parse_time
+from .errors import ConfigError
+from .stats import CONFOUNDED_WARNING, aggregate_throughput_interval, bootstrap_ratio, negative_control
+
+__all__ = ["Arm", "compare", "negative_control_report", "parse_arm", "render_compare"]
+
+# (key, column, label, higher is better)
+METRICS = (
+    ("decode_tps", "decode_tps", "per-stream decode speed (tok/s)", True),
+    ("ttft_s", "ttft_s", "TTFT (s)", False),
+    ("total_s", "total_s", "whole turn (s)", False),
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str | None = None
+    since: float | None = None
+    until: float | None = None
+
+
+def parse_arm(spec: str) -> Arm:
+    """``NAME`` is a label; ``@START..END`` is a time window."""
+    if not spec.startswith("@"):
+        return Arm(name=spec, label=spec)
+    start, sep, end = spec[1:].partition("..")
+    if not sep:
+        raise ConfigError(f"arm {spec!r}: a time window is written @START..END (either end may be empty)")
+    return Arm(name=spec, since=parse_time(start) if start else None, until=parse_time(end) if end else None)
+
+
+def _load(conn: sqlite3.Connection, arm: Arm) -> Turns:
+    turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until)
+    return turns.select(turns.ok) if len(turns) else turns
+
+
+def _clusters(turns: Turns) -> np.ndarray | None:
+    ids = turns.txt["instance_id"]
+    if not len(ids) or all(i is None for i in ids):
+        return None
+    return np.array([str(i) if i is not None else "unknown" for i in ids], dtype=object)
+
+
+def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
+    """B/A of aggregate throughput (delivered tokens / busy time), each arm's interval by bootstrap
+    over its requests (window held fixed), combined on the log scale."""
+    def arm(t: Turns):
+        start = t.num["t_wall"]
+        end = start + t.num["total_s"]
+        known = np.isfinite(t.num["completion_tokens"]) & np.isfinite(end)
+        busy = busy_seconds(start[known], end[known])
+        # the busy time stands in for the window: idle gaps between turns are not the server's
+        iv = aggregate_throughput_interval(t.num["completion_tokens"][known], np.zeros(int(known.sum())),
+                                           np.full(int(known.sum()), busy), seed=seed)
+        return iv
+    ia, ib = arm(a), arm(b)
+    out: dict[str, Any] = {"a": ia.value, "b": ib.value, "estimate": None, "ci_low": None, "ci_high": None,
+                           "verdict": "not distinguishable", "warnings": []}
+    if not (ia.value and ib.value and ia.ci_low and ib.ci_low):
+        out["warnings"].append("not enough data for an interval")
+        return out
+    se = math.hypot(*(math.log(i.ci_high / i.ci_low) / (2 * 1.96) for i in (ia, ib)))
+    est = ib.value / ia.value
+    lo, hi = est * math.exp(-1.96 * se), est * math.exp(1.96 * se)
+    out.update(estimate=est, ci_low=lo, ci_high=hi)
+    if lo > 1:
+        out["verdict"] = "faster"
+    elif hi < 1:
+        out["verdict"] = "slower"
+    ca, cb = _clusters(a), _clusters(b)
+    if ca is not None and cb is not None:
+        ua, ub = set(ca), set(cb)
+        if len(ua) == 1 or len(ub) == 1:
+            out["warnings"].append(CONFOUNDED_WARNING)
+        if len(ua) == 1 and len(ub) == 1 and ua != ub:
+            out["verdict"] = "not distinguishable"
+    out["warnings"].append("interval over requests only: run several server instances per arm for restart variance")
+    return out
+
+
+def compare(conn: sqlite3.Connection, a: Arm, b: Arm, *, seed: int = 0) -> dict[str, Any]:
+    ta, tb = _load(conn, a), _load(conn, b)
+    if not len(ta) or not len(tb):
+        empty = a.name if not len(ta) else b.name
+        raise ConfigError(f"arm {empty!r} has no completed turns in this database")
+    ca, cb = _clusters(ta), _clusters(tb)
+    rows = []
+    for key, col, label, higher in METRICS:
+        r = bootstrap_ratio(ta.num[col], tb.num[col], higher_is_better=higher, clusters_a=ca, clusters_b=cb, seed=seed)
+        rows.append({"metric": key, "label": label, "higher_is_better": higher,
+                     "a_median": _median(ta.num[col]), "b_median": _median(tb.num[col]), **r.to_dict()})
+    agg = _aggregate_ratio(ta, tb, seed)
+    rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "higher_is_better": True,
+                 "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
+                 "ci_high": agg["ci_high"], "verdict": agg["verdict"], "warnings": agg["warnings"],
+                 "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
+                 "instances_b": None if cb is None else len(set(cb))})
+    return {"a": a.name, "b": b.name, "n_a": len(ta), "n_b": len(tb),
+            "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
+            "rows": rows}
+
+
+def negative_control_report(conn: sqlite3.Connection, a: Arm, *, seed: int = 0) -> dict[str, Any]:
+    """A against A: the arm split into random halves (by instance when it has several)."""
+    ta = _load(conn, a)
+    if not len(ta):
+        raise ConfigError(f"arm {a.name!r} has no completed turns in this database")
+    ca = _clusters(ta)
+    rows = []
+    for key, col, label, higher in METRICS:
+        r = negative_control(ta.num[col], ca, seed=seed)
+        rows.append({"metric": key, "label": label, "higher_is_better": higher,
+                     "a_median": None, "b_median": None, **r.to_dict()})
+    return {"a": a.name, "b": f"{a.name} (other half)", "n_a": len(ta), "n_b": len(ta), "negative_control": True,
+            "instances_a": None if ca is None else len(set(ca)), "instances_b": None, "rows": rows}
+
+
+def _median(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else None
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render_compare(r: dict[str, Any]) -> str:
+    def inst(n):
+        return "?" if n is None else str(n)
+
+    lines = []
+    if r.get("negative_control"):
+        lines.append(f"negative control: {r['a']} split into two random halves ({r['n_a']} turns, "
+                     f"{inst(r['instances_a'])} server instances). Every row should be 'not distinguishable'.")
+    else:
+        lines.append(f"compare B={r['b']} ({r['n_b']} turns, {inst(r['instances_b'])} instances) against "
+                     f"A={r['a']} ({r['n_a']} turns, {inst(r['instances_a'])} instances)")
+    lines.append(f"  {'figure':34} {'A':>10} {'B':>10} {'B/A':>7}  {'95% CI':>16}  verdict")
+    warnings: list[str] = []
+    for row in r["rows"]:
+        ci = f"[{_f(row['ci_low'])}, {_f(row['ci_high'])}]" if row.get("ci_low") is not None else "-"
+        verdict = row["verdict"]
+        if verdict in ("faster", "slower") and not row["higher_is_better"]:
+            verdict += f" (B's {row['metric']} is {'lower' if verdict == 'faster' else 'higher'})"
+        lines.append(f"  {row['label']:34} {_f(row['a_median'], '{:.3f}'):>10} {_f(row['b_median'], '{:.3f}'):>10} "
+                     f"{_f(row['estimate'], '{:.3f}'):>7}  {ci:>16}  {verdict}")
+        for w in row.get("warnings") or []:
+            if w not in warnings:
+                warnings.append(w)
+    for w in warnings:
+        lines.append(f"  warning: {w}")
+    return "\n".join(lines) + "\n"
