@@ -25,6 +25,9 @@ from specproxy.service import Service  # noqa: E402
 from specproxy.testing import FakeUpstream, Script  # noqa: E402
 from specproxy.tokens import load_tokenizer  # noqa: E402
 
+# the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
+pytest_plugins = ["llamacpp.fixtures"]
+
 # A Llama-3-style chat template written for these tests (the wire format of Llama 3 chat turns).
 LLAMA3_STYLE_TEMPLATE = (
     "{{- bos_token }}"
