@@ -27,19 +27,15 @@ from typing import Any
 
 import aiohttp
 
-from specproxy.server_metrics import (
+from specproxy.counters import (
     CounterDelta,
-    RawSample,
-    ScrapeError,
     ScrapeSample,
-    ServerKind,
-    Snapshot,
     delta,
-    parse_exposition,
     restart_reason,
     running_distribution,
     window_counters,
 )
+from specproxy.server_metrics import RawSample, ScrapeError, ServerKind, Snapshot, parse_exposition
 
 __all__ = [
     "PARSE_INLINE_MAX_BYTES",

@@ -16,7 +16,8 @@ import numpy as np
 
 from .dataset import Turns
 from .scrape import ScrapeSample
-from .server_metrics import Snapshot, running_distribution, window_counters
+from .counters import running_distribution, window_counters
+from .server_metrics import Snapshot
 from .stats import summarize
 
 __all__ = ["server_section", "render_server"]
