@@ -41,9 +41,15 @@ class Config:
     max_concurrent: int = 1024
     """Requests in flight at once; one more gets an immediate 503."""
     connect_timeout_s: float = 10.0
-    """Seconds to connect to the upstream before answering 502."""
+    """Seconds to connect to the upstream before answering 504 (a refused connection is a 502 at once)."""
     idle_timeout_s: float = 600.0
-    """Seconds without a byte from the upstream before giving up. There is no total deadline."""
+    """Seconds without a byte from the upstream before giving up (504 before its response headers,
+    a truncated stream after them). There is no total deadline: a slow first token is not an error."""
+    header_timeout_s: float = 30.0
+    """Seconds a client may take to send its request headers (counted from connecting, or from the end
+    of the previous response on a kept-alive connection, which is also how long an idle kept-alive
+    connection stays open), and the longest pause allowed between bytes of a request body (408). Stops
+    slow-header and slow-body clients from holding connections; never applies to a response."""
     queue_size: int = 10000
     """Records waiting for the database writer; when full, a record is dropped and counted, never traffic."""
     metrics_path: str = "/metrics"
@@ -99,7 +105,7 @@ def _validate(cfg: Config) -> Config:
     for key in ("max_body_bytes", "max_concurrent", "queue_size"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
-    for key in ("connect_timeout_s", "idle_timeout_s"):
+    for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
     if cfg.scrape_interval_s < 0:

@@ -10,20 +10,37 @@ Transparency rules: the upstream is the configured one, never one taken from the
 URIs, Host, X-Forwarded-Host, a body's ``base_url`` are ignored); request and response bodies pass
 byte-identical; hop-by-hop headers (RFC 9110 section 7.6.1) are dropped, end-to-end ones kept; the
 upstream client never decompresses and the server never compresses; a POST is never retried.
+
+Defences, each checked before anything is forwarded (so a refused request never reaches the upstream):
+ambiguous framing (Transfer-Encoding other than a lone ``chunked``, with Content-Length, in HTTP/1.0;
+repeated Content-Length), control characters in headers and HTTP versions other than 1.0/1.1 get 400;
+headers over ``MAX_HEADER_BYTES`` in total get 431; a body over ``max_body_bytes`` gets 413 (at once when
+its Content-Length says so); a body that stalls for ``header_timeout_s`` gets 408; more than
+``max_concurrent`` requests in flight get 503. aiohttp's parser rejects most malformed requests itself;
+these checks cover what it lets through (its pure-Python parser is more lenient than its C one).
+
+Nothing a client sent (headers, query, body) reaches the logs or a record's ``error``: errors are
+described by their type and our own words, with any URL removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import re
 import time
+import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -54,10 +71,36 @@ _HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
-_NOT_FORWARDED_UP = _HOP_BY_HOP | {"host", "content-length", LABEL_HEADER.lower()}
+# Expect: the proxy has read the whole body before it forwards; passing "100-continue" on would make the
+# upstream client wait for an interim response some servers never send.
+_NOT_FORWARDED_UP = _HOP_BY_HOP | {"host", "content-length", "expect", LABEL_HEADER.lower()}
 _NOT_FORWARDED_DOWN = _HOP_BY_HOP
 
 MAX_PENDING_BUILDS = 10000  # turns waiting to be measured; past this a turn is forwarded but not measured
+UPSTREAM_READ_BUFSIZE = 65536
+MAX_FIELD_BYTES = 16384  # one header line (aiohttp's parser answers 400 past it)
+MAX_HEADER_BYTES = 65536  # all request headers together (431 past it; aiohttp only bounds each line and the count)
+_BAD_HEADER_BYTES = re.compile(rb"[\x00\r\n]")
+
+http_log = logging.getLogger("specproxy.http")
+
+
+class _NoRequestContent(logging.Filter):
+    """aiohttp logs a malformed request with its offending bytes, and a header line can hold an API key:
+    keep the exception's type and where it was raised, drop its message and arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            status = getattr(exc, "code", None) or getattr(exc, "status", None)
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}{f' {status}' if status else ''} ({_where(exc)})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+http_log.addFilter(_NoRequestContent())
 
 clock = time.perf_counter
 
@@ -75,9 +118,50 @@ def _strip(headers, drop: frozenset[str] | set[str]) -> CIMultiDict:
     return out
 
 
-def _error_response(status: int, kind: str, message: str) -> web.Response:
+def _error_response(status: int, kind: str, message: str, *, close: bool = False) -> web.Response:
     body = orjson.dumps({"error": {"message": f"specproxy: {message}", "type": kind, "code": status}})
-    return web.Response(status=status, body=body, content_type="application/json")
+    resp = web.Response(status=status, body=body, content_type="application/json")
+    if close:
+        resp.force_close()
+    return resp
+
+
+def _refuse(request: web.Request) -> web.Response | None:
+    """Requests that must not be forwarded, decided from the request line and headers alone."""
+    if request.method == "CONNECT":
+        return _error_response(405, "method_not_allowed", "CONNECT is not supported: this is a reverse proxy",
+                               close=True)
+    version = request.version
+    if version != aiohttp.HttpVersion11 and version != aiohttp.HttpVersion10:
+        return _error_response(400, "bad_request", "only HTTP/1.0 and HTTP/1.1 are supported", close=True)
+    headers = request.headers
+    te = headers.getall("Transfer-Encoding", ())
+    if te:
+        # RFC 9112 6.1 and 6.3: chunked must be the only, final coding; TE with Content-Length or in
+        # HTTP/1.0 is faulty framing. Both can smuggle a second request past a front end.
+        if version == aiohttp.HttpVersion10 or len(te) != 1 or te[0].strip().lower() != "chunked":
+            return _error_response(400, "bad_request", "ambiguous or unsupported Transfer-Encoding", close=True)
+        if "Content-Length" in headers:
+            return _error_response(400, "bad_request", "both Transfer-Encoding and Content-Length", close=True)
+    if len(headers.getall("Content-Length", ())) > 1:
+        return _error_response(400, "bad_request", "more than one Content-Length", close=True)
+    size = 0
+    for name, value in request.raw_headers:
+        size += len(name) + len(value) + 4
+        if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(name):
+            return _error_response(400, "bad_request", "control character in a header", close=True)
+        if not value.isascii():
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                # aiohttp's client writes header values as UTF-8 and would silently drop these bytes:
+                # refusing is honest, forwarding an altered header is not
+                return _error_response(400, "bad_request", "a header value is not valid UTF-8 (obs-text): "
+                                       "specproxy cannot forward it unchanged", close=True)
+    if size > MAX_HEADER_BYTES:
+        return _error_response(431, "headers_too_large", f"request headers over {MAX_HEADER_BYTES} bytes",
+                               close=True)
+    return None
 
 
 class Proxy:
@@ -105,6 +189,7 @@ class Proxy:
         self.measure_dropped = 0
         self.measure_errors = 0
         self.rejected_busy = 0
+        self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
         self._pending_builds = 0
         self._session: aiohttp.ClientSession | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specproxy-measure")
@@ -113,7 +198,16 @@ class Proxy:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, handler_args={"max_field_size": 16384})
+        handler_args = {
+            "max_field_size": MAX_FIELD_BYTES,
+            "auto_decompress": False,  # a gzip request body is forwarded as it came, with its Content-Encoding
+            # aiohttp closes a connection that has not sent a complete request within this long of the
+            # previous response (and, in recent versions, of connecting; service.py also enforces that)
+            "keepalive_timeout": self.cfg.header_timeout_s,
+            "logger": http_log,
+        }
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, handler_args=handler_args,
+                              middlewares=[self._gate])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -128,6 +222,9 @@ class Proxy:
             connector=connector,
             timeout=timeout,
             auto_decompress=False,  # forward the upstream's bytes as they are
+            # what one stream may buffer from the upstream while its client is not reading (reading
+            # pauses at twice this): with the kernel's socket queues, that is the backpressure
+            read_bufsize=UPSTREAM_READ_BUFSIZE,
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,  # never route through an environment proxy
@@ -151,9 +248,17 @@ class Proxy:
 
     # --- the handler ------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _gate(self, request: web.Request, handler) -> web.StreamResponse:
+        """Runs before routing decides anything, so that requests no route matches (CONNECT's
+        authority-form target, ``OPTIONS *``) are refused by the same rules."""
+        refused = _refuse(request)
+        if refused is not None:
+            self.rejected_bad += 1
+            return refused
+        return await handler(request)
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.method == "CONNECT":
-            return _error_response(405, "method_not_allowed", "CONNECT is not supported: this is a reverse proxy")
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
             return _error_response(503, "busy", f"more than {self.cfg.max_concurrent} requests in flight")
@@ -163,8 +268,41 @@ class Proxy:
         finally:
             self.in_flight -= 1
 
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The whole body, or the error response: 413 over ``max_body_bytes``, 408 when it stalls."""
+        limit = self.cfg.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+        content = request.content
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                async with asyncio.timeout(self.cfg.header_timeout_s):
+                    data = await content.readany()
+            except TimeoutError:
+                return _error_response(408, "request_timeout",
+                                       f"request body stalled for {self.cfg.header_timeout_s:g} s", close=True)
+            except (RequestPayloadError, HttpProcessingError):
+                return _error_response(400, "bad_request", "malformed request body", close=True)
+            if not data:
+                return b"".join(parts)
+            size += len(data)
+            if size > limit:
+                return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+            parts.append(data)
+
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()  # bounded by client_max_size: a larger body gets 413, upstream untouched
+        body = await self._read_body(request)
+        if not isinstance(body, bytes):
+            self.rejected_bad += 1
+            if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
+                await body.prepare(request)
+                await body.write_eof()
+                if request.transport is not None:
+                    request.transport.close()
+            return body  # nothing was sent upstream
         t_request = clock()
         path = request.rel_url.path
         builder = None
@@ -186,6 +324,14 @@ class Proxy:
             )
         try:
             return await self._relay(request, body, builder)
+        except Exception as exc:  # a bug of ours, not the client's nor the upstream's: still one record
+            if builder is not None and not builder._ended:
+                reason = f"{type(exc).__name__} ({_where(exc)})"  # its message might quote the request
+                if builder.t_upstream_headers is None:
+                    builder.fail(clock(), "proxy_error", None, reason)
+                else:
+                    builder.finish(clock(), "proxy_error", reason)
+            raise
         finally:
             if builder is not None:
                 self.measured_in_flight -= 1
@@ -210,10 +356,14 @@ class Proxy:
                 compress=None,
             )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            reason = _describe(exc)
+            # refused or reset: 502; no connection within connect_timeout_s, or no response headers
+            # within idle_timeout_s: 504. Either way the upstream gave no response to relay.
+            status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            reason = _describe(exc, self.cfg)
             if b is not None:
-                b.fail(clock(), "upstream_unreachable", 502, reason)
-            return _error_response(502, "upstream_unreachable", f"upstream unreachable: {reason}")
+                b.fail(clock(), "upstream_unreachable", status, reason)
+            kind = "upstream_timeout" if status == 504 else "upstream_unreachable"
+            return _error_response(status, kind, f"no response from the upstream: {reason}")
         try:
             t_headers = clock()
             if b is not None:
@@ -239,7 +389,7 @@ class Proxy:
                     data = await content.readany()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                     if b is not None:
-                        b.finish(clock(), "upstream_truncated", _describe(exc))
+                        b.finish(clock(), "upstream_truncated", _describe(exc, self.cfg))
                     _abort(request)  # the client must see the truncation: no invented end of stream
                     return resp
                 if not data:
@@ -277,9 +427,9 @@ class Proxy:
         self._pending_builds += 1
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor, builder.build, self.tokenizer)
-        fut.add_done_callback(self._built)
+        fut.add_done_callback(functools.partial(self._built, builder))
 
-    def _built(self, fut: asyncio.Future) -> None:
+    def _built(self, builder: RecordBuilder, fut: asyncio.Future) -> None:
         self._pending_builds -= 1
         if not self._pending_builds:
             self._idle.set()
@@ -288,8 +438,10 @@ class Proxy:
             return
         exc = fut.exception()
         if exc is not None:
+            # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row
             self.measure_errors += 1
-            log.error("measuring a turn failed: %s: %s", type(exc).__name__, exc)
+            log.error("measuring a turn failed: %s (%s)", type(exc).__name__, _where(exc))
+            self.sink(_unmeasured(builder, f"measuring failed: {type(exc).__name__} ({_where(exc)})"))
             return
         self.sink(fut.result())
 
@@ -300,7 +452,48 @@ def _abort(request: web.Request) -> None:
         transport.abort()
 
 
-def _describe(exc: BaseException) -> str:
-    """A short reason that never includes request content (headers, bodies): type and message."""
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+
+
+def _where(exc: BaseException) -> str:
+    """Where an exception was raised (file:line), for logs and records that must not quote its message."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"raised at {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised at ?"
+
+
+def _describe(exc: BaseException, cfg: Config | None = None) -> str:
+    """A short reason that never includes request content: the type and our own words, or the
+    exception's message with every URL cut out (aiohttp puts the full URL, query string and all, in
+    some messages, and a query string can carry an API key)."""
+    name = type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        text = "no connection within connect_timeout_s" + (f" ({cfg.connect_timeout_s:g} s)" if cfg else "")
+    elif isinstance(exc, aiohttp.ServerTimeoutError):
+        text = "no byte from the upstream within idle_timeout_s" + (f" ({cfg.idle_timeout_s:g} s)" if cfg else "")
+    elif isinstance(exc, aiohttp.ClientConnectorError):
+        text = f"cannot connect to the upstream: {exc.strerror or type(exc.os_error).__name__}"
+    else:
+        text = _URL.sub("<url>", str(exc)) or name
+    return f"{name}: {text}"[:300]
+
+
+def _unmeasured(b: RecordBuilder, error: str) -> Record:
+    """The row of a turn whose measuring failed: what the forwarding path knew, nothing derived."""
+    return Record(
+        id=getattr(b, "id", None) or uuid.uuid4().hex,
+        t_wall=b.t_wall,
+        method=b.method,
+        path=b.path,
+        status=b.status,
+        outcome="proxy_error",
+        error=f"{error}; forwarding outcome {b.outcome}"[:300],
+        label=b.label,
+        instance_id=b.instance_id,
+        concurrency=b.concurrency,
+        t_request=b.t_request,
+        t_upstream_headers=b.t_upstream_headers,
+        t_done=b.t_done,
+        total_s=b.t_done - b.t_request if b.t_done is not None else None,
+        request_bytes=len(b.body),
+        response_bytes=sum(map(len, b.reads)),
+    )

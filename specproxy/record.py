@@ -22,7 +22,7 @@ __all__ = ["OUTCOMES", "Record", "FIELD_DOCS"]
 OUTCOMES = (
     "ok",  # the upstream answered and the stream ended normally
     "upstream_error",  # the upstream answered with a 4xx/5xx status (forwarded verbatim)
-    "upstream_unreachable",  # refused, reset or timed out before response headers: client got a 502
+    "upstream_unreachable",  # refused or reset (client got a 502), or timed out (504), before response headers
     "upstream_truncated",  # the upstream died mid-body: the client's stream was aborted too
     "client_abort",  # the client went away before the response ended; counts are partial
     "proxy_error",  # specproxy itself failed (a bug): the record says what
@@ -42,7 +42,8 @@ class Record:
     path: str
     """Request path without the query string, e.g. ``/v1/chat/completions``."""
     status: int | None
-    """HTTP status the client received (502 when the upstream was unreachable)."""
+    """HTTP status the client received (502 when the upstream refused or reset the connection, 504 when it
+    timed out, before answering)."""
     outcome: str
     """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_truncated``,
     ``client_abort``, ``proxy_error``."""

@@ -3,13 +3,20 @@
 Why apart from ``proxy.py``: the handler is the hot path and knows nothing of processes, signals or
 files; this module owns their lifecycle so that ``serve``, ``demo`` and the tests start the very same
 thing. On SIGTERM/SIGINT it stops accepting, lets in-flight streams finish (bounded), measures what
-is pending and drains the writer's queue before exiting.
+is pending and drains the writer's queue before exiting. On SIGUSR1 it logs one line of its state
+(tasks, connections, file descriptors, queue, counters): the soak test reads leaks from it.
+
+The listening socket is opened here rather than by aiohttp's ``TCPSite`` so that every connection
+gets a header deadline: a client that has not finished its first request's headers within
+``header_timeout_s`` of connecting is disconnected (slowloris). Later requests on a kept-alive
+connection are bounded by aiohttp's keep-alive timer, which ``proxy.py`` sets to the same value.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -28,6 +35,62 @@ from .tokens import Tokenizer, load_tokenizer
 __all__ = ["Service", "install_uvloop"]
 
 log = logging.getLogger("specproxy")
+
+
+class _HeadDeadline(asyncio.Protocol):
+    """Wraps aiohttp's per-connection protocol; closes the connection when the first request's headers
+    (up to the blank line that ends them) have not all arrived within ``timeout`` of connecting.
+
+    It looks at incoming bytes only until that blank line, then only forwards. Requests never pass
+    through here (aiohttp parses them); responses never do (they go straight to the transport)."""
+
+    __slots__ = ("_handle", "_inner", "_on_expire", "_tail", "_timeout", "_transport")
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float, on_expire: Callable[[], None]) -> None:
+        self._inner = inner
+        self._timeout = timeout
+        self._on_expire = on_expire
+        self._handle: asyncio.TimerHandle | None = None
+        self._tail = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._handle = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        self._inner.connection_made(transport)
+
+    def _expire(self) -> None:
+        self._handle = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._on_expire()
+            self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self._handle is not None:
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:
+                self._handle.cancel()
+                self._handle = None
+                self._tail = b""
+            else:
+                self._tail = seen[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._transport = None
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 def install_uvloop() -> bool:
@@ -51,7 +114,9 @@ class Service:
     proxy: Proxy | None = None
     watch: ServerWatch | None = None
     port: int = 0
+    header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
     _runner: web.AppRunner | None = None
+    _listener: asyncio.AbstractServer | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Service:
@@ -67,7 +132,7 @@ class Service:
             try:
                 sink(record)
             except Exception as exc:  # a broken observer must not cost the record
-                log.error("sink failed: %s", exc)
+                log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
 
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
@@ -80,20 +145,64 @@ class Service:
         app = self.proxy.make_app()
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=30.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=1024)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server = self._runner.server  # aiohttp's protocol factory
+        assert server is not None
+        timeout = self.cfg.header_timeout_s
+
+        def expired() -> None:
+            self.header_timeouts += 1
+
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _HeadDeadline(server(), timeout, expired), self.cfg.host, self.cfg.port, backlog=1024
+        )
+        self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
 
+    def state(self) -> dict[str, int]:
+        """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
+        p, w = self.proxy, self.writer
+        server = self._runner.server if self._runner is not None else None
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = -1
+        session = p._session if p else None
+        pool = getattr(session.connector, "_conns", {}) if session is not None and session.connector else {}
+        return {
+            "tasks": len(asyncio.all_tasks()),
+            "connections": len(server.connections) if server is not None else 0,
+            "upstream_idle": sum(len(v) for v in pool.values()),  # kept-alive upstream connections
+            "fds": fds,
+            "in_flight": p.in_flight if p else 0,
+            "pending_measure": p._pending_builds if p else 0,
+            "measure_errors": p.measure_errors if p else 0,
+            "measure_dropped": p.measure_dropped if p else 0,
+            "rejected_busy": p.rejected_busy if p else 0,
+            "rejected_bad": p.rejected_bad if p else 0,
+            "header_timeouts": self.header_timeouts,
+            "queued": w.pending if w else 0,
+            "written": w.written if w else 0,
+            "dropped": w.dropped if w else 0,
+        }
+
+    def log_state(self) -> None:
+        log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state().items()))
+
     async def stop(self) -> None:
         """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
+        if self._listener is not None:
+            self._listener.close()  # no new connections; open ones finish their current request
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._listener is not None:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._listener.wait_closed(), 5)
+            self._listener = None
         if self.watch is not None:
             await self.watch.stop()
             self.watch = None
@@ -109,6 +218,8 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        with suppress(NotImplementedError, RuntimeError, AttributeError):
+            loop.add_signal_handler(signal.SIGUSR1, self.log_state)
         try:
             await stop.wait()
         finally:

@@ -144,9 +144,16 @@ def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
     g_next = float(1.0 - 2.0 * cdf[d_best]) if d_best < n // 2 else 0.0
     i = (g_d - level) / (g_d - g_next) if g_d > g_next else 0.0
     lam = (n - d_best) * i / (d_best + (n - 2 * d_best) * i) if i > 0 else 0.0
-    lo = (1 - lam) * x[d_best - 1] + lam * x[d_best]
-    hi = (1 - lam) * x[n - d_best] + lam * x[n - d_best - 1]
+    lo = _between(x[d_best - 1], x[d_best], lam)
+    hi = _between(x[n - d_best], x[n - d_best - 1], lam)
     return float(lo), float(hi)
+
+
+def _between(a: float, b: float, lam: float) -> float:
+    """``a`` moved towards ``b`` by ``lam``, never outside [a, b] (rounding could step past b,
+    and an interval end past the median it brackets is a wrong answer, however small)."""
+    v = (1 - lam) * a + lam * b
+    return min(max(v, min(a, b)), max(a, b))
 
 
 def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.95) -> Summary:

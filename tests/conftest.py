@@ -40,6 +40,10 @@ LLAMA3_STYLE_TEMPLATE = (
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes seconds (still in the default run; -m 'not slow' skips it)")
+
+
 @pytest.fixture(scope="session")
 def tiktoken_tok():
     return load_tokenizer("tiktoken:o200k_base")
@@ -121,7 +125,7 @@ class LiveStack:
         from specproxy.store import Writer
 
         self.service = Service(cfg=self.cfg, tokenizer=self.tokenizer, extra_sinks=[self.records.append],
-                               writer=Writer(self.cfg.db))
+                               writer=Writer(self.cfg.db, queue_size=self.cfg.queue_size))
         self._bb = None
         self.run(self._start())
 
@@ -131,6 +135,15 @@ class LiveStack:
     @property
     def url(self) -> str:
         return self.service.url
+
+    async def _cancel_leftovers(self) -> None:
+        """End what a test left running on the loop (a scripted peer's connection), so that nothing
+        is torn down by garbage collection after the loop stopped."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     def run(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -144,6 +157,7 @@ class LiveStack:
         self.run(self.upstream.close())
         if self.raw is not None:
             self.run(self.raw.close())
+        self.run(self._cancel_leftovers())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -101,3 +101,12 @@ def test_a_bad_string_does_not_cost_the_batch(tmp_path):
     w.close()
     rows = sqlite3.connect(tmp_path / "t.db").execute("SELECT model FROM turns ORDER BY model").fetchall()
     assert [r[0] for r in rows] == ["lone \ufffd surrogate", "ok-1", "ok-2"]
+
+
+def test_generated_docs_are_current():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -273,3 +273,10 @@ def test_buckets_and_which_to_read():
     assert prompt_bucket(None) is None
     assert [which_to_read(c) for c in (1, 4, 4.5, 8, None)] == [
         "per-stream", "per-stream", "aggregate", "aggregate", None]
+
+
+def test_median_ci_never_steps_past_the_median_by_rounding():
+    # ties around the median: interpolating between equal order statistics must return them exactly
+    xs = [0.001] * 60 + [1.0] * 20 + [3.3] * 40 + [1e6] * 55
+    s = summarize(xs)
+    assert s.ci_low <= s.median <= s.ci_high

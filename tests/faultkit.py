@@ -1,0 +1,484 @@
+"""Helpers for the fault tests (tests/test_faults_*.py): raw HTTP/1.1 on sockets, SSE stream shapes,
+kernel socket queues, file-descriptor counts, and ``specproxy serve`` as a real subprocess.
+
+Why raw sockets: an HTTP library normalises exactly what these tests look at (framing, header order,
+hop-by-hop headers, how a peer hangs up), so both peers of the proxy are scripted byte by byte here.
+Every wait has a deadline; every listener binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- waiting on conditions ------------------------------------------------------------------------
+
+
+def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.01, what: str = "condition"):
+    """Poll ``pred`` until it is truthy; fail after ``timeout`` seconds. Returns the truthy value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+async def await_until(pred: Callable[[], object], timeout: float, interval: float = 0.005, what: str = "condition"):
+    """``wait_until`` for coroutines: yields to the loop between checks."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+# --- raw HTTP/1.1 -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    head: bytes
+    body: bytes
+
+    @property
+    def line(self) -> bytes:
+        return self.head.split(b"\r\n", 1)[0]
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        out = []
+        for raw in self.head.split(b"\r\n")[1:]:
+            if raw:
+                k, _, v = raw.partition(b":")
+                out.append((k.decode("latin-1"), v.strip().decode("latin-1")))
+        return out
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+
+async def read_request(reader: asyncio.StreamReader, timeout: float = 10) -> Request | None:
+    """One request (Content-Length or chunked body); None when the peer closed before sending one."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    req = Request(head, b"")
+    length = req.header("Content-Length")
+    if length is not None:
+        req.body = await asyncio.wait_for(reader.readexactly(int(length)), timeout)
+    elif (req.header("Transfer-Encoding") or "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout)).split(b";")[0], 16)
+            data = await asyncio.wait_for(reader.readexactly(size + 2), timeout)
+            if size == 0:
+                break
+            body += data[:-2]
+        req.body = bytes(body)
+    return req
+
+
+def chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+@dataclass
+class Response:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    complete: bool  # the framing said where the body ends and all of it arrived
+    raw: bytes = b""
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+    def header_all(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k.lower() == name.lower()]
+
+
+def parse_response(raw: bytes, *, head_request: bool = False) -> tuple[Response, bytes]:
+    """Parse one response from the start of ``raw``; return it and the bytes after it."""
+    end = raw.index(b"\r\n\r\n")
+    lines = raw[:end].split(b"\r\n")
+    _version, status, *reason = lines[0].split(b" ", 2)
+    headers = []
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        headers.append((k.decode("latin-1"), v.strip().decode("latin-1")))
+    rest = raw[end + 4 :]
+    resp = Response(int(status), (reason[0] if reason else b"").decode("latin-1"), headers, b"", False, raw)
+    if head_request or resp.status in (204, 304) or 100 <= resp.status < 200:
+        resp.complete = True
+        return resp, rest
+    te = (resp.header("Transfer-Encoding") or "").lower()
+    if te == "chunked":
+        body = bytearray()
+        pos = 0
+        while True:
+            nl = rest.find(b"\r\n", pos)
+            if nl == -1:
+                break
+            size = int(rest[pos:nl].split(b";")[0], 16)
+            if size == 0:
+                if rest[nl + 2 : nl + 4] == b"\r\n":
+                    resp.complete = True
+                    pos = nl + 4
+                break
+            if len(rest) < nl + 2 + size + 2:
+                body += rest[nl + 2 : nl + 2 + size]
+                pos = len(rest)
+                break
+            body += rest[nl + 2 : nl + 2 + size]
+            pos = nl + 2 + size + 2
+        resp.body = bytes(body)
+        return resp, rest[pos:]
+    length = resp.header("Content-Length")
+    if length is not None:
+        n = int(length)
+        resp.body = rest[:n]
+        resp.complete = len(rest) >= n
+        return resp, rest[n:]
+    resp.body = rest  # close-delimited: complete only the reader knows (EOF)
+    resp.complete = True
+    return resp, b""
+
+
+async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Send ``data`` on a new connection, read until the server closes; (bytes, closed_by_server)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    got = bytearray()
+    closed = False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while loop.time() < deadline:
+            piece = await asyncio.wait_for(reader.read(65536), max(deadline - loop.time(), 0.001))
+            if not piece:
+                closed = True
+                break
+            got += piece
+    except (asyncio.TimeoutError, TimeoutError):
+        pass
+    except ConnectionError:
+        closed = True
+    finally:
+        writer.close()
+    return bytes(got), closed
+
+
+def post_head(path: str, body: bytes, extra: str = "", host: str = "proxy") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+# --- a raw upstream that serves keep-alive connections -----------------------------------------------
+
+
+Responder = Callable[[Request, asyncio.StreamWriter, int], Awaitable[bool]]
+
+
+class ScriptedUpstream:
+    """An upstream scripted per request: ``respond(request, writer, index)`` writes a response and
+    returns whether to keep the connection. Counts connections and records every request it read.
+
+    ``serve`` is a per-connection script: give it to ``make_stack(raw_script=...)`` (it then runs on the
+    stack's loop, next to the client), or ``start()`` a listener of its own."""
+
+    def __init__(self, respond: Responder) -> None:
+        self.respond = respond
+        self.connections = 0
+        self.open = 0
+        self.requests: list[Request] = []
+        self.peer_closed_at: list[float] = []  # loop time when the proxy closed a connection on us
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> ScriptedUpstream:
+        self._server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open += 1
+        try:
+            while True:
+                req = await read_request(reader, timeout=60)
+                if req is None:
+                    self.peer_closed_at.append(asyncio.get_running_loop().time())
+                    return
+                self.requests.append(req)
+                keep = await self.respond(req, writer, len(self.requests) - 1)
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            self.peer_closed_at.append(asyncio.get_running_loop().time())
+        finally:
+            self.open -= 1
+            writer.close()
+
+
+def sse_head(extra: str = "", chunked: bool = True) -> bytes:
+    te = "Transfer-Encoding: chunked\r\n" if chunked else ""
+    return f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{te}{extra}\r\n".encode()
+
+
+# --- SSE stream shapes --------------------------------------------------------------------------------
+
+WORDS = ["Hello", " world", ",", " café", " 日本語", " 🚀", " naïve", "\n", " tokens", " é", "!", " ü", " Ω", " 中"]
+
+
+@dataclass
+class Stream:
+    """A stream's bytes and the truth about them."""
+
+    body: bytes
+    content: str
+    text_events: int
+    done: bool
+    usage: int | None
+    writes: list[bytes] = field(default_factory=list)
+
+
+def delta_event(text: str, nl: bytes, *, event_line: bool = False, ident: int | None = None) -> bytes:
+    obj = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    out = b""
+    if event_line:
+        out += b"event: message" + nl
+    if ident is not None:
+        out += b"id: %d" % ident + nl
+    return out + b"data: " + orjson.dumps(obj) + nl + nl
+
+
+def make_stream(rng: random.Random, *, pieces: int | None = None) -> Stream:
+    """A chat stream with a random shape: CRLF or LF, ``: ping`` comments, ``event:``/``id:``/``retry:``
+    lines, a role chunk, usage or none, [DONE] or none."""
+    nl = rng.choice([b"\n", b"\r\n"])
+    n = pieces if pieces is not None else rng.randint(1, 8)
+    events: list[bytes] = []
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    events.append(b"data: " + orjson.dumps(role) + nl + nl)
+    if rng.random() < 0.3:
+        events.append(b"retry: 3000" + nl + nl)
+    content = ""
+    for i in range(n):
+        if rng.random() < 0.3:
+            events.append(b": ping" + nl + nl)
+        text = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3)))
+        content += text
+        events.append(delta_event(text, nl, event_line=rng.random() < 0.3, ident=i if rng.random() < 0.2 else None))
+    usage = rng.choice([None, n + 1])
+    final: dict = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    if usage is not None:
+        final["usage"] = {"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": usage + 3}
+    events.append(b"data: " + orjson.dumps(final) + nl + nl)
+    done = rng.random() < 0.85
+    if done:
+        events.append(b"data: [DONE]" + nl + nl)
+    return Stream(b"".join(events), content, n, done, usage, writes=events)
+
+
+def split_plan(rng: random.Random, stream: Stream, mode: str) -> list[bytes]:
+    """How the upstream writes the body: one byte a write, random cuts (one inside a UTF-8 character
+    when there is one), whole events merged several to a write, or all at once."""
+    body = stream.body
+    if mode == "bytes":
+        return [body[i : i + 1] for i in range(len(body))]
+    if mode == "merge":
+        out, i = [], 0
+        while i < len(stream.writes):
+            k = rng.randint(2, 4)
+            out.append(b"".join(stream.writes[i : i + k]))
+            i += k
+        return out
+    if mode == "one":
+        return [body]
+    cuts = {rng.randint(1, len(body) - 1) for _ in range(rng.randint(1, 12))} if len(body) > 1 else set()
+    inside = [i for i in range(1, len(body)) if 0x80 <= body[i] < 0xC0]
+    if inside:
+        cuts.add(rng.choice(inside))  # the next byte continues a multi-byte character
+    edges = [0, *sorted(cuts), len(body)]
+    return [body[a:b] for a, b in zip(edges, edges[1:]) if b > a]
+
+
+# --- the kernel's view ------------------------------------------------------------------------------
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def kernel_queued(ports: set[int]) -> int:
+    """Bytes sitting in kernel send and receive queues of established TCP sockets that use any of
+    ``ports`` (both ends of each loopback connection are listed)."""
+    total = 0
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            local, remote, state, queues = parts[1], parts[2], parts[3], parts[4]
+            if state != "01":
+                continue
+            lport = int(local.rsplit(":", 1)[1], 16)
+            rport = int(remote.rsplit(":", 1)[1], 16)
+            if lport in ports or rport in ports:
+                tx, rx = queues.split(":")
+                total += int(tx, 16) + int(rx, 16)
+    return total
+
+
+def blackhole_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener whose accept queue is full: a new connect to it hangs (SYNs are dropped), which is
+    how a connect timeout looks on loopback. Returns the listener and the sockets filling its queue;
+    it fills until a connect of its own times out, so the hole is proven, not assumed."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    port = lst.getsockname()[1]
+    fillers = []
+    for _ in range(16):
+        s = socket.socket()
+        s.settimeout(0.2)
+        fillers.append(s)
+        try:
+            s.connect(("127.0.0.1", port))
+        except (TimeoutError, socket.timeout):
+            return lst, fillers
+    raise AssertionError("could not fill the accept queue of a listen(0) socket")
+
+
+# --- a background loop, for servers the tests talk to from other threads or processes ---------------
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+# --- specproxy serve as a subprocess -------------------------------------------------------------------
+
+_READY = re.compile(r"forwarding http://127\.0\.0\.1:(\d+) ->")
+
+
+class ServeProcess:
+    """``python -m specproxy.cli serve`` with stderr in a file (to read its logs afterwards)."""
+
+    def __init__(self, tmp: Path, upstream: str, db: Path, *args: str, env: dict | None = None, name: str = "serve"):
+        self.log_path = tmp / f"{name}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {k: v for k, v in full_env.items() if not k.startswith("SPECPROXY_") or k in (env or {})}
+        cmd = [sys.executable, "-m", "specproxy.cli", "serve", "--upstream", upstream, "--port", "0",
+               "--db", str(db), "--scrape-interval", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, env=full_env, cwd=ROOT)
+        self.port = int(wait_until(self._ready_port, 30, 0.02, "specproxy serve to listen"))
+
+    def _ready_port(self):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"serve exited with {self.proc.returncode}: {self.stderr()}")
+        m = _READY.search(self.stderr())
+        return m.group(1) if m else None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return self.log_path.read_bytes().decode("utf-8", "replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.wait(10)
+
+    def state(self, timeout: float = 10) -> dict[str, int]:
+        """Ask for a state line (SIGUSR1) and parse the newest one."""
+        before = self.stderr().count(" state ")
+        self.proc.send_signal(signal.SIGUSR1)
+        wait_until(lambda: self.stderr().count(" state ") > before, timeout, 0.02, "a state line")
+        line = [ln for ln in self.stderr().splitlines() if " state " in ln][-1]
+        return {k: int(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
+
+
+def db_records(stack, n: int, timeout: float = 30) -> list[dict]:
+    """The stack's turns as written to its database, once ``n`` have been written (oldest first)."""
+    stack.settle()
+    writer = stack.service.writer
+    wait_until(lambda: writer.written >= n, timeout, 0.01, f"{n} rows written")
+    conn = sqlite3.connect(f"file:{stack.cfg.db}?mode=ro", uri=True, timeout=5)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute("SELECT * FROM turns ORDER BY t_request")]
+    finally:
+        conn.close()
+
+
+def db_rows(db: Path, sql: str = "SELECT id FROM turns", params: tuple = ()) -> list[tuple]:
+    """Read the database the way an outside reader would (read-only, its own connection)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
