@@ -70,6 +70,7 @@ class RecordBuilder:
         "outcome",
         "path",
         "read_times",
+        "request_encoding",
         "reads",
         "status",
         "store_text",
@@ -92,6 +93,7 @@ class RecordBuilder:
         label: str | None = None,
         instance_id: str | None = None,
         store_text: bool = False,
+        request_encoding: str = "",
     ) -> None:
         self.id = uuid.uuid4().hex  # known before the record is built, so counter deltas can join it
         self.method = method
@@ -103,6 +105,7 @@ class RecordBuilder:
         self.label = label
         self.instance_id = instance_id
         self.store_text = store_text
+        self.request_encoding = request_encoding
         self.status: int | None = None
         self.content_type = ""
         self.content_encoding = ""
@@ -151,7 +154,7 @@ class RecordBuilder:
     def build(self, tokenizer: Tokenizer | None) -> Record:
         """Make the Record. CPU work: call from a worker thread, once, after finish/fail."""
         assert self._ended, "build before finish/fail"
-        request = _read_request(self.body)
+        request = _read_request(_inflate(self.body, self.request_encoding))
         reads = self._decoded_reads()
         streamed = self.content_type.startswith("text/event-stream")
         texts = _stream_texts(reads, self.read_times) if streamed else _body_texts(reads, self.read_times)
@@ -252,6 +255,18 @@ class _Request:
     parsed: bool
     model: str | None = None
     parts: PromptParts | None = None
+
+
+def _inflate(body: bytes, encoding: str) -> bytes:
+    """A gzip/deflate request body, decoded for reading (it was forwarded as sent)."""
+    if encoding.strip().lower() not in ("gzip", "x-gzip", "deflate") or not body:
+        return body
+    try:
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        out = inflater.decompress(body, 64 * 1024 * 1024)  # bounded: a zip bomb is not our business
+        return out if not inflater.unconsumed_tail else b""
+    except zlib.error:
+        return b""
 
 
 def _read_request(body: bytes) -> _Request:

@@ -321,6 +321,7 @@ class Proxy:
                 label=request.headers.get(LABEL_HEADER) or self.cfg.label,
                 instance_id=self.instance_id(),
                 store_text=self.cfg.store_text,
+                request_encoding=request.headers.get("Content-Encoding", ""),
             )
         try:
             return await self._relay(request, body, builder)

@@ -35,10 +35,11 @@ class Event:
 class SSEDecoder:
     """Feed it reads in order; it returns the events each read completed."""
 
-    __slots__ = ("_buf", "_data", "_event", "_has_data", "_reads", "_skip_lf")
+    __slots__ = ("_buf", "_data", "_event", "_has_data", "_parts", "_reads", "_skip_lf")
 
     def __init__(self) -> None:
         self._buf = b""  # bytes of an unfinished line
+        self._parts: list[bytes] = []  # later reads of that line, not yet joined
         self._data: list[bytes] = []
         self._event = b""
         self._has_data = False
@@ -54,6 +55,13 @@ class SSEDecoder:
             self._skip_lf = False
             if chunk[:1] == b"\n":
                 chunk = chunk[1:]
+        if b"\n" not in chunk and b"\r" not in chunk:
+            self._parts.append(chunk)  # the line goes on: join once it ends (linear, not quadratic)
+            return []
+        if self._parts:
+            self._parts.append(chunk)
+            chunk = b"".join(self._parts)
+            self._parts = []
         buf = self._buf + chunk if self._buf else chunk
         events: list[Event] = []
         start = 0
@@ -81,6 +89,9 @@ class SSEDecoder:
     def finish(self) -> list[Event]:
         """The stream ended: dispatch what is pending (an unterminated last line or event)."""
         events: list[Event] = []
+        if self._parts:
+            self._buf += b"".join(self._parts)
+            self._parts = []
         if self._buf:
             self._line(self._buf, events)
             self._buf = b""

@@ -254,16 +254,25 @@ class Writer:
                     self._conn.execute(sql, params)
                 self._conn.execute("COMMIT")
             except sqlite3.OperationalError:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
             except Exception:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 self._write_one_by_one(turns, other)
             self.written += len(turns)
             return True
         except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
             self.last_error = str(exc)
             return False
+
+    def _rollback(self) -> None:
+        """Roll back if a transaction is still open: after SQLITE_FULL SQLite has already rolled
+        back, and a failing ROLLBACK must not hide the error that caused it."""
+        if self._conn.in_transaction:
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
 
     def _write_one_by_one(self, turns: Iterable[tuple], other: Iterable[tuple[str, tuple]]) -> None:
         for row in turns:

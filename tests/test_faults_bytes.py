@@ -289,6 +289,9 @@ def test_gzip_request_body_reaches_the_upstream_as_sent(make_stack):
     (req,) = upstream.requests
     assert req.body == body
     assert req.header("Content-Encoding") == "gzip" and req.header("Content-Length") == str(len(body))
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.request_parsed is True and rec.model == "m"  # measured from the decoded body
 
 
 # --- 11. hostile JSON ---------------------------------------------------------------------------------

@@ -247,8 +247,6 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
         stack.close = lambda: None
 
 
-@pytest.mark.xfail(strict=True, reason="store.Writer._write: the ROLLBACK after SQLITE_FULL raises 'cannot rollback "
-                   "- no transaction is active' (SQLite already rolled back), and that message replaces the cause")
 def test_writer_reports_why_a_write_failed(tmp_path):
     from specproxy.store import Writer
     from specproxy.testing import make_record

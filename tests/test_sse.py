@@ -91,3 +91,15 @@ def test_one_mebibyte_line():
     reads = [b"data: " + big[:1000], big[1000:], b"\n\n"]
     ((data, _, idx),) = decode(reads)
     assert len(data) == 1 << 20 and idx == 2
+
+
+def test_a_long_line_read_one_byte_at_a_time_is_not_recopied():
+    """256 KiB in 1-byte reads: the pending line is kept as parts and joined once when it ends, so
+    the work is linear (re-joining on every read was quadratic: seconds in the measuring thread)."""
+    body = b"x" * (256 * 1024)
+    d = SSEDecoder()
+    for i, byte in enumerate(b"data: " + body):
+        assert d.feed(bytes([byte])) == []
+    assert d._buf == b"" and len(d._parts) == len(body) + 6  # nothing joined while the line goes on
+    (event,) = d.feed(b"\n\n")
+    assert event.data == body.decode() and d._parts == []
