@@ -87,11 +87,33 @@ def serve(config_path: str | None, **flags: Any) -> None:
         raise SpecproxyError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
 
 
-def _load(db: str | None, label: str | None, since: str | None, until: str | None):
-    from .dataset import load_turns, parse_time
+def _db_path(db: str | None) -> str:
+    return db or load_config(overrides={}).db
 
-    path = db or load_config(overrides={}).db
-    return path, load_turns(path, label=label, since=parse_time(since), until=parse_time(until))
+
+def _open(db: str | None):
+    from .store import connect
+
+    return connect(_db_path(db), readonly=True)
+
+
+def _echo(result: dict, render, as_json: bool) -> None:
+    if as_json:
+        click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        click.echo(render(result), nl=False)
+
+
+def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None) -> dict:
+    from .dataset import load_turns, parse_time
+    from .report import build_report
+
+    window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
+    conn = _open(db)
+    try:
+        return build_report(load_turns(conn, **window), source=_db_path(db), conn=conn)
+    finally:
+        conn.close()
 
 
 window_options = [
@@ -114,20 +136,9 @@ def _window(fn):
 @_friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
-    from .report import build_report, render_text
+    from .report import render_text
 
-    from .store import connect
-
-    path, turns = _load(db, label, since, until)
-    conn = connect(path, readonly=True)
-    try:
-        r = build_report(turns, source=str(path), conn=conn)
-    finally:
-        conn.close()
-    if as_json:
-        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
-    else:
-        click.echo(render_text(r), nl=False)
+    _echo(_report(db, label, since, until), render_text, as_json)
 
 
 @main.command()
@@ -139,18 +150,12 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 @_friendly
 def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
     """Every turn, one JSON object (or CSV row) each, with METRICS.md's field names."""
-    from .dataset import parse_time
+    from .dataset import parse_time, where_clause
     from .record import FIELD_NAMES
-    from .store import connect
 
-    path = db or load_config(overrides={}).db
-    conn = connect(path, readonly=True)
-    where, params = [], []
-    for clause, value in (("label IS ?", label), ("t_wall >= ?", parse_time(since)), ("t_wall < ?", parse_time(until))):
-        if value is not None:
-            where.append(clause)
-            params.append(value)
-    sql = f"SELECT {', '.join(FIELD_NAMES)} FROM turns" + (" WHERE " + " AND ".join(where) if where else "")
+    conn = _open(db)
+    where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
+    sql = f"SELECT {', '.join(FIELD_NAMES)} FROM turns{where}"
     out = sys.stdout if output == "-" else open(output, "w", newline="")
     try:
         rows = conn.execute(sql + " ORDER BY t_wall", params)
@@ -183,12 +188,10 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     (ISO 8601, UTC unless a zone is given), e.g. @2026-11-29T08:00..2026-11-29T09:00.
     """
     from .compare import compare, negative_control_report, parse_arm, render_compare
-    from .store import connect
 
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
-    path = db or load_config(overrides={}).db
-    conn = connect(path, readonly=True)
+    conn = _open(db)
     try:
         if negative_control:
             r = negative_control_report(conn, parse_arm(arm_a), seed=seed)
@@ -196,10 +199,7 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
             r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed)
     finally:
         conn.close()
-    if as_json:
-        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
-    else:
-        click.echo(render_compare(r), nl=False)
+    _echo(r, render_compare, as_json)
 
 
 @main.command()
@@ -209,9 +209,8 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 @_friendly
 def demo(db: str | None, turns: int, as_json: bool) -> None:
     """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
-    from .dataset import load_turns
     from .demo import run_demo
-    from .report import build_report, render_text
+    from .report import render_text
     from .service import install_uvloop
 
     if turns < 1:
@@ -219,17 +218,9 @@ def demo(db: str | None, turns: int, as_json: bool) -> None:
     path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
     install_uvloop()
     asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True)))
-    from .store import connect
-
-    conn = connect(path, readonly=True)
-    try:
-        r = build_report(load_turns(conn), source=str(path), conn=conn)
-    finally:
-        conn.close()
-    if as_json:
-        click.echo(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
-    else:
-        click.echo(render_text(r), nl=False)
+    r = _report(str(path))
+    _echo(r, render_text, as_json)
+    if not as_json:
         click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from .errors import ConfigError
 from .store import connect
 
-__all__ = ["NUMERIC", "Turns", "load_turns", "parse_time"]
+__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "where_clause"]
 
 NUMERIC = (
     "t_wall",
@@ -81,6 +81,17 @@ def parse_time(value: str | None) -> float | None:
     return dt.timestamp()
 
 
+def where_clause(*, label: str | None = None, since: float | None = None, until: float | None = None,
+                 path: str | None = None) -> tuple[str, list]:
+    """The SQL filter every reader of turns shares: a label, a wall-time window, a path."""
+    where, params = [], []
+    for clause, value in (("label IS ?", label), ("t_wall >= ?", since), ("t_wall < ?", until), ("path = ?", path)):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    return (" WHERE " + " AND ".join(where) if where else ""), params
+
+
 def load_turns(
     db: str | Path | sqlite3.Connection,
     *,
@@ -91,24 +102,9 @@ def load_turns(
 ) -> Turns:
     """The measured turns, oldest first, optionally one label and a wall-time window."""
     conn = db if isinstance(db, sqlite3.Connection) else connect(db, readonly=True)
-    where, params = [], []
-    if label is not None:
-        where.append("label IS ?")
-        params.append(label)
-    if since is not None:
-        where.append("t_wall >= ?")
-        params.append(since)
-    if until is not None:
-        where.append("t_wall < ?")
-        params.append(until)
-    if path is not None:
-        where.append("path = ?")
-        params.append(path)
+    where, params = where_clause(label=label, since=since, until=until, path=path)
     cols = NUMERIC + TEXT
-    sql = f"SELECT {', '.join(cols)} FROM turns"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY t_wall"
+    sql = f"SELECT {', '.join(cols)} FROM turns{where} ORDER BY t_wall"
     try:
         rows = conn.execute(sql, params).fetchall()
     except sqlite3.OperationalError as exc:
