@@ -64,6 +64,12 @@ class ServerWatch:
         self._stop = asyncio.Event()
         self._turn_tasks: set[asyncio.Task] = set()
         self._last_instance: str | None = None
+        # One scrape at a time. The poller and lone turns' after-scrapes would otherwise overlap,
+        # and an overlapping pair can finish in the other order than it was stamped (a big page is
+        # parsed in a thread; identifying awaits the network): the scraper would then compare a
+        # newer page with an older one, see counters go down, and declare a restart that never
+        # happened (a new instance id, a window split in two).
+        self._scrape_lock = asyncio.Lock()
 
     @property
     def instance_id(self) -> str | None:
@@ -105,6 +111,11 @@ class ServerWatch:
                 await self._scrape()
 
     async def _scrape(self) -> ScrapeSample | None:
+        assert self.scraper is not None
+        async with self._scrape_lock:
+            return await self._scrape_locked()
+
+    async def _scrape_locked(self) -> ScrapeSample | None:
         assert self.scraper is not None
         failures = self.scraper.failures
         sample = await self.scraper.scrape_once()

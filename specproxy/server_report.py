@@ -96,12 +96,17 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
     joined = _turn_counters(conn, {str(i) for i in turns.txt["id"]})
     if joined:
         by_id = dict(zip(turns.txt["id"], turns.num["decode_tps"]))
+        tpc_by_id = dict(zip(turns.txt["id"], turns.num["tokens_per_chunk"]))
         mal = np.array([r[1] if r[1] is not None else np.nan for r in joined], dtype=float)
         fwd = np.array([by_id.get(r[0], np.nan) / r[1] if r[1] else np.nan for r in joined], dtype=float)
+        # the same turns' tokens per chunk, beside their MAL: equal only on a server that streams once
+        # per decoding step (llama.cpp streams once per token, so there it stays ~1 whatever the MAL)
+        tpc = np.array([tpc_by_id.get(r[0], np.nan) for r in joined], dtype=float)
         out["lone_turns"] = {
             "joined": len(joined),
             "alone": int(np.sum(turns.num["concurrency"] == 1)),
             "mal": summarize(mal).to_dict(),
+            "tokens_per_chunk": summarize(tpc).to_dict(),
             "forward_passes_per_s": summarize(fwd).to_dict(),
         }
     return out
@@ -147,6 +152,7 @@ def render_server(s: dict[str, Any]) -> list[str]:
     lt = s.get("lone_turns")
     if lt:
         lines.append(f"  turns that ran alone joined with their own counter deltas: {lt['joined']} of {lt['alone']}; "
-                     f"per-turn MAL median {_f(lt['mal']['median'], '{:.2f}')}, forward passes/s median "
+                     f"per-turn MAL median {_f(lt['mal']['median'], '{:.2f}')} beside tokens per chunk median "
+                     f"{_f(lt['tokens_per_chunk']['median'], '{:.2f}')}, forward passes/s median "
                      f"{_f(lt['forward_passes_per_s']['median'], '{:.1f}')}")
     return lines

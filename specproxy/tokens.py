@@ -176,6 +176,36 @@ class TiktokenTokenizer:
 # --- Hugging Face ---------------------------------------------------------------------------------
 
 
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as a server hands them to its chat template: tool-call arguments as objects.
+
+    The OpenAI API carries an assistant tool call's ``arguments`` as a JSON *string*; chat templates
+    expect an object (Llama 3.1's renders ``arguments | tojson``: a string would come out quoted and
+    escaped). vLLM and llama.cpp both parse the string before rendering, so specproxy does too;
+    arguments that are not a JSON object are left as they came.
+    """
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = orjson.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory, with its chat template when it has one."""
 
@@ -210,7 +240,7 @@ class HFTokenizer:
 
     def _render(self, messages: list[dict], tools: list | None, generation: bool) -> int:
         text = self._tok.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation, tokenize=False
+            _template_messages(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
         )
         return len(self._encode(text))
 

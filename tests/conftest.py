@@ -148,9 +148,18 @@ class LiveStack:
     def run(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def settle(self) -> None:
-        """Wait until every finished turn was measured and handed to the sinks."""
-        self.run(self.service.proxy.drain_measurements())
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no request is in flight through the proxy (a client may have its whole answer
+        before the upstream's stream ends) and every finished turn was measured and handed over."""
+        import time
+
+        proxy = self.service.proxy
+        deadline = time.monotonic() + timeout
+        while True:
+            self.run(proxy.drain_measurements())
+            if (proxy.in_flight == 0 and proxy._pending_builds == 0) or time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
 
     def close(self) -> None:
         self.run(self.service.stop())

@@ -91,3 +91,62 @@ def test_lone_turns_are_joined_with_their_counter_deltas(make_stack, tiktoken_to
         assert mal == 3.0
     assert r["server"]["lone_turns"]["mal"]["median"] == 3.0
     assert r["server"]["window"]["mal"] == 3.0
+
+
+async def test_overlapping_scrapes_never_make_a_false_restart():
+    """The poller's scrape and a lone turn's after-scrape overlap; the older page finishes last.
+
+    Without one-scrape-at-a-time, the scraper compared the newer page with the older one, saw a
+    counter go down and declared a restart: a new instance id and a window split in two (seen
+    against a real llama-server with speculative decoding, whose page is parsed in a thread).
+    """
+    import asyncio
+    import tempfile
+
+    from aiohttp import web
+
+    from specproxy.config import load_config
+    from specproxy.observe import ServerWatch
+
+    state = {"n": 0, "slow": False}
+
+    async def metrics(request):
+        n, slow = state["n"], state["slow"]
+        state["slow"] = False
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain", "Process-Start-Time-Unix": "1700000000"})
+        await resp.prepare(request)  # the scraper stamps the sample when the headers arrive
+        if slow:
+            await asyncio.sleep(0.3)  # ... and this older page's body arrives late
+        await resp.write(f"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {n}\n"
+                         "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 0\n".encode())
+        await resp.write_eof()
+        return resp
+
+    async def models(_request):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    cfg = load_config(env={}, overrides={"upstream": f"http://127.0.0.1:{port}", "scrape_interval_s": 3600,
+                                         "db": tempfile.mktemp(suffix=".db")})
+    watch = ServerWatch(cfg, None)
+    try:
+        await watch.start()
+        first = watch.instance_id
+        state.update(n=100, slow=True)
+        older = asyncio.create_task(watch._scrape())  # e.g. the poller's
+        while state["slow"]:  # until the server has started answering it
+            await asyncio.sleep(0.005)
+        state["n"] = 160  # a turn ended meanwhile
+        await asyncio.gather(older, watch._scrape())  # e.g. the turn's after-scrape
+        assert watch.instance_id == first and watch.scraper.restarts == 0
+        assert [s.snapshot.generation_tokens_total for s in watch.recent] == [0, 100, 160]
+    finally:
+        await watch.stop()
+        await runner.cleanup()

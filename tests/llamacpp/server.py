@@ -58,11 +58,12 @@ class LlamaServer:
             urllib.request.urlopen(srv.url + "/health")
 
     ``restart()`` keeps the same port, so a proxy configured with ``.url``
-    keeps pointing at the new process.
+    keeps pointing at the new process. One compute thread by default: on a 2-core machine the
+    proxy and the test clients need the other core, or timing comparisons measure contention.
     """
 
     def __init__(self, binary: Path | str, model: Path | str, *, extra_args: Sequence[str] = (),
-                 n_ctx: int = 32768, threads: int = 2, parallel: int = 1, metrics: bool = True,
+                 n_ctx: int = 32768, threads: int = 1, parallel: int = 1, metrics: bool = True,
                  port: int | None = None, startup_deadline_s: float = 120.0,
                  stop_deadline_s: float = 10.0, log_path: Path | str | None = None) -> None:
         self.binary = Path(binary)
