@@ -43,7 +43,7 @@ NUMERIC = (
     "streamed",
     "request_parsed",
 )
-TEXT = ("id", "outcome", "label", "instance_id", "model", "tokenizer", "server_timings")
+TEXT = ("id", "outcome", "label", "instance_id", "tokenizer")
 
 
 @dataclass

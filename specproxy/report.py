@@ -16,7 +16,14 @@ import numpy as np
 from .dataset import Turns, busy_seconds
 from .server_report import render_server, server_section
 from .speedup import required_decode_speedup, window_speedups
-from .stats import concurrency_bucket, prompt_bucket, summarize, which_to_read
+from .stats import (
+    CONCURRENCY_BUCKETS,
+    PROMPT_BUCKETS,
+    concurrency_buckets,
+    prompt_buckets,
+    summarize,
+    which_to_read,
+)
 
 __all__ = ["ENGINE_SPEEDUPS", "build_report", "render_text"]
 
@@ -106,39 +113,30 @@ def _prompt(ok: Turns) -> dict[str, Any]:
 
 
 def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
-    conc = ok.num["concurrency"]
     rows = []
-    buckets: dict[str, list[int]] = {}
-    for i, c in enumerate(conc):
-        if np.isfinite(c):
-            buckets.setdefault(concurrency_bucket(int(c)), []).append(i)
-    for bucket, idx in sorted(buckets.items(), key=lambda kv: min(conc[kv[1]])):
-        cell = ok.select(np.array(idx))
-        med_c = float(np.median(cell.num["concurrency"]))
+    buckets = concurrency_buckets(ok.num["concurrency"])
+    for b in np.unique(buckets[buckets >= 0]):
+        cell = ok.select(buckets == b)
         rows.append(
             {
-                "concurrency": bucket,
-                "n": len(idx),
+                "concurrency": CONCURRENCY_BUCKETS[int(b)],
+                "n": len(cell),
                 "per_stream_tps": _summary(cell.num["decode_tps"]),
                 "aggregate": _aggregate(cell),
                 "ttft_s": _summary(cell.num["ttft_s"]),
-                "read": which_to_read(med_c),
+                "read": which_to_read(float(np.median(cell.num["concurrency"]))),
             }
         )
     return rows
 
 
 def _by_prompt_length(ok: Turns) -> list[dict[str, Any]]:
-    prompt = ok.num["prompt_tokens"]
-    buckets: dict[str, list[int]] = {}
-    for i, p in enumerate(prompt):
-        if np.isfinite(p):
-            buckets.setdefault(prompt_bucket(int(p)), []).append(i)
     rows = []
-    for bucket, idx in sorted(buckets.items(), key=lambda kv: min(prompt[kv[1]])):
-        cell = ok.select(np.array(idx))
+    buckets = prompt_buckets(ok.num["prompt_tokens"])
+    for b in np.unique(buckets[buckets >= 0]):
+        cell = ok.select(buckets == b)
         rows.append(
-            {"prompt_tokens": bucket, "n": len(idx), "ttft_s": _summary(cell.num["ttft_s"]),
+            {"prompt_tokens": PROMPT_BUCKETS[int(b)], "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
              "per_stream_tps": _summary(cell.num["decode_tps"])}
         )
     return rows

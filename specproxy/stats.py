@@ -531,6 +531,21 @@ def prompt_bucket(tokens: float | None) -> str | None:
     return PROMPT_BUCKETS[-1]
 
 
+def concurrency_buckets(c: np.ndarray) -> np.ndarray:
+    """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
+    (-1 where the value is missing). Reports over a million turns cannot afford a Python loop."""
+    c = np.asarray(c, dtype=float)
+    idx = np.searchsorted(np.asarray(_CONC_EDGES, dtype=float), c, side="left")
+    return np.where(np.isfinite(c), idx, -1)
+
+
+def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
+    """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing)."""
+    t = np.asarray(tokens, dtype=float)
+    idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
+    return np.where(np.isfinite(t), idx, -1)
+
+
 def which_to_read(concurrency_median: float | None) -> str | None:
     """"per-stream" when the median concurrency is <= 4, else "aggregate"; None without data.
 

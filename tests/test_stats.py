@@ -280,3 +280,15 @@ def test_median_ci_never_steps_past_the_median_by_rounding():
     xs = [0.001] * 60 + [1.0] * 20 + [3.3] * 40 + [1e6] * 55
     s = summarize(xs)
     assert s.ci_low <= s.median <= s.ci_high
+
+
+def test_vectorised_buckets_agree_with_the_scalar_ones():
+    from specproxy.stats import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_bucket, concurrency_buckets,
+                                 prompt_bucket, prompt_buckets)
+
+    conc = np.array([1, 2, 2.5, 3, 4, 4.0001, 8, 9, 64, 65, 1000, np.nan])
+    idx = concurrency_buckets(conc)
+    assert [CONCURRENCY_BUCKETS[i] if i >= 0 else None for i in idx] == [concurrency_bucket(c) if np.isfinite(c) else None for c in conc]
+    toks = np.array([0, 1023, 1024, 4095, 4096, 16383, 16384, 65535, 65536, 10**6, np.nan])
+    idx = prompt_buckets(toks)
+    assert [PROMPT_BUCKETS[i] if i >= 0 else None for i in idx] == [prompt_bucket(t) if np.isfinite(t) else None for t in toks]
