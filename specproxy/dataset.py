@@ -43,7 +43,7 @@ NUMERIC = (
     "streamed",
     "request_parsed",
 )
-TEXT = ("id", "outcome", "label", "instance_id", "tokenizer")
+TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from .content import classify
 from .openai import MEASURED_PATHS, PromptParts, parse_json, read_chunk, read_full_response, split_prompt
 from .record import Record
 from .sse import SSEDecoder
@@ -227,6 +228,7 @@ class RecordBuilder:
             content_tokens=counts["content"] if counts else None,
             reasoning_tokens=counts["reasoning"] if counts else None,
             tool_args_tokens=counts["tool_args"] if counts else None,
+            content_class=_content_class(texts),
             first_chunk_tokens=counts["first"] if counts else None,
             usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
             usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
@@ -336,6 +338,13 @@ def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:
         out["first"] += tokens_in_first(ends, texts.first_lens.get(key, 0))
     out["completion"] = out["content"] + out["reasoning"] + out["tool_args"]
     return out
+
+
+def _content_class(texts: Texts) -> str | None:
+    by_kind: dict[str, str] = {}
+    for (_, kind), text in texts.texts.items():
+        by_kind[kind] = by_kind.get(kind, "") + text
+    return classify(by_kind.get("content", ""), by_kind.get("tool_args", ""))
 
 
 def _int_or_none(value) -> int | None:

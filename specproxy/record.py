@@ -87,6 +87,10 @@ class Record:
     """The part of ``completion_tokens`` that was ``reasoning_content`` / ``reasoning``."""
     tool_args_tokens: int | None = None
     """The part of ``completion_tokens`` that was tool-call arguments."""
+    content_class: str | None = None
+    """What the delivered output was: ``code``, ``prose`` or ``tool_call`` (classified from the text,
+    see ``content.py``), null when nothing was delivered. Acceptance differs by class, so reports
+    keep the classes apart."""
     first_chunk_tokens: int | None = None
     """Tokens complete once the first text-carrying chunk had arrived (excluded from ``decode_tps``)."""
     usage_completion_tokens: int | None = None

@@ -81,6 +81,7 @@ def build_report(turns: Turns, *, source: str = "", conn: sqlite3.Connection | N
     report["prompt"] = _prompt(ok)
     report["by_concurrency"] = _by_concurrency(ok)
     report["by_prompt_length"] = _by_prompt_length(ok)
+    report["by_content_class"] = _by_content_class(ok)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     if conn is not None:
@@ -139,6 +140,20 @@ def _by_prompt_length(ok: Turns) -> list[dict[str, Any]]:
             {"prompt_tokens": PROMPT_BUCKETS[int(b)], "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
              "per_stream_tps": _summary(cell.num["decode_tps"])}
         )
+    return rows
+
+
+def _by_content_class(ok: Turns) -> list[dict[str, Any]]:
+    """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class."""
+    classes = ok.txt["content_class"]
+    rows = []
+    for name in ("prose", "code", "tool_call"):
+        mask = classes == name
+        if mask.any():
+            cell = ok.select(mask)
+            rows.append({"content_class": name, "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
+                         "per_stream_tps": _summary(cell.num["decode_tps"]),
+                         "tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])})
     return rows
 
 
@@ -235,6 +250,14 @@ def render_text(r: dict[str, Any]) -> str:
         for row in r["by_prompt_length"]:
             lines.append(f"  {row['prompt_tokens']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
                          f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}")
+    if r.get("by_content_class"):
+        lines.append("")
+        lines.append("By content class (speculative decoding accepts more of code than of prose)")
+        lines.append(f"  {'class':>13} {'n':>6} {'TTFT p50 s':>11} {'per-stream tok/s':>17} {'tokens/chunk':>13}")
+        for row in r["by_content_class"]:
+            lines.append(f"  {row['content_class']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
+                         f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}"
+                         f" {_fmt(row['tokens_per_chunk']['median'], '{:.2f}'):>13}")
     w = r["whole_turn"]
     lines.append("")
     if w["n"] and w["ttft_share"] is not None:

@@ -38,8 +38,13 @@ def _sqlite_type(annotation: str) -> type:
 TURN_COLUMNS: dict[str, type] = {f.name: _sqlite_type(str(f.type)) for f in fields(Record)}
 
 
+# Columns that later migrations add: the first migration must create the table as it was then, so
+# that every database, old or new, passes through the same steps.
+_ADDED_LATER = {"content_class"}
+
+
 def _m001_turns(db: sqlite_utils.Database) -> None:
-    db["turns"].create(TURN_COLUMNS, pk="id")
+    db["turns"].create({k: v for k, v in TURN_COLUMNS.items() if k not in _ADDED_LATER}, pk="id")
     db["turns"].create_index(["t_wall"])
     db["turns"].create_index(["label"])
 
@@ -89,11 +94,16 @@ def _m003_turn_counters(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m004_content_class(db: sqlite_utils.Database) -> None:
+    db["turns"].add_column("content_class", str)
+
+
 # Named and ordered; each runs once, in its own transaction, and is recorded in _migrations.
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_turns", _m001_turns),
     ("002_scrapes_and_instances", _m002_scrapes),
     ("003_turn_counters_and_scrape_errors", _m003_turn_counters),
+    ("004_content_class", _m004_content_class),
 ]
 
 

@@ -49,6 +49,7 @@ def test_report_json_and_export_agree(demo_db):
     assert r["turns"] == 15
     assert r["user"]["tokens_per_chunk"]["median"] > 1.5  # the demo server drafts: chunks are not tokens
     assert r["prompt"]["prompt_tools_tokens"]["median"] > 1000
+    assert {row["content_class"] for row in r["by_content_class"]} == {"prose", "code"}
     levels = [row["concurrency"] for row in r["by_concurrency"]]
     # four clients starting together are measured at 1, 2, 3 and 4 in flight: the real operating point
     assert levels[0] == "1" and levels[-1] == "3-4" and r["by_concurrency"][0]["read"] == "per-stream"

@@ -110,3 +110,20 @@ def test_generated_docs_are_current():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check"], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_older_database_is_upgraded_in_place(tmp_path):
+    """A database made by an earlier specproxy (three migrations) gains the later columns, keeps its rows."""
+    import sqlite_utils
+
+    conn = connect(tmp_path / "old.db")
+    conn.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+    db = sqlite_utils.Database(conn)
+    for name, step in MIGRATIONS[:3]:
+        step(db)
+        conn.execute("INSERT INTO _migrations VALUES (?, 0)", (name,))
+    conn.execute("INSERT INTO turns (id, t_wall, method, path, outcome) VALUES ('old', 1, 'POST', '/v1/chat/completions', 'ok')")
+    assert "content_class" not in {c.name for c in db["turns"].columns}
+    assert migrate(conn) == [name for name, _ in MIGRATIONS[3:]]
+    assert "content_class" in {c.name for c in db["turns"].columns}
+    assert conn.execute("SELECT id FROM turns").fetchall() == [("old",)]

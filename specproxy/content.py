@@ -1,0 +1,36 @@
+"""Which kind of output a turn delivered: code, prose or a tool call.
+
+Why: speculative decoding accepts far more of predictable output (code) than of prose (the field
+notes: +56% vs +18% on the same model), so a speedup measured on one class does not transfer to the
+other, and every report cell should say which class it is. The rule is simple and deterministic, run
+once per turn in the measuring thread on text that is in memory anyway (never stored unless opted in):
+
+* ``tool_call`` when tool-call arguments are most of the output;
+* ``code`` when the content has a fenced block, or at least 40% of its non-empty lines look like code
+  (indented, ending in ``;``, ``{`` or ``}``, or starting with a common keyword);
+* ``prose`` otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["classify"]
+
+_CODE_LINE = re.compile(
+    r"^(?:\s{4,}\S|\t\S)|[;{}]\s*$|^\s*(?:def|class|import|from|return|if|elif|else|for|while|try|except|"
+    r"#include|function|const|let|var|fn|pub|func|package|SELECT|public|private|static)\b"
+)
+
+
+def classify(content: str, tool_args: str = "") -> str | None:
+    """The class of one turn's delivered output; None when nothing was delivered."""
+    if not content.strip():
+        return "tool_call" if tool_args.strip() else None
+    if len(tool_args) > len(content):
+        return "tool_call"
+    if "```" in content:
+        return "code"
+    lines = [line for line in content.splitlines() if line.strip()]
+    code = sum(1 for line in lines if _CODE_LINE.search(line))
+    return "code" if lines and code / len(lines) >= 0.4 else "prose"
