@@ -31,6 +31,12 @@ latency, a floor under any proxy's added latency (large on VMs whose idle vCPUs 
 """
 
 from __future__ import annotations
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from benchlib import cpu_model  # noqa: E402
+
 
 import argparse
 import asyncio
@@ -552,13 +558,7 @@ def _hwm_kb(pid: int) -> int:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_model()
 
 
 def _free_port() -> int:

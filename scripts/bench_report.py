@@ -17,6 +17,12 @@ every 5 s would have stored. Then, in one run:
 """
 
 from __future__ import annotations
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from benchlib import cpu_model  # noqa: E402
+
 
 import argparse
 import cProfile
@@ -47,13 +53,7 @@ from specproxy.store import connect, open_store  # noqa: E402
 
 
 def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_model()
 
 
 def _maybe_null(rng: np.random.Generator, values: np.ndarray, p: float) -> list:

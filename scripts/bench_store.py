@@ -19,6 +19,12 @@ Target (issue 7): the Writer sustains >= 20,000 records/s.
 """
 
 from __future__ import annotations
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from benchlib import cpu_model  # noqa: E402
+
 
 import argparse
 import datetime as _dt
@@ -42,13 +48,7 @@ now_ns = time.perf_counter_ns
 
 
 def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_model()
 
 
 def _pct(xs: list[int], q: float) -> float:
