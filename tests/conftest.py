@@ -126,7 +126,6 @@ class LiveStack:
 
         self.service = Service(cfg=self.cfg, tokenizer=self.tokenizer, extra_sinks=[self.records.append],
                                writer=Writer(self.cfg.db, queue_size=self.cfg.queue_size))
-        self._bb = None
         self.run(self._start())
 
     async def _start(self) -> None:
