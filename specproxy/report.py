@@ -113,48 +113,37 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     return out
 
 
-def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
+def _cells(ok: Turns, key: str, names: Any, index: np.ndarray, extra) -> list[dict[str, Any]]:
+    """One row per non-empty cell: which cell it is, n, TTFT and per-stream speed, plus ``extra(cell)``."""
     rows = []
-    buckets = concurrency_buckets(ok.num["concurrency"])
-    for b in np.unique(buckets[buckets >= 0]):
-        cell = ok.select(buckets == b)
-        rows.append(
-            {
-                "concurrency": CONCURRENCY_BUCKETS[int(b)],
-                "n": len(cell),
-                "per_stream_tps": _summary(cell.num["decode_tps"]),
-                "aggregate": _aggregate(cell),
-                "ttft_s": _summary(cell.num["ttft_s"]),
-                "read": which_to_read(float(np.median(cell.num["concurrency"]))),
-            }
-        )
+    for b in np.unique(index[index >= 0]):
+        cell = ok.select(index == b)
+        rows.append({key: names[int(b)], "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
+                     "per_stream_tps": _summary(cell.num["decode_tps"]), **extra(cell)})
     return rows
+
+
+def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
+    return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
+                  lambda cell: {"aggregate": _aggregate(cell),
+                                "read": which_to_read(float(np.median(cell.num["concurrency"])))})
 
 
 def _by_prompt_length(ok: Turns) -> list[dict[str, Any]]:
-    rows = []
-    buckets = prompt_buckets(ok.num["prompt_tokens"])
-    for b in np.unique(buckets[buckets >= 0]):
-        cell = ok.select(buckets == b)
-        rows.append(
-            {"prompt_tokens": PROMPT_BUCKETS[int(b)], "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
-             "per_stream_tps": _summary(cell.num["decode_tps"])}
-        )
-    return rows
+    return _cells(ok, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(ok.num["prompt_tokens"]), lambda cell: {})
+
+
+CONTENT_CLASSES = ("prose", "code", "tool_call")
 
 
 def _by_content_class(ok: Turns) -> list[dict[str, Any]]:
     """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class."""
     classes = ok.txt["content_class"]
-    rows = []
-    for name in ("prose", "code", "tool_call"):
-        mask = classes == name
-        if mask.any():
-            cell = ok.select(mask)
-            rows.append({"content_class": name, "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
-                         "per_stream_tps": _summary(cell.num["decode_tps"]),
-                         "tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])})
-    return rows
+    index = np.full(len(ok), -1)
+    for i, name in enumerate(CONTENT_CLASSES):
+        index[classes == name] = i
+    return _cells(ok, "content_class", CONTENT_CLASSES, index,
+                  lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])})
 
 
 def _whole_turn(ok: Turns) -> dict[str, Any]:
