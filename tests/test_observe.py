@@ -80,9 +80,8 @@ def test_lone_turns_are_joined_with_their_counter_deltas(make_stack, tiktoken_to
     assert wait_for(lambda: watch.instance_id is not None)
     for _ in range(4):
         assert stack.run(chat(stack.url, 1)) == [200]
-        n = watch.joined
-        wait_for(lambda: watch.joined > n or not watch._turn_tasks, 5)
-        time.sleep(0.06)  # like a person between turns: lets the post-turn scrape land first
+        stack.settle()  # the turn has ended in the proxy, so its post-turn scrape has been started ...
+        assert wait_for(lambda: not watch._turn_tasks, 5)  # ... and has landed before the next turn
     r, conn = report_of(stack)
     rows = conn.execute("SELECT drafts, draft_tokens, accepted_tokens, generated_tokens, mal FROM turn_counters").fetchall()
     assert len(rows) >= 3
