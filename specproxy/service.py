@@ -210,9 +210,7 @@ class Service:
             await asyncio.to_thread(self.writer.close)
 
     async def run_forever(self, ready: Callable[[Service], None] | None = None) -> None:
-        await self.start()
-        if ready is not None:
-            ready(self)
+        # handlers first: a SIGTERM that arrives the moment we say we are ready must drain, not kill
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -220,6 +218,9 @@ class Service:
                 loop.add_signal_handler(sig, stop.set)
         with suppress(NotImplementedError, RuntimeError, AttributeError):
             loop.add_signal_handler(signal.SIGUSR1, self.log_state)
+        await self.start()
+        if ready is not None:
+            ready(self)
         try:
             await stop.wait()
         finally:
