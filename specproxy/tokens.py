@@ -16,6 +16,20 @@ Adapters, chosen by ``--tokenizer``:
 * ``none``: no counts (null, never 0); timings are still recorded.
 
 Every method here is CPU work: call it from a worker thread, never on the event loop.
+
+Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` has a budget of ~2 µs per streamed
+chunk), and both give exactly what the plain computation gives:
+
+* ``TiktokenTokenizer.token_ends`` does not call tiktoken's ``decode_with_offsets`` (a Python loop over
+  every byte of every token). It builds, once per tokenizer, two tables over the vocabulary: how many
+  characters each token starts (its bytes that are not UTF-8 continuation bytes) and whether it begins
+  with a continuation byte; the offsets are then running sums in C (``itertools.accumulate``). This is
+  tiktoken's own offset rule, the start of a token that begins inside a character being that
+  character's index, so multi-byte characters split across tokens come out the same.
+* Plain prompt counts memoise the system prompt and the tool definitions (a bounded LRU keyed by the
+  exact text): a chat client sends the same ones turn after turn. The chat-template split of the HF
+  adapter is not cached: each render covers the conversation, which changes every turn, and a
+  template may read the clock (``strftime_now``), so no piece of it is provably the same next time.
 """
 
 from __future__ import annotations
@@ -26,6 +40,9 @@ import os
 import tempfile
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from operator import sub
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,18 +86,26 @@ def tokens_in_first(ends: list[int], first_len: int) -> int:
 
 
 def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
-    """Prompt parts counted as plain text: used without a chat template (and as a fallback)."""
+    """Prompt parts counted as plain text: used without a chat template (and as a fallback).
+
+    The system prompt and the tools repeat turn after turn: counted through the tokenizer's
+    ``count_repeated`` (a memo of ``count``) when it has one.
+    """
     if parts.prompt is not None:
         n = tok.count(parts.prompt)
         return PromptCounts(n, 0, 0, 0, n)
-    system = sum(tok.count(message_text(m)) for m in parts.system)
-    tools = tok.count(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
+    repeated = getattr(tok, "count_repeated", tok.count)
+    system = sum(repeated(message_text(m)) for m in parts.system)
+    tools = repeated(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
     history = sum(tok.count(message_text(m)) for m in parts.history)
     new = sum(tok.count(message_text(m)) for m in parts.new)
     return PromptCounts(system + tools + history + new, system, tools, history, new)
 
 
 # --- tiktoken -------------------------------------------------------------------------------------
+
+_REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered (LRU)
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: they begin no character
 
 
 def _tiktoken_blob(encoding: str) -> tuple[str, str | None] | None:
@@ -159,6 +184,11 @@ class TiktokenTokenizer:
                 "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
             ) from None
 
+        # count() memoised for texts that repeat every turn (system prompt, tools); thread-safe
+        self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
+        self._tables: tuple[list[int], list[int]] | None = None
+        self._build_tables()  # ~0.1 s once, at load time rather than in the first turn's build
+
     def count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
 
@@ -166,8 +196,47 @@ class TiktokenTokenizer:
         tokens = self._enc.encode(text, disallowed_special=())
         if not tokens:
             return []
+        tables = self._tables if self._tables is not None else self._build_tables()
+        if tables is None:
+            return self._token_ends_reference(tokens, text)
+        chars, cont = tables
+        try:
+            # characters begun before each token (tiktoken's text_len), then minus one where the
+            # token begins inside a character: starts[i] = max(0, begun[i] - cont[i])
+            begun = list(accumulate(map(chars.__getitem__, tokens)))
+            if text.isascii():  # no continuation bytes anywhere: the ends are the running sums
+                begun[-1] = len(text)
+                return begun
+            ends = list(map(sub, begun[:-1], map(cont.__getitem__, tokens[1:])))
+        except IndexError:  # a token outside the tables (cannot happen with encode's output)
+            return self._token_ends_reference(tokens, text)
+        if ends and min(ends) < 0:
+            ends = [max(0, e) for e in ends]
+        ends.append(len(text))
+        return ends
+
+    def _token_ends_reference(self, tokens: list[int], text: str) -> list[int]:
+        """tiktoken's own offsets (a Python loop per byte): the definition the tables reproduce."""
         _, starts = self._enc.decode_with_offsets(tokens)
         return [*starts[1:], len(text)]
+
+    def _build_tables(self) -> tuple[list[int], list[int]] | None:
+        """Per token id: characters it begins, and 1 if its first byte is a UTF-8 continuation byte."""
+        ranks = getattr(self._enc, "_mergeable_ranks", None)
+        if not isinstance(ranks, dict):
+            return None
+        specials = getattr(self._enc, "_special_tokens", {})
+        size = max([*ranks.values(), *specials.values()]) + 1
+        chars = [0] * size
+        cont = [0] * size
+        items = [*ranks.items(), *((k.encode(), v) for k, v in specials.items())]
+        for token, rank in items:
+            chars[rank] = len(token.translate(None, _CONTINUATION))
+            cont[rank] = 1 if token and 0x80 <= token[0] < 0xC0 else 0
+        # ids between the ranks (o200k has a gap before its special tokens) keep 0: encode never
+        # returns them
+        self._tables = (chars, cont)
+        return self._tables
 
     def count_prompt(self, parts: PromptParts) -> PromptCounts:
         return _plain_counts(self, parts)

@@ -90,3 +90,31 @@ def test_tiktoken_offline_from_an_empty_cache(tmp_path, monkeypatch):
     tok = load_tokenizer("tiktoken:cl100k_base")
     assert tok.count("hello world") == 2
     assert list(tmp_path.iterdir()), "the encoding file was provisioned into the cache"
+
+
+def test_tiktoken_token_ends_equal_tiktokens_own_offsets(tiktoken_tok):
+    """token_ends uses per-token tables instead of decode_with_offsets: the same offsets, also where a
+    multi-byte character (CJK, emoji, ZWJ sequences, flags) is split across tokens."""
+    import random
+
+    rng = random.Random(7)
+    alphabet = "ab xyz,.!\n\t日本語中文한국어ñéüß🚀😀👍🏽\u200d️🇫🇷\x00\x7fÿĀ\U0010fffd"
+    samples = ["", "a", "Hello, wörld! 日本語 🚀 tokens", "👩\u200d👩\u200d👧\u200d👦" * 3, "💩" * 20, "中" * 50]
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(500)]
+    enc = tiktoken_tok._enc
+    for text in samples:
+        tokens = enc.encode(text, disallowed_special=())
+        if not tokens:
+            assert tiktoken_tok.token_ends(text) == []
+            continue
+        _, starts = enc.decode_with_offsets(tokens)
+        assert tiktoken_tok.token_ends(text) == [*starts[1:], len(text)], text
+
+
+def test_tiktoken_repeated_prompt_parts_are_memoised(tiktoken_tok):
+    parts = split_prompt(CHAT)
+    first = tiktoken_tok.count_prompt(parts)
+    hits = tiktoken_tok.count_repeated.cache_info().hits
+    assert tiktoken_tok.count_prompt(split_prompt(CHAT)) == first
+    assert tiktoken_tok.count_repeated.cache_info().hits >= hits + 2  # system and tools
+    assert tiktoken_tok.count_repeated(CHAT["messages"][0]["content"]) == tiktoken_tok.count(CHAT["messages"][0]["content"])

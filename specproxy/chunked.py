@@ -1,0 +1,133 @@
+"""Removing HTTP/1.1 chunked framing from reads relayed verbatim.
+
+Why: the proxy passes the upstream's chunked framing through to the client byte for byte (no
+re-framing on the forwarding path), so a ``RecordBuilder`` sees framed reads. Measuring needs the
+payload, and it needs it *per read*: an event is timed by the read that completed it, so the output is
+aligned 1:1 with the input (a read that carried only framing gives ``b""``).
+
+It is a small state machine fed read by read, because a frame's size line, data and CRLF can be split
+across reads anywhere. It is tolerant the way a measuring tool should be: a stream cut short yields
+what arrived (``complete`` is False); framing that is not HTTP/1.1 chunked (a bad size, missing CRLF
+after the data, bytes after the last chunk) stops decoding there, the remaining reads give ``b""`` and
+``error`` says what was wrong, so the Record can say so instead of guessing. Chunk extensions
+(``;name=value``) are skipped, and trailer fields after the last chunk are read and ignored. A lone LF
+is accepted where CRLF is due (as lenient HTTP parsers do); a size line or trailer longer than 64 KiB
+is malformed. A read that is exactly one whole frame (what an engine writes per token) takes a short
+path with the same checks.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Dechunked", "dechunk_reads"]
+
+_HEX = b"0123456789abcdefABCDEF"
+_MAX_LINE = 64 * 1024
+
+# states
+_SIZE = 0  # reading a chunk-size line (size, extensions, CRLF)
+_DATA = 1  # inside chunk data
+_DATA_CR = 2  # after chunk data: expecting CRLF
+_DATA_LF = 3  # after chunk data and its CR: expecting LF
+_TRAILER = 4  # after the last chunk: trailer field lines until an empty line
+_END = 5  # the body ended
+_BAD = 6  # malformed: nothing more is decoded
+
+
+class Dechunked(list):
+    """The payload of each read (a ``list[bytes]``), with what the framing said about the body.
+
+    ``error``: why decoding stopped, or ``None`` when the framing was well formed.
+    ``complete``: the last chunk and the trailer section arrived (the body ended properly).
+    """
+
+    error: str | None = None
+    complete: bool = False
+
+
+def dechunk_reads(reads: list[bytes]) -> Dechunked:
+    """For each raw read, the payload bytes it carried (framing removed), aligned 1:1 with ``reads``."""
+    out = Dechunked()
+    state = _SIZE
+    line = b""  # a size or trailer line that started in an earlier read
+    remaining = 0  # bytes of chunk data still due
+    error = None
+    for data in reads:
+        if state >= _END:
+            if state == _END and data:
+                state, error = _BAD, "bytes after the last chunk"
+            out.append(b"")
+            continue
+        n = len(data)
+        if state == _SIZE and not line:
+            # the common read: exactly one whole frame "<hex>\r\n<payload>\r\n" (no extension)
+            lf = data.find(b"\n", 0, 20)
+            if lf > 0:
+                size = data[: lf - 1] if data[lf - 1] == 13 else data[:lf]
+                if size and not size.lstrip(_HEX):
+                    end = lf + 1 + int(size, 16)
+                    if end > lf + 1 and n == end + 2 and data[end:] == b"\r\n":
+                        out.append(data[lf + 1 : end])
+                        continue
+        pieces: list[bytes] = []
+        pos = 0
+        while pos < n:
+            if state == _DATA:
+                end = pos + remaining
+                if end <= n:
+                    pieces.append(data[pos:end])
+                    pos = end
+                    remaining = 0
+                    state = _DATA_CR
+                else:
+                    pieces.append(data[pos:])
+                    remaining -= n - pos
+                    pos = n
+            elif state == _SIZE or state == _TRAILER:
+                lf = data.find(b"\n", pos)
+                if lf == -1:
+                    line += data[pos:]
+                    pos = n
+                    if len(line) > _MAX_LINE:
+                        state, error = _BAD, "a chunk-size or trailer line longer than 64 KiB"
+                    break
+                text = line + data[pos:lf] if line else data[pos:lf]
+                line = b""
+                pos = lf + 1
+                if text[-1:] == b"\r":
+                    text = text[:-1]
+                if len(text) > _MAX_LINE:
+                    state, error = _BAD, "a chunk-size or trailer line longer than 64 KiB"
+                    break
+                if state == _TRAILER:
+                    if not text:
+                        state = _END
+                        if pos < n:
+                            state, error = _BAD, "bytes after the last chunk"
+                        break
+                    continue  # a trailer field: not needed for measuring
+                size = text.split(b";", 1)[0].strip(b" \t")
+                if not size or size.lstrip(_HEX):
+                    state, error = _BAD, f"bad chunk-size line {text[:40]!r}"
+                    break
+                remaining = int(size, 16)
+                state = _DATA if remaining else _TRAILER
+            elif state == _DATA_CR:
+                byte = data[pos]
+                pos += 1
+                if byte == 13:  # CR
+                    state = _DATA_LF
+                elif byte == 10:  # a lone LF, accepted
+                    state = _SIZE
+                else:
+                    state, error = _BAD, "chunk data not followed by CRLF"
+                    break
+            else:  # _DATA_LF
+                if data[pos] != 10:
+                    state, error = _BAD, "chunk data not followed by CRLF"
+                    break
+                pos += 1
+                state = _SIZE
+        out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+    out.error = error
+    out.complete = state == _END
+    return out

@@ -1,0 +1,128 @@
+"""dechunk_reads against an independent oracle: random framings, extensions, trailers, read splits,
+truncation and malformed framing. The oracle knows, byte by byte, which framed bytes are payload."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specproxy.chunked import dechunk_reads
+
+
+def frame(payload: bytes, sizes: list[int], exts: list[bytes], trailers: list[bytes], upper: bool):
+    """Framed bytes and a per-byte mask (True = payload byte)."""
+    out, mask = bytearray(), []
+    pos, i = 0, 0
+    while pos < len(payload):
+        n = max(1, sizes[i % len(sizes)]) if sizes else len(payload)
+        data = payload[pos : pos + n]
+        head = (f"{len(data):X}" if upper else f"{len(data):x}").encode() + exts[i % len(exts)] + b"\r\n"
+        out += head
+        mask += [False] * len(head)
+        out += data
+        mask += [True] * len(data)
+        out += b"\r\n"
+        mask += [False, False]
+        pos += len(data)
+        i += 1
+    last = b"0" + (exts[0] if exts else b"") + b"\r\n" + b"".join(t + b"\r\n" for t in trailers) + b"\r\n"
+    out += last
+    mask += [False] * len(last)
+    return bytes(out), mask
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points:
+        pieces.append(data[last:p])
+        last = p
+    pieces.append(data[last:])
+    return pieces
+
+
+def oracle(reads: list[bytes], mask: list[bool]) -> list[bytes]:
+    out, pos = [], 0
+    for r in reads:
+        out.append(bytes(b for b, m in zip(r, mask[pos : pos + len(r)]) if m))
+        pos += len(r)
+    return out
+
+
+exts = st.lists(st.sampled_from([b"", b";a=b", b" ; name", b';q="x;y"', b";x=1;y=2"]), min_size=1, max_size=3)
+trailers = st.lists(st.sampled_from([b"X-Checksum: abc", b"Server-Timing: total;dur=12", b"Foo:"]), max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.binary(max_size=300), sizes=st.lists(st.integers(1, 40), max_size=5), exts=exts,
+       trailers=trailers, upper=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=15))
+def test_random_framings_and_splits(payload, sizes, exts, trailers, upper, cuts):
+    framed, mask = frame(payload, sizes, exts, trailers, upper)
+    reads = split(framed, cuts)
+    got = dechunk_reads(reads)
+    assert list(got) == oracle(reads, mask)
+    assert got.error is None and got.complete
+    assert b"".join(got) == payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=200), sizes=st.lists(st.integers(1, 30), max_size=4), exts=exts,
+       cut=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_truncated_stream_returns_what_arrived(payload, sizes, exts, cut, cuts):
+    framed, mask = frame(payload, sizes, exts, [], False)
+    cut %= len(framed)  # strictly shorter than the whole body
+    reads = split(framed[:cut], cuts)
+    got = dechunk_reads(reads)
+    assert list(got) == oracle(reads, mask[:cut])
+    assert got.error is None and not got.complete
+
+
+def test_one_byte_reads():
+    framed, mask = frame(b"data: hello\n\n" * 3, [5, 7], [b";e=1"], [b"T: v"], False)
+    reads = [framed[i : i + 1] for i in range(len(framed))]
+    got = dechunk_reads(reads)
+    assert len(got) == len(reads) and list(got) == oracle(reads, mask) and got.complete
+
+
+def test_framing_only_reads_give_empty_payload():
+    got = dechunk_reads([b"5\r\n", b"hello", b"\r\n", b"0\r\n\r\n"])
+    assert list(got) == [b"", b"hello", b"", b""] and got.complete and got.error is None
+
+
+def test_lone_lf_is_tolerated():
+    got = dechunk_reads([b"3\nabc\n0\n\n"])
+    assert list(got) == [b"abc"] and got.complete and got.error is None
+
+
+def test_malformed_size_stops_decoding():
+    got = dechunk_reads([b"3\r\nabc\r\n", b"zz\r\nmore\r\n", b"4\r\nlate\r\n"])
+    assert list(got) == [b"abc", b"", b""]
+    assert got.error and "chunk-size" in got.error and not got.complete
+
+
+def test_hex_prefix_and_signs_are_malformed():
+    for bad in (b"0x3\r\nabc\r\n0\r\n\r\n", b"+3\r\nabc\r\n0\r\n\r\n", b"\r\nabc\r\n", b"1_0\r\n"):
+        got = dechunk_reads([bad])
+        assert got.error is not None and list(got) == [b""]
+
+
+def test_missing_crlf_after_data():
+    got = dechunk_reads([b"3\r\nabcX\r\n0\r\n\r\n"])
+    assert list(got) == [b"abc"] and got.error and "CRLF" in got.error
+
+
+def test_bytes_after_the_last_chunk():
+    got = dechunk_reads([b"1\r\na\r\n0\r\n\r\n", b"junk"])
+    assert list(got) == [b"a", b""] and got.error and "after the last chunk" in got.error
+    got = dechunk_reads([b"1\r\na\r\n0\r\n\r\njunk"])
+    assert list(got) == [b"a"] and got.error
+
+
+def test_endless_size_line_is_malformed():
+    got = dechunk_reads([b"1" * 40_000, b"2" * 40_000, b"\r\n"])
+    assert got.error and list(got) == [b"", b"", b""]
+
+
+def test_empty_input():
+    got = dechunk_reads([])
+    assert list(got) == [] and got.error is None and not got.complete
