@@ -1,15 +1,18 @@
-"""The forwarding path: an aiohttp handler that relays every request to the one configured upstream.
+"""The forwarding path: relays every request to the one configured upstream.
 
-Why it looks like this: a measuring tool must not disturb what it measures. Per read of the upstream's
-body the handler does exactly: take a monotonic timestamp, write the bytes to the client, take another
-timestamp, append to the turn's ``RecordBuilder``. No parsing, tokenizing or database work happens on
+Why it looks like this: a measuring tool must not disturb what it measures. aiohttp's server parses and
+vets each request (the checks below); the response is relayed below aiohttp's streaming layers, by
+``upstream.UpstreamConn``: per read of the upstream's body, inside the socket callback, it takes a
+monotonic timestamp, writes the bytes to the client's transport (chunk framing passed verbatim), takes
+another timestamp and appends to the turn's ``RecordBuilder``. The handler's task only waits: for the
+end, or for a slow client to drain (backpressure). No parsing, tokenizing or database work happens on
 the event loop; once the response has ended, the builder is handed to a worker thread that makes the
 ``Record``, and the record goes to a sink whose ``put`` never blocks.
 
 Transparency rules: the upstream is the configured one, never one taken from the request (absolute-form
 URIs, Host, X-Forwarded-Host, a body's ``base_url`` are ignored); request and response bodies pass
-byte-identical; hop-by-hop headers (RFC 9110 section 7.6.1) are dropped, end-to-end ones kept; the
-upstream client never decompresses and the server never compresses; a POST is never retried.
+byte-identical, and so do header bytes (even obs-text); hop-by-hop headers (RFC 9110 section 7.6.1) are
+dropped, end-to-end ones kept; nothing is decompressed or compressed; a POST is never retried.
 
 Defences, each checked before anything is forwarded (so a refused request never reaches the upstream):
 ambiguous framing (Transfer-Encoding other than a lone ``chunked``, with Content-Length, in HTTP/1.0;
@@ -41,13 +44,22 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
-from multidict import CIMultiDict
 from yarl import URL
 
 from .config import Config
 from .measure import RecordBuilder, is_measured
 from .record import Record
 from .tokens import Tokenizer
+from .upstream import (
+    CHUNKED,
+    CLOSE,
+    DECHUNK,
+    ENCODE,
+    PASS,
+    ResponseHead,
+    UpstreamError,
+    UpstreamPool,
+)
 
 __all__ = ["LABEL_HEADER", "Proxy"]
 
@@ -75,6 +87,8 @@ _HOP_BY_HOP = frozenset(
 # upstream client wait for an interim response some servers never send.
 _NOT_FORWARDED_UP = _HOP_BY_HOP | {"host", "content-length", "expect", LABEL_HEADER.lower()}
 _NOT_FORWARDED_DOWN = _HOP_BY_HOP
+_NOT_FORWARDED_UP_B = frozenset(h.encode() for h in _NOT_FORWARDED_UP)
+_NOT_FORWARDED_DOWN_B = frozenset(h.encode() for h in _NOT_FORWARDED_DOWN)
 
 MAX_PENDING_BUILDS = 10000  # turns waiting to be measured; past this a turn is forwarded but not measured
 UPSTREAM_READ_BUFSIZE = 65536
@@ -103,19 +117,6 @@ class _NoRequestContent(logging.Filter):
 http_log.addFilter(_NoRequestContent())
 
 clock = time.perf_counter
-
-
-def _strip(headers, drop: frozenset[str] | set[str]) -> CIMultiDict:
-    """Copy headers without hop-by-hop ones, including any the Connection header names."""
-    named = set()
-    for value in headers.getall("Connection", ()):
-        named.update(token.strip().lower() for token in value.split(","))
-    out: CIMultiDict = CIMultiDict()
-    for key, value in headers.items():
-        low = key.lower()
-        if low not in drop and low not in named:
-            out.add(key, value)
-    return out
 
 
 def _error_response(status: int, kind: str, message: str, *, close: bool = False) -> web.Response:
@@ -150,14 +151,6 @@ def _refuse(request: web.Request) -> web.Response | None:
         size += len(name) + len(value) + 4
         if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(name):
             return _error_response(400, "bad_request", "control character in a header", close=True)
-        if not value.isascii():
-            try:
-                value.decode("utf-8")
-            except UnicodeDecodeError:
-                # aiohttp's client writes header values as UTF-8 and would silently drop these bytes:
-                # refusing is honest, forwarding an altered header is not
-                return _error_response(400, "bad_request", "a header value is not valid UTF-8 (obs-text): "
-                                       "specproxy cannot forward it unchanged", close=True)
     if size > MAX_HEADER_BYTES:
         return _error_response(431, "headers_too_large", f"request headers over {MAX_HEADER_BYTES} bytes",
                                close=True)
@@ -177,7 +170,9 @@ class Proxy:
     ) -> None:
         self.cfg = cfg
         self.upstream = cfg.upstream_url
-        self._base = str(self.upstream.with_query(None).with_fragment(None)).rstrip("/")
+        # requests go to the upstream's path prefix (if any) + the client's path and query, as sent
+        self._base_path = self.upstream.raw_path.rstrip("/").encode()
+        self._host_header = _host_header(self.upstream)
         self.tokenizer = tokenizer
         self.sink = sink
         self.instance_id = instance_id
@@ -191,7 +186,7 @@ class Proxy:
         self.rejected_busy = 0
         self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
         self._pending_builds = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specproxy-measure")
         self._idle = asyncio.Event()
 
@@ -214,25 +209,12 @@ class Proxy:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.cfg.connect_timeout_s, sock_read=self.cfg.idle_timeout_s
-        )
-        connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,  # forward the upstream's bytes as they are
-            # what one stream may buffer from the upstream while its client is not reading (reading
-            # pauses at twice this): with the kernel's socket queues, that is the backpressure
-            read_bufsize=UPSTREAM_READ_BUFSIZE,
-            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,  # never route through an environment proxy
-        )
+        self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
+                                  idle_timeout_s=self.cfg.idle_timeout_s)
 
     async def _on_cleanup(self, _app: web.Application) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
         await self.drain_measurements()
         await asyncio.to_thread(self._executor.shutdown, True)  # joining threads blocks: not on the loop
 
@@ -243,7 +225,7 @@ class Proxy:
             self._idle.clear()
             try:
                 await asyncio.wait_for(self._idle.wait(), max(deadline - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
 
     # --- the handler ------------------------------------------------------------------------------
@@ -344,78 +326,46 @@ class Proxy:
                     self.on_turn_end(builder.id, t_request, prev_done, alone)
 
     async def _relay(self, request: web.Request, body: bytes, b: RecordBuilder | None) -> web.StreamResponse:
-        assert self._session is not None
-        url = URL(self._base + request.rel_url.raw_path_qs, encoded=True)
-        headers = _strip(request.headers, _NOT_FORWARDED_UP)
+        assert self._pool is not None
+        method = request.method
         try:
-            up = await self._session.request(
-                request.method,
-                url,
-                headers=headers,
-                data=body if body or request.method not in ("GET", "HEAD") else None,
-                allow_redirects=False,
-                compress=None,
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            # refused or reset: 502; no connection within connect_timeout_s, or no response headers
-            # within idle_timeout_s: 504. Either way the upstream gave no response to relay.
-            status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
-            reason = _describe(exc, self.cfg)
+            head_bytes = _request_head(self._base_path, self._host_header, request, body)
+            conn = await self._pool.request(method, head_bytes + body)
+        except UpstreamError as exc:
+            # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
+            # head within idle_timeout_s: 504. Either way the upstream gave no response to relay.
+            status = 504 if exc.timeout else 502
             if b is not None:
-                b.fail(clock(), "upstream_unreachable", status, reason)
+                b.fail(clock(), "upstream_unreachable", status, str(exc))
             kind = "upstream_timeout" if status == 504 else "upstream_unreachable"
-            return _error_response(status, kind, f"no response from the upstream: {reason}")
+            return _error_response(status, kind, f"no response from the upstream: {exc}")
         try:
-            t_headers = clock()
+            head = conn.head
+            assert head is not None
             if b is not None:
-                b.on_headers(
-                    t_headers, up.status, up.headers.get("Content-Type", ""), up.headers.get("Content-Encoding", "")
-                )
-            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_strip(up.headers, _NOT_FORWARDED_DOWN))
-            if up.headers.get("Content-Length") is not None and "chunked" not in up.headers.get("Transfer-Encoding", ""):
-                resp.headers["Content-Length"] = up.headers["Content-Length"]
+                b.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
+                             _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
+            raw, mode, keep = _response_head(head, request)
+            resp = _RelayedResponse(head.status, raw, keep)
             await resp.prepare(request)
-            return await self._pump(request, up, resp, b)
-        finally:
-            up.close()
-
-    async def _pump(
-        self, request: web.Request, up: aiohttp.ClientResponse, resp: web.StreamResponse, b: RecordBuilder | None
-    ) -> web.StreamResponse:
-        """Relay read by read. The hot loop: read, stamp, write, stamp, append."""
-        content = up.content
-        try:
-            while True:
-                try:
-                    data = await content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    if b is not None:
-                        b.finish(clock(), "upstream_truncated", _describe(exc, self.cfg))
-                    _abort(request)  # the client must see the truncation: no invented end of stream
-                    return resp
-                if not data:
-                    break
-                t_read = clock()
-                try:
-                    await resp.write(data)
-                except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
-                    if b is not None:
-                        b.on_bytes(data, t_read, clock())
-                        b.finish(clock(), "client_abort", _describe(exc))
-                    return resp
-                if b is not None:
-                    b.on_bytes(data, t_read, clock())
-            if b is not None:
-                b.finish(clock())
-            await resp.write_eof()
-        except asyncio.CancelledError:
-            # the client disconnected (aiohttp cancels the handler): close the upstream, keep the turn
-            if b is not None and not b._ended:
-                b.finish(clock(), "client_abort", "client disconnected")
+            transport = request.transport
+            if transport is None:  # the client left while we waited for the upstream
+                conn.abandon("client_abort", "client disconnected")
+                return resp
+            conn.attach(transport, b, mode)
+            while conn.outcome is None:
+                await conn.wait()
+                if conn.paused:  # the client reads slower than the upstream sends: wait for it to drain
+                    await request.writer.drain()
+                    conn.resume()
+            return resp
+        except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler): keep the turn
+            conn.abandon("client_abort", "client disconnected")
             raise
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            pass  # the client left while we finished the response; the turn is already recorded
-        return resp
+        except Exception as exc:  # a bug of ours: the turn is recorded as such, the client sees a cut
+            conn.abandon("proxy_error", f"{type(exc).__name__} ({_where(exc)})")
+            _abort(request)
+            raise
 
     # --- measuring, off the forwarding path -----------------------------------------------------------
 
@@ -447,35 +397,110 @@ class Proxy:
         self.sink(fut.result())
 
 
+def _request_head(self_base_path: bytes, host: bytes, request: web.Request, body: bytes) -> bytes:
+    """The request line and headers for the upstream: the client's header bytes as they came, minus
+    hop-by-hop ones and our own; Host is the upstream's; Content-Length is that of the exact body sent."""
+    named = _connection_named(request.headers.getall("Connection", ()))
+    out = [b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (request.method.encode(), self_base_path,
+                                                   request.rel_url.raw_path_qs.encode(), host)]
+    for name, value in request.raw_headers:
+        low = name.lower()
+        if low not in _NOT_FORWARDED_UP_B and low not in named:
+            out.append(b"%s: %s\r\n" % (name, value))
+    if body or request.method not in ("GET", "HEAD"):
+        out.append(b"Content-Length: %d\r\n" % len(body))
+    out.append(b"\r\n")
+    return b"".join(out)
+
+
+def _host_header(url: URL) -> bytes:
+    host = url.raw_host or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    if url.explicit_port and url.port != {"http": 80, "https": 443}.get(url.scheme):
+        host = f"{host}:{url.port}"
+    return host.encode("ascii")
+
+
+def _connection_named(values) -> set[bytes]:
+    """Header names a Connection header lists (RFC 9110 7.6.1): hop-by-hop for this one connection."""
+    named: set[bytes] = set()
+    for value in values:
+        if isinstance(value, str):
+            value = value.encode("latin-1", "replace")
+        named.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return named
+
+
+def _response_head(head: ResponseHead, request: web.Request) -> tuple[bytes, int, bool]:
+    """The client's response head, how its body is framed for the client, and whether the connection is kept.
+
+    The upstream's header bytes pass unchanged, minus hop-by-hop ones. A chunked body passes with its
+    framing to an HTTP/1.1 client, and is unframed for an HTTP/1.0 one (which then sees the end by the
+    close); a body that ends by the upstream's close is chunked for an HTTP/1.1 client."""
+    http11 = request.version == aiohttp.HttpVersion11
+    keep = http11 and request.keep_alive
+    named = _connection_named([v for k, v in head.headers if k.lower() == b"connection"])
+    framing = head.framing
+    lines = [b"HTTP/1.%d %d %s\r\n" % (1 if http11 else 0, head.status, head.reason)]
+    for name, value in head.headers:
+        low = name.lower()
+        if low in _NOT_FORWARDED_DOWN_B or low in named:
+            continue
+        if low == b"content-length" and framing == CHUNKED:
+            continue  # RFC 9112 6.3: Transfer-Encoding overrides it; passing both invites smuggling
+        lines.append(b"%s: %s\r\n" % (name, value))
+    mode = PASS
+    if framing == CHUNKED:
+        if http11:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        else:
+            mode, keep = DECHUNK, False
+    elif framing == CLOSE:
+        if http11:
+            mode = ENCODE
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        else:
+            keep = False
+    if not keep and http11:
+        lines.append(b"Connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines), mode, keep
+
+
+class _RelayedResponse(web.StreamResponse):
+    """aiohttp's bookkeeping for a response (keep-alive, "already sent") whose head and body the relay
+    writes to the transport itself, so that the upstream's header bytes and chunk framing pass verbatim."""
+
+    def __init__(self, status: int, head: bytes, keep_alive: bool) -> None:
+        super().__init__(status=status)
+        self._head_bytes = head
+        self._keep_alive = keep_alive  # aiohttp decides from this whether to read another request
+
+    async def _start(self, request: web.BaseRequest):  # type: ignore[override]
+        self._req = request
+        writer = self._payload_writer = request._payload_writer
+        transport = request.transport
+        if transport is not None:
+            transport.write(self._head_bytes)
+        writer.output_size += len(self._head_bytes)  # so aiohttp never appends an error page to it
+        return writer
+
+
+def _latin(value: bytes | None) -> str:
+    return value.decode("latin-1") if value is not None else ""
+
+
 def _abort(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()
 
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
-
-
 def _where(exc: BaseException) -> str:
     """Where an exception was raised (file:line), for logs and records that must not quote its message."""
     frames = traceback.extract_tb(exc.__traceback__)
     return f"raised at {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised at ?"
-
-
-def _describe(exc: BaseException, cfg: Config | None = None) -> str:
-    """A short reason that never includes request content: the type and our own words, or the
-    exception's message with every URL cut out (aiohttp puts the full URL, query string and all, in
-    some messages, and a query string can carry an API key)."""
-    name = type(exc).__name__
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        text = "no connection within connect_timeout_s" + (f" ({cfg.connect_timeout_s:g} s)" if cfg else "")
-    elif isinstance(exc, aiohttp.ServerTimeoutError):
-        text = "no byte from the upstream within idle_timeout_s" + (f" ({cfg.idle_timeout_s:g} s)" if cfg else "")
-    elif isinstance(exc, aiohttp.ClientConnectorError):
-        text = f"cannot connect to the upstream: {exc.strerror or type(exc.os_error).__name__}"
-    else:
-        text = _URL.sub("<url>", str(exc)) or name
-    return f"{name}: {text}"[:300]
 
 
 def _unmeasured(b: RecordBuilder, error: str) -> Record:

@@ -170,12 +170,11 @@ class Service:
             fds = len(os.listdir("/proc/self/fd"))
         except OSError:
             fds = -1
-        session = p._session if p else None
-        pool = getattr(session.connector, "_conns", {}) if session is not None and session.connector else {}
+        pool = p._pool if p else None
         return {
             "tasks": len(asyncio.all_tasks()),
             "connections": len(server.connections) if server is not None else 0,
-            "upstream_idle": sum(len(v) for v in pool.values()),  # kept-alive upstream connections
+            "upstream_idle": len(pool.idle) if pool is not None else 0,  # kept-alive upstream connections
             "fds": fds,
             "in_flight": p.in_flight if p else 0,
             "pending_measure": p._pending_builds if p else 0,

@@ -17,19 +17,23 @@ import aiohttp
 import orjson
 import pytest
 
+from specproxy.chunked import dechunk_reads
+
 from faultkit import ScriptedUpstream, Stream, chunk, db_records, make_stream, split_plan
 
 CHAT = "/v1/chat/completions"
 
 
 def _spy_reads(stack) -> dict[bytes, list[int]]:
-    """Record, per request body, the size of every read the proxy made from the upstream."""
+    """Record, per request body, the payload size of every read the proxy made from the upstream (the
+    reads hold chunked framing as relayed; the payload is what the events are decoded from)."""
     proxy = stack.service.proxy
     seen: dict[bytes, list[int]] = {}
     submit = proxy._submit
 
     def spy(builder):
-        seen[builder.body] = [len(r) for r in builder.reads]
+        reads = dechunk_reads(builder.reads) if builder.chunked else builder.reads
+        seen[builder.body] = [len(r) for r in reads if r]
         submit(builder)
 
     proxy._submit = spy

@@ -251,9 +251,8 @@ def test_defaults_have_no_total_deadline(make_stack):
     stack = make_stack(scrape_interval_s=0)
     cfg = stack.cfg
     assert cfg.idle_timeout_s >= 600 and cfg.connect_timeout_s <= 30 and cfg.header_timeout_s >= 10
-    timeout = stack.service.proxy._session.timeout
-    assert timeout.total is None and timeout.sock_read == cfg.idle_timeout_s
-    assert timeout.connect == cfg.connect_timeout_s
+    pool = stack.service.proxy._pool
+    assert pool.idle_timeout_s == cfg.idle_timeout_s and pool.connect_timeout_s == cfg.connect_timeout_s
 
 
 def _gappy(gaps: list[float], *, head_after: float = 0.0):

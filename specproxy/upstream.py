@@ -1,0 +1,653 @@
+"""The upstream half of the relay: HTTP/1.1 connections to the one inference server, on asyncio Protocols.
+
+Why not aiohttp's client here: per chunk of a stream, aiohttp's client parses the chunked framing, feeds
+a StreamReader and wakes the handler's task, which then writes through StreamResponse's own chunked
+framing: a task switch and two framing passes per chunk, measured at a quarter to a third of the relay's
+CPU (scripts/bench_overhead.py). Here the bytes of a response body are written to the client's transport
+inside ``data_received``, the moment they are read, with the upstream's framing passed through verbatim.
+The per-read work is: a clock read, finding out whether the body ended (chunk sizes are skipped over, the
+payload is never copied), the write, a clock read, and three list appends into the turn's
+``RecordBuilder``. Nothing is parsed or counted here; the measuring thread strips the framing later.
+
+Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
+is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
+and closed after ``POOL_IDLE_S``; a POST is never retried. Response framing per RFC 9112 6.3:
+``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
+interim 1xx responses are skipped. Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for
+the response head and between reads of the body (not while the client is the one not reading). There is
+no total deadline: a long prefill or a long answer is not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import time
+
+from yarl import URL
+
+__all__ = [
+    "CHUNKED",
+    "CLOSE",
+    "LENGTH",
+    "NO_BODY",
+    "ChunkedEnd",
+    "FramingError",
+    "ResponseHead",
+    "UpstreamConn",
+    "UpstreamError",
+    "UpstreamPool",
+    "parse_head",
+]
+
+clock = time.perf_counter
+
+POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long
+MAX_HEAD_BYTES = 65536  # a response head longer than this is refused (502)
+MAX_LINE_BYTES = 4096  # a chunk-size or trailer line longer than this is malformed framing
+
+# framing of a response body (RFC 9112 6.3)
+NO_BODY, LENGTH, CHUNKED, CLOSE = "none", "length", "chunked", "close"
+
+# connection states
+_IDLE, _WAIT_HEAD, _PARKED, _BODY, _DONE = range(5)
+
+_HEX = b"0123456789abcdefABCDEF"
+_TOKEN_BAD = frozenset(b' \t"(),/:;<=>?@[\\]{}')
+
+
+class UpstreamError(Exception):
+    """No usable response from the upstream. ``timeout``: a deadline passed (504), else a failure (502).
+    Messages are our own words, never request content."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class FramingError(ValueError):
+    """The upstream's body framing is malformed."""
+
+
+class ResponseHead:
+    """A parsed response head; ``headers`` are the raw (name, value) byte pairs as received."""
+
+    __slots__ = ("framing", "headers", "keep_alive", "length", "reason", "status", "version")
+
+    def __init__(self, status: int, reason: bytes, version: bytes, headers: list[tuple[bytes, bytes]],
+                 framing: str, length: int, keep_alive: bool) -> None:
+        self.status = status
+        self.reason = reason
+        self.version = version
+        self.headers = headers
+        self.framing = framing
+        self.length = length
+        self.keep_alive = keep_alive
+
+    def get(self, name: bytes) -> bytes | None:
+        """The first value of a header (``name`` in lower case), or None."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+
+def _comma_tokens(values: list[bytes]) -> list[bytes]:
+    return [t.strip().lower() for v in values for t in v.split(b",") if t.strip()]
+
+
+def parse_head(raw: bytes, method: str) -> ResponseHead:
+    """Parse a status line and header fields (``raw`` without the blank line that ends them).
+
+    Strict where leniency could mislead about framing (obs-fold, conflicting Content-Length, bad field
+    names), lenient where it cannot (bare LF line ends, any reason phrase, any bytes in values)."""
+    lines = raw.split(b"\n")
+    status_line = lines[0].rstrip(b"\r")
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
+        raise UpstreamError("malformed status line from the upstream")
+    version, status = parts[0], int(parts[1])
+    reason = parts[2] if len(parts) > 2 else b""
+    headers: list[tuple[bytes, bytes]] = []
+    lengths: list[bytes] = []
+    codings: list[bytes] = []
+    connection: list[bytes] = []
+    for line in lines[1:]:
+        line = line.rstrip(b"\r")
+        if not line:
+            continue
+        if line[0] in b" \t":
+            raise UpstreamError("obsolete line folding in a response header from the upstream")
+        name, sep, value = line.partition(b":")
+        if not sep or not name or any(c in _TOKEN_BAD or c < 33 or c > 126 for c in name):
+            raise UpstreamError("malformed response header from the upstream")
+        value = value.strip(b" \t")
+        headers.append((name, value))
+        low = name.lower()
+        if low == b"content-length":
+            lengths.append(value)
+        elif low == b"transfer-encoding":
+            codings.append(value)
+        elif low == b"connection":
+            connection.append(value)
+    conn_tokens = _comma_tokens(connection)
+    keep_alive = version == b"HTTP/1.1" and b"close" not in conn_tokens
+    length = -1
+    if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
+        framing = NO_BODY
+    elif codings:
+        coding = _comma_tokens(codings)
+        # chunked last: chunked framing; any other final coding: the body runs until close
+        framing = CHUNKED if coding and coding[-1] == b"chunked" else CLOSE
+    elif lengths:
+        values = {v.strip() for v in b",".join(lengths).split(b",")}
+        if len(values) != 1:
+            raise UpstreamError("conflicting Content-Length from the upstream")
+        (value,) = values
+        if not value.isdigit() or len(value) > 18:
+            raise UpstreamError("malformed Content-Length from the upstream")
+        framing, length = LENGTH, int(value)
+    else:
+        framing = CLOSE
+    if framing == CLOSE:
+        keep_alive = False
+    return ResponseHead(status, reason, version, headers, framing, length, keep_alive)
+
+
+class ChunkedEnd:
+    """Follows chunked framing to find where the body ends, skipping payload without copying it.
+
+    ``feed(data)`` returns -1 while the body goes on, else the index in ``data`` just past the body's
+    last byte (the end of the trailer section). With ``collect=True`` the payload slices are kept in
+    ``payload`` (for a client that cannot take chunked framing)."""
+
+    __slots__ = ("_line", "_trailers", "payload", "rem")
+
+    def __init__(self, collect: bool = False) -> None:
+        self.rem = 0  # bytes of the current chunk (payload and its CRLF) still to skip
+        self._line = b""  # a size or trailer line split across reads
+        self._trailers = False
+        self.payload: list[bytes] | None = [] if collect else None
+
+    def feed(self, data: bytes) -> int:
+        n = len(data)
+        rem = self.rem
+        payload = self.payload
+        if rem >= n:  # the whole read is inside one chunk: the usual case for long chunks
+            self.rem = rem - n
+            if payload is not None and min(n, rem - 2) > 0:
+                payload.append(data[: rem - 2])  # the chunk's payload, not its closing CRLF
+            return -1
+        if payload is not None and rem > 2:
+            payload.append(data[: rem - 2])
+        i = rem
+        self.rem = 0
+        while i < n:
+            j = data.find(b"\n", i)
+            if j < 0:
+                self._line += data[i:]
+                if len(self._line) > MAX_LINE_BYTES:
+                    raise FramingError("a chunk-size line too long")
+                return -1
+            line = data[i:j]
+            if self._line:
+                line = self._line + line
+                self._line = b""
+            i = j + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if self._trailers:
+                if not line:
+                    return i
+                continue
+            size_text = line.split(b";", 1)[0].strip(b" \t")
+            if not size_text or size_text.strip(_HEX) or len(size_text) > 15:
+                raise FramingError("malformed chunk size")
+            size = int(size_text, 16)
+            if size == 0:
+                self._trailers = True
+                continue
+            end = i + size + 2  # the payload and its CRLF
+            if payload is not None:
+                payload.append(data[i : min(i + size, n)])
+            if end > n:
+                self.rem = end - n
+                return -1
+            if data[end - 2 : end] != b"\r\n":
+                raise FramingError("chunk payload not followed by CRLF")
+            i = end
+        return -1
+
+
+class _Length:
+    """A Content-Length body: ends after ``rem`` more bytes."""
+
+    __slots__ = ("payload", "rem")
+
+    def __init__(self, length: int) -> None:
+        self.rem = length
+        self.payload = None
+
+    def feed(self, data: bytes) -> int:
+        self.rem -= len(data)
+        return -1 if self.rem > 0 else len(data) + self.rem
+
+
+class _UntilClose:
+    __slots__ = ("payload",)
+
+    def __init__(self) -> None:
+        self.payload = None
+
+    def feed(self, data: bytes) -> int:
+        return -1
+
+
+# how the body goes to the client
+PASS, DECHUNK, ENCODE = 0, 1, 2
+
+
+class UpstreamConn(asyncio.Protocol):
+    """One connection to the upstream, carrying one exchange at a time.
+
+    The handler sends a request (``UpstreamPool.request``), gets the head, writes the client's response
+    head, then ``attach``es the client's transport: from then on each read is forwarded from
+    ``data_received``. The handler waits on ``wait()``, which returns when the body has ended (see
+    ``outcome``) or when the client's transport is full (``paused``): then it waits for the client to
+    drain and calls ``resume()``. The turn's builder is told of every read and of the end."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.state = _IDLE
+        self._head_buf = b""
+        self._head_waiter: asyncio.Future | None = None
+        self.head: ResponseHead | None = None
+        self.t_head = 0.0
+        self._parked: list[tuple[bytes, float]] = []
+        self._eof = False
+        self._method = "GET"
+        self.out: asyncio.Transport | None = None
+        self.builder = None
+        self.framing: ChunkedEnd | _Length | _UntilClose | None = None
+        self.mode = PASS
+        self.outcome: str | None = None  # "ok", "upstream_truncated", "client_abort" once finished
+        self.error: str | None = None
+        self.paused = False
+        self._waiter: asyncio.Future | None = None
+        self._high = 65536
+        self.last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._pool_timer: asyncio.TimerHandle | None = None
+        self.reusable = True
+
+    # --- asyncio callbacks ----------------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a token must not wait for Nagle's algorithm
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        t_read = clock()
+        self.last_read = t_read
+        state = self.state
+        if state == _BODY:
+            self._body(data, t_read)
+        elif state == _WAIT_HEAD:
+            self._on_head_bytes(data, t_read)
+        elif state == _PARKED:
+            self._parked.append((data, t_read))
+        else:  # bytes nobody asked for: this connection cannot be trusted with another exchange
+            self.reusable = False
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too: HTTP/1.1 has no half-closed exchanges
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self.reusable = False
+        self._cancel_timer()
+        if self._pool_timer is not None:
+            self._pool_timer.cancel()
+        self.pool._forget(self)
+        state = self.state
+        if state == _WAIT_HEAD:
+            why = f"the upstream closed the connection before responding ({type(exc).__name__})" if exc else \
+                "the upstream closed the connection before responding"
+            self._fail_head(UpstreamError(why))
+        elif state == _PARKED:
+            self._eof = True
+        elif state == _BODY:
+            if isinstance(self.framing, _UntilClose):
+                self._complete("ok", None)
+            else:
+                reason = f"{type(exc).__name__}: connection lost" if exc else "the upstream closed the connection"
+                self._truncated(f"body incomplete: {reason}")
+
+    def pause_writing(self) -> None:  # our request is large and the upstream is slow to read it
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # --- sending and the head -----------------------------------------------------------------------------
+
+    def send(self, method: str, data: bytes) -> asyncio.Future:
+        assert self.state == _IDLE and self.transport is not None
+        if self._pool_timer is not None:
+            self._pool_timer.cancel()
+            self._pool_timer = None
+        self._method = method
+        self.state = _WAIT_HEAD
+        self._head_waiter = self.pool.loop.create_future()
+        self.transport.write(data)
+        self.last_read = clock()
+        self._arm_timer()
+        return self._head_waiter
+
+    def _on_head_bytes(self, data: bytes, t_read: float) -> None:
+        buf = self._head_buf + data if self._head_buf else data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            sep = 4
+            if end < 0:
+                end = buf.find(b"\n\n")
+                sep = 2
+            if end < 0:
+                if len(buf) > MAX_HEAD_BYTES:
+                    self._fail_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
+                    self.close()
+                    return
+                self._head_buf = buf
+                return
+            try:
+                head = parse_head(buf[:end], self._method)
+            except UpstreamError as exc:
+                self._fail_head(exc)
+                self.close()
+                return
+            rest = buf[end + sep :]
+            if 100 <= head.status < 200:
+                if head.status == 101:
+                    self._fail_head(UpstreamError("the upstream switched protocols, which a proxy of HTTP "
+                                                  "exchanges cannot relay"))
+                    self.close()
+                    return
+                buf = rest  # an interim response (100 Continue, 103 Early Hints): not the answer
+                continue
+            self._head_buf = b""
+            self.head = head
+            self.t_head = t_read
+            self.state = _PARKED
+            self._cancel_timer()
+            if rest:
+                self._parked.append((rest, t_read))
+            waiter = self._head_waiter
+            self._head_waiter = None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(head)
+            return
+
+    def _fail_head(self, exc: UpstreamError) -> None:
+        self._cancel_timer()
+        waiter = self._head_waiter
+        self._head_waiter = None
+        self.state = _DONE
+        self.reusable = False
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    # --- the body ------------------------------------------------------------------------------------
+
+    def attach(self, out: asyncio.Transport, builder, mode: int) -> None:
+        """Start forwarding the body to ``out``; reads that arrived meanwhile go first, with their times."""
+        assert self.state == _PARKED and self.head is not None
+        head = self.head
+        self.out = out
+        self.builder = builder
+        self.mode = mode
+        self.outcome = None
+        self.paused = False
+        limits = out.get_write_buffer_limits() if hasattr(out, "get_write_buffer_limits") else (0, 65536)
+        self._high = max(limits[1], 1)
+        if head.framing == CHUNKED:
+            self.framing = ChunkedEnd(collect=mode == DECHUNK)
+        elif head.framing == LENGTH:
+            self.framing = _Length(head.length)
+        elif head.framing == CLOSE:
+            self.framing = _UntilClose()
+        else:
+            self.framing = _Length(0)
+        self.state = _BODY
+        parked, self._parked = self._parked, []
+        if head.framing == NO_BODY or (head.framing == LENGTH and head.length == 0):
+            if parked:
+                self.reusable = False  # bytes after a body-less response: not a connection to reuse
+            self._complete("ok", None)
+            return
+        for data, t_read in parked:
+            self._body(data, t_read)
+            if self.state != _BODY:
+                return
+        if self._eof:
+            self.connection_lost(None)
+            return
+        if self.transport is not None:
+            self._arm_timer()
+
+    def _body(self, data: bytes, t_read: float) -> None:
+        """The forwarding path of one read. Keep it short."""
+        try:
+            end = self.framing.feed(data)
+        except FramingError as exc:
+            self._truncated(f"malformed chunked framing from the upstream ({exc})")
+            return
+        if end >= 0 and end != len(data):
+            data = data[:end]
+            self.reusable = False  # bytes past the end of the response nobody asked for
+        out = self.out
+        if out.is_closing():
+            self._client_gone("client disconnected")
+            return
+        mode = self.mode
+        if mode == PASS:
+            out.write(data)
+        elif mode == DECHUNK:
+            payload = self.framing.payload
+            if payload:
+                out.write(b"".join(payload))
+                payload.clear()
+        elif data:
+            out.write(b"%x\r\n%b\r\n" % (len(data), data))
+        t_written = clock()
+        b = self.builder
+        if b is not None:
+            b.on_bytes(data, t_read, t_written)
+        if end >= 0:
+            self._complete("ok", None)
+        elif out.get_write_buffer_size() > self._high:
+            self._pause()
+
+    def _pause(self) -> None:
+        """The client is not reading as fast as the upstream sends: stop reading the upstream (the kernel's
+        buffers then push back on it) until the handler has seen the client drain."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self.paused = True
+        self._cancel_timer()  # not the upstream's silence: no idle deadline while we hold it back
+        self._wake()
+
+    def resume(self) -> None:
+        if not self.paused or self.state != _BODY:
+            return
+        self.paused = False
+        self.last_read = clock()
+        if self.transport is not None:
+            self.transport.resume_reading()
+            self._arm_timer()
+
+    async def wait(self) -> None:
+        """Until the body has ended or the relay is paused for the client."""
+        if self.outcome is not None or self.paused:
+            return
+        self._waiter = self.pool.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _complete(self, outcome: str, error: str | None) -> None:
+        if self.state == _DONE:
+            return
+        self.state = _DONE
+        self._cancel_timer()
+        if outcome == "ok" and self.mode == ENCODE and self.out is not None and not self.out.is_closing():
+            self.out.write(b"0\r\n\r\n")
+        self.outcome = outcome
+        self.error = error
+        b = self.builder
+        if b is not None and not b._ended:
+            b.finish(clock(), outcome, error)
+        self.builder = None
+        self.out = None
+        if outcome == "ok" and self.reusable and self.head is not None and self.head.keep_alive:
+            self.pool._release(self)
+        else:
+            self.close()
+        self._wake()
+
+    def _truncated(self, reason: str) -> None:
+        out = self.out
+        self._complete("upstream_truncated", reason)
+        if out is not None:
+            out.abort()  # the client must see the truncation: no invented end of the body
+
+    def _client_gone(self, reason: str) -> None:
+        self.reusable = False
+        self._complete("client_abort", reason)
+
+    def abandon(self, outcome: str, reason: str) -> None:
+        """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection."""
+        if self.state == _WAIT_HEAD:
+            self._fail_head(UpstreamError(reason))
+        if self.state != _DONE:
+            self.reusable = False
+            self._complete(outcome, reason)
+        self.close()
+
+    # --- deadlines and closing ----------------------------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        self._cancel_timer()
+        self._timer = self.pool.loop.call_later(self.pool.idle_timeout_s, self._check_idle)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_idle(self) -> None:
+        """One timer per idle period, not per read: re-armed for what is left when bytes came meanwhile."""
+        self._timer = None
+        left = self.last_read + self.pool.idle_timeout_s - clock()
+        if left > 0:
+            self._timer = self.pool.loop.call_later(left, self._check_idle)
+            return
+        limit = f"idle_timeout_s ({self.pool.idle_timeout_s:g} s)"
+        if self.state == _WAIT_HEAD:
+            self._fail_head(UpstreamError(f"no response head within {limit}", timeout=True))
+            self.close()
+        elif self.state == _BODY and not self.paused:
+            self._truncated(f"no byte from the upstream within {limit}")
+
+    def close(self) -> None:
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamPool:
+    """Connections to the one upstream origin, kept alive between exchanges."""
+
+    def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float) -> None:
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"the upstream must be an http:// or https:// URL, not {url.scheme}://")
+        self.loop = asyncio.get_running_loop()
+        self.host = url.host
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if url.scheme == "https" else None
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.idle: list[UpstreamConn] = []
+        self.active: set[UpstreamConn] = set()
+        self.closed = False
+
+    async def request(self, method: str, data: bytes) -> UpstreamConn:
+        """Send one request (head and body in ``data``); return the connection once its response head is in.
+        Raises ``UpstreamError``."""
+        conn = self._take_idle() or await self._connect()
+        self.active.add(conn)
+        try:
+            await conn.send(method, data)
+        except BaseException:
+            self.active.discard(conn)
+            conn.abandon("client_abort", "no response")
+            raise
+        return conn
+
+    def _take_idle(self) -> UpstreamConn | None:
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing() and conn.state == _IDLE:
+                return conn
+        return None
+
+    async def _connect(self) -> UpstreamConn:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: UpstreamConn(self), self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )
+        except TimeoutError:
+            raise UpstreamError(f"no connection within connect_timeout_s ({self.connect_timeout_s:g} s)",
+                                timeout=True) from None
+        except (OSError, ssl.SSLError) as exc:
+            detail = getattr(exc, "strerror", None) or type(exc).__name__
+            raise UpstreamError(f"cannot connect to the upstream: {detail}") from None
+        return conn
+
+    def _release(self, conn: UpstreamConn) -> None:
+        self.active.discard(conn)
+        if self.closed or conn.transport is None:
+            conn.close()
+            return
+        conn.state = _IDLE
+        conn.head = None
+        conn._parked = []
+        conn.framing = None
+        conn._pool_timer = self.loop.call_later(POOL_IDLE_S, conn.close)
+        self.idle.append(conn)
+
+    def _forget(self, conn: UpstreamConn) -> None:
+        self.active.discard(conn)
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    def close(self) -> None:
+        self.closed = True
+        for conn in [*self.idle, *self.active]:
+            conn.close()
+        self.idle.clear()
