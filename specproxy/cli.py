@@ -104,14 +104,16 @@ def _echo(result: dict, render, as_json: bool) -> None:
         click.echo(render(result), nl=False)
 
 
-def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None) -> dict:
+def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
+            cache: bool = True) -> dict:
     from .dataset import load_turns, parse_time
-    from .report import build_report
+    from .report import REPORT_COLUMNS, build_report
 
     window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
     conn = _open(db)
     try:
-        return build_report(load_turns(conn, **window), source=_db_path(db), conn=conn)
+        turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
+        return build_report(turns, source=_db_path(db), conn=conn)
     finally:
         conn.close()
 
@@ -121,6 +123,12 @@ window_options = [
     click.option("--since", default=None, help="Only turns at or after this time (ISO 8601 UTC or epoch s)"),
     click.option("--until", default=None, help="Only turns before this time (ISO 8601 UTC or epoch s)"),
 ]
+
+
+cache_option = click.option(
+    "--cache/--no-cache", default=True, show_default=True,
+    help="Read the turns through the columnar cache beside the database (DB.cache/, checked against the "
+         "database on every run, rebuilt when it does not match); --no-cache reads SQLite only")
 
 
 def _window(fn):
@@ -133,12 +141,14 @@ def _window(fn):
 @db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@cache_option
 @_friendly
-def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
+def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
+           cache: bool) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
     from .report import render_text
 
-    _echo(_report(db, label, since, until), render_text, as_json)
+    _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
 
 
 @main.command()
@@ -180,8 +190,10 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
               help="Compare A against itself (random halves, by instance when it has several)")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
+@cache_option
 @_friendly
-def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, as_json: bool) -> None:
+def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, as_json: bool,
+                cache: bool) -> None:
     """Ratio B/A with 95% intervals and a verdict: faster, slower or not distinguishable.
 
     An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
@@ -194,9 +206,9 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     conn = _open(db)
     try:
         if negative_control:
-            r = negative_control_report(conn, parse_arm(arm_a), seed=seed)
+            r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache)
         else:
-            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed)
+            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
     finally:
         conn.close()
     _echo(r, render_compare, as_json)

@@ -51,8 +51,12 @@ def parse_arm(spec: str) -> Arm:
     return Arm(name=spec, since=parse_time(start) if start else None, until=parse_time(end) if end else None)
 
 
-def _load(conn: sqlite3.Connection, arm: Arm) -> Turns:
-    turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until)
+# the columns a comparison reads
+COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id")
+
+
+def _load(conn: sqlite3.Connection, arm: Arm, cache: bool = False) -> Turns:
+    turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until, columns=COMPARE_COLUMNS, cache=cache)
     return turns.select(turns.ok) if len(turns) else turns
 
 
@@ -100,8 +104,8 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
     return out
 
 
-def compare(conn: sqlite3.Connection, a: Arm, b: Arm, *, seed: int = 0) -> dict[str, Any]:
-    ta, tb = _load(conn, a), _load(conn, b)
+def compare(conn: sqlite3.Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
+    ta, tb = _load(conn, a, cache), _load(conn, b, cache)
     if not len(ta) or not len(tb):
         empty = a.name if not len(ta) else b.name
         raise ConfigError(f"arm {empty!r} has no completed turns in this database")
@@ -122,9 +126,9 @@ def compare(conn: sqlite3.Connection, a: Arm, b: Arm, *, seed: int = 0) -> dict[
             "rows": rows}
 
 
-def negative_control_report(conn: sqlite3.Connection, a: Arm, *, seed: int = 0) -> dict[str, Any]:
+def negative_control_report(conn: sqlite3.Connection, a: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
     """A against A: the arm split into random halves (by instance when it has several)."""
-    ta = _load(conn, a)
+    ta = _load(conn, a, cache)
     if not len(ta):
         raise ConfigError(f"arm {a.name!r} has no completed turns in this database")
     ca = _clusters(ta)

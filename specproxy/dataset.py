@@ -2,7 +2,9 @@
 
 Why columns: a report over a million turns must take seconds, so it reads only the columns it needs
 with one query and computes with numpy; no Record objects are built on the way. Missing values are
-NaN in float columns (missing stays missing; it never becomes 0).
+NaN in float columns (missing stays missing; it never becomes 0). Turning a million SQLite rows into
+Python objects still costs seconds, so ``cache=True`` serves the same columns from the columnar cache
+beside the database (column_cache.py), with the same filters and order applied in numpy.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .errors import ConfigError
 from .store import connect
 
-__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "where_clause"]
+__all__ = ["NUMERIC", "Turns", "busy_seconds", "distinct", "load_turns", "parse_time", "where_clause"]
 
 NUMERIC = (
     "t_wall",
@@ -48,7 +52,8 @@ TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class")
 
 @dataclass
 class Turns:
-    """Columns of the selected turns: ``num[name]`` float arrays, ``txt[name]`` object arrays."""
+    """Columns of the selected turns: ``num[name]`` float arrays (``num["rowid"]`` int64), ``txt[name]``
+    object arrays."""
 
     num: dict[str, np.ndarray]
     txt: dict[str, np.ndarray]
@@ -56,8 +61,12 @@ class Turns:
     def __len__(self) -> int:
         return len(self.num["t_wall"])
 
-    def select(self, mask: np.ndarray) -> Turns:
-        return Turns({k: v[mask] for k, v in self.num.items()}, {k: v[mask] for k, v in self.txt.items()})
+    def select(self, mask: np.ndarray, columns: Sequence[str] | None = None) -> Turns:
+        """The turns where ``mask`` holds; only ``columns`` of them when given (copies are not free)."""
+        if columns is None:
+            return Turns({k: v[mask] for k, v in self.num.items()}, {k: v[mask] for k, v in self.txt.items()})
+        return Turns({k: self.num[k][mask] for k in columns if k in self.num},
+                     {k: self.txt[k][mask] for k in columns if k in self.txt})
 
     @property
     def ok(self) -> np.ndarray:
@@ -99,28 +108,82 @@ def load_turns(
     since: float | None = None,
     until: float | None = None,
     path: str | None = None,
+    columns: Sequence[str] | None = None,
+    cache: bool = False,
 ) -> Turns:
-    """The measured turns, oldest first, optionally one label and a wall-time window."""
+    """The measured turns, oldest first (ties in insertion order), optionally one label and a wall-time
+    window; ``num["rowid"]`` (int64) is always there.
+
+    ``columns``: only these of NUMERIC and TEXT (default: all). ``cache``: serve them from the columnar
+    cache beside the database (see column_cache), creating or extending it; the result is identical.
+    """
     conn = db if isinstance(db, sqlite3.Connection) else connect(db, readonly=True)
-    where, params = where_clause(label=label, since=since, until=until, path=path)
-    cols = NUMERIC + TEXT
-    sql = f"SELECT {', '.join(cols)} FROM turns{where} ORDER BY t_wall"
+    cols = tuple(columns) if columns is not None else NUMERIC + TEXT
+    unknown = [c for c in cols if c not in NUMERIC and c not in TEXT]
+    if unknown:
+        raise ValueError(f"unknown turn columns: {unknown}")
+    want_num = tuple(c for c in NUMERIC if c in cols or c == "t_wall")  # t_wall: len() and the order
+    want_txt = tuple(c for c in TEXT if c in cols)
+    try:
+        if cache:
+            from .column_cache import load_columns
+
+            filters = ("label",) * (label is not None) + ("path",) * (path is not None)
+            found = load_columns(conn, NUMERIC, want_num, tuple(dict.fromkeys(want_txt + filters)))
+            if found is not None:
+                return _select(found, want_num, want_txt, label=label, since=since, until=until, path=path)
+        return _load_sql(conn, want_num, want_txt, label=label, since=since, until=until, path=path)
+    finally:
+        if not isinstance(db, sqlite3.Connection):
+            conn.close()
+
+
+def _load_sql(conn: sqlite3.Connection, want_num: tuple[str, ...], want_txt: tuple[str, ...], **window) -> Turns:
+    where, params = where_clause(**window)
+    names = ("rowid", *want_num, *want_txt)
+    sql = f"SELECT {', '.join(names)} FROM turns{where} ORDER BY t_wall, rowid"
     try:
         rows = conn.execute(sql, params).fetchall()
     except sqlite3.OperationalError as exc:
         raise ConfigError(f"cannot read turns: {exc} (is this a specproxy database?)") from None
-    finally:
-        if not isinstance(db, sqlite3.Connection):
-            conn.close()
-    n_num = len(NUMERIC)
-    if rows:
-        columns = list(zip(*rows))
-    else:
-        columns = [() for _ in cols]
-    num = {name: np.array(columns[i], dtype=float) if rows else np.empty(0) for i, name in enumerate(NUMERIC)}
+    columns = list(zip(*rows)) if rows else [() for _ in names]
+    num = {"rowid": np.array(columns[0], dtype=np.int64)}
     # sqlite NULL arrives as None; np.array(..., float) turns None into nan
-    txt = {name: np.array(columns[n_num + i], dtype=object) for i, name in enumerate(TEXT)}
+    num.update({name: np.array(columns[1 + i], dtype=float) for i, name in enumerate(want_num)})
+    txt = {name: np.array(columns[1 + len(want_num) + i], dtype=object) for i, name in enumerate(want_txt)}
     return Turns(num, txt)
+
+
+def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *, label: str | None,
+            since: float | None, until: float | None, path: str | None) -> Turns:
+    """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first)."""
+    t = found.num["t_wall"]
+    mask = np.ones(len(t), dtype=bool)
+    if label is not None:
+        mask &= found.txt["label"] == label
+    if since is not None:
+        mask &= t >= since  # NaN (NULL) compares false, as in SQL
+    if until is not None:
+        mask &= t < until
+    if path is not None:
+        mask &= found.txt["path"] == path
+    idx = np.flatnonzero(mask)
+    tw = t[idx]
+    in_order = len(tw) < 2 or bool(np.all(tw[1:] >= tw[:-1]))  # rowid order is usually t_wall order already
+    if not in_order:
+        nulls = np.isnan(tw)
+        idx = idx[np.lexsort((idx, np.where(nulls, 0.0, tw), ~nulls))]  # rowid order = idx order
+    elif len(idx) == len(t):  # everything, in order: no copies
+        idx = slice(None)
+    num = {"rowid": found.rowid[idx]}
+    num.update({name: found.num[name][idx] for name in want_num})
+    txt = {name: found.txt[name][idx] for name in want_txt}
+    return Turns(num, txt)
+
+
+def distinct(values: np.ndarray) -> set:
+    """The distinct values of a column (an object column has few: labels, outcomes, instances)."""
+    return set(values.tolist())
 
 
 def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:

@@ -9,11 +9,12 @@ aggregate throughput are printed, with which one to read there.
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from .dataset import Turns, busy_seconds
+from .dataset import Turns, busy_seconds, distinct
 from .server_report import render_server, server_section
 from .speedup import required_decode_speedup, window_speedups
 from .stats import (
@@ -25,7 +26,7 @@ from .stats import (
     which_to_read,
 )
 
-__all__ = ["ENGINE_SPEEDUPS", "build_report", "render_text"]
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "build_report", "render_text"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
 WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -41,6 +42,13 @@ USER_FIGURES = (
     ("proxy_delay_ms", "proxy_delay_s", "proxy delay (ms)", 1000.0, "{:.3f}"),
 )
 PROMPT_PARTS = ("prompt_system_tokens", "prompt_tools_tokens", "prompt_history_tokens", "prompt_new_tokens")
+
+# the columns build_report reads (with the server section): load only these
+REPORT_COLUMNS = (
+    "t_wall", "total_s", "ttft_s", "decode_s", "decode_tps", "completion_tokens", "usage_completion_tokens",
+    "tokens_per_chunk", "proxy_delay_s", "concurrency", "streamed", "prompt_tokens", *PROMPT_PARTS,
+    "outcome", "label", "tokenizer", "instance_id", "content_class",
+)
 
 
 def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
@@ -64,8 +72,8 @@ def build_report(turns: Turns, *, source: str = "", conn: sqlite3.Connection | N
     """Everything ``specproxy report`` says, as plain data."""
     n_all = len(turns)
     outcomes: dict[str, int] = {}
-    for o in turns.txt["outcome"]:
-        outcomes[str(o)] = outcomes.get(str(o), 0) + 1
+    for o, count in Counter(turns.txt["outcome"].tolist()).items():
+        outcomes[str(o)] = outcomes.get(str(o), 0) + count
     ok = turns.select(turns.ok) if n_all else turns
     report: dict[str, Any] = {
         "source": source,
@@ -73,8 +81,8 @@ def build_report(turns: Turns, *, source: str = "", conn: sqlite3.Connection | N
         "outcomes": outcomes,
         "first_t_wall": float(np.min(turns.num["t_wall"])) if n_all else None,
         "last_t_wall": float(np.max(turns.num["t_wall"])) if n_all else None,
-        "tokenizers": sorted({str(t) for t in turns.txt["tokenizer"] if t}),
-        "labels": sorted({str(t) for t in turns.txt["label"] if t}),
+        "tokenizers": sorted({str(t) for t in distinct(turns.txt["tokenizer"]) if t}),
+        "labels": sorted({str(t) for t in distinct(turns.txt["label"]) if t}),
     }
     report["user"] = {key: _summary(ok.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
     report["usage_vs_delivered"] = _usage_gap(ok)
@@ -113,11 +121,12 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     return out
 
 
-def _cells(ok: Turns, key: str, names: Any, index: np.ndarray, extra) -> list[dict[str, Any]]:
-    """One row per non-empty cell: which cell it is, n, TTFT and per-stream speed, plus ``extra(cell)``."""
+def _cells(ok: Turns, key: str, names: Any, index: np.ndarray, extra, columns: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One row per non-empty cell: which cell it is, n, TTFT and per-stream speed, plus ``extra(cell)``
+    (which sees ``columns`` besides those two)."""
     rows = []
     for b in np.unique(index[index >= 0]):
-        cell = ok.select(index == b)
+        cell = ok.select(index == b, columns=("t_wall", "ttft_s", "decode_tps", *columns))
         rows.append({key: names[int(b)], "n": len(cell), "ttft_s": _summary(cell.num["ttft_s"]),
                      "per_stream_tps": _summary(cell.num["decode_tps"]), **extra(cell)})
     return rows
@@ -126,7 +135,8 @@ def _cells(ok: Turns, key: str, names: Any, index: np.ndarray, extra) -> list[di
 def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
     return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
                   lambda cell: {"aggregate": _aggregate(cell),
-                                "read": which_to_read(float(np.median(cell.num["concurrency"])))})
+                                "read": which_to_read(float(np.median(cell.num["concurrency"])))},
+                  columns=("total_s", "completion_tokens", "concurrency"))
 
 
 def _by_prompt_length(ok: Turns) -> list[dict[str, Any]]:
@@ -143,7 +153,8 @@ def _by_content_class(ok: Turns) -> list[dict[str, Any]]:
     for i, name in enumerate(CONTENT_CLASSES):
         index[classes == name] = i
     return _cells(ok, "content_class", CONTENT_CLASSES, index,
-                  lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])})
+                  lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])},
+                  columns=("tokens_per_chunk",))
 
 
 def _whole_turn(ok: Turns) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .dataset import Turns
+from .dataset import Turns, distinct
 from .scrape import ScrapeSample
 from .counters import running_distribution, window_counters
 from .server_metrics import Snapshot
@@ -45,12 +45,22 @@ def _samples(conn: sqlite3.Connection, t0: float, t1: float) -> tuple[list[Scrap
     return samples, failures
 
 
-def _turn_counters(conn: sqlite3.Connection, ids: set[str]) -> list[tuple]:
+def _turn_counters(conn: sqlite3.Connection, rowids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lone turns' counter deltas joined (in SQL, by turn id) to these turns: the position of each
+    joined turn in ``rowids`` (ascending) and its MAL, in the order the deltas were stored."""
     try:
-        rows = conn.execute("SELECT turn_id, mal, acceptance_rate, generated_tokens FROM turn_counters").fetchall()
+        rows = conn.execute("SELECT t.rowid, c.mal FROM turn_counters c JOIN turns t ON t.id = c.turn_id "
+                            "ORDER BY c.rowid").fetchall()
     except sqlite3.OperationalError:
-        return []
-    return [r for r in rows if r[0] in ids]
+        return np.empty(0, dtype=np.int64), np.empty(0)
+    if not rows:
+        return np.empty(0, dtype=np.int64), np.empty(0)
+    rid = np.array([r[0] for r in rows], dtype=np.int64)
+    mal = np.array([r[1] for r in rows], dtype=float)  # NULL becomes NaN
+    pos = np.searchsorted(rowids, rid)
+    pos = np.minimum(pos, max(len(rowids) - 1, 0))
+    hit = (rowids[pos] == rid) if len(rowids) else np.zeros(len(rid), dtype=bool)
+    return pos[hit], mal[hit]
 
 
 def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
@@ -63,7 +73,7 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
     samples, failures = _samples(conn, t0, t1)
     out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures}
     instances = sorted({s.instance_id for s in samples if s.instance_id})
-    turn_instances = sorted({str(i) for i in turns.txt["instance_id"] if i})
+    turn_instances = sorted(str(i) for i in distinct(turns.txt["instance_id"]) if i)
     out["instances"] = instances
     out["turn_instances"] = turn_instances
     if not samples:
@@ -93,17 +103,17 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
             "accepted_tokens": d.accepted_tokens,
             "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
         }
-    joined = _turn_counters(conn, {str(i) for i in turns.txt["id"]})
-    if joined:
-        by_id = dict(zip(turns.txt["id"], turns.num["decode_tps"]))
-        tpc_by_id = dict(zip(turns.txt["id"], turns.num["tokens_per_chunk"]))
-        mal = np.array([r[1] if r[1] is not None else np.nan for r in joined], dtype=float)
-        fwd = np.array([by_id.get(r[0], np.nan) / r[1] if r[1] else np.nan for r in joined], dtype=float)
+    order = np.argsort(turns.num["rowid"], kind="stable")
+    pos, mal = _turn_counters(conn, turns.num["rowid"][order])
+    if len(pos):
+        at = order[pos]  # the joined turns' indices in ``turns``
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fwd = np.where((mal != 0) & np.isfinite(mal), turns.num["decode_tps"][at] / mal, np.nan)
         # the same turns' tokens per chunk, beside their MAL: equal only on a server that streams once
         # per decoding step (llama.cpp streams once per token, so there it stays ~1 whatever the MAL)
-        tpc = np.array([tpc_by_id.get(r[0], np.nan) for r in joined], dtype=float)
+        tpc = turns.num["tokens_per_chunk"][at]
         out["lone_turns"] = {
-            "joined": len(joined),
+            "joined": len(pos),
             "alone": int(np.sum(turns.num["concurrency"] == 1)),
             "mal": summarize(mal).to_dict(),
             "tokens_per_chunk": summarize(tpc).to_dict(),

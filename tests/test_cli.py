@@ -68,6 +68,29 @@ def test_report_filters_by_label(demo_db):
     assert r["turns"] == 0 and r["user"]["ttft_s"]["n"] == 0 and r["user"]["ttft_s"]["median"] is None
 
 
+def test_report_cache_and_no_cache_agree(demo_db, tmp_path):
+    import shutil
+
+    db = tmp_path / "copy.db"
+    shutil.copyfile(demo_db[0], db)
+    cache = tmp_path / "copy.db.cache"
+    plain = run("report", "--db", str(db), "--json", "--no-cache")
+    assert plain.returncode == 0, plain.stderr
+    assert not cache.exists()  # --no-cache reads SQLite only and writes nothing
+    for _ in range(2):  # builds the cache, then reads it
+        cached = run("report", "--db", str(db), "--json")
+        assert cached.returncode == 0, cached.stderr
+        assert cached.stdout == plain.stdout
+        assert (cache / "manifest.json").exists()
+    text = run("report", "--db", str(db), "--label", "demo")
+    assert text.stdout == run("report", "--db", str(db), "--label", "demo", "--no-cache").stdout
+    for cmd in (["report"], ["compare", "x"]):
+        assert "--no-cache" in run(*cmd, "--help").stdout
+    a = run("compare", "demo", "--negative-control", "--db", str(db), "--json")
+    b = run("compare", "demo", "--negative-control", "--db", str(db), "--json", "--no-cache")
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["serve"], "no upstream"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--tokenizer", "bogus:x"], "unknown kind"),
