@@ -25,7 +25,7 @@ others. For each concurrency C one nginx and one specproxy are started; then ``-
 three paths in rotating order, each with a warm-up and a measured window of the same absolute length.
 Over the window: chunks/s received, per-chunk latency percentiles (added = path's percentile - direct's
 percentile in the same round), the proxy's CPU (utime+stime from /proc/PID/stat, and on-CPU ns from
-/proc/PID/task/*/schedstat; all its threads and, for nginx, master + worker) per chunk relayed, and its peak
+/proc/PID/task/*/schedstat; all its threads, with specproxy's measuring child process and nginx's master + worker) per chunk relayed, and its peak
 RSS (VmHWM, max over the rounds at that C). Before the runs it measures the machine's cross-CPU wake-up
 latency, a floor under any proxy's added latency (large on VMs whose idle vCPUs halt).
 """
@@ -538,12 +538,24 @@ def _machine_busy_s() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
 
 
-def _children(pid: int) -> list[int]:
+def _listdir(path: str) -> list[str]:
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
+        return os.listdir(path)
     except OSError:
         return []
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of every thread of ``pid`` (a child started from a worker thread is listed under
+    that thread, not under the main one)."""
+    out: list[int] = []
+    for tid in _listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            pass
+    return out
 
 
 def _hwm_kb(pid: int) -> int:
@@ -1025,12 +1037,15 @@ def orchestrate(args) -> None:
                               + f"  load side {r['load_cpu_util']:.2f} cores"
                               + (f"  errors {r['errors']} {r['error_kinds']}" if r["errors"] else ""),
                               file=sys.stderr, flush=True)
-                names = {"specproxy": _thread_names(specproxy.pid),
+                sp_children = _children(specproxy.pid)
+                names = {"specproxy": {**_thread_names(specproxy.pid),
+                                       **{int(t): "measuring process" for c in sp_children
+                                          for t in _listdir(f"/proc/{c}/task")}},
                          "nginx": ({nginx.pid: "master", **{k: "worker" for k in _children(nginx.pid)}} if nginx else {})}
                 if c == profile_c and args.py_spy:
                     profile = profile_window(args, targets["specproxy"], c, [up.pid], load_cores, args.py_spy)
                 hwm = {"nginx": sum(_hwm_kb(p) for p in ([nginx.pid, *_children(nginx.pid)] if nginx else [])),
-                       "specproxy": _hwm_kb(specproxy.pid)}
+                       "specproxy": sum(_hwm_kb(p) for p in (specproxy.pid, *sp_children))}
                 for r in runs:
                     if r["conns"] == c and r["path"] in names and "threads" in r:
                         r["thread_names"] = {tid: names[r["path"]].get(int(tid), f"tid {tid}") for tid in r["threads"]}
