@@ -29,8 +29,6 @@ described by their type and our own words, with any URL removed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import logging
 import re
 import time
@@ -48,6 +46,7 @@ from yarl import URL
 
 from .config import Config
 from .measure import RecordBuilder, is_measured
+from .measuring import MeasuringWorker
 from .record import Record
 from .tokens import Tokenizer
 from .upstream import (
@@ -187,7 +186,7 @@ class Proxy:
         self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
         self._pending_builds = 0
         self._pool: UpstreamPool | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specproxy-measure")
+        self._measurer: MeasuringWorker | None = None
         self._idle = asyncio.Event()
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -209,14 +208,17 @@ class Proxy:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
-                                  idle_timeout_s=self.cfg.idle_timeout_s)
+        pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
+                                         idle_timeout_s=self.cfg.idle_timeout_s)
+        self._measurer = MeasuringWorker(self.tokenizer, lambda: pool.last_read, asyncio.get_running_loop(),
+                                         self._built)
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self._pool is not None:
             self._pool.close()
         await self.drain_measurements()
-        await asyncio.to_thread(self._executor.shutdown, True)  # joining threads blocks: not on the loop
+        if self._measurer is not None:
+            await asyncio.to_thread(self._measurer.stop)  # joining a thread blocks: not on the loop
 
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""
@@ -376,25 +378,23 @@ class Proxy:
             self.measure_dropped += 1
             return
         self._pending_builds += 1
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._executor, builder.build, self.tokenizer)
-        fut.add_done_callback(functools.partial(self._built, builder))
+        assert self._measurer is not None
+        self._measurer.submit(builder)
 
-    def _built(self, builder: RecordBuilder, fut: asyncio.Future) -> None:
-        self._pending_builds -= 1
+    def _built(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
+        """On the loop, once per batch the measuring worker built."""
+        self._pending_builds -= len(results)
         if not self._pending_builds:
             self._idle.set()
-        if fut.cancelled():
-            self.measure_dropped += 1
-            return
-        exc = fut.exception()
-        if exc is not None:
-            # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row
-            self.measure_errors += 1
-            log.error("measuring a turn failed: %s (%s)", type(exc).__name__, _where(exc))
-            self.sink(_unmeasured(builder, f"measuring failed: {type(exc).__name__} ({_where(exc)})"))
-            return
-        self.sink(fut.result())
+        for builder, record, exc in results:
+            if exc is not None or record is None:
+                # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row
+                self.measure_errors += 1
+                why = f"{type(exc).__name__} ({_where(exc)})" if exc is not None else "no record"
+                log.error("measuring a turn failed: %s", why)
+                self.sink(_unmeasured(builder, f"measuring failed: {why}"))
+            else:
+                self.sink(record)
 
 
 def _request_head(self_base_path: bytes, host: bytes, request: web.Request, body: bytes) -> bytes:

@@ -296,6 +296,7 @@ class UpstreamConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         t_read = clock()
         self.last_read = t_read
+        self.pool.last_read = t_read  # the measuring worker waits for a gap in these
         state = self.state
         if state == _BODY:
             self._body(data, t_read)
@@ -593,6 +594,7 @@ class UpstreamPool:
         self.idle: list[UpstreamConn] = []
         self.active: set[UpstreamConn] = set()
         self.closed = False
+        self.last_read = 0.0  # the latest read on any connection (perf_counter)
 
     async def request(self, method: str, data: bytes) -> UpstreamConn:
         """Send one request (head and body in ``data``); return the connection once its response head is in.

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from faultkit import ScriptedUpstream, chunk, delta_event, wait_until
+from specproxy.measuring import MAX_BATCH
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
@@ -120,6 +121,11 @@ def _rows(db: str) -> int:
         conn.close()
 
 
+# the writer's queue in the store-fault tests: room for a few measuring batches (records reach the writer
+# up to MAX_BATCH at a time, so one client never overflows it), far less than a fault window piles up
+SMALL_QUEUE = 32 * MAX_BATCH
+
+
 async def _load(url: str, seconds: float, concurrency: int = 8) -> list[tuple[int, bytes, float]]:
     """Clients sending turns back to back for ``seconds``. (Before and after a fault one client is
     enough, and cannot outrun the writer's small queue even on a busy machine: no drop there is the
@@ -150,7 +156,7 @@ def test_database_locked_under_load_costs_records_not_traffic(make_stack):
     says 30 s; the property is the same, and the writer's busy timeout of 2 s is already exceeded):
     no turn is slowed or failed, records beyond the queue are dropped and counted, and every queued
     record is written once the lock is released."""
-    stack = make_stack(queue_size=25, scrape_interval_s=0)
+    stack = make_stack(queue_size=SMALL_QUEUE, scrape_interval_s=0)
     writer = stack.service.writer
     warm = stack.run(_load(stack.url, 0.3, concurrency=1))
     wait_until(lambda: writer.written == len(warm), 10, what="the warm-up rows")
@@ -215,9 +221,9 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
     with contextlib.ExitStack() as cleanup:
         if how == "tmpfs":
             mount = cleanup.enter_context(_tiny_tmpfs(tmp_path / "tiny"))
-            stack = make_stack(db=str(mount / "turns.db"), queue_size=25, scrape_interval_s=0)
+            stack = make_stack(db=str(mount / "turns.db"), queue_size=SMALL_QUEUE, scrape_interval_s=0)
         else:
-            stack = make_stack(queue_size=25, scrape_interval_s=0)
+            stack = make_stack(queue_size=SMALL_QUEUE, scrape_interval_s=0)
         writer = stack.service.writer
         warm = stack.run(_load(stack.url, 0.3, concurrency=1))
         wait_until(lambda: writer.written == len(warm) and not writer.pending, 10, what="the warm-up rows")

@@ -1,0 +1,105 @@
+"""The measuring worker: one thread that turns finished turns into Records while the relay is quiet.
+
+Why a policy and not a plain thread pool: measuring is Python, and the relay is Python on the same
+interpreter lock. Inference servers send in bursts (one chunk per stream per decoding step, all
+streams at once), so a worker that builds whenever a turn ends competes with the relay exactly when
+a burst is being forwarded, and every chunk of the burst waits longer. This worker takes what has
+queued, waits for a gap in the relay's reads (``QUIET_S`` without one), and builds then. Under
+traffic that never pauses it waits at most ``MAX_DEFER_S`` per batch and builds the batch anyway, so
+measuring keeps up (a batch is every turn that ended meanwhile) and records arrive at most that much
+later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
+up. Results go back to the event loop once per batch of at most ``MAX_BATCH``, not once per turn.
+
+``activity()`` is the relay's clock of its latest read (``UpstreamPool.last_read``); reading a float
+attribute is all the worker does to the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .measure import RecordBuilder
+from .record import Record
+from .tokens import Tokenizer
+
+__all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker"]
+
+clock = time.perf_counter
+
+QUIET_S = 0.001  # a gap this long in the relay's reads is a moment to measure
+MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a batch
+MAX_BATCH = 8  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
+
+Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
+
+
+class MeasuringWorker:
+    def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
+                 loop: asyncio.AbstractEventLoop, done: Done) -> None:
+        self.tokenizer = tokenizer
+        self._activity = activity
+        self._loop = loop
+        self._done = done
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="specproxy-measure", daemon=True)
+        self._thread.start()
+        self.batches = 0
+        self.deferred_s = 0.0  # time spent waiting for the relay to pause
+
+    def submit(self, builder: RecordBuilder) -> None:
+        """From the event loop: never blocks (an in-memory queue)."""
+        self._queue.put(builder)
+
+    def stop(self) -> None:
+        """Build what is queued, then end the thread. Blocks: call from a thread, not the loop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            batch = []
+            if first is None:
+                stopping = True
+            else:
+                batch.append(first)
+            while len(batch) < MAX_BATCH:  # what has queued meanwhile, up to a batch
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            if not batch:
+                continue
+            if not stopping and self._queue.qsize() < MAX_BATCH:  # behind: build now, do not wait
+                self._wait_for_quiet()
+            results = []
+            for builder in batch:
+                try:
+                    results.append((builder, builder.build(self.tokenizer), None))
+                except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
+                    results.append((builder, None, exc))
+            self.batches += 1
+            try:
+                self._loop.call_soon_threadsafe(self._done, results)
+            except RuntimeError:  # the loop is closed: nobody is left to take the records
+                return
+
+    def _wait_for_quiet(self) -> None:
+        t0 = clock()
+        deadline = t0 + MAX_DEFER_S
+        while True:
+            now = clock()
+            since = now - self._activity()
+            if since >= QUIET_S or now >= deadline:
+                break
+            time.sleep(min(QUIET_S - since, deadline - now))
+        self.deferred_s += clock() - t0

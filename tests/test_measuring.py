@@ -1,0 +1,107 @@
+"""The measuring worker's policy: build in the relay's gaps, never wait more than MAX_DEFER_S per batch,
+stop waiting when turns queue faster than that, hand every turn back (measured or with its error)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specproxy.measure import RecordBuilder
+from specproxy.measuring import MAX_BATCH, MAX_DEFER_S, MeasuringWorker
+
+SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+
+
+def _turn(n: int) -> RecordBuilder:
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b'{"model":"m%d","messages":[]}' % n,
+                      t_wall=time.time(), t_request=1.0)
+    b.on_headers(1.1, 200, "text/event-stream")
+    b.on_bytes(SSE, 1.2, 1.2)
+    b.finish(1.3)
+    return b
+
+
+class _Broken(RecordBuilder):
+    __slots__ = ()
+
+    def build(self, tokenizer):
+        raise ValueError("nobody foresaw this")
+
+
+def _run(n: int, activity, *, broken: int | None = None) -> tuple[list, MeasuringWorker]:
+    """Submit n turns at once; wait (bounded) until all came back on the loop."""
+    loop = asyncio.new_event_loop()
+    got: list = []
+    done = asyncio.Event()
+
+    def on_done(results):
+        got.extend(results)
+        if len(got) == n:
+            done.set()
+
+    async def go():
+        worker = MeasuringWorker(None, activity, asyncio.get_running_loop(), on_done)
+        for i in range(n):
+            b = _turn(i)
+            if i == broken:
+                b.__class__ = _Broken
+            worker.submit(b)
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    try:
+        worker = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    return got, worker
+
+
+def test_a_quiet_relay_is_measured_at_once():
+    got, worker = _run(5, lambda: 0.0)  # the last read was long ago
+    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+    assert worker.deferred_s < MAX_DEFER_S
+
+
+def test_a_busy_relay_defers_each_batch_at_most_max_defer():
+    got, worker = _run(3, time.perf_counter)  # a read "just now", always: never a gap
+    assert len(got) == 3 and all(exc is None for _, _, exc in got)
+    assert worker.deferred_s >= MAX_DEFER_S * 0.9 * worker.batches  # it did wait for a gap...
+    assert worker.deferred_s <= (MAX_DEFER_S + 0.05) * worker.batches  # ...and no longer than allowed
+
+
+def test_a_backlog_is_built_without_waiting():
+    n = 20 * MAX_BATCH
+    got, worker = _run(n, time.perf_counter)
+    assert len(got) == n
+    # waiting for a gap before every batch would take batches * MAX_DEFER_S; only the last few may wait
+    assert worker.batches >= n // MAX_BATCH
+    assert worker.deferred_s <= 4 * MAX_DEFER_S
+
+
+def test_a_failing_build_comes_back_as_its_error():
+    got, _ = _run(4, lambda: 0.0, broken=2)
+    errors = [(b, exc) for b, rec, exc in got if exc is not None]
+    assert len(got) == 4 and len(errors) == 1
+    assert isinstance(errors[0][1], ValueError) and errors[0][0].body.startswith(b'{"model":"m2"')
+
+
+@pytest.mark.parametrize("n", [1, MAX_BATCH + 3])
+def test_stop_builds_what_is_queued(n):
+    loop = asyncio.new_event_loop()
+    got: list = []
+
+    async def go():
+        worker = MeasuringWorker(None, time.perf_counter, asyncio.get_running_loop(), got.extend)
+        for i in range(n):
+            worker.submit(_turn(i))
+        # the worker schedules its results before it ends, so they run before this task resumes
+        await asyncio.to_thread(worker.stop)
+
+    try:
+        loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert len(got) == n
