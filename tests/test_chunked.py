@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specproxy.chunked import dechunk_reads
+from readsplit import split
 
 
 def frame(payload: bytes, sizes: list[int], exts: list[bytes], trailers: list[bytes], upper: bool):
@@ -29,16 +30,6 @@ def frame(payload: bytes, sizes: list[int], exts: list[bytes], trailers: list[by
     out += last
     mask += [False] * len(last)
     return bytes(out), mask
-
-
-def split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    pieces.append(data[last:])
-    return pieces
 
 
 def oracle(reads: list[bytes], mask: list[bool]) -> list[bytes]:

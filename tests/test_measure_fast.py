@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from specproxy import measure
 from specproxy.measure import RecordBuilder
+from readsplit import split
+
 
 texts = st.lists(st.one_of(
     st.sampled_from(list("ab ,.\"\\/\n\t\x01\x7f{}:[]é日本🚀\u2028\xa0") + ["content", "[DONE]", "\\n", "\\u00e9"]),
@@ -108,16 +110,6 @@ def stream(draw):
     return data
 
 
-def split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted(c % (len(data) + 1) for c in cuts)  # repeated points give empty reads
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    pieces.append(data[last:])
-    return pieces
-
-
 def frame(payload: bytes, sizes: list[int]) -> bytes:
     out, pos, i = bytearray(), 0, 0
     while pos < len(payload):
@@ -146,7 +138,7 @@ def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, fr
     wire = frame(data, sizes) if chunked else data
     if chunked and framed_cut == 0:
         wire = wire[: len(wire) // 2]  # truncated inside the framing
-    reads = split(wire, cuts)
+    reads = split(wire, cuts, empty_reads=True)
     b = builder(reads, chunked)
     payload = b.reads if not chunked else measure.dechunk_reads(reads)
     fast = measure._stream_texts(list(payload), b.read_times)
@@ -180,7 +172,7 @@ def test_odd_shapes_fall_back_to_the_reference():
 def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
-    reads = split(framed, list(range(0, len(framed), 23)))
+    reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
     chunked = builder(reads, True)
     plain = builder(list(measure.dechunk_reads(reads)), False)
     a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specproxy.sse import SSEDecoder
+from readsplit import split
 
 
 def decode(reads: list[bytes]) -> list[tuple[str, str, int]]:
@@ -15,16 +16,6 @@ def decode(reads: list[bytes]) -> list[tuple[str, str, int]]:
         out.extend((e.data, e.event, e.read_index) for e in d.feed(r))
     out.extend((e.data, e.event, e.read_index) for e in d.finish())
     return out
-
-
-def split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    pieces.append(data[last:])
-    return pieces
 
 
 payloads = st.lists(

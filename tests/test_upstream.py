@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from readsplit import split
 from specproxy.upstream import CHUNKED, CLOSE, LENGTH, NO_BODY, ChunkedEnd, FramingError, UpstreamError, parse_head
 
 
@@ -23,11 +24,6 @@ def _frame(payloads: list[bytes], ext: bool, trailers: list[bytes], upper: bool)
         out.append(size + (b";name=val" if ext else b"") + b"\r\n" + p + b"\r\n")
     out.append(b"0" + (b";last" if ext else b"") + b"\r\n" + b"".join(t + b"\r\n" for t in trailers) + b"\r\n")
     return b"".join(out)
-
-
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
 
 
 framed = st.builds(
@@ -43,7 +39,7 @@ framed = st.builds(
 @given(framed, st.lists(st.integers(min_value=0, max_value=10_000), max_size=20), st.binary(max_size=20))
 def test_chunked_end_is_found_exactly_whatever_the_reads(case, cuts, after):
     payloads, body = case
-    reads = _split(body + after, cuts)
+    reads = split(body + after, cuts)
     tracker = ChunkedEnd(collect=True)
     consumed = 0
     end_at = None
@@ -63,7 +59,7 @@ def test_a_truncated_chunked_body_never_ends(case, cuts):
     _, body = case
     cut = body[: len(body) - 1 - (cuts[0] % len(body) if cuts else 0)]
     tracker = ChunkedEnd()
-    assert all(tracker.feed(data) < 0 for data in _split(cut, cuts))
+    assert all(tracker.feed(data) < 0 for data in split(cut, cuts))
 
 
 @pytest.mark.parametrize("bad", [b"zz\r\n", b"0x10\r\n", b"+5\r\n", b"-1\r\n", b" \r\n", b"5\r\nhello!!", b"1_0\r\n"])
