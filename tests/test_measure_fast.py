@@ -1,6 +1,6 @@
 """The fast stream parse gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` parses streams with ``_stream_texts`` (bytes.split, templates of plain content
+``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, templates of plain content
 chunks, inline reading of the common chunk shape); ``_build(fast=False)`` uses the reference (the SSE
 decoder and ``read_chunk`` per event). On random streams of many shapes, split at random read
 boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal Texts and Records.
@@ -14,7 +14,8 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specproxy import measure
+from specproxy import texts as texts_mod
+from specproxy.chunked import dechunk_reads
 from specproxy.measure import RecordBuilder
 from readsplit import split
 
@@ -44,7 +45,24 @@ def content_event(draw, style, t_send):
            "choices": [choice]}
     if t_send:
         obj["t_send"] = draw(st.integers(0, 2**63 - 1))
-    return dumps(obj, style)
+    # digits that vary from chunk to chunk after the content, where a Record reads them (the choice's
+    # index) or does not (a signature string, a number, an over-long number that parses as a float)
+    tail = draw(st.sampled_from(["", "", "", "index_after", "sig", "big", "created"]))
+    if tail == "index_after":
+        choice["index"] = choice.pop("index", 0)  # moved after the delta, into the template's suffix
+        choice["index"] = draw(st.sampled_from([0, 0, 1, 2, 10]))
+    elif tail == "sig":
+        obj["sig"] = f"s{draw(st.integers(0, 10**6))}x"
+    elif tail == "big":
+        obj["n"] = draw(st.integers(10**18, 2**64 - 1))
+    elif tail == "created":
+        obj["created"] = draw(st.integers(1, 10**10))
+    out = dumps(obj, style)
+    if tail == "big" and draw(st.booleans()):  # longer than 64 bits (orjson reads it as a float)
+        out = out.replace(b'"n":', b'"n":9', 1).replace(b'"n": ', b'"n": 9', 1)
+    if t_send and draw(st.integers(0, 9)) == 0:  # a leading zero: not JSON, a bad event either way
+        out = out.replace(b'"t_send":', b'"t_send":0', 1).replace(b'"t_send": ', b'"t_send": 0', 1)
+    return out
 
 
 RAW = [
@@ -140,9 +158,9 @@ def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, fr
         wire = wire[: len(wire) // 2]  # truncated inside the framing
     reads = split(wire, cuts, empty_reads=True)
     b = builder(reads, chunked)
-    payload = b.reads if not chunked else measure.dechunk_reads(reads)
-    fast = measure._stream_texts(list(payload), b.read_times)
-    ref = measure._stream_texts_reference(list(payload), b.read_times)
+    payload = b.reads if not chunked else dechunk_reads(reads)
+    fast = texts_mod.stream_texts(list(payload), b.read_times)
+    ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     assert fast == ref
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
@@ -156,8 +174,8 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
         reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
     reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
     b = builder(reads, False)
-    fast = measure._stream_texts_fast(b.reads, b.read_times)
-    assert fast is not None and fast == measure._stream_texts_reference(b.reads, b.read_times)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
@@ -166,7 +184,7 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
 def test_odd_shapes_fall_back_to_the_reference():
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
-        assert measure._stream_texts_fast([data], [1.0]) is None, data
+        assert texts_mod._stream_texts_fast([data], [1.0]) is None, data
 
 
 def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
@@ -174,7 +192,7 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
     reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
     chunked = builder(reads, True)
-    plain = builder(list(measure.dechunk_reads(reads)), False)
+    plain = builder(list(dechunk_reads(reads)), False)
     a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
     assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
     fields = [f for f in a.__dataclass_fields__ if f != "id"]
@@ -186,3 +204,46 @@ def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
     rec = builder(reads, True).build(tiktoken_tok)
     assert rec.error and "malformed chunked framing" in rec.error
+
+
+def _counting_loads(monkeypatch) -> list:
+    calls: list = []
+    real = orjson.loads
+
+    def loads(data):
+        calls.append(data)
+        return real(data)
+
+    monkeypatch.setattr(orjson, "loads", loads)
+    return calls
+
+
+def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    return [head + b'"delta":{"content":" w%d"},"finish_reason":null}],%b:%b}\n\n' % (i, field, v)
+            for i, v in enumerate(values)]
+
+
+def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
+    """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
+    reads = _varying(b'"t_send"', [b"%d" % (1_000_000_007 * i + 13) for i in range(60)])
+    reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
+    b = builder(reads, False)
+    calls = _counting_loads(monkeypatch)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    parsed = len(calls)
+    assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
+    assert fast.chunks == 59 and fast.bad_events == 1
+    assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
+
+
+def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
+    """A choice index after the delta decides which text the content belongs to: every event is parsed."""
+    head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
+    reads = [head % (i, i % 3) for i in range(30)]
+    b = builder(reads, False)
+    calls = _counting_loads(monkeypatch)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    assert len(calls) >= 30
+    assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
+    assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
