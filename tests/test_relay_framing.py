@@ -1,0 +1,126 @@
+"""How the relay frames a response for the client, end to end through a real proxy (raw sockets both
+sides, because an HTTP library would normalise exactly what these tests look at).
+
+The relay passes the upstream's chunk framing through to an HTTP/1.1 client and unframes it for an
+HTTP/1.0 one; it skips interim 1xx responses; it never forwards Content-Length beside chunked; bytes an
+upstream sends past the end of its response reach no client and the connection is not reused; a HEAD
+answer has no body even when it announces a length.
+"""
+
+from __future__ import annotations
+
+from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
+
+CHAT = "/v1/chat/completions"
+BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+          b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\n\n', b"data: [DONE]\n\n"]
+
+
+def _request(version: bytes = b"HTTP/1.1", method: bytes = b"POST", extra: bytes = b"") -> bytes:
+    return (b"%s %s %s\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (method, CHAT.encode(), version, len(BODY), extra, BODY))
+
+
+def _sse(extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n" + extra + b"\r\n"
+
+
+def _stack(make_stack, tok, respond):
+    upstream = ScriptedUpstream(respond)
+    return make_stack(tok, raw_script=upstream.serve, scrape_interval_s=0), upstream
+
+
+async def _chunked_answer(_req, writer, _i):
+    writer.write(_sse() + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_tok):
+    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+    assert raw.endswith(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+    resp, _ = parse_response(raw)
+    assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
+
+
+def test_http10_client_gets_the_body_unframed_then_a_close(make_stack, tiktoken_tok):
+    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
+    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/1.0"), timeout=5))
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert closed and head.startswith(b"HTTP/1.0 200")
+    assert b"transfer-encoding" not in head.lower() and body == b"".join(EVENTS)
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
+
+
+def test_interim_responses_are_skipped(make_stack, tiktoken_tok):
+    async def respond(_req, writer, _i):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n")
+        await writer.drain()
+        return await _chunked_answer(_req, writer, _i)
+
+    stack, _ = _stack(make_stack, tiktoken_tok, respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+    assert raw.startswith(b"HTTP/1.1 200") and b"103" not in raw.split(b"\r\n\r\n", 1)[0]
+    resp, _ = parse_response(raw)
+    assert resp.complete and resp.body == b"".join(EVENTS)
+
+
+def test_content_length_beside_chunked_is_not_forwarded(make_stack, tiktoken_tok):
+    async def respond(_req, writer, _i):
+        writer.write(_sse(b"Content-Length: 3\r\n") + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    stack, _ = _stack(make_stack, tiktoken_tok, respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+    resp, _ = parse_response(raw)
+    assert resp.header("Content-Length") is None and resp.header("Transfer-Encoding") == "chunked"
+    assert resp.complete and resp.body == b"".join(EVENTS)
+
+
+def test_bytes_past_the_end_of_a_response_reach_nobody(make_stack, tiktoken_tok):
+    """An upstream that writes a stray response after the one asked for: the client gets exactly its
+    answer, and the next request goes to a new connection rather than reading the stray bytes."""
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray"
+
+    async def respond(req, writer, i):
+        writer.write(_sse() + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" + (stray if i == 0 else b""))
+        await writer.drain()
+        return True
+
+    stack, upstream = _stack(make_stack, tiktoken_tok, respond)
+    first, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+    second, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+    for raw in (first, second):
+        resp, rest = parse_response(raw)
+        assert resp.complete and resp.body == b"".join(EVENTS) and rest == b"" and b"stray" not in raw
+    assert upstream.connections == 2
+
+
+def test_kept_alive_upstream_connections_are_reused(make_stack, tiktoken_tok):
+    stack, upstream = _stack(make_stack, tiktoken_tok, _chunked_answer)
+    for _ in range(5):
+        raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+        assert parse_response(raw)[0].complete
+    assert upstream.connections == 1 and len(upstream.requests) == 5
+
+
+def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
+    async def respond(req, writer, _i):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1234\r\n\r\n")
+        if req.line.startswith(b"GET"):
+            writer.write(b"x" * 1234)
+        await writer.drain()
+        return True
+
+    stack, upstream = _stack(make_stack, tiktoken_tok, respond)
+    req = b"HEAD /v1/models HTTP/1.1\r\nHost: proxy\r\n\r\n" + b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n"
+    raw, closed = stack.run(exchange(stack.service.port, req, timeout=5))
+    first, rest = parse_response(raw, head_request=True)
+    assert first.status == 200 and first.header("Content-Length") == "1234" and first.body == b""
+    second, rest = parse_response(rest)  # the next response follows at once: no body was waited for
+    assert second.complete and second.body == b"x" * 1234 and rest == b"" and closed
+    assert [r.line.split(b" ")[0] for r in upstream.requests] == [b"HEAD", b"GET"]
