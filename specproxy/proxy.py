@@ -90,7 +90,6 @@ _NOT_FORWARDED_UP_B = frozenset(h.encode() for h in _NOT_FORWARDED_UP)
 _NOT_FORWARDED_DOWN_B = frozenset(h.encode() for h in _NOT_FORWARDED_DOWN)
 
 MAX_PENDING_BUILDS = 10000  # turns waiting to be measured; past this a turn is forwarded but not measured
-UPSTREAM_READ_BUFSIZE = 65536
 MAX_FIELD_BYTES = 16384  # one header line (aiohttp's parser answers 400 past it)
 MAX_HEADER_BYTES = 65536  # all request headers together (431 past it; aiohttp only bounds each line and the count)
 _BAD_HEADER_BYTES = re.compile(rb"[\x00\r\n]")
