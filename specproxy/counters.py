@@ -264,9 +264,15 @@ def delta(
         a.spec_exposed and b.spec_exposed,
         b.spec_accept_length if active else None,
     )
+    return _counter_delta(seconds, b.server_kind, counts, per_pos, mal, source)
+
+
+def _counter_delta(seconds: float, kind, counts: dict, per_pos: dict | None, mal: float | None,
+                   source: str | None, *, segments: int = 1) -> CounterDelta:
+    """A ``CounterDelta`` from summed counts: one place for one interval and for a window of segments."""
     return CounterDelta(
         seconds=seconds,
-        server_kind=b.server_kind,
+        server_kind=kind,
         generated_tokens=counts["generated_tokens"],
         prompt_tokens=counts["prompt_tokens"],
         drafts=counts["drafts"],
@@ -275,6 +281,7 @@ def delta(
         accepted_per_pos=MappingProxyType(per_pos) if per_pos is not None else None,
         mal=mal,
         mal_source=source,
+        segments=segments,
     )
 
 
@@ -363,19 +370,7 @@ def window_counters(samples: Sequence[ScrapeSample], t0: float, t1: float) -> Co
     elif any(d.mal is not None for d in deltas):
         # e.g. one instance with spec counters and one without: no single definition covers both
         source = "mixed"
-    return CounterDelta(
-        seconds=seconds,
-        server_kind=kind,
-        generated_tokens=counts["generated_tokens"],
-        prompt_tokens=counts["prompt_tokens"],
-        drafts=counts["drafts"],
-        draft_tokens=counts["draft_tokens"],
-        accepted_tokens=counts["accepted_tokens"],
-        accepted_per_pos=MappingProxyType(per_pos) if per_pos is not None else None,
-        mal=mal,
-        mal_source=source,
-        segments=len(deltas),
-    )
+    return _counter_delta(seconds, kind, counts, per_pos, mal, source, segments=len(deltas))
 
 
 def running_distribution(
