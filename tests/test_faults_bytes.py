@@ -40,6 +40,13 @@ def _spy_reads(stack) -> dict[bytes, list[int]]:
     return seen
 
 
+async def _stream_body(url: str) -> bytes:
+    """One streamed chat request through the proxy; the body exactly as the client received it."""
+    async with aiohttp.ClientSession(auto_decompress=False) as s, \
+            s.post(url + CHAT, json={"stream": True, "messages": []}) as r:
+        return await r.read()
+
+
 # --- 1. byte identity -----------------------------------------------------------------------------
 
 N_STREAMS = 1000
@@ -152,16 +159,8 @@ def test_one_mebibyte_data_line(make_stack, tiktoken_tok):
         await writer.drain()
         return True
 
-    upstream = ScriptedUpstream(respond)
-
-    stack = make_stack(tiktoken_tok, raw_script=upstream.serve, scrape_interval_s=0)
-
-    async def go():
-        async with aiohttp.ClientSession(auto_decompress=False) as s:
-            async with s.post(stack.url + CHAT, json={"stream": True, "messages": []}) as r:
-                return await r.read()
-
-    assert stack.run(go()) == body
+    stack = make_stack(tiktoken_tok, raw_script=ScriptedUpstream(respond).serve, scrape_interval_s=0)
+    assert stack.run(_stream_body(stack.url)) == body
     stack.settle()
     (rec,) = stack.records
     assert rec.outcome == "ok" and rec.chunks == 1 and rec.saw_done is True
@@ -372,16 +371,8 @@ def test_hostile_json_in_the_response_stream_is_survived(make_stack, tiktoken_to
             await writer.drain()
         return True
 
-    upstream = ScriptedUpstream(respond)
-
-    stack = make_stack(tiktoken_tok, raw_script=upstream.serve, scrape_interval_s=0)
-
-    async def go():
-        async with aiohttp.ClientSession(auto_decompress=False) as s:
-            async with s.post(stack.url + CHAT, json={"stream": True, "messages": []}) as r:
-                return await r.read()
-
-    assert stack.run(go()) == body
+    stack = make_stack(tiktoken_tok, raw_script=ScriptedUpstream(respond).serve, scrape_interval_s=0)
+    assert stack.run(_stream_body(stack.url)) == body
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["saw_done"] == 1
     # invalid UTF-8 is measured as U+FFFD (what a lenient client shows), not dropped
