@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+from rawpeers import RawUpstream, chunk  # noqa: F401  (chunk: the fault tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,10 +101,6 @@ async def read_request(reader: asyncio.StreamReader, timeout: float = 10) -> Req
             body += data[:-2]
         req.body = bytes(body)
     return req
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
 @dataclass
@@ -218,21 +215,21 @@ class ScriptedUpstream:
         self.requests: list[Request] = []
         self.peer_closed_at: list[float] = []  # loop time when the proxy closed a connection on us
         self.port = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._listener: RawUpstream | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> ScriptedUpstream:
-        self._server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """A listener of its own (rawpeers.RawUpstream running ``serve`` per connection)."""
+        self._listener = await RawUpstream(self.serve).start()
+        self.port = self._listener.port
         return self
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            await self._listener.close()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
