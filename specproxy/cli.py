@@ -74,9 +74,13 @@ def serve(config_path: str | None, **flags: Any) -> None:
     install_uvloop()
 
     def ready(svc: Service) -> None:
+        from .upstream import RELAY_C
+
+        relay = "C" if RELAY_C else "pure Python (specproxy._relayc not built or SPECPROXY_RELAY=python: more CPU)"
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
-            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}\n"
+            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}; "
+            f"relay {relay}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,
         )

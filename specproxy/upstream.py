@@ -9,6 +9,12 @@ The per-read work is: a clock read, finding out whether the body ended (chunk si
 payload is never copied), the write, a clock read, and three list appends into the turn's
 ``RecordBuilder``. Nothing is parsed or counted here; the measuring thread strips the framing later.
 
+With ``specproxy._relayc`` built (a small C extension, optional at install), that per-read work runs in C
+for the case that carries almost every chunk (a chunked body passed through): ``UpstreamConn`` inherits
+its ``data_received`` from ``_relayc.RelayBase``, armed by ``_fast_attach`` once the client's head is out.
+The Python methods here stay the reference and the fallback (``SPECPROXY_RELAY=python`` forces them);
+tests/test_relayc.py and the ``each_relay`` fixture hold the two to the same behaviour.
+
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
 and closed after ``POOL_IDLE_S``; a POST is never retried. Response framing per RFC 9112 6.3:
@@ -21,11 +27,17 @@ no total deadline: a long prefill or a long answer is not an error.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import time
 
 from yarl import URL
+
+try:  # the per-read body path in C (see _relayc.c); the Python methods below are its reference
+    from . import _relayc
+except ImportError:  # built without a C compiler: the pure-Python relay, same behaviour, more CPU
+    _relayc = None
 
 __all__ = [
     "CHUNKED",
@@ -68,6 +80,25 @@ class UpstreamError(Exception):
 
 class FramingError(ValueError):
     """The upstream's body framing is malformed."""
+
+
+# Relay each chunked body read in C when the accelerator is built (SPECPROXY_RELAY=python: never).
+RELAY_C = _relayc is not None and os.environ.get("SPECPROXY_RELAY", "c") != "python"
+if _relayc is not None:
+    _relayc.set_framing_error(FramingError)
+    _RelayBase = _relayc.RelayBase
+else:
+
+    class _RelayBase:
+        """Stands in for ``_relayc.RelayBase`` when it is not built: never armed."""
+
+        __slots__ = ()
+
+        def _fast_attach(self, out, builder) -> None:
+            raise RuntimeError("specproxy._relayc is not built")
+
+        def _fast_detach(self) -> None:
+            pass
 
 
 class ResponseHead:
@@ -248,7 +279,7 @@ class _UntilClose:
 PASS, DECHUNK, ENCODE = 0, 1, 2
 
 
-class UpstreamConn(asyncio.Protocol):
+class UpstreamConn(_RelayBase, asyncio.Protocol):
     """One connection to the upstream, carrying one exchange at a time.
 
     The handler sends a request (``UpstreamPool.request``), gets the head, writes the client's response
@@ -293,7 +324,9 @@ class UpstreamConn(asyncio.Protocol):
             except OSError:
                 pass
 
-    def data_received(self, data: bytes) -> None:
+    def _data_received_py(self, data: bytes) -> None:
+        """``data_received`` in Python; with ``_relayc`` built, its ``data_received`` runs the body's reads
+        itself once ``_fast_attach`` armed it and calls this for every other read."""
         t_read = clock()
         self.last_read = t_read
         self.pool.last_read = t_read  # the measuring worker waits for a gap in these
@@ -419,7 +452,7 @@ class UpstreamConn(asyncio.Protocol):
         limits = out.get_write_buffer_limits() if hasattr(out, "get_write_buffer_limits") else (0, 65536)
         self._high = max(limits[1], 1)
         if head.framing == CHUNKED:
-            self.framing = ChunkedEnd(collect=mode == DECHUNK)
+            self.framing = _relayc.ChunkedEnd() if RELAY_C and mode == PASS else ChunkedEnd(collect=mode == DECHUNK)
         elif head.framing == LENGTH:
             self.framing = _Length(head.length)
         elif head.framing == CLOSE:
@@ -442,6 +475,8 @@ class UpstreamConn(asyncio.Protocol):
             return
         if self.transport is not None:
             self._arm_timer()
+            if RELAY_C and type(self.framing) is _relayc.ChunkedEnd:
+                self._fast_attach(out, builder)  # from now on each read is relayed by _relayc
 
     def _body(self, data: bytes, t_read: float) -> None:
         """The forwarding path of one read. Keep it short."""
@@ -513,6 +548,7 @@ class UpstreamConn(asyncio.Protocol):
         if self.state == _DONE:
             return
         self.state = _DONE
+        self._fast_detach()
         self._cancel_timer()
         if outcome == "ok" and self.mode == ENCODE and self.out is not None and not self.out.is_closing():
             self.out.write(b"0\r\n\r\n")
@@ -577,6 +613,10 @@ class UpstreamConn(asyncio.Protocol):
         self.reusable = False
         if self.transport is not None:
             self.transport.close()
+
+
+if _relayc is None:  # no C base class: Python takes every read
+    UpstreamConn.data_received = UpstreamConn._data_received_py
 
 
 class UpstreamPool:

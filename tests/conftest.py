@@ -185,3 +185,16 @@ def make_stack(tmp_path) -> Iterator:
         yield make
     for s in stacks:
         s.close()
+
+
+@pytest.fixture(params=["c", "python"])
+def each_relay(request, monkeypatch):
+    """Run a test with the relay's per-read body path in C (``_relayc``, what ships) and in pure Python
+    (its reference). Modules opt in with ``pytestmark = pytest.mark.usefixtures("each_relay")``."""
+    from specproxy import upstream
+
+    if request.param == "c" and upstream._relayc is None:
+        pytest.skip("specproxy._relayc is not built (no C compiler at install time)")
+    monkeypatch.setattr(upstream, "RELAY_C", request.param == "c")
+    return request.param
+

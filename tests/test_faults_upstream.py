@@ -23,6 +23,8 @@ import pytest
 from faultkit import (ScriptedUpstream, blackhole_listener, chunk, db_records, delta_event, kernel_queued,
                       parse_response, post_head)
 
+pytestmark = pytest.mark.usefixtures("each_relay")  # the C body path and its Python reference
+
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
 SSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -9,7 +9,11 @@ answer has no body even when it announces a length.
 
 from __future__ import annotations
 
+import pytest
+
 from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
+
+pytestmark = pytest.mark.usefixtures("each_relay")  # the C body path and its Python reference
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'

@@ -1,0 +1,139 @@
+"""The relay's per-read path in C (``specproxy/_relayc.c``) against its Python reference.
+
+``_relayc.ChunkedEnd`` must find a chunked body's end, keep the same state between reads and refuse the
+same malformed framing with the same message as ``upstream.ChunkedEnd``, whatever the read boundaries;
+``RelayBase.data_received`` must really take the body's reads (else the accelerator is dead code) and
+leave every other read to ``_data_received_py``. End to end, the relay tests (test_relay_framing.py,
+test_faults_upstream.py) run in both modes through the ``each_relay`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
+from readsplit import split
+from specproxy import upstream
+from specproxy.upstream import ChunkedEnd, FramingError
+
+relayc = upstream._relayc
+needs_relayc = pytest.mark.skipif(relayc is None, reason="specproxy._relayc is not built")
+
+
+def test_relayc_is_built_where_required():
+    """CI sets SPECPROXY_REQUIRE_RELAYC=1: a build that silently fell back to pure Python fails here."""
+    if os.environ.get("SPECPROXY_REQUIRE_RELAYC") != "1":
+        pytest.skip("SPECPROXY_REQUIRE_RELAYC is not set")
+    assert relayc is not None and upstream.RELAY_C
+
+
+# a chunk-size line: hex size (sometimes malformed), optional extension, CRLF or a lone LF
+size_line = st.one_of(
+    st.builds(lambda n, upper, ext, lf: (b"%X" if upper else b"%x") % n + ext + (b"\n" if lf else b"\r\n"),
+              st.integers(0, 400), st.booleans(), st.sampled_from([b"", b";a=b", b" ; x", b"\t"]), st.booleans()),
+    st.sampled_from([b"zz\r\n", b"\r\n", b"0x10\r\n", b" \r\n", b"1_0\r\n", b"  a  \r\n", b"-1\r\n",
+                     b"1234567890abcdef0\r\n", b"000000000000000a\r\n"]),  # 17 and 16 digits: both refused
+)
+
+
+@st.composite
+def chunked_bodies(draw) -> bytes:
+    """Mostly well-formed chunked bodies, with now and then a malformed size, a bad CRLF or a long line."""
+    out = []
+    for _ in range(draw(st.integers(0, 8))):
+        line = draw(size_line)
+        out.append(line)
+        try:
+            n = max(0, min(int(line.split(b";")[0].strip(b" \t\r\n"), 16), 400))
+        except ValueError:
+            n = 3
+        out.append(draw(st.binary(min_size=n, max_size=n)))
+        out.append(draw(st.sampled_from([b"\r\n"] * 6 + [b"\n\r", b"xx"])))
+    out.append(b"0\r\n" + b"".join(draw(st.lists(st.sampled_from([b"T: 1\r\n", b"Long: " + b"v" * 5000 + b"\r\n"]),
+                                                 max_size=2))) + b"\r\n")
+    if draw(st.booleans()):
+        out.insert(0, b"f" * draw(st.integers(1, 5000)))  # an overlong or garbled first line
+    return b"".join(out) + draw(st.binary(max_size=10))
+
+
+def _trace(tracker, reads):
+    """Each feed's result (or the error's type and text), and the state left behind."""
+    out = []
+    for data in reads:
+        try:
+            out.append(("end", tracker.feed(data), tracker.rem))
+        except FramingError as exc:
+            out.append(("error", str(exc)))
+            break
+    return out
+
+
+@needs_relayc
+@settings(max_examples=600, deadline=None)
+@given(chunked_bodies(), st.lists(st.integers(0, 12_000), max_size=25))
+def test_c_chunked_end_behaves_like_the_python_one(body, cuts):
+    reads = split(body, cuts)
+    assert _trace(relayc.ChunkedEnd(), reads) == _trace(ChunkedEnd(), reads)
+
+
+@needs_relayc
+def test_c_chunked_end_takes_any_buffer_and_refuses_collecting():
+    assert relayc.ChunkedEnd().feed(memoryview(b"3\r\nabc\r\n0\r\n\r\nextra")) == 13
+    assert relayc.ChunkedEnd().payload is None
+    with pytest.raises(ValueError):
+        relayc.ChunkedEnd(collect=True)
+
+
+EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+          b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\n\n', b"data: [DONE]\n\n"]
+REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 56\r\nConnection: close\r\n\r\n"
+           b'{"model":"m","stream":true,"messages":[{"role":"user"}]}')
+
+
+async def _answer_in_pieces(_req, writer, _i):
+    import asyncio
+
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await writer.drain()
+    for e in EVENTS:  # one read per event, as an engine writes them
+        await asyncio.sleep(0.02)
+        writer.write(chunk(e))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+@pytest.mark.parametrize("mode", ["c", "python"])
+def test_body_reads_take_the_path_the_mode_says(make_stack, tiktoken_tok, monkeypatch, mode):
+    """In C mode no read of the body reaches Python; in Python mode they all do. Both give the same turn."""
+    if mode == "c" and relayc is None:
+        pytest.skip("specproxy._relayc is not built")
+    monkeypatch.setattr(upstream, "RELAY_C", mode == "c")
+    body_reads_in_python = []
+    original = upstream.UpstreamConn._data_received_py
+
+    def spy(self, data):
+        if self.state == upstream._BODY:
+            body_reads_in_python.append(data)
+        return original(self, data)
+
+    monkeypatch.setattr(upstream.UpstreamConn, "_data_received_py", spy)
+    if relayc is None:  # the pure-Python class binds data_received to the method itself
+        monkeypatch.setattr(upstream.UpstreamConn, "data_received", spy)
+    scripted = ScriptedUpstream(_answer_in_pieces)
+    stack = make_stack(tiktoken_tok, raw_script=scripted.serve, scrape_interval_s=0)
+    raw, _ = stack.run(exchange(stack.service.port, REQUEST, timeout=5))
+    resp, _ = parse_response(raw)
+    assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
+    if mode == "c":
+        assert body_reads_in_python == []
+    else:
+        assert len(body_reads_in_python) >= len(EVENTS)
