@@ -125,7 +125,7 @@ def _error_response(status: int, kind: str, message: str, *, close: bool = False
     return resp
 
 
-def _refuse(request: web.Request) -> web.Response | None:
+def _refuse(request: web.BaseRequest) -> web.Response | None:
     """Requests that must not be forwarded, decided from the request line and headers alone."""
     if request.method == "CONNECT":
         return _error_response(405, "method_not_allowed", "CONNECT is not supported: this is a reverse proxy",
@@ -190,34 +190,37 @@ class Proxy:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    def make_app(self) -> web.Application:
-        handler_args = {
-            "max_field_size": MAX_FIELD_BYTES,
-            "auto_decompress": False,  # a gzip request body is forwarded as it came, with its Content-Encoding
+    def make_server(self) -> web.Server:
+        """aiohttp's low-level server: every request to ``handle``. A proxy routes nothing, so there is no
+        Application, router or middleware chain to pay for on each request."""
+        return web.Server(
+            self.handle,
+            handler_cancellation=True,  # a client that hangs up cancels its handler: the turn is kept
+            access_log=None,
+            max_field_size=MAX_FIELD_BYTES,
+            auto_decompress=False,  # a gzip request body is forwarded as it came, with its Content-Encoding
             # aiohttp closes a connection that has not sent a complete request within this long of the
             # previous response (and, in recent versions, of connecting; service.py also enforces that)
-            "keepalive_timeout": self.cfg.header_timeout_s,
-            "logger": http_log,
-        }
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, handler_args=handler_args,
-                              middlewares=[self._gate])
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
+            keepalive_timeout=self.cfg.header_timeout_s,
+            logger=http_log,
+        )
 
-    async def _on_startup(self, _app: web.Application) -> None:
+    async def start(self) -> None:
+        """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s)
         self._measurer = MeasuringWorker(self.tokenizer, lambda: pool.last_read, asyncio.get_running_loop(),
                                          self._built)
 
-    async def _on_cleanup(self, _app: web.Application) -> None:
-        if self._pool is not None:
-            self._pool.close()
+    async def close(self) -> None:
+        """After the last request: close the pool, measure what is pending, stop the worker. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
         await self.drain_measurements()
-        if self._measurer is not None:
-            await asyncio.to_thread(self._measurer.stop)  # joining a thread blocks: not on the loop
+        measurer, self._measurer = self._measurer, None
+        if measurer is not None:
+            await asyncio.to_thread(measurer.stop)  # joining a thread blocks: not on the loop
 
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""
@@ -231,17 +234,11 @@ class Proxy:
 
     # --- the handler ------------------------------------------------------------------------------
 
-    @web.middleware
-    async def _gate(self, request: web.Request, handler) -> web.StreamResponse:
-        """Runs before routing decides anything, so that requests no route matches (CONNECT's
-        authority-form target, ``OPTIONS *``) are refused by the same rules."""
-        refused = _refuse(request)
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        refused = _refuse(request)  # before anything else, e.g. CONNECT's authority-form target
         if refused is not None:
             self.rejected_bad += 1
             return refused
-        return await handler(request)
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
             return _error_response(503, "busy", f"more than {self.cfg.max_concurrent} requests in flight")
@@ -251,13 +248,28 @@ class Proxy:
         finally:
             self.in_flight -= 1
 
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+    async def _read_body(self, request: web.BaseRequest) -> bytes | web.Response:
         """The whole body, or the error response: 413 over ``max_body_bytes``, 408 when it stalls."""
         limit = self.cfg.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+        expect = request.headers.get("Expect")
+        if expect is not None and request.version == aiohttp.HttpVersion11:
+            if expect.lower() != "100-continue":
+                return _error_response(417, "expectation_failed", "only Expect: 100-continue is understood",
+                                       close=True)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may send the body now
+            request.writer.output_size = 0  # an interim response is not part of the answer's size
         content = request.content
+        if content.is_eof():  # the whole body came with the head (the usual case): no wait, no deadline
+            try:
+                data = content.read_nowait(-1)
+            except (RequestPayloadError, HttpProcessingError):
+                return _error_response(400, "bad_request", "malformed request body", close=True)
+            if len(data) > limit:
+                return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+            return data
         parts: list[bytes] = []
         size = 0
         while True:
@@ -276,7 +288,7 @@ class Proxy:
                 return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
             parts.append(data)
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await self._read_body(request)
         if not isinstance(body, bytes):
             self.rejected_bad += 1
@@ -326,7 +338,7 @@ class Proxy:
                 if self.on_turn_end is not None:
                     self.on_turn_end(builder.id, t_request, prev_done, alone)
 
-    async def _relay(self, request: web.Request, body: bytes, b: RecordBuilder | None) -> web.StreamResponse:
+    async def _relay(self, request: web.BaseRequest, body: bytes, b: RecordBuilder | None) -> web.StreamResponse:
         assert self._pool is not None
         method = request.method
         try:
@@ -396,7 +408,7 @@ class Proxy:
                 self.sink(record)
 
 
-def _request_head(self_base_path: bytes, host: bytes, request: web.Request, body: bytes) -> bytes:
+def _request_head(self_base_path: bytes, host: bytes, request: web.BaseRequest, body: bytes) -> bytes:
     """The request line and headers for the upstream: the client's header bytes as they came, minus
     hop-by-hop ones and our own; Host is the upstream's; Content-Length is that of the exact body sent."""
     named = _connection_named(request.headers.getall("Connection", ()))
@@ -431,7 +443,7 @@ def _connection_named(values) -> set[bytes]:
     return named
 
 
-def _response_head(head: ResponseHead, request: web.Request) -> tuple[bytes, int, bool]:
+def _response_head(head: ResponseHead, request: web.BaseRequest) -> tuple[bytes, int, bool]:
     """The client's response head, how its body is framed for the client, and whether the connection is kept.
 
     The upstream's header bytes pass unchanged, minus hop-by-hop ones. A chunked body passes with its
@@ -490,7 +502,7 @@ def _latin(value: bytes | None) -> str:
     return value.decode("latin-1") if value is not None else ""
 
 
-def _abort(request: web.Request) -> None:
+def _abort(request: web.BaseRequest) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()

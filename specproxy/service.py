@@ -115,7 +115,7 @@ class Service:
     watch: ServerWatch | None = None
     port: int = 0
     header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
-    _runner: web.AppRunner | None = None
+    _runner: web.ServerRunner | None = None
     _listener: asyncio.AbstractServer | None = None
 
     @classmethod
@@ -142,8 +142,8 @@ class Service:
         self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
-        app = self.proxy.make_app()
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=30.0)
+        await self.proxy.start()
+        self._runner = web.ServerRunner(self.proxy.make_server(), shutdown_timeout=30.0)
         await self._runner.setup()
         server = self._runner.server  # aiohttp's protocol factory
         assert server is not None
@@ -198,6 +198,8 @@ class Service:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.proxy is not None:
+            await self.proxy.close()
         if self._listener is not None:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._listener.wait_closed(), 5)

@@ -435,3 +435,17 @@ def test_requests_cannot_reach_any_host_but_the_upstream(make_stack):
     for path in (f"//{d}/v1/models", f"/@{d}/v1/models", f"/%2F%2F{d}/v1/models"):
         assert f"GET {path} HTTP/1.1" in lines
     assert [r.body for r in upstream.requests if r.line.startswith(b"POST")] == [body] * 3
+
+
+def test_an_expectation_other_than_100_continue_gets_417_and_is_not_forwarded(make_stack):
+    async def respond(_req, writer, _i):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    upstream = ScriptedUpstream(respond)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    raw, closed = stack.run(exchange(stack.service.port, post_head(CHAT, BODY, "Expect: 200-ok\r\n"), timeout=5))
+    resp, _ = parse_response(raw)
+    assert resp.status == 417 and closed
+    assert upstream.requests == []
