@@ -105,3 +105,13 @@ def test_stop_builds_what_is_queued(n):
     finally:
         loop.close()
     assert len(got) == n
+
+
+@pytest.mark.parametrize(("delays", "median"), [([0.003, 0.001, 0.010], 0.003), ([0.003, 0.001, 0.002, 0.010], 0.0025)])
+def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median):
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b"{}", t_wall=time.time(), t_request=1.0)
+    b.on_headers(1.1, 200, "text/event-stream")
+    for i, d in enumerate(delays):
+        b.on_bytes(SSE if i == 0 else b"", 2.0 + i, 2.0 + i + d)
+    b.finish(9.0)
+    assert b.build(None).proxy_delay_s == pytest.approx(median)
