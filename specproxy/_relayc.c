@@ -336,7 +336,8 @@ call_self(RelayBase *self, PyObject *name, PyObject *a, PyObject *b)
 static PyObject *
 RelayBase_data_received(RelayBase *self, PyObject *data)
 {
-    if (!self->fast || self->state != STATE_BODY || !PyBytes_CheckExact(data))
+    if (!self->fast || self->state != STATE_BODY || !PyBytes_CheckExact(data) || self->framing == NULL ||
+        !Py_IS_TYPE(self->framing, &ChunkedEndType))
         return PyObject_CallMethodOneArg((PyObject *)self, s_data_received_py, data);
 
     double t_read = monotonic_now();

@@ -137,3 +137,100 @@ def test_body_reads_take_the_path_the_mode_says(make_stack, tiktoken_tok, monkey
         assert body_reads_in_python == []
     else:
         assert len(body_reads_in_python) >= len(EVENTS)
+
+
+class _Transport:
+    def __init__(self, closing: bool = False, buffered: int = 0) -> None:
+        self.written: list[bytes] = []
+        self.closing = closing
+        self.buffered = buffered
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.reads: list[bytes] = []
+        self.read_times: list[float] = []
+        self.write_times: list[float] = []
+
+
+class _Pool:
+    last_read = 0.0
+
+
+def _armed(out: _Transport, builder=None):
+    class Probe(relayc.RelayBase):
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+            self.pool = _Pool()
+
+        def _data_received_py(self, data):
+            self.calls.append(("py", data))
+
+        def _complete(self, outcome, error):
+            self.calls.append(("complete", outcome, error))
+
+        def _truncated(self, reason):
+            self.calls.append(("truncated", reason))
+
+        def _client_gone(self, reason):
+            self.calls.append(("client_gone", reason))
+
+        def _pause(self):
+            self.calls.append(("pause",))
+
+    p = Probe()
+    p.state = upstream._BODY
+    p.framing = relayc.ChunkedEnd()
+    p._fast_attach(out, builder)
+    return p
+
+
+@needs_relayc
+def test_the_armed_path_writes_stamps_and_ends_like_the_python_body():
+    out, b = _Transport(), _Builder()
+    p = _armed(out, b)
+    p.data_received(b"3\r\nabc\r\n")
+    p.data_received(b"0\r\n\r\nstray")
+    assert out.written == [b"3\r\nabc\r\n", b"0\r\n\r\n"]  # bytes past the body never reach the client
+    assert b.reads == out.written and len(b.read_times) == len(b.write_times) == 2
+    assert all(r <= w for r, w in zip(b.read_times, b.write_times)) and p.last_read == b.read_times[-1]
+    assert p.pool.last_read == b.read_times[-1] and not p.reusable
+    assert p.calls == [("complete", "ok", None)]
+
+
+@needs_relayc
+def test_the_armed_path_hands_every_edge_to_python():
+    p = _armed(_Transport(buffered=10**6))
+    p._high = 1000
+    p.data_received(b"3\r\nabc\r\n")
+    assert p.calls == [("pause",)]  # the client's buffer is over the high-water mark
+    p = _armed(out := _Transport(closing=True))
+    p.data_received(b"3\r\nabc\r\n")
+    assert p.calls == [("client_gone", "client disconnected")] and out.written == []
+    p = _armed(out := _Transport())
+    p.data_received(b"zz\r\n")
+    assert p.calls == [("truncated", "malformed chunked framing from the upstream (malformed chunk size)")]
+    assert out.written == []
+
+
+@needs_relayc
+def test_reads_go_to_python_unless_armed_for_a_body():
+    p = _armed(out := _Transport())
+    p.state = upstream._WAIT_HEAD
+    p.data_received(b"HTTP/1.1 200 OK\r\n")
+    p.state = upstream._BODY
+    p.framing = None  # not the C framing (e.g. reassigned by Python code): never dereferenced as one
+    p.data_received(b"3\r\nabc\r\n")
+    p.framing = relayc.ChunkedEnd()
+    p._fast_detach()
+    p.data_received(b"x")
+    assert [c[0] for c in p.calls] == ["py", "py", "py"] and out.written == []
