@@ -17,10 +17,13 @@ import re
 
 __all__ = ["classify"]
 
-_CODE_LINE = re.compile(
-    r"^(?:\s{4,}\S|\t\S)|[;{}]\s*$|^\s*(?:def|class|import|from|return|if|elif|else|for|while|try|except|"
+# a line that looks like code: indented, or beginning with a common keyword (both anchored at the line's
+# start, so a long line of prose is not scanned at every position), or ending in ";", "{" or "}"
+_CODE_START = re.compile(
+    r"(?:\s{4,}\S|\t\S)|\s*(?:def|class|import|from|return|if|elif|else|for|while|try|except|"
     r"#include|function|const|let|var|fn|pub|func|package|SELECT|public|private|static)\b"
 )
+_CODE_END = (";", "{", "}")
 
 
 def classify(content: str, tool_args: str = "") -> str | None:
@@ -32,5 +35,5 @@ def classify(content: str, tool_args: str = "") -> str | None:
     if "```" in content:
         return "code"
     lines = [line for line in content.splitlines() if line.strip()]
-    code = sum(1 for line in lines if _CODE_LINE.search(line))
+    code = sum(1 for line in lines if line.rstrip()[-1] in _CODE_END or _CODE_START.match(line))
     return "code" if lines and code / len(lines) >= 0.4 else "prose"
