@@ -4,7 +4,8 @@ Why a policy and not a plain thread pool: measuring is Python, and the relay is 
 interpreter lock. Inference servers send in bursts (one chunk per stream per decoding step, all
 streams at once), so a worker that builds whenever a turn ends competes with the relay exactly when
 a burst is being forwarded, and every chunk of the burst waits longer. This worker takes what has
-queued, waits for a gap in the relay's reads (``QUIET_S`` without one), and builds then. Under
+queued, waits for a gap in the relay's reads (``QUIET_S`` without one), and builds then, looking
+again before each turn of the batch (a burst that began during a build goes first). Under
 traffic that never pauses it waits at most ``MAX_DEFER_S`` per batch and builds the batch anyway, so
 measuring keeps up (a batch is every turn that ended meanwhile) and records arrive at most that much
 later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
@@ -83,10 +84,12 @@ class MeasuringWorker:
                 batch.append(more)
             if not batch:
                 continue
-            if not stopping and self._queue.qsize() < MAX_BATCH:  # behind: build now, do not wait
-                self._wait_for_quiet()
+            behind = stopping or self._queue.qsize() >= MAX_BATCH  # then build now, do not wait
+            deadline = clock() + MAX_DEFER_S
             results = []
             for builder in batch:
+                if not behind:  # before each build: a burst that began meanwhile goes first
+                    self._wait_for_quiet(deadline)
                 try:
                     results.append((builder, builder.build(self.tokenizer), None))
                 except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
@@ -97,9 +100,8 @@ class MeasuringWorker:
             except RuntimeError:  # the loop is closed: nobody is left to take the records
                 return
 
-    def _wait_for_quiet(self) -> None:
+    def _wait_for_quiet(self, deadline: float) -> None:
         t0 = clock()
-        deadline = t0 + MAX_DEFER_S
         while True:
             now = clock()
             since = now - self._activity()

@@ -30,7 +30,7 @@ class _Broken(RecordBuilder):
         raise ValueError("nobody foresaw this")
 
 
-def _run(n: int, activity, *, broken: int | None = None) -> tuple[list, MeasuringWorker]:
+def _run(n: int, activity, *, broken: int | None = None, first: type | None = None) -> tuple[list, MeasuringWorker]:
     """Submit n turns at once; wait (bounded) until all came back on the loop."""
     loop = asyncio.new_event_loop()
     got: list = []
@@ -47,6 +47,8 @@ def _run(n: int, activity, *, broken: int | None = None) -> tuple[list, Measurin
             b = _turn(i)
             if i == broken:
                 b.__class__ = _Broken
+            if i == 0 and first is not None:
+                b.__class__ = first
             worker.submit(b)
         await asyncio.wait_for(done.wait(), 30)
         await asyncio.to_thread(worker.stop)
@@ -70,6 +72,25 @@ def test_a_busy_relay_defers_each_batch_at_most_max_defer():
     assert len(got) == 3 and all(exc is None for _, _, exc in got)
     assert worker.deferred_s >= MAX_DEFER_S * 0.9 * worker.batches  # it did wait for a gap...
     assert worker.deferred_s <= (MAX_DEFER_S + 0.05) * worker.batches  # ...and no longer than allowed
+
+
+def test_a_burst_that_begins_during_a_build_goes_before_the_next_build():
+    busy_until = [0.0]
+
+    class _Waking(RecordBuilder):  # the relay starts a 5 ms burst while this turn is being built
+        __slots__ = ()
+
+        def build(self, tokenizer):
+            busy_until[0] = time.perf_counter() + 0.005
+            return super().build(tokenizer)
+
+    def activity() -> float:
+        now = time.perf_counter()
+        return now if now < busy_until[0] else 0.0
+
+    got, worker = _run(2, activity, first=_Waking)
+    assert len(got) == 2 and worker.batches == 1
+    assert 0.004 <= worker.deferred_s <= MAX_DEFER_S + 0.05  # it waited out the burst, within the cap
 
 
 def test_a_backlog_is_built_without_waiting():
