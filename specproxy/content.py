@@ -35,5 +35,10 @@ def classify(content: str, tool_args: str = "") -> str | None:
     if "```" in content:
         return "code"
     lines = [line for line in content.splitlines() if line.strip()]
-    code = sum(1 for line in lines if line.rstrip()[-1] in _CODE_END or _CODE_START.match(line))
+    code = sum(map(_looks_like_code, lines))
     return "code" if lines and code / len(lines) >= 0.4 else "prose"
+
+
+def _looks_like_code(line: str) -> bool:
+    """For a line that is not blank."""
+    return line.rstrip()[-1] in _CODE_END or _CODE_START.match(line) is not None
