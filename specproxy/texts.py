@@ -2,20 +2,28 @@
 
 Two paths for a streamed response that must give identical ``Texts``. ``stream_texts_reference`` is the
 obviously-correct one (the WHATWG SSE decoder, then ``openai.read_chunk`` per event). ``stream_texts``
-is the one the measuring uses; it exists because the reference costs ~8.5 µs per chunk in Python and
-the proxy's whole CPU budget is ~13 µs per chunk. It does the per-byte work in C: it joins the reads
-once and splits them on blank lines with ``bytes.split`` when, and only when, the stream has the common
-shape (LF line ends, every event one ``data: `` line); anything else (CR, comments, ``event:``/``id:``
-fields, multi-line data) goes to the reference for the whole stream. An event is timed by the read
-holding its last byte (the blank line's LF), found by bisecting the reads' cumulative end offsets: the
-same read the SSE decoder reports. Per event it reads the common chunk shape (one choice whose delta
-holds only role/content) inline and hands every other shape to ``read_chunk``; text is gathered in
-lists and joined once.
+is the one the measuring uses; it exists because the reference costs ~6 µs per chunk in Python and the
+proxy's whole CPU budget is ~13 µs per chunk. Its rule: no Python step per byte, and none per event for
+the events that make up almost all of a stream; those are read by C calls over many events at once.
 
-Most chunks of a stream differ only in their content string (and often a timestamp): after proving
-that on one chunk (``_content_template``, ``_varying_number``), the following chunks of that shape are
-read by slicing, without a JSON parse. ``tests/test_measure_fast.py`` checks the two paths against each
-other on random streams and random read splits.
+* Framing: the reads are joined once and split into lines with ``bytes.split`` when, and only when,
+  the stream has the common shape (LF line ends, every event one ``data: `` line); anything else (CR,
+  comments, ``event:``/``id:`` fields, multi-line data) goes to the reference for the whole stream. An
+  event is timed by the read holding its last byte (the blank line's LF), found by bisecting the reads'
+  cumulative end offsets: the same read the SSE decoder reports.
+* Templates: most chunks of a stream differ only in their content string (and often a timestamp).
+  Once that is proved on one chunk (``_content_template``, ``_varying_number``), a run of the chunks
+  that follow is read window by window (``_Template.run``): their bodies are sliced at fixed offsets,
+  the template's constant bytes joined between them and the result compared with the buffer at once,
+  the bodies checked and decoded joined (bodies with escapes: parsed by orjson as one JSON array). No
+  regular expression holds a template's bytes: compiling one costs ~200 µs, more than the whole turn,
+  and the chunk id differs every turn.
+* Every other event (the first ones, the last ones, another shape) is parsed with orjson: the common
+  chunk shape (one choice whose delta holds only role/content) is read inline, any other by
+  ``read_chunk``. Text is gathered in lists and joined once.
+
+``tests/test_measure_fast.py`` checks the two paths against each other on random streams and random
+read splits, and that the fast path parses and looks at no more than it needs to.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
-from operator import add
+from operator import itemgetter
 
 import orjson
 
@@ -61,38 +69,40 @@ class Texts:
         self.t_last = t
 
 
-
 _ROLE_CONTENT = frozenset(("role", "content"))
 _UNSET = object()
-_CONTENT_KEY = re.compile(rb'(?<!\\)"content"[ \t]*:[ \t]*"')
+# a "content" key and its value's opening quote (a literal first, so the search is fast; a key whose
+# opening quote is escaped is skipped by the caller), and the rest of a JSON string up to its closing quote
+_CONTENT_KEY = re.compile(rb'"content"[ \t]*:[ \t]*"')
+_STRING_REST = re.compile(rb'(?:[^"\\]|\\.)*+')
 
 
-def _content_template(seg: bytes, obj: dict, content: str) -> tuple[bytes, bytes, bytes, bytes | None] | None:
-    """Cut a plain content event into the bytes before and after its content string, if provably safe.
+def _content_template(seg: bytes, obj: dict, content: str, texts: list[str]) -> _Template | None:
+    """A template of the events that are ``seg`` but for their content string, if provably safe.
 
     ``seg`` is ``data: `` + JSON that parsed to ``obj``, a chunk whose only text is ``content`` in its
-    one choice's delta (checked by the caller). If the content is written raw in ``seg`` (no escapes),
-    then any event ``prefix + body + suffix`` whose ``body`` holds no ``"``, no backslash and decodes
-    to printable text (so no control character) is the same JSON token stream with another string token in that one place:
-    valid, and equal to ``obj`` but for that string's value, which is ``body`` decoded (with
-    replacement characters, as the SSE decoder decodes). Which value that string is, is proved by
-    parsing once with a different body: the delta's content must change to it and nothing else may
-    (a duplicate key, or a ``"content"`` key elsewhere in the chunk, fails this and gives no template).
-
-    Returns ``(prefix, suffix, head, tail)``: events matching ``prefix + body + suffix`` exactly, and,
-    when ``tail`` is not None, also ``prefix + body + head + digits + tail`` (see ``_varying_number``).
+    one choice's delta (checked by the caller). Cut around that string's raw bytes, ``seg`` is ``prefix +
+    raw + suffix``; any event ``prefix + body + suffix`` where ``"body"`` alone is a JSON string is the
+    same JSON token stream with another string token in that one place: valid, and equal to ``obj`` but
+    for that string's value, which is ``body`` read as a JSON string (decoded with replacement characters
+    first, as the SSE decoder decodes). Which value that string is, is proved by parsing once with a
+    different body: the delta's content must change to it and nothing else may (a duplicate key, or a
+    ``"content"`` key elsewhere in the chunk, fails this and gives no template). ``texts``: the list the
+    template's text goes to.
     """
-    if '"' in content or "\\" in content:
-        return None
-    raw = content.encode()
     for m in _CONTENT_KEY.finditer(seg):
         start = m.end()
-        end = start + len(raw)
-        if seg[start:end] == raw and seg[end : end + 1] == b'"':
-            break
+        if seg[m.start() - 1] == 92:  # the key's opening quote is escaped: it is inside another string
+            continue
+        end = _STRING_REST.match(seg, start).end()
+        try:
+            if orjson.loads(seg[start - 1 : end + 1]) == content:
+                break
+        except ValueError:
+            continue
     else:
         return None
-    prefix, suffix = seg[:start], seg[end:]
+    prefix, raw, suffix = seg[:start], seg[start:end], seg[end:]
     probe = "p" if content != "p" else "q"
     try:
         other = orjson.loads(prefix[6:] + probe.encode() + suffix)
@@ -104,8 +114,8 @@ def _content_template(seg: bytes, obj: dict, content: str) -> tuple[bytes, bytes
         return None
     if other != obj:
         return None
-    head, tail = _varying_number(prefix[6:] + raw, suffix, obj)
-    return prefix, suffix, head, tail
+    head, dlen, closing = _varying_number(prefix[6:] + raw, suffix, obj)
+    return _Template(prefix, head, dlen, closing, texts)
 
 
 # the chunk fields the measuring reads (openai.read_chunk): a digit run anywhere else cannot change a Record
@@ -114,19 +124,21 @@ _DIGIT_RUN = re.compile(rb"[0-9]+")
 MAX_VARYING_DIGITS = 19  # an int64, e.g. a nanosecond timestamp
 
 
-def _varying_number(json_head: bytes, suffix: bytes, obj: dict) -> tuple[bytes, bytes | None]:
-    """Split ``suffix`` around its last run of digits that only a field the measuring never reads holds
-    (a timestamp like ``created`` or a benchmark's send time, which change from chunk to chunk), or
-    return ``(suffix, None)``.
+def _varying_number(json_head: bytes, suffix: bytes, obj: dict) -> tuple[bytes, int, bytes]:
+    """Split ``suffix`` into ``(head, len(digits), tail)`` around its last run of digits that only a field
+    the measuring never reads holds (a timestamp like ``created`` or a benchmark's send time, which
+    change from chunk to chunk), or return ``(suffix, 0, b"")``.
 
     Proved like the content: the event parsed with other digits there must equal ``obj`` but for one
     top-level key outside ``_READ_KEYS`` (or not differ at all). Any digit string of the allowed shape
     (at most ``MAX_VARYING_DIGITS``, no leading zero) sits in the same JSON token, so the same proof
-    holds for every such event; a shape that might not parse (a leading zero) is left to orjson."""
+    holds for every such event; a shape that might not parse (a leading zero) is left to orjson. The
+    template's events have as many digits as this one (a nanosecond or second timestamp keeps its
+    length for centuries): the body then ends at a fixed offset from the event's end."""
     for m in reversed(list(_DIGIT_RUN.finditer(suffix))):
         start, end = m.span()
-        if end - start > MAX_VARYING_DIGITS:
-            continue
+        if end - start > MAX_VARYING_DIGITS or (suffix[start] == 48 and end - start > 1):
+            continue  # too long, or not of the shape every event of the template must have
         probe = suffix[:start] + b"7" * (end - start) + suffix[end:]
         try:
             other = orjson.loads(json_head + probe)
@@ -136,8 +148,129 @@ def _varying_number(json_head: bytes, suffix: bytes, obj: dict) -> tuple[bytes, 
             continue
         differ = [k for k in obj if other[k] != obj[k]]
         if len(differ) <= 1 and not (set(differ) & _READ_KEYS):
-            return suffix[:start], suffix[end:]
-    return suffix, None
+            return suffix[:start], end - start, suffix[end:]
+    return suffix, 0, b""
+
+
+# the bytes a body written raw (the common case, decoded joined) never holds: a quote, a backslash, a
+# control character (LF is left out: bodies are joined with it, and no event line holds one)
+_UNSAFE_BYTES = b'"\\' + bytes(range(10)) + bytes(range(11, 32))
+_MARK_UNSAFE = bytes.maketrans(_UNSAFE_BYTES, b"\\" * len(_UNSAFE_BYTES))
+# varying numbers, each followed by LF: no leading zero (see _varying_number)
+_NUMBERS = re.compile(rb"(?:(?:0|[1-9][0-9]*)\n)*")
+# a run is read in windows of events that double while it lasts, the first twice as long as the last
+# run, within these bounds: a usual turn's run costs one call (each costs ~3 µs), a run that breaks
+# early costs its window once, and a shape that keeps breaking runs short (two choices taking turns)
+# costs little per run
+_WINDOWS = (4, 256)
+_PAYING_RUN = 4  # a run this long repays a derivation: only such a run refills the derivations left
+_TRAILING = 16  # at most this many events at the end of a stream are looked at to end runs before them
+
+
+class _Template:
+    """The events ``prefix + body + head + digits + closing`` of one plain content chunk
+    (``_content_template``): ``"body"`` a JSON string and, when the chunk has a varying number, ``dlen``
+    digits of the allowed shape between ``head`` and ``closing`` (without one, ``head`` is all the rest).
+
+    ``run`` reads a window of events with a fixed number of C calls, none per byte or event in Python:
+    the bodies (and digits) are sliced at fixed offsets, the template's constant bytes are joined
+    between them and the result compared with the buffer at once; the bodies are checked for anything
+    but raw text at once and decoded joined."""
+
+    __slots__ = ("body", "closing", "digits", "dlen", "end", "glue", "head", "plen", "prefix", "texts")
+
+    def __init__(self, prefix: bytes, head: bytes, dlen: int, closing: bytes, texts: list[str]) -> None:
+        self.prefix, self.head, self.dlen, self.closing = prefix, head, dlen, closing
+        self.texts = texts  # the text list of the template's choice
+        self.plen = len(prefix)
+        clen = len(closing)
+        self.body = itemgetter(slice(self.plen, -(len(head) + dlen + clen)))  # head starts with a quote
+        self.digits = itemgetter(slice(-dlen - clen, -clen or None) if dlen else slice(0, 0))
+        self.end = (closing if dlen else head) + b"\n\n"  # an event's bytes after its last variable part
+        self.glue = self.end + prefix  # ... and the next event's before its body
+
+    def fits(self, seg: bytes) -> bool:
+        """``seg`` has this template's shape (its body and digits are not checked)."""
+        return b"".join((self.prefix, self.body(seg), self.head, self.digits(seg), self.closing)) == seg
+
+    def run(self, segs: list[bytes], i: int, j: int, buf: bytes, pos: int) -> tuple[int, int, str, int, int]:
+        """How many of ``segs[i:j]`` in a row are this template's events (``segs[i]`` is at ``buf[pos]``):
+        ``(count, their bytes with blank lines, their text, how many had text, the bytes up to the end of
+        the last one that had)``."""
+        window = segs[i:j]
+        count = len(window)
+        bodies = list(map(self.body, window))
+        if self.dlen:
+            digits = list(map(self.digits, window))
+            pieces = [None, self.head, None, self.glue] * count
+            pieces[0::4] = bodies
+            pieces[2::4] = digits
+            pieces[-1] = self.end
+            rebuilt = b"".join(pieces)
+            size = self.plen + len(rebuilt)
+            same = buf.startswith(rebuilt, pos + self.plen)
+        else:
+            digits = repeat(b"")
+            rebuilt = self.glue.join(bodies)
+            size = self.plen + len(rebuilt) + len(self.end)
+            same = buf.startswith(rebuilt, pos + self.plen) and buf.startswith(self.end, pos + size - len(self.end))
+        # equal bytes prove every cut: the blank lines joined in can only fall on the events' own (no
+        # body or digit run holds a LF), so each event is prefix + its body + head + its digits + closing
+        if not (same and buf.startswith(self.prefix, pos)):
+            # then not all are (or those bytes would be equal): which is the first that is not
+            closing = self.closing if self.dlen else b""
+            rebuilt_events = map(b"".join, zip(repeat(self.prefix), bodies, repeat(self.head), digits, repeat(closing)))
+            alike = list(map(bytes.__eq__, window, rebuilt_events))
+            alike.append(False)
+            count = alike.index(False)
+        if self.dlen and count:
+            numbers = b"".join(digits[:count])  # dlen digits each
+            if not numbers.isdigit() or (self.dlen > 1 and b"0" in numbers[:: self.dlen]):
+                numbers = b"\n".join(digits[:count]) + b"\n"
+                count = numbers.count(b"\n", 0, _NUMBERS.match(numbers).end())
+        if count < len(window):
+            bodies = bodies[:count]
+            size = sum(map(len, window[:count])) + 2 * count
+        joined = b"\n".join(bodies)
+        if len(joined.translate(None, _UNSAFE_BYTES)) == len(joined):
+            # LF is ASCII: each body decodes (with replacement) as it would alone
+            text = joined.decode("utf-8", "replace").replace("\n", "")
+        else:
+            text, ok = _escaped_bodies(joined)
+            if ok < count:
+                count = ok
+                bodies = bodies[:count]
+                size = sum(map(len, window[:count])) + 2 * count
+        nonempty = count - bodies.count(b"")
+        if not nonempty or bodies[-1]:
+            return count, size, text, nonempty, size if nonempty else 0
+        with_text = count - list(map(bool, reversed(bodies))).index(True)  # trailing bodies were empty
+        return count, size, text, nonempty, sum(map(len, window[:with_text])) + 2 * with_text
+
+
+def _escaped_bodies(joined: bytes) -> tuple[str, int]:
+    """The text of the bodies ``joined`` with LF, of which some hold an escape, a quote or a control
+    character, and how many in a row from the first are JSON strings (their decoded text, as the
+    reference parses the decoded event)."""
+    # all at once, as the strings of one JSON array, when each body is one string's inside: every
+    # quote escaped and no backslash left at its end (with escaped backslashes taken out first)
+    unpaired = joined.replace(b"\\\\", b"").replace(b'\\"', b"")
+    if b'"' not in unpaired and b"\\\n" not in unpaired and not unpaired.endswith(b"\\"):
+        try:
+            values = orjson.loads(b'["' + joined.replace(b"\n", b'","') + b'"]')
+            return "".join(values), len(values)
+        except ValueError:  # not UTF-8, a control character, a bad escape: see which, one by one
+            pass
+    values = joined.decode("utf-8", "replace").split("\n")  # each body decoded as alone
+    # those with such bytes: split at each one (all made backslashes) and count the LFs before it
+    pieces = joined.translate(_MARK_UNSAFE).split(b"\\")
+    pieces.pop()
+    for k in dict.fromkeys(accumulate(map(bytes.count, pieces, repeat(b"\n")))):
+        try:
+            values[k] = orjson.loads('"' + values[k] + '"')
+        except ValueError:
+            return "".join(values[:k]), k
+    return "".join(values), len(values)
 
 
 def stream_texts(reads: list[bytes], times: list[float]) -> Texts:
@@ -155,22 +288,18 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
     if b"\r" in buf:
         return None
     # LF-only events of one line each: the lines are event, "", event, "", ..., tail (the bytes after
-    # the last blank line, b"" when the stream ended on an event boundary); every event "data: ..."
+    # the last blank line, b"" when the stream ended on an event boundary); that every event is one
+    # "data: " line is checked as they are read (a run of template events proves it for its events)
     lines = buf.split(b"\n")
     if not len(lines) & 1 or any(lines[1::2]):
         return None
     segs = lines[0::2]
     tail = segs.pop()
-    if not all(map(bytes.startswith, segs, repeat(b"data: "))) or (tail and not tail.startswith(b"data: ")):
-        return None
-    # each event's time: the read holding its blank line's LF (offset = running sum of len + 2, less
-    # one), found by bisecting the reads' running end offsets; all of it in C, no per-event frame
-    cum = list(accumulate(map(len, reads)))  # read i holds buf[cum[i-1]:cum[i]]
-    lfs = map(add, accumulate(map(len, segs)), range(1, 2 * len(segs), 2))
-    ev_times = list(map(times.__getitem__, map(bisect_right, repeat(cum), lfs)))
+    nevents = len(segs)  # events ended by a blank line; the tail, if any, comes after them
     if tail:
         segs.append(tail)  # the SSE decoder's finish() dispatches it, timed by the last read
-        ev_times.append(times[nreads - 1])
+    # an event is timed by the read holding its blank line's LF: bisect the reads' running end offsets
+    cum = list(accumulate(map(len, reads)))  # read i holds buf[cum[i-1]:cum[i]]
     texts = Texts(saw_done=False)
     parts: dict[tuple[int, str], list[str]] = {}
     chunks = 0
@@ -179,37 +308,38 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
     cur_idx: object = _UNSET  # the choice index of the last inline content, and its list in parts
     cur: list[str] = []
     loads = orjson.loads
-    # the template of a plain content chunk (see _content_template): prefix, suffix, their length
-    tprefix = tsuffix = b"\xff"  # no template yet: every event starts with "data: ", so no match
-    thead = b""  # with a varying number (see _varying_number): the suffix before it...
-    ttail: bytes | None = None  # ...and after it
-    plen = slen = tmin = hlen = tlen = 1
-    tlist: list[str] = []  # the text list of the template's choice
-    derive = 3  # template derivations left: a hit refills them, so a varying chunk is not re-derived forever
-    for seg, t in zip(segs, ev_times):
-        body = None
-        if seg.startswith(tprefix):
-            if seg.endswith(tsuffix) and len(seg) >= tmin:
-                body = seg[plen:-slen]
-            elif ttail is not None and seg.endswith(ttail):
-                # prefix, body, the suffix up to the number, digits, the rest: the body holds no quote,
-                # so the first one after it closes the content string
-                q = seg.find(b'"', plen)
-                if q >= 0 and seg.startswith(thead, q):
-                    digits = seg[q + hlen : len(seg) - tlen]
-                    if digits.isdigit() and len(digits) <= MAX_VARYING_DIGITS and (len(digits) == 1 or digits[0] != 48):
-                        body = seg[plen:q]
-        if body is not None:
-            if b'"' not in body and b"\\" not in body:
-                content = body.decode("utf-8", "replace")
-                if content.isprintable():  # no control character: they are never raw in JSON strings
-                    # the event is the template with another escape-free string as delta.content
-                    derive = 3
-                    if content:
-                        tlist.append(content)
-                        chunks += 1
-                        t_last = t  # a template exists only after a chunk with text: t_first is set
-                    continue
+    tmpl: _Template | None = None
+    stop = 0  # the template's runs end before this event (the trailing ones that cannot be its own)
+    derive = 3  # template derivations left, so that a shape that keeps changing is not re-derived forever
+    last = _WINDOWS[1]  # the length of the last run
+    i = pos = 0  # the event, and its offset in buf
+    while i < len(segs):
+        seg = segs[i]
+        if i < stop and tmpl.fits(seg):
+            width = min(max(2 * last, _WINDOWS[0]), _WINDOWS[1])
+            start = i
+            while i < stop:
+                count, size, text, nonempty, text_size = tmpl.run(segs, i, min(stop, i + width), buf, pos)
+                if text_size:
+                    tmpl.texts.append(text)
+                    chunks += nonempty
+                    # (t_first is set: a template is derived from a chunk with text)
+                    t_last = times[bisect_right(cum, pos + text_size - 1)]
+                i += count
+                pos += size
+                if count < width:
+                    break
+                width *= 2
+            last = i - start
+            if last >= _PAYING_RUN:
+                derive = 3
+            if last:
+                continue
+        t = times[bisect_right(cum, pos + len(seg) + 1)] if i < nevents else times[nreads - 1]
+        pos += len(seg) + 2
+        i += 1
+        if not seg.startswith(b"data: "):
+            return None
         payload = seg[6:]
         if not payload:
             continue
@@ -257,14 +387,13 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
                             t_last = t
                             if derive and not fr:
                                 derive -= 1
-                                tmpl = _content_template(seg, obj, content)
-                                if tmpl is not None:
-                                    tprefix, tsuffix, thead, ttail = tmpl
-                                    plen, slen = len(tprefix), len(tsuffix)  # slen >= 1: it starts with '"'
-                                    tmin = plen + slen
-                                    hlen = len(thead)
-                                    tlen = len(ttail) if ttail is not None else 0
-                                    tlist = cur
+                                derived = _content_template(seg, obj, content, cur)
+                                if derived is not None:
+                                    tmpl = derived
+                                    # the last events of a stream (finish, usage, [DONE]) end its runs
+                                    stop = nevents
+                                    while stop > i and stop > nevents - _TRAILING and not segs[stop - 1].startswith(tmpl.prefix):
+                                        stop -= 1
                         continue
         delta = read_chunk(obj)
         dt = delta.texts

@@ -1,12 +1,14 @@
 """dechunk_reads against an independent oracle: random framings, extensions, trailers, read splits,
-truncation and malformed framing. The oracle knows, byte by byte, which framed bytes are payload."""
+truncation and malformed framing. The oracle knows, byte by byte, which framed bytes are payload.
+Reads of one whole frame each (the shape read all at once) are also checked against the state
+machine alone, unchanged and with every kind of change that takes them out of that shape."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specproxy.chunked import dechunk_reads
+from specproxy.chunked import Dechunked, _stepwise, dechunk_reads
 from readsplit import split
 
 
@@ -117,3 +119,50 @@ def test_endless_size_line_is_malformed():
 def test_empty_input():
     got = dechunk_reads([])
     assert list(got) == [] and got.error is None and not got.complete
+
+
+# one whole frame per read is the shape the fast path takes; each change below leaves it, some into
+# framing that is still fine, some into malformed framing: the result must be the state machine's
+def _frames(payloads: list[bytes], upper: bool) -> list[bytes]:
+    return [(b"%X" if upper else b"%x") % len(p) + b"\r\n" + p + b"\r\n" for p in payloads] + [b"0\r\n\r\n"]
+
+
+CHANGES = [
+    lambda r: r[:-2] + b"\n",  # a lone LF after the data (tolerated)
+    lambda r: r.replace(b"\r\n", b"\n", 1),  # a lone LF after the size (tolerated)
+    lambda r: r.replace(b"\r\n", b";x=1\r\n", 1),  # an extension
+    lambda r: b"00" + r,  # leading zeros
+    lambda r: b"+" + r, lambda r: b" " + r, lambda r: b"0x" + r,  # not hex
+    lambda r: r[:-2] + b"X\r\n",  # more data than the size says
+    lambda r: r[:-3] + b"\r\n",  # less
+    lambda r: r[:-2],  # no CRLF after the data
+    lambda r: r[:-2] + b"ab", lambda r: r[:-2] + b"\n\n",  # other bytes in its place
+    lambda r: r[r.index(b"\r\n") :],  # no size
+    lambda r: b"0\r\n\r\n",  # the last chunk in the middle
+    lambda r: b"",  # an empty read
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=12), upper=st.booleans(),
+       where=st.integers(0, 100), change=st.integers(0, len(CHANGES) + 2))
+def test_whole_frame_reads_equal_the_state_machine(payloads, upper, where, change):
+    reads = _frames(payloads, upper)
+    k = where % len(reads)
+    if change < len(CHANGES):
+        reads[k] = CHANGES[change](reads[k])
+    elif change == len(CHANGES) and k + 1 < len(reads):
+        reads[k : k + 2] = [reads[k] + reads[k + 1]]  # two frames in one read
+    elif change == len(CHANGES) + 1:
+        cut = where % (len(reads[k]) + 1)
+        reads[k : k + 1] = [reads[k][:cut], reads[k][cut:]]  # a frame across two reads
+    got, expected = dechunk_reads(reads), _stepwise(reads, Dechunked())
+    assert list(got) == list(expected) and (got.error, got.complete) == (expected.error, expected.complete)
+    if change >= len(CHANGES) + 2:
+        assert list(got) == payloads + [b""] and got.complete and got.error is None
+
+
+def test_an_endless_size_line_in_whole_frames_is_malformed():
+    reads = [b"0" * 70_000 + b"5\r\nhello\r\n", b"0\r\n\r\n"]
+    got = dechunk_reads(reads)
+    assert got.error and "64 KiB" in got.error and list(got) == [b"", b""]

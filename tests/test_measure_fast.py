@@ -1,9 +1,12 @@
 """The fast stream parse gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, templates of plain content
-chunks, inline reading of the common chunk shape); ``_build(fast=False)`` uses the reference (the SSE
-decoder and ``read_chunk`` per event). On random streams of many shapes, split at random read
-boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal Texts and Records.
+``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, runs of chunks read by
+a template of a plain content chunk, inline reading of the common chunk shape); ``_build(fast=False)``
+uses the reference (the SSE decoder and ``read_chunk`` per event). On random streams of many shapes,
+split at random read boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal
+Texts and Records; ``template_stream`` makes streams of mostly one chunk shape, so that runs are long
+and meet every kind of body and deviation. The last tests check that the fast path does not parse,
+derive templates or look at events more than it needs to (what only its speed would show).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -165,6 +169,89 @@ def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, fr
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
+# content written in place of the placeholder, byte for byte: raw text the template path decodes joined
+# (some of it not UTF-8, split characters included), escapes it parses one by one, and bodies that
+# are no JSON string (raw quotes and control characters, a bad escape, a closing quote escaped away)
+BODIES = [b" hello", b"", b"x", b" w0rd", "é".encode(), "日本".encode(), "🚀".encode(), b"\x7f", "\x85".encode(),
+          "\u2028".encode(), "\uffff".encode(), "\xa0".encode(), b"\xe6\x97", b"\xa5", b"\xff", b"\xed\xa0\x80",
+          b"\xc0\xa2", b"\\n", b'\\"', b"\\\\", b"\\u00e9", b"\\ud83d\\ude80", b"\\/", b" a\\tb", b"\\ud800",
+          b"\\q", b"\\u12", b"a\\", b"\x01", b"\t", b'a"b', b'x","role":"user', b'"', b"p"]
+PLACEHOLDER = "PLACEHOLDER"
+NUMBER = 987654321987654321
+
+
+@st.composite
+def template_stream(draw):
+    """Events that mostly share one chunk shape (so the fast path reads them in runs) with deviations:
+    another index or digit count, digits no template allows, other chunks, and bodies of every kind."""
+    style = draw(st.integers(0, 2))
+    index_first = draw(st.booleans())
+    varying = draw(st.sampled_from(["", "t_send", "sig", "created"]))
+    digits = draw(st.integers(1, 19))
+
+    def event(body: bytes, index: int, ndigits: int) -> bytes:
+        choice = {"delta": {"content": PLACEHOLDER}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, **choice} if index_first else {**choice, "index": index}
+        obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
+               "choices": [choice]}
+        if varying == "sig":
+            obj["sig"] = f"s{NUMBER}"
+        elif varying:
+            obj[varying] = NUMBER
+        number = b"%d" % draw(st.integers(10 ** (ndigits - 1) if ndigits > 1 else 0, 10**ndigits - 1))
+        if draw(st.integers(0, 20)) == 0:  # not a number the template allows, of the same length or not
+            number = draw(st.sampled_from([b"0" + number, b"0" + number[1:], b"-" + number[1:], b"x" + number[1:]]))
+        return dumps(obj, style).replace(b"%d" % NUMBER, number).replace(PLACEHOLDER.encode(), body)
+
+    events = [b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}']
+    for _ in range(draw(st.integers(0, 90))):
+        kind = draw(st.integers(0, 40))
+        if kind == 0:
+            events.append(draw(st.sampled_from(RAW)))
+        elif kind == 1:
+            events.append(event(draw(st.sampled_from(BODIES)), draw(st.sampled_from([1, 2])), digits))
+        elif kind == 2:
+            events.append(event(draw(st.sampled_from(BODIES)), 0, draw(st.integers(1, 19))))
+        else:
+            body = draw(st.sampled_from(BODIES[:8] if kind > 12 else BODIES))
+            events.append(event(body, 0, digits))
+    events += draw(st.sampled_from([[], [RAW[5], b"[DONE]"], [RAW[6], RAW[7], b"[DONE]"]]))
+    data = b"".join(b"data: " + ev + b"\n\n" for ev in events)
+    if draw(st.integers(0, 20)) == 0:
+        data += b": ping\n\n"  # the reference decides (found after the fast path read most of the stream)
+    if draw(st.integers(0, 6)) == 0:
+        data = data[: draw(st.integers(0, len(data)))]  # a truncated stream
+    return data
+
+
+def per_event(data: bytes) -> list[bytes]:
+    """The events of ``data``, each with its blank line, and what follows the last one."""
+    *events, tail = data.split(b"\n\n")
+    return [ev + b"\n\n" for ev in events] + ([tail] if tail else [])
+
+
+def one_frame_per_event(data: bytes, upper: bool) -> list[bytes]:
+    """What an engine writes: a chunked frame per event, then the last chunk."""
+    size = b"%X" if upper else b"%x"
+    return [size % len(p) + b"\r\n" + p + b"\r\n" for p in per_event(data)] + [b"0\r\n\r\n"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=template_stream(), framing=st.integers(0, 3), cuts=st.lists(st.integers(0, 100_000), max_size=20))
+def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
+    if framing == 0:
+        reads = split(data, cuts)
+    elif framing == 1:
+        reads = per_event(data)
+    else:
+        reads = one_frame_per_event(data, framing == 3)
+    b = builder(reads, framing >= 2)
+    payload = b.reads if framing < 2 else dechunk_reads(reads)
+    fast = texts_mod.stream_texts(list(payload), b.read_times)
+    assert fast == texts_mod.stream_texts_reference(list(payload), b.read_times)
+    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+
+
 def test_template_stream_is_fast_and_equal(tiktoken_tok):
     """The common shape: a template is derived once and matches the following content chunks."""
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -226,7 +313,7 @@ def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
 
 def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
     """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
-    reads = _varying(b'"t_send"', [b"%d" % (1_000_000_007 * i + 13) for i in range(60)])
+    reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
     reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
     b = builder(reads, False)
     calls = _counting_loads(monkeypatch)
@@ -247,3 +334,103 @@ def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
     assert len(calls) >= 30
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
+
+
+# --- what the fast path does not do: parse, derive, or look at an event more than it needs to --------
+
+
+class _Watch:
+    """Counts what ``_stream_texts_fast`` does: chunk parses (not those of escaped bodies, as strings),
+    template derivations, and the windows of events its runs read."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.loads = _counting_loads(monkeypatch)
+        self.parses = 0
+        self.derivations = 0
+        self.windows: list[tuple[int, int]] = []
+        derive, run = texts_mod._content_template, texts_mod._Template.run
+
+        def counted_derive(*args):
+            self.derivations += 1
+            return derive(*args)
+
+        def recorded_run(tmpl, segs, i, j, buf, pos):
+            self.windows.append((i, j))
+            return run(tmpl, segs, i, j, buf, pos)
+
+        monkeypatch.setattr(texts_mod, "_content_template", counted_derive)
+        monkeypatch.setattr(texts_mod._Template, "run", recorded_run)
+
+    def read(self, reads: list[bytes]):
+        times = [float(i) for i in range(len(reads))]
+        fast = texts_mod._stream_texts_fast(reads, times)
+        self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
+        assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
+        return fast
+
+
+CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+         b'"choices":[{"index":%d,"delta":{"content":"%b"},"finish_reason":null}]}\n\n')
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+CLOSING = [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+           b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300}}\n\n', b"data: [DONE]\n\n"]
+
+
+def test_a_long_run_is_read_in_few_windows(monkeypatch):
+    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it."""
+    words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
+    reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
+    assert [j - i for i, j in watch.windows] == [256, 43]  # from event 2: the first derives
+    assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
+    assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
+
+
+def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
+    """The first chunk of a window after a full one is not known to be the template's: another
+    choice's chunk there starts no run of the first one's."""
+    words = [b" w%d" % i for i in range(300)]
+    reads = [ROLE, *(CHUNK % (int(k == 258), w) for k, w in enumerate(words, 1)), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
+
+
+def test_shapes_taking_turns_cost_little(monkeypatch):
+    """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
+    (only a run long enough refills them), runs start with small windows, other shapes start none."""
+    reads = [CHUNK % (i % 2, b" w%d" % i) for i in range(200)]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert sorted(fast.texts) == [(0, "content"), (1, "content")]
+    assert watch.derivations <= 4
+    assert len(watch.windows) <= 100  # only events of the template's shape start a run
+    assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
+
+
+def test_a_run_ending_in_empty_content_is_timed_by_its_last_text():
+    reads = [ROLE, CHUNK % (0, b" a"), CHUNK % (0, b" b"), CHUNK % (0, b""), CHUNK % (0, b""), *CLOSING]
+    times = [float(i) for i in range(len(reads))]
+    fast = texts_mod._stream_texts_fast(reads, times)
+    assert fast == texts_mod.stream_texts_reference(reads, times)
+    assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, 2.0, 2)
+
+
+@pytest.mark.parametrize("chunk", [
+    # the first contents are escaped: the template is cut around the escaped string
+    lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
+    # a key ending in "content" whose quote is escaped, with the first content's value, before the delta
+    lambda i, w: b'data: {"a\\"content":"x","choices":[{"index":0,"delta":{"content":"%b"}}]}\n\n' % (w if i else b"x"),
+    # a duplicate key: the last one is the content
+    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"a","content":"%b"}}]}\n\n' % w,
+    # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
+    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"%b"}}],"sig":"s0123"}\n\n' % w,
+])
+def test_templates_are_found_where_they_are_safe(monkeypatch, chunk):
+    reads = [ROLE, *(chunk(i, b" w%d" % i) for i in range(60)), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.chunks == 60
+    assert watch.parses <= 8
