@@ -252,10 +252,10 @@ def _escaped_bodies(joined: bytes) -> tuple[str, int]:
     """The text of the bodies ``joined`` with LF, of which some hold an escape, a quote or a control
     character, and how many in a row from the first are JSON strings (their decoded text, as the
     reference parses the decoded event)."""
-    # all at once, as the strings of one JSON array, when each body is one string's inside: every
-    # quote escaped and no backslash left at its end (with escaped backslashes taken out first)
-    unpaired = joined.replace(b"\\\\", b"").replace(b'\\"', b"")
-    if b'"' not in unpaired and b"\\\n" not in unpaired and not unpaired.endswith(b"\\"):
+    # all at once, as the strings of one JSON array, when every quote comes after a backslash: then
+    # each string of the array is one body, as one that ends a string early (after an escaped
+    # backslash) or a backslash at a body's end would leave the rest outside any string: not JSON
+    if b'"' not in joined.replace(b'\\"', b""):
         try:
             values = orjson.loads(b'["' + joined.replace(b"\n", b'","') + b'"]')
             return "".join(values), len(values)

@@ -381,9 +381,10 @@ def test_a_long_run_is_read_in_few_windows(monkeypatch):
     words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
     watch = _Watch(monkeypatch)
+    monkeypatch.setattr(texts_mod, "_WINDOWS", (4, 16))
     fast = watch.read(reads)
     assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
-    assert [j - i for i, j in watch.windows] == [256, 43]  # from event 2: the first derives
+    assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
     assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
     assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
 
@@ -418,11 +419,47 @@ def test_a_run_ending_in_empty_content_is_timed_by_its_last_text():
     assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, 2.0, 2)
 
 
+def _string(body: bytes) -> str | None:
+    """What the reference reads from a content string written ``body``, or None: not a string."""
+    try:
+        value = orjson.loads('"' + body.decode("utf-8", "replace") + '"')
+    except ValueError:
+        return None
+    return value
+
+
+@settings(max_examples=1000, deadline=None)
+@given(bodies=st.lists(st.lists(st.sampled_from([b"a", b"\\", b'"', b",", b"]", b"1", b"n", b"u00e9", b"ud800", b"\xff",
+                                                 b"\x01", b"\xe6\x97", "é".encode()]), max_size=6).map(b"".join),
+                       min_size=1, max_size=5))
+def test_escaped_bodies_read_each_as_its_own_string(bodies):
+    values = list(map(_string, bodies))
+    ok = (values + [None]).index(None)
+    assert texts_mod._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
+
+
+@pytest.mark.parametrize(("bodies", "bad"), [
+    ([b'a","b'], 1),  # an unescaped quote: two strings in the array for one body
+    ([b"x\\", b",1", b"y\\"], 2),  # backslashes that escape the quote after their body
+    ([b"C:\\\\", b'\\"q\\"'], 0),  # escaped backslashes and quotes: one JSON string each
+])
+def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
+    """Bodies with escapes are parsed as the strings of one JSON array only when each is one string;
+    then that costs one parse, not one per body."""
+    words = [b" w%d" % i for i in range(20)]
+    reads = [ROLE, *(CHUNK % (0, w) for w in words[:10] + bodies + words[10:]), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.bad_events == bad
+    if not bad:
+        assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
+
+
 @pytest.mark.parametrize("chunk", [
     # the first contents are escaped: the template is cut around the escaped string
     lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
-    # a key ending in "content" whose quote is escaped, with the first content's value, before the delta
-    lambda i, w: b'data: {"a\\"content":"x","choices":[{"index":0,"delta":{"content":"%b"}}]}\n\n' % (w if i else b"x"),
+    # a key ending in "content" whose quote is escaped, with the first contents' value, before the delta
+    lambda i, w: b'data: {"a\\"content":"x","choices":[{"index":0,"delta":{"content":"%b"}}]}\n\n' % (w if i > 2 else b"x"),
     # a duplicate key: the last one is the content
     lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"a","content":"%b"}}]}\n\n' % w,
     # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
