@@ -77,12 +77,13 @@ def test_a_busy_relay_defers_each_batch_at_most_max_defer():
 def test_a_burst_that_begins_during_a_build_goes_before_the_next_build():
     busy_until = [0.0]
 
-    class _Waking(RecordBuilder):  # the relay starts a 5 ms burst while this turn is being built
+    class _Waking(RecordBuilder):  # the relay starts a 5 ms burst as this turn's build ends
         __slots__ = ()
 
         def build(self, tokenizer):
+            built = super().build(tokenizer)  # however long a loaded CPU makes this, the burst follows it
             busy_until[0] = time.perf_counter() + 0.005
-            return super().build(tokenizer)
+            return built
 
     def activity() -> float:
         now = time.perf_counter()
