@@ -1,7 +1,7 @@
 """What measuring one streamed turn costs per chunk: ``RecordBuilder.build`` and its parts, in one run.
 
-    python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~15 s)
-    python scripts/bench_measure.py --turns 20 --repeats 5 --vs HEAD~3
+    python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
+    python scripts/bench_measure.py --turns 100 --vs cc811dc~1   # against texts.py/chunked.py before C-call runs
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -202,12 +202,12 @@ def run(args, tmp: Path) -> None:
         for k in rows:
             spread = f"[{min(samples[k]):6.3f} .. {max(samples[k]):6.3f}]" if k in samples else " " * 18
             ratio = f"  {med[k] / med['reference build']:4.2f}x the reference build" if "build" in k else ""
-            print(f"{k:>26}: {med[k]:7.3f}  {spread}{ratio}")
+            print(f"{k:>34}: {med[k]:7.3f}  {spread}{ratio}")
         if vs:
             for part in ("dechunk", "stream_texts"):
-                print(f"{part + ' speed-up vs ' + args.vs:>26}: {med[vs + part] / med[part]:6.2f}x")
+                print(f"{part + ' speed-up vs ' + args.vs:>34}: {med[vs + part] / med[part]:6.2f}x")
             now, before = med["dechunk"] + med["stream_texts"], med[f"{vs}dechunk"] + med[f"{vs}stream_texts"]
-            print(f"{'both: ' + args.vs + ' / now':>26}: {before:.3f} / {now:.3f} = {before / now:.2f}x")
+            print(f"{'both: ' + args.vs + ' / now':>34}: {before:.3f} / {now:.3f} = {before / now:.2f}x")
 
 
 def main() -> None:

@@ -411,12 +411,14 @@ def test_shapes_taking_turns_cost_little(monkeypatch):
     assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
 
 
-def test_a_run_ending_in_empty_content_is_timed_by_its_last_text():
-    reads = [ROLE, CHUNK % (0, b" a"), CHUNK % (0, b" b"), CHUNK % (0, b""), CHUNK % (0, b""), *CLOSING]
+@pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
+def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
+    reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
     times = [float(i) for i in range(len(reads))]
     fast = texts_mod._stream_texts_fast(reads, times)
     assert fast == texts_mod.stream_texts_reference(reads, times)
-    assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, 2.0, 2)
+    texts = sum(map(bool, contents))
+    assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
 
 
 def _string(body: bytes) -> str | None:
