@@ -26,7 +26,12 @@ from __future__ import annotations
 from itertools import repeat
 from operator import getitem
 
-__all__ = ["Dechunked", "dechunk_reads"]
+__all__ = ["Dechunked", "dechunk_reads", "join_whole_frames"]
+
+try:
+    from . import _scanc  # the per-chunk scans in C (setup.py; optional)
+except ImportError:
+    _scanc = None
 
 _HEX = b"0123456789abcdefABCDEF"
 _MAX_LINE = 64 * 1024
@@ -58,6 +63,15 @@ def dechunk_reads(reads: list[bytes]) -> Dechunked:
     if payloads is None:
         return _stepwise(reads, Dechunked())
     return _stepwise(reads[-1:], Dechunked(payloads))  # after whole frames: the state machine's start
+
+
+def join_whole_frames(reads: list[bytes]) -> tuple[bytes, list[int], bool] | None:
+    """``(payload, ends, complete)``: ``dechunk_reads`` joined (read i's payload ends at ``ends[i]``),
+    when the C scan is built and every frame is whole within its read with no extension or trailer
+    (``_scanc.join_frames``); otherwise None, and ``dechunk_reads`` decides."""
+    if _scanc is None:
+        return None
+    return _scanc.join_frames(reads)
 
 
 def _whole_frames(reads: list[bytes]) -> list[bytes] | None:

@@ -25,11 +25,12 @@ from operator import sub
 
 import orjson
 
-from .chunked import dechunk_reads
+from . import texts as texts_mod
+from .chunked import dechunk_reads, join_whole_frames
 from .content import classify
 from .openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
 from .record import Record
-from .texts import Texts, body_texts, stream_texts, stream_texts_reference
+from .texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
 from .tokens import Tokenizer, tokens_in_first
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -147,24 +148,33 @@ class RecordBuilder:
         """``fast=False`` parses a stream with the reference path only (for differential tests)."""
         assert self._ended, "build before finish/fail"
         request = _read_request(_inflate(self.body, self.request_encoding))
-        payload = self.reads
-        framing_error = None
-        if self.chunked:
-            payload = dechunk_reads(self.reads)
-            if payload.error is not None:
-                framing_error = f"malformed chunked framing: {payload.error}"
-        reads = self._decoded_reads(payload)
         streamed = self.content_type.startswith("text/event-stream")
-        if streamed:
-            texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
+        framing_error = None
+        joined = None
+        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.USE_C:
+            joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
+        if joined is not None:
+            buf, ends, _ = joined
+            texts = stream_texts_joined(buf, ends, self.read_times)
+            response_bytes = len(buf)
         else:
-            texts = body_texts(reads, self.read_times)
+            payload = self.reads
+            if self.chunked:
+                payload = dechunk_reads(self.reads)
+                if payload.error is not None:
+                    framing_error = f"malformed chunked framing: {payload.error}"
+            response_bytes = sum(map(len, payload))
+            reads = self._decoded_reads(payload)
+            if streamed:
+                texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
+            else:
+                texts = body_texts(reads, self.read_times)
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
         if outcome == "ok" and self.status is not None and self.status >= 400:
             outcome = "upstream_error"
-        return self._record(request, texts, streamed, outcome, tokenizer, sum(map(len, payload)), framing_error)
+        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error)
 
     def _decoded_reads(self, reads: list[bytes]) -> list[bytes]:
         """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""

@@ -22,12 +22,20 @@ the events that make up almost all of a stream; those are read by C calls over m
   chunk shape (one choice whose delta holds only role/content) is read inline, any other by
   ``read_chunk``. Text is gathered in lists and joined once.
 
-``tests/test_measure_fast.py`` checks the two paths against each other on random streams and random
-read splits, and that the fast path parses and looks at no more than it needs to.
+With ``specproxy._scanc`` built (``_stream_texts_c``, what ships), the same reading walks the joined
+payload by positions instead of splitting it into lines, and a template's run is one C call
+(``_scanc.template_run``) that checks each event's bytes, decodes its JSON string and joins the text: no
+object per event. Events outside runs are read by the same ``_Gather`` in both paths. Without the C
+module (no compiler at install, or ``SPECPROXY_SCAN=python``) the Python fast path runs.
+
+``tests/test_measure_fast.py`` checks both fast paths against the reference on random streams and random
+read splits, and that they parse and look at no more than they need to; ``tests/test_scanc.py`` checks
+that ``template_run`` takes exactly the strings orjson reads.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -39,7 +47,15 @@ import orjson
 from .openai import parse_json, read_chunk, read_full_response
 from .sse import SSEDecoder
 
-__all__ = ["MAX_VARYING_DIGITS", "Texts", "body_texts", "stream_texts", "stream_texts_reference"]
+try:
+    from . import _scanc  # the per-chunk scans in C (setup.py; optional)
+except ImportError:  # no C compiler at install: the Python paths below, same results
+    _scanc = None
+
+# SPECPROXY_SCAN=python (and tests, through this flag) run the Python paths even when the C is built
+USE_C = os.environ.get("SPECPROXY_SCAN") != "python"
+
+__all__ = ["MAX_VARYING_DIGITS", "Texts", "body_texts", "stream_texts", "stream_texts_joined", "stream_texts_reference"]
 
 
 @dataclass(slots=True)
@@ -279,11 +295,23 @@ def stream_texts(reads: list[bytes], times: list[float]) -> Texts:
     return texts if texts is not None else stream_texts_reference(reads, times)
 
 
+def stream_texts_joined(buf: bytes, ends: list[int], times: list[float]) -> Texts:
+    """``stream_texts`` of the reads whose payloads are ``buf``, read i ending at ``ends[i]``
+    (``_scanc.join_frames``): no list of reads is made unless the reference has to decide."""
+    texts = _stream_texts_c(buf, ends, times) if _scanc is not None and USE_C else None
+    if texts is None:
+        reads = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+        texts = stream_texts_reference(reads, times)  # the Python fast path would refuse them too
+    return texts
+
+
 def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
     """``None`` when the stream is not LF-only single-``data: ``-line events (the reference decides)."""
     nreads = len(reads)
     if len(times) < nreads:
         return None
+    if _scanc is not None and USE_C:
+        return _stream_texts_c(b"".join(reads), list(accumulate(map(len, reads))), times)
     buf = b"".join(reads)
     if b"\r" in buf:
         return None
@@ -300,17 +328,9 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
         segs.append(tail)  # the SSE decoder's finish() dispatches it, timed by the last read
     # an event is timed by the read holding its blank line's LF: bisect the reads' running end offsets
     cum = list(accumulate(map(len, reads)))  # read i holds buf[cum[i-1]:cum[i]]
-    texts = Texts(saw_done=False)
-    parts: dict[tuple[int, str], list[str]] = {}
-    chunks = 0
-    t_first = t_last = None
-    first_lens: dict[tuple[int, str], int] = {}
-    cur_idx: object = _UNSET  # the choice index of the last inline content, and its list in parts
-    cur: list[str] = []
-    loads = orjson.loads
+    g = _Gather()
     tmpl: _Template | None = None
     stop = 0  # the template's runs end before this event (the trailing ones that cannot be its own)
-    derive = 3  # template derivations left, so that a shape that keeps changing is not re-derived forever
     last = _WINDOWS[1]  # the length of the last run
     i = pos = 0  # the event, and its offset in buf
     while i < len(segs):
@@ -322,9 +342,9 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
                 count, size, text, nonempty, text_size = tmpl.run(segs, i, min(stop, i + width), buf, pos)
                 if text_size:
                     tmpl.texts.append(text)
-                    chunks += nonempty
+                    g.chunks += nonempty
                     # (t_first is set: a template is derived from a chunk with text)
-                    t_last = times[bisect_right(cum, pos + text_size - 1)]
+                    g.t_last = times[bisect_right(cum, pos + text_size - 1)]
                 i += count
                 pos += size
                 if count < width:
@@ -332,31 +352,105 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
                 width *= 2
             last = i - start
             if last >= _PAYING_RUN:
-                derive = 3
+                g.derive = 3
             if last:
                 continue
         t = times[bisect_right(cum, pos + len(seg) + 1)] if i < nevents else times[nreads - 1]
         pos += len(seg) + 2
         i += 1
-        if not seg.startswith(b"data: "):
+        if not g.event(seg, t):
             return None
+        if g.tmpl is not tmpl:
+            tmpl = g.tmpl
+            # the last events of a stream (finish, usage, [DONE]) end its runs
+            stop = nevents
+            while stop > i and stop > nevents - _TRAILING and not segs[stop - 1].startswith(tmpl.prefix):
+                stop -= 1
+    return g.texts()
+
+
+def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | None:
+    """``_stream_texts_fast`` over the reads' payloads joined (``cum``: each read's running end offset),
+    walking ``buf`` by positions: a template's runs are read by ``_scanc.template_run`` (no line split,
+    no object per event), every other event as in the Python path."""
+    nreads = len(cum)
+    if len(times) < nreads or b"\r" in buf:
+        return None
+    g = _Gather()
+    run = _scanc.template_run
+    find = buf.find
+    n = len(buf)
+    pos = 0
+    while pos < n:
+        tmpl = g.tmpl
+        if tmpl is not None:
+            count, size, text, nonempty, text_size = run(buf, pos, tmpl.prefix, tmpl.head, tmpl.dlen, tmpl.closing)
+            if count:
+                if text_size:
+                    tmpl.texts.append(text)
+                    g.chunks += nonempty
+                    g.t_last = times[bisect_right(cum, pos + text_size - 1)]
+                pos += size
+                if count >= _PAYING_RUN:
+                    g.derive = 3
+                continue
+        lf = find(b"\n", pos)
+        if lf < 0:  # the tail: the SSE decoder's finish() dispatches it, timed by the last read
+            seg = buf[pos:]
+            t = times[nreads - 1]
+            pos = n
+        elif lf + 1 < n and buf[lf + 1] == 10:  # an event line and a blank line
+            seg = buf[pos:lf]
+            t = times[bisect_right(cum, lf + 1)]
+            pos = lf + 2
+        else:  # lines that are not event, blank, event, blank, ...
+            return None
+        if not g.event(seg, t):
+            return None
+    return g.texts()
+
+
+class _Gather:
+    """What the events read one by one add up to, for both fast paths: text in lists per (choice, kind),
+    joined once at the end; the common chunk shape read inline, any other by ``read_chunk``; and the
+    template derived from a plain content chunk (``tmpl``, at most ``derive`` more derivations)."""
+
+    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "first_lens", "parts", "t_first", "t_last", "tmpl")
+
+    def __init__(self) -> None:
+        self.acc = Texts(saw_done=False)  # usage, timings, finish_reason, saw_done, bad_events
+        self.parts: dict[tuple[int, str], list[str]] = {}
+        self.chunks = 0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.first_lens: dict[tuple[int, str], int] = {}
+        self.cur_idx: object = _UNSET  # the choice index of the last inline content, and its list in parts
+        self.cur: list[str] = []
+        self.tmpl: _Template | None = None
+        self.derive = 3  # template derivations left, so that a shape that keeps changing is not re-derived forever
+
+    def event(self, seg: bytes, t: float) -> bool:
+        """Read one event line timed ``t``; False when it is not a ``data: `` line (the reference decides)."""
+        if not seg.startswith(b"data: "):
+            return False
         payload = seg[6:]
         if not payload:
-            continue
+            return True
+        acc = self.acc
         if b"[DONE]" in payload and payload.decode("utf-8", "replace").strip() == "[DONE]":
-            texts.saw_done = True  # str.strip(), as the reference: Unicode whitespace counts
-            continue
+            acc.saw_done = True  # str.strip(), as the reference: Unicode whitespace counts
+            return True
         try:
-            obj = loads(payload)
+            obj = orjson.loads(payload)
         except ValueError:
             try:  # invalid UTF-8: the reference parses the text decoded with replacement characters
-                obj = loads(payload.decode("utf-8", "replace"))
+                obj = orjson.loads(payload.decode("utf-8", "replace"))
             except (ValueError, RecursionError):
-                texts.bad_events += 1
-                continue
+                acc.bad_events += 1
+                return True
         except RecursionError:
-            texts.bad_events += 1
-            continue
+            acc.bad_events += 1
+            return True
         if type(obj) is dict:
             choices = obj.get("choices")
             if type(choices) is list and len(choices) == 1 and obj.get("usage") is None and obj.get("timings") is None:
@@ -367,55 +461,55 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
                         # the common chunk: read_chunk would find exactly this
                         fr = ch.get("finish_reason")
                         if fr:
-                            texts.finish_reason = str(fr)
+                            acc.finish_reason = str(fr)
                         content = d.get("content")
                         if type(content) is str and content:
                             idx = ch.get("index", 0)
-                            if idx is not cur_idx:
+                            if idx is not self.cur_idx:
                                 if not isinstance(idx, int):
                                     idx = 0
                                 key = (idx, "content")
-                                lst = parts.get(key)
+                                lst = self.parts.get(key)
                                 if lst is None:
-                                    lst = parts[key] = []
-                                cur_idx, cur = idx, lst
-                            cur.append(content)
-                            chunks += 1
-                            if t_first is None:
-                                t_first = t
-                                first_lens = {(idx, "content"): len(content)}
-                            t_last = t
-                            if derive and not fr:
-                                derive -= 1
-                                derived = _content_template(seg, obj, content, cur)
+                                    lst = self.parts[key] = []
+                                self.cur_idx, self.cur = idx, lst
+                            self.cur.append(content)
+                            self.chunks += 1
+                            if self.t_first is None:
+                                self.t_first = t
+                                self.first_lens = {(idx, "content"): len(content)}
+                            self.t_last = t
+                            if self.derive and not fr:
+                                self.derive -= 1
+                                derived = _content_template(seg, obj, content, self.cur)
                                 if derived is not None:
-                                    tmpl = derived
-                                    # the last events of a stream (finish, usage, [DONE]) end its runs
-                                    stop = nevents
-                                    while stop > i and stop > nevents - _TRAILING and not segs[stop - 1].startswith(tmpl.prefix):
-                                        stop -= 1
-                        continue
+                                    self.tmpl = derived
+                        return True
         delta = read_chunk(obj)
         dt = delta.texts
         if dt:
             for key, text in dt.items():
-                lst = parts.get(key)
+                lst = self.parts.get(key)
                 if lst is None:
-                    parts[key] = [text]
+                    self.parts[key] = [text]
                 else:
                     lst.append(text)
-            chunks += 1
-            if t_first is None:
-                t_first = t
-                first_lens = {k: len(v) for k, v in dt.items()}
-            t_last = t
-        _take_accounting(texts, delta)
-    texts.texts = {key: "".join(lst) for key, lst in parts.items()}
-    texts.first_lens = first_lens
-    texts.chunks = chunks
-    texts.t_first = t_first
-    texts.t_last = t_last
-    return texts
+            self.chunks += 1
+            if self.t_first is None:
+                self.t_first = t
+                self.first_lens = {k: len(v) for k, v in dt.items()}
+            self.t_last = t
+        _take_accounting(acc, delta)
+        return True
+
+    def texts(self) -> Texts:
+        out = self.acc
+        out.texts = {key: "".join(lst) for key, lst in self.parts.items()}
+        out.first_lens = self.first_lens
+        out.chunks = self.chunks
+        out.t_first = self.t_first
+        out.t_last = self.t_last
+        return out
 
 
 def stream_texts_reference(reads: list[bytes], times: list[float]) -> Texts:

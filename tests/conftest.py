@@ -198,3 +198,23 @@ def each_relay(request, monkeypatch):
     monkeypatch.setattr(upstream, "RELAY_C", request.param == "c")
     return request.param
 
+
+
+@pytest.fixture(params=["c", "python"])
+def each_scan(request, monkeypatch):
+    """Run a test with the measuring's per-chunk scans in C (``_scanc``, what ships) and in Python (the
+    path without a compiler, kept equal to the reference)."""
+    from specproxy import texts
+
+    if request.param == "c" and texts._scanc is None:
+        pytest.skip("specproxy._scanc is not built (no C compiler at install time)")
+    monkeypatch.setattr(texts, "USE_C", request.param == "c")
+    return request.param
+
+
+@pytest.fixture
+def python_scan(monkeypatch):
+    """The Python scans only: for tests of how that path reads (its windows of events)."""
+    from specproxy import texts
+
+    monkeypatch.setattr(texts, "USE_C", False)

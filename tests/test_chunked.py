@@ -5,10 +5,12 @@ machine alone, unchanged and with every kind of change that takes them out of th
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specproxy.chunked import Dechunked, _stepwise, dechunk_reads
+from specproxy import chunked as chunked_mod
+from specproxy.chunked import Dechunked, _stepwise, dechunk_reads, join_whole_frames
 from readsplit import split
 
 
@@ -166,3 +168,55 @@ def test_an_endless_size_line_in_whole_frames_is_malformed():
     reads = [b"0" * 70_000 + b"5\r\nhello\r\n", b"0\r\n\r\n"]
     got = dechunk_reads(reads)
     assert got.error and "64 KiB" in got.error and list(got) == [b"", b""]
+
+
+def _joined(reads: list[bytes]):
+    """What join_whole_frames must give when it reads ``reads``: the state machine's payloads joined."""
+    expected = _stepwise(reads, Dechunked())
+    ends, total = [], 0
+    for p in expected:
+        total += len(p)
+        ends.append(total)
+    return expected, (b"".join(expected), ends, expected.complete)
+
+
+needs_scanc = pytest.mark.skipif(chunked_mod._scanc is None, reason="specproxy._scanc is not built")
+
+
+@needs_scanc
+@settings(max_examples=400, deadline=None)
+@given(payloads=st.lists(st.binary(min_size=1, max_size=40), max_size=12), upper=st.booleans(),
+       where=st.integers(0, 100), change=st.integers(0, len(CHANGES) + 3), truncated=st.booleans())
+def test_joined_whole_frames_equal_the_state_machine(payloads, upper, where, change, truncated):
+    """The C join reads whole frames (several to a read too) and the end, and refuses anything else."""
+    reads = _frames(payloads, upper)
+    if truncated:
+        reads.pop()  # the stream was cut after a whole frame: not complete, nothing wrong
+    k = where % max(1, len(reads))
+    if reads and change < len(CHANGES):
+        reads[k] = CHANGES[change](reads[k])
+    elif change == len(CHANGES) and k + 1 < len(reads):
+        reads[k : k + 2] = [reads[k] + reads[k + 1]]  # two frames in one read: still joined in C
+    elif reads and change == len(CHANGES) + 1:
+        cut = where % (len(reads[k]) + 1)
+        reads[k : k + 1] = [reads[k][:cut], reads[k][cut:]]  # a frame across two reads (or an empty read)
+    expected, as_joined = _joined(reads)
+    got = join_whole_frames(reads)
+    if got is not None:
+        assert got == as_joined and expected.error is None
+    if change >= len(CHANGES) + 2 or (change == len(CHANGES)):
+        assert got == as_joined  # the shapes it exists for are never left to the state machine
+        assert got[0] == b"".join(payloads) and got[2] == (not truncated)
+
+
+@needs_scanc
+def test_join_refuses_what_only_the_state_machine_reads():
+    ok = [b"5\r\nhello\r\n", b"3\r\nabc\r\n2\r\nde\r\n", b"0\r\n\r\n"]
+    assert join_whole_frames(ok) == (b"helloabcde", [5, 10, 10], True)
+    assert join_whole_frames([]) == (b"", [], False)
+    for reads in ([b"5;x=1\r\nhello\r\n"], [b"5\nhello\r\n"], [b"5\r\nhel", b"lo\r\n"], [b"0\r\nX-T: 1\r\n\r\n"],
+                  [b"0\r\n", b"\r\n"], [b"0\r\n\r\n", b"1\r\nx\r\n"], [b"1\r\nx\r\n0\r\n\r\nz"], [b"0" * 16 + b"1\r\nx\r\n"], [bytearray(b"1\r\nx\r\n")]):
+        assert join_whole_frames(reads) is None, reads
+    assert join_whole_frames([b"0" * 14 + b"1\r\nx\r\n"]) == (b"x", [1], False)
+    with pytest.raises(TypeError):
+        join_whole_frames((b"1\r\nx\r\n",))

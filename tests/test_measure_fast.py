@@ -153,6 +153,7 @@ def builder(reads: list[bytes], chunked: bool) -> RecordBuilder:
     return b
 
 
+@pytest.mark.usefixtures("each_scan")
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=stream(), cuts=st.lists(st.integers(0, 100_000), max_size=30), chunked=st.booleans(),
        sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4), framed_cut=st.integers(0, 10))
@@ -236,6 +237,7 @@ def one_frame_per_event(data: bytes, upper: bool) -> list[bytes]:
     return [size % len(p) + b"\r\n" + p + b"\r\n" for p in per_event(data)] + [b"0\r\n\r\n"]
 
 
+@pytest.mark.usefixtures("each_scan")
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=template_stream(), framing=st.integers(0, 3), cuts=st.lists(st.integers(0, 100_000), max_size=20))
 def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
@@ -252,6 +254,7 @@ def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_template_stream_is_fast_and_equal(tiktoken_tok):
     """The common shape: a template is derived once and matches the following content chunks."""
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -268,12 +271,14 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_odd_shapes_fall_back_to_the_reference():
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
         assert texts_mod._stream_texts_fast([data], [1.0]) is None, data
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
@@ -287,6 +292,7 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     assert a.error is None and a.saw_done and a.chunks == 20
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
     rec = builder(reads, True).build(tiktoken_tok)
@@ -311,6 +317,7 @@ def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
             for i, v in enumerate(values)]
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
     """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
     reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
@@ -324,6 +331,7 @@ def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, t
     assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
 
 
+@pytest.mark.usefixtures("each_scan")
 def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
     """A choice index after the delta decides which text the content belongs to: every event is parsed."""
     head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
@@ -360,6 +368,20 @@ class _Watch:
 
         monkeypatch.setattr(texts_mod, "_content_template", counted_derive)
         monkeypatch.setattr(texts_mod._Template, "run", recorded_run)
+        self.c_runs: list[int] = []  # the C path: events each template_run call read
+        if texts_mod._scanc is not None:
+            scanc, runs = texts_mod._scanc, self.c_runs
+
+            class _Recorded:
+                join_frames = staticmethod(scanc.join_frames)
+
+                @staticmethod
+                def template_run(*args):
+                    out = scanc.template_run(*args)
+                    runs.append(out[0])
+                    return out
+
+            monkeypatch.setattr(texts_mod, "_scanc", _Recorded)
 
     def read(self, reads: list[bytes]):
         times = [float(i) for i in range(len(reads))]
@@ -376,19 +398,24 @@ CLOSING = [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n
            b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300}}\n\n', b"data: [DONE]\n\n"]
 
 
-def test_a_long_run_is_read_in_few_windows(monkeypatch):
-    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it."""
+def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
+    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it.
+    In C the run is one call; the closing chunks each cost a call that reads none."""
     words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
     watch = _Watch(monkeypatch)
     monkeypatch.setattr(texts_mod, "_WINDOWS", (4, 16))
     fast = watch.read(reads)
     assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
-    assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
-    assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
+    if each_scan == "python":
+        assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
+        assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
+    else:
+        assert watch.c_runs == [len(words) - 1, 0, 0, 0] and not watch.windows
     assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
 
 
+@pytest.mark.usefixtures("python_scan")
 def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
     """The first chunk of a window after a full one is not known to be the template's: another
     choice's chunk there starts no run of the first one's."""
@@ -399,6 +426,7 @@ def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
     assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
 
 
+@pytest.mark.usefixtures("python_scan")
 def test_shapes_taking_turns_cost_little(monkeypatch):
     """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
     (only a run long enough refills them), runs start with small windows, other shapes start none."""
@@ -411,6 +439,7 @@ def test_shapes_taking_turns_cost_little(monkeypatch):
     assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
 
 
+@pytest.mark.usefixtures("each_scan")
 @pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
 def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
     reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
@@ -440,6 +469,7 @@ def test_escaped_bodies_read_each_as_its_own_string(bodies):
     assert texts_mod._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
 
 
+@pytest.mark.usefixtures("python_scan")
 @pytest.mark.parametrize(("bodies", "bad"), [
     ([b'a","b'], 1),  # an unescaped quote: two strings in the array for one body
     ([b"x\\", b",1", b"y\\"], 2),  # backslashes that escape the quote after their body
@@ -457,6 +487,7 @@ def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
         assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
 
 
+@pytest.mark.usefixtures("each_scan")
 @pytest.mark.parametrize("chunk", [
     # the first contents are escaped: the template is cut around the escaped string
     lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
