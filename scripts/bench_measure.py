@@ -13,8 +13,10 @@ chunk with finish_reason and usage, ``[DONE]``, the last-chunk frame). Two shape
 tokenizer is ``tiktoken:o200k_base``, loaded as the proxy loads it.
 
 Printed, in µs per chunk (an SSE event read; median over the repeats of the mean over all turns, with
-the range of the repeats): ``build`` (the fast path, what the proxy runs) and its parts: dechunk,
-stream_texts, and the rest (request parse, token counting, the Record); the reference build
+the range of the repeats): ``build`` (the fast path with the C scans of ``specproxy._scanc``, what the
+proxy runs), the same build with the Python scans and that one's parts: dechunk, stream_texts, and the
+rest (request parse, token counting, the Record), and what the C scans do instead of the first two
+(``C join + stream_texts``); the reference build
 (``_build(fast=False)``) and the reference stream parse, measured in the same run; and, when git has
 them, ``texts.py`` and ``chunked.py`` as committed at ``--vs`` (default HEAD) timed the same way, for a
 before/after in one run. The machine may be noisy: compare ratios within one run, not numbers across runs.
@@ -154,11 +156,24 @@ def time_parts(turns: list[RecordBuilder], dechunk, stream, label: str) -> dict[
     return {f"{label}dechunk": t1 - t0, f"{label}stream_texts": t2 - t1}
 
 
-def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
+def time_c_scans(turns: list[RecordBuilder]) -> float:
+    """Seconds over all turns for what the C scans replace: the join of the frames and the stream parse."""
     t0 = time.perf_counter()
     for b in turns:
-        b._build(tok, fast=fast)
+        buf, ends, _ = chunked.join_whole_frames(b.reads)
+        texts.stream_texts_joined(buf, ends, b.read_times)
     return time.perf_counter() - t0
+
+
+def time_builds(turns: list[RecordBuilder], tok, fast: bool, c_scans: bool = True) -> float:
+    texts.USE_C = c_scans
+    try:
+        t0 = time.perf_counter()
+        for b in turns:
+            b._build(tok, fast=fast)
+        return time.perf_counter() - t0
+    finally:
+        texts.USE_C = True
 
 
 def same_records(b: RecordBuilder, tok) -> bool:
@@ -168,10 +183,12 @@ def same_records(b: RecordBuilder, tok) -> bool:
 
 def run(args, tmp: Path) -> None:
     tok = load_tokenizer("tiktoken:o200k_base")
+    c_scans = texts._scanc is not None
     committed = load_committed(args.vs, tmp) if args.vs else None
     vs = f"{args.vs} " if committed is not None else None
     print(f"# {cpu_model()}, Python {sys.version.split()[0]}; {args.turns} turns x {args.chunks} chunks, "
-          f"{args.repeats} repeats; µs per chunk: median of the repeats [their range]")
+          f"{args.repeats} repeats; µs per chunk: median of the repeats [their range]; C scans "
+          f"{'built' if c_scans else 'NOT built (build is the Python path)'}")
     for shape in ("plain", "t_send"):
         turns = make_turns(tok, args.turns, args.chunks, shape == "t_send")
         nchunks = sum(len(b.reads) - 1 for b in turns)  # every read but the last-chunk frame is an event
@@ -181,8 +198,15 @@ def run(args, tmp: Path) -> None:
             gc.collect()
             gc.disable()
             try:
-                rep = {"build": time_builds(turns, tok, True), "reference build": time_builds(turns, tok, False)}
-                rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts, ""))
+                rep = {"build": time_builds(turns, tok, True), "reference build": time_builds(turns, tok, False),
+                       "build, Python scans": time_builds(turns, tok, True, c_scans=False)}
+                if c_scans:
+                    rep["C join + stream_texts"] = time_c_scans(turns)
+                texts.USE_C = False  # the parts: the Python path's
+                try:
+                    rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts, ""))
+                finally:
+                    texts.USE_C = True
                 rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
                 if committed is not None:
                     rep.update(time_parts(turns, committed[0].dechunk_reads, committed[1].stream_texts, vs))
@@ -193,8 +217,9 @@ def run(args, tmp: Path) -> None:
         for v in samples.values():
             del v[0]
         med = {k: statistics.median(v) for k, v in samples.items()}
-        med["rest of build"] = med["build"] - med["dechunk"] - med["stream_texts"]
-        rows = ["build", "dechunk", "stream_texts", "rest of build", "reference build", "reference stream_texts"]
+        med["rest of build"] = med["build, Python scans"] - med["dechunk"] - med["stream_texts"]
+        rows = ["build", "build, Python scans", "dechunk", "stream_texts", *(["C join + stream_texts"] if c_scans else []),
+                "rest of build", "reference build", "reference stream_texts"]
         if vs:
             med[f"{vs}build (est.)"] = med[f"{vs}dechunk"] + med[f"{vs}stream_texts"] + med["rest of build"]
             rows += [f"{vs}build (est.)", f"{vs}dechunk", f"{vs}stream_texts"]

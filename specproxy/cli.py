@@ -76,11 +76,15 @@ def serve(config_path: str | None, **flags: Any) -> None:
     def ready(svc: Service) -> None:
         from .upstream import RELAY_C
 
+        from . import texts
+
         relay = "C" if RELAY_C else "pure Python (specproxy._relayc not built or SPECPROXY_RELAY=python: more CPU)"
+        scans = "C" if texts._scanc is not None and texts.USE_C else (
+            "pure Python (specproxy._scanc not built or SPECPROXY_SCAN=python: more CPU)")
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}; "
-            f"relay {relay}\n"
+            f"relay {relay}; measuring scans {scans}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,
         )
