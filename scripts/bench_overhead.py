@@ -1082,8 +1082,10 @@ def orchestrate(args) -> None:
     print()
     print(render_targets(summary, cs))
     print()
-    print(render_threads(runs, profile_c))
-    print()
+    for c in cs:  # where each C's CPU goes, C=256 (the targets') included
+        if c > 1 or len(cs) == 1:  # at C=1 a window holds ~200 chunks: per-thread splits are noise
+            print(render_threads(runs, c))
+            print()
     if profile:
         print(profile)
         print()
