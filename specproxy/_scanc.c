@@ -257,9 +257,10 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t fixed = hlen + dlen + clen; /* an event's bytes after its body */
-    unsigned char *out = PyMem_Malloc((size_t)(n - pos) + 1); /* decoding never grows the bytes */
-    if (out == NULL)
-        return PyErr_NoMemory();
+    /* the text grows with the run, not with what is left of the stream: a call that reads one event
+       (two shapes taking turns) must not allocate the rest of the stream each time */
+    unsigned char *out = NULL;
+    Py_ssize_t cap = 0;
     Py_ssize_t olen = 0, count = 0, nonempty = 0, start = pos, text_end = pos;
     while (pos < n && n - pos >= plen && memcmp(buf + pos, prefix, (size_t)plen) == 0) {
         const unsigned char *lf = memchr(buf + pos, '\n', (size_t)(n - pos));
@@ -282,7 +283,18 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (k < dlen || (dlen > 1 && digits[0] == '0'))
                 break; /* not digits, or a leading zero (not JSON) */
         }
-        Py_ssize_t wrote = decode_body(buf + pos + plen, body_end - pos - plen, out + olen);
+        Py_ssize_t body_len = body_end - pos - plen;
+        if (cap - olen < body_len) { /* decoding never makes more bytes than it reads */
+            Py_ssize_t want = olen + body_len > 2 * cap ? olen + body_len : 2 * cap;
+            unsigned char *grown = PyMem_Realloc(out, (size_t)(want > 256 ? want : 256));
+            if (grown == NULL) {
+                PyMem_Free(out);
+                return PyErr_NoMemory();
+            }
+            out = grown;
+            cap = want > 256 ? want : 256;
+        }
+        Py_ssize_t wrote = decode_body(buf + pos + plen, body_len, out + olen);
         if (wrote < 0)
             break;
         olen += wrote;
@@ -293,7 +305,7 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             text_end = pos;
         }
     }
-    PyObject *text = PyUnicode_DecodeUTF8((const char *)out, olen, "strict");
+    PyObject *text = PyUnicode_DecodeUTF8(out != NULL ? (const char *)out : "", olen, "strict");
     PyMem_Free(out);
     if (text == NULL)
         return NULL;
