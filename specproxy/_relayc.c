@@ -27,6 +27,8 @@ Types:
 #include <string.h>
 #include <time.h>
 
+#include "_hex.h"
+
 #define MAX_LINE_BYTES 4096 /* upstream.MAX_LINE_BYTES: a partial size/trailer line longer is malformed */
 #define STATE_BODY 3        /* upstream._BODY */
 
@@ -61,17 +63,6 @@ framing_error(const char *msg)
     return -2;
 }
 
-static int
-hex_value(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 /* -1: the body goes on; >= 0: the index in d just past the body's last byte; -2: error set */
 static Py_ssize_t

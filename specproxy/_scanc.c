@@ -26,18 +26,22 @@ template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonem
 #include <Python.h>
 #include <string.h>
 
+#include "_hex.h"
+
 #define MAX_SIZE_DIGITS 15 /* a chunk size of more hex digits than this goes to the state machine */
 
-static inline int
-hex_value(unsigned char c)
+/* the value of four hex digits at p (a \\u escape's), or -1 */
+static inline long
+hex4(const unsigned char *p)
 {
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
+    long v = 0;
+    for (int k = 0; k < 4; k++) {
+        int d = hex_value(p[k]);
+        if (d < 0)
+            return -1;
+        v = v * 16 + d;
+    }
+    return v;
 }
 
 /* ---- join_frames --------------------------------------------------------------------------------- */
@@ -158,30 +162,21 @@ decode_body(const unsigned char *body, Py_ssize_t n, unsigned char *out)
             }
             if (n - i < 6)
                 return -1;
-            Py_UCS4 cp = 0;
-            for (int k = 2; k < 6; k++) {
-                int v = hex_value(body[i + k]);
-                if (v < 0)
-                    return -1;
-                cp = cp * 16 + (Py_UCS4)v;
-            }
+            long v = hex4(body + i + 2);
+            if (v < 0)
+                return -1;
+            Py_UCS4 cp = (Py_UCS4)v;
             i += 6;
             if (cp >= 0xDC00 && cp <= 0xDFFF)
                 return -1; /* a lone low surrogate */
             if (cp >= 0xD800 && cp <= 0xDBFF) {
                 if (n - i < 6 || body[i] != '\\' || body[i + 1] != 'u')
                     return -1; /* a lone high surrogate */
-                Py_UCS4 low = 0;
-                for (int k = 2; k < 6; k++) {
-                    int v = hex_value(body[i + k]);
-                    if (v < 0)
-                        return -1;
-                    low = low * 16 + (Py_UCS4)v;
-                }
+                long low = hex4(body + i + 2);
                 if (low < 0xDC00 || low > 0xDFFF)
                     return -1;
                 i += 6;
-                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (Py_UCS4)(low - 0xDC00);
             }
             if (cp < 0x80) {
                 out[o++] = (unsigned char)cp;
