@@ -192,10 +192,12 @@ class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
-                 linger_s: float = 0.05) -> None:
+                 linger_s: float = 0.25) -> None:
         """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
-        time (one measuring batch); one commit per 50 ms instead of per few records costs the writer
-        thread a fraction of the CPU, and a row appears in the database at most that much later."""
+        time (one measuring batch), and a commit costs more than a row: at 64 streams (~30 turns/s) the
+        writer thread cost 1.6 µs per relayed chunk lingering 50 ms and 0.8 lingering 250 ms
+        (scripts/bench_overhead.py). A row appears in the database at most that much later; ``close``
+        does not wait for it."""
         self.path = Path(path)
         self._linger_s = linger_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
