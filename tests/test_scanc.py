@@ -107,3 +107,13 @@ def test_bad_arguments_are_errors_not_crashes():
         _scanc.template_run(b"abc", 0, b"", HEAD, 2, CLOSING)
     with pytest.raises(TypeError):
         _scanc.join_frames(b"1\r\nx\r\n")
+
+
+@pytest.mark.parametrize(("env", "use_c"), [("python", False), ("", True)])
+def test_specproxy_scan_python_forces_the_python_scans(env, use_c):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from specproxy import texts; print(texts.USE_C)"],
+                         env={**os.environ, "SPECPROXY_SCAN": env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(use_c)
