@@ -188,6 +188,9 @@ _raw_row = attrgetter(*FIELD_NAMES)
 _INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES ({', '.join('?' * len(FIELD_NAMES))})"
 
 
+LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind in well under 1 ms
+
+
 class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
@@ -197,7 +200,8 @@ class Writer:
         time (one measuring batch), and a commit costs more than a row: at 64 streams (~30 turns/s) the
         writer thread cost 1.6 µs per relayed chunk lingering 50 ms and 0.8 lingering 250 ms
         (scripts/bench_overhead.py). A row appears in the database at most that much later; ``close``
-        does not wait for it."""
+        does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
+        the interpreter lock longer while its rows are bound, which the relay feels as latency."""
         self.path = Path(path)
         self._linger_s = linger_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
@@ -249,7 +253,7 @@ class Writer:
             while len(pending) < self._batch_size:
                 try:
                     left = deadline - time.monotonic()
-                    if left > 0 and not self._stop.is_set():
+                    if left > 0 and len(pending) < LINGER_BATCH and not self._stop.is_set():
                         pending.append(self._queue.get(timeout=left))
                     else:
                         pending.append(self._queue.get_nowait())
