@@ -77,6 +77,28 @@ def test_writer_writes_and_drains_on_close(tmp_path):
     assert w.written == 2500 and w.dropped == 0
 
 
+def test_lingering_ends_once_a_batch_is_worth_a_commit(tmp_path, monkeypatch):
+    """The writer waits for more records (``linger_s``), but not past ``LINGER_BATCH`` of them: with a
+    60 s linger, a full batch is written at once, and what comes later waits for the next one."""
+    import time
+
+    from specproxy import store
+
+    monkeypatch.setattr(store, "LINGER_BATCH", 4)
+    w = Writer(tmp_path / "t.db", linger_s=60.0)
+    try:
+        for i in range(4):
+            assert w.put(make_record(seed=i))
+        deadline = time.monotonic() + 10.0
+        while w.written < 4 and time.monotonic() < deadline:  # bounded: a cap that did not work waits 60 s
+            time.sleep(0.01)
+        assert w.written == 4
+        assert w.put(make_record(seed=99))
+    finally:
+        w.close()  # close does not linger: the fifth is written now
+    assert w.written == 5
+
+
 def test_full_queue_drops_and_counts_never_blocks(tmp_path):
     path = tmp_path / "t.db"
     w = Writer(path, queue_size=10)
