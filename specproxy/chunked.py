@@ -28,9 +28,9 @@ from operator import getitem
 
 __all__ = ["Dechunked", "dechunk_reads", "join_whole_frames"]
 
-try:
-    from . import _scanc  # the per-chunk scans in C (setup.py; optional)
-except ImportError:
+try:  # the per-chunk scans in C (setup.py; optional); texts.py takes them from here
+    from . import _scanc
+except ImportError:  # no C compiler at install: the Python paths, same results
     _scanc = None
 
 _HEX = b"0123456789abcdefABCDEF"

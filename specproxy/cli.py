@@ -79,7 +79,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
         from . import texts
 
         relay = "C" if RELAY_C else "pure Python (specproxy._relayc not built or SPECPROXY_RELAY=python: more CPU)"
-        scans = "C" if texts._scanc is not None and texts.USE_C else (
+        scans = "C" if texts.c_scans() else (
             "pure Python (specproxy._scanc not built or SPECPROXY_SCAN=python: more CPU)")
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "

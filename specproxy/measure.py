@@ -151,7 +151,7 @@ class RecordBuilder:
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
-        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.USE_C:
+        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.c_scans():
             joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
         if joined is not None:
             buf, ends, _ = joined

@@ -44,18 +44,20 @@ from operator import itemgetter
 
 import orjson
 
+from .chunked import _scanc  # the per-chunk scans in C; None when not built (the Python paths below)
 from .openai import parse_json, read_chunk, read_full_response
 from .sse import SSEDecoder
-
-try:
-    from . import _scanc  # the per-chunk scans in C (setup.py; optional)
-except ImportError:  # no C compiler at install: the Python paths below, same results
-    _scanc = None
 
 # SPECPROXY_SCAN=python (and tests, through this flag) run the Python paths even when the C is built
 USE_C = os.environ.get("SPECPROXY_SCAN") != "python"
 
-__all__ = ["MAX_VARYING_DIGITS", "Texts", "body_texts", "stream_texts", "stream_texts_joined", "stream_texts_reference"]
+
+def c_scans() -> bool:
+    """Whether measuring runs the C scans: built, and not switched off."""
+    return _scanc is not None and USE_C
+
+
+__all__ = ["MAX_VARYING_DIGITS", "Texts", "body_texts", "c_scans", "stream_texts", "stream_texts_joined", "stream_texts_reference"]
 
 
 @dataclass(slots=True)
@@ -298,7 +300,7 @@ def stream_texts(reads: list[bytes], times: list[float]) -> Texts:
 def stream_texts_joined(buf: bytes, ends: list[int], times: list[float]) -> Texts:
     """``stream_texts`` of the reads whose payloads are ``buf``, read i ending at ``ends[i]``
     (``_scanc.join_frames``): no list of reads is made unless the reference has to decide."""
-    texts = _stream_texts_c(buf, ends, times) if _scanc is not None and USE_C else None
+    texts = _stream_texts_c(buf, ends, times) if c_scans() else None
     if texts is None:
         reads = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
         texts = stream_texts_reference(reads, times)  # the Python fast path would refuse them too
@@ -310,7 +312,7 @@ def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
     nreads = len(reads)
     if len(times) < nreads:
         return None
-    if _scanc is not None and USE_C:
+    if c_scans():
         return _stream_texts_c(b"".join(reads), list(accumulate(map(len, reads))), times)
     buf = b"".join(reads)
     if b"\r" in buf:
