@@ -27,10 +27,9 @@ Types:
 #include <string.h>
 #include <time.h>
 
-#include "_hex.h"
+#include "_chunked.h"
 
-#define MAX_LINE_BYTES 4096 /* upstream.MAX_LINE_BYTES: a partial size/trailer line longer is malformed */
-#define STATE_BODY 3        /* upstream._BODY */
+#define STATE_BODY 3 /* upstream._BODY */
 
 static PyObject *FramingError = NULL; /* upstream.FramingError, given by set_framing_error() */
 
@@ -50,99 +49,22 @@ monotonic_now(void)
 
 typedef struct {
     PyObject_HEAD
-    Py_ssize_t rem;      /* bytes of the current chunk (payload and its CRLF) still to skip */
-    int trailers;        /* after the last chunk: reading trailer lines */
-    Py_ssize_t line_len; /* a size or trailer line split across reads */
-    char line[MAX_LINE_BYTES];
+    chunked_state s;
 } ChunkedEnd;
-
-static int
-framing_error(const char *msg)
-{
-    PyErr_SetString(FramingError ? FramingError : PyExc_ValueError, msg);
-    return -2;
-}
-
 
 /* -1: the body goes on; >= 0: the index in d just past the body's last byte; -2: error set */
 static Py_ssize_t
-chunked_feed(ChunkedEnd *s, const char *d, Py_ssize_t n)
+chunked_feed(ChunkedEnd *self, const char *d, Py_ssize_t n)
 {
-    Py_ssize_t rem = s->rem;
-    if (rem >= n) { /* the whole read is inside one chunk */
-        s->rem = rem - n;
-        return -1;
+    const char *err = NULL;
+    Py_ssize_t end = chunked_scan(&self->s, d, n, &err);
+    if (end == -2) {
+        if (err == NULL)
+            PyErr_NoMemory();
+        else
+            PyErr_SetString(FramingError ? FramingError : PyExc_ValueError, err);
     }
-    Py_ssize_t i = rem;
-    s->rem = 0;
-    while (i < n) {
-        const char *nl = memchr(d + i, '\n', (size_t)(n - i));
-        if (nl == NULL) {
-            Py_ssize_t k = n - i;
-            if (s->line_len + k > MAX_LINE_BYTES)
-                return framing_error("a chunk-size line too long");
-            memcpy(s->line + s->line_len, d + i, (size_t)k);
-            s->line_len += k;
-            return -1;
-        }
-        Py_ssize_t j = nl - d;
-        const char *line = d + i;
-        Py_ssize_t len = j - i;
-        char *joined = NULL;
-        if (s->line_len) { /* the line began in an earlier read */
-            joined = PyMem_Malloc((size_t)(s->line_len + len + 1));
-            if (joined == NULL) {
-                PyErr_NoMemory();
-                return -2;
-            }
-            memcpy(joined, s->line, (size_t)s->line_len);
-            memcpy(joined + s->line_len, d + i, (size_t)len);
-            len += s->line_len;
-            line = joined;
-            s->line_len = 0;
-        }
-        i = j + 1;
-        if (len && line[len - 1] == '\r')
-            len--;
-        if (s->trailers) {
-            PyMem_Free(joined);
-            if (len == 0)
-                return i;
-            continue;
-        }
-        /* size_text = line.split(b";", 1)[0].strip(b" \t"): 1 to 15 hex digits */
-        const char *semi = memchr(line, ';', (size_t)len);
-        Py_ssize_t a = 0, b = semi ? semi - line : len;
-        while (a < b && (line[a] == ' ' || line[a] == '\t'))
-            a++;
-        while (b > a && (line[b - 1] == ' ' || line[b - 1] == '\t'))
-            b--;
-        long long size = 0;
-        int bad = (a == b || b - a > 15);
-        for (Py_ssize_t k = a; !bad && k < b; k++) {
-            int v = hex_value(line[k]);
-            if (v < 0)
-                bad = 1;
-            else
-                size = size * 16 + v;
-        }
-        PyMem_Free(joined);
-        if (bad)
-            return framing_error("malformed chunk size");
-        if (size == 0) {
-            s->trailers = 1;
-            continue;
-        }
-        Py_ssize_t end = i + (Py_ssize_t)size + 2; /* the payload and its CRLF */
-        if (end > n) {
-            s->rem = end - n;
-            return -1;
-        }
-        if (d[end - 2] != '\r' || d[end - 1] != '\n')
-            return framing_error("chunk payload not followed by CRLF");
-        i = end;
-    }
-    return -1;
+    return end;
 }
 
 static PyObject *
@@ -185,7 +107,7 @@ static PyMethodDef ChunkedEnd_methods[] = {
     {NULL}};
 
 static PyMemberDef ChunkedEnd_members[] = {
-    {"rem", T_PYSSIZET, offsetof(ChunkedEnd, rem), READONLY, "bytes of the current chunk still to skip"},
+    {"rem", T_PYSSIZET, offsetof(ChunkedEnd, s.rem), READONLY, "bytes of the current chunk still to skip"},
     {NULL}};
 
 static PyGetSetDef ChunkedEnd_getset[] = {{"payload", (getter)ChunkedEnd_payload, NULL, "always None", NULL},
