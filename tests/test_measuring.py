@@ -4,6 +4,7 @@ stop waiting when turns queue faster than that, hand every turn back (measured o
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -30,6 +31,19 @@ class _Broken(RecordBuilder):
         raise ValueError("nobody foresaw this")
 
 
+class _Held(MeasuringWorker):
+    """A worker whose thread starts working only once every turn was submitted: "at once" for certain
+    (a worker that wakes between two submits would make two batches of them, on a loaded machine)."""
+
+    def __init__(self, *args) -> None:
+        self.held = threading.Event()
+        super().__init__(*args)
+
+    def _run(self) -> None:
+        self.held.wait(30)
+        super()._run()
+
+
 def _run(n: int, activity, *, broken: int | None = None, first: type | None = None) -> tuple[list, MeasuringWorker]:
     """Submit n turns at once; wait (bounded) until all came back on the loop."""
     loop = asyncio.new_event_loop()
@@ -42,7 +56,7 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
             done.set()
 
     async def go():
-        worker = MeasuringWorker(None, activity, asyncio.get_running_loop(), on_done)
+        worker = _Held(None, activity, asyncio.get_running_loop(), on_done)
         for i in range(n):
             b = _turn(i)
             if i == broken:
@@ -50,6 +64,7 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
             if i == 0 and first is not None:
                 b.__class__ = first
             worker.submit(b)
+        worker.held.set()
         await asyncio.wait_for(done.wait(), 30)
         await asyncio.to_thread(worker.stop)
         return worker
