@@ -510,16 +510,25 @@ def _threads_cpu(pid: int) -> dict[int, tuple[float, float]]:
 
 
 def _thread_names(pid: int) -> dict[int, str]:
-    """Python thread names by OS thread id, from ``py-spy dump`` when it is installed."""
+    """Thread names by OS thread id: Python's from ``py-spy dump`` when it is installed, else the OS's
+    (``/proc/PID/task/TID/comm``: native threads such as specproxy's relay thread name themselves)."""
+    names = {}
+    for tid in _listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm.startswith("specproxy"):
+            names[int(tid)] = comm
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not os.path.exists(spy):
-        return {}
+        return names
     try:
         out = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
                              timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return {}
-    names = {}
+        return names
     for line in out.splitlines():
         if line.startswith("Thread "):
             parts = line.split()

@@ -1,4 +1,8 @@
-/* _relayc: the relay's per-read path in C.
+/* _relayc: the relay's per-read path in C, and (in _pump.c, same module) the relay thread.
+
+The relay thread is what ships by default (upstream.RELAY_MODE "thread"): it takes a chunked body off the
+event loop altogether. This file's per-read path ("loop") relays that body on the event loop when the
+thread is switched off or cannot take a turn (TLS, bytes still queued for the client).
 
 Why: at 256 concurrent streams the proxy's event loop thread spent ~5 us of Python per relayed chunk
 in UpstreamConn.data_received/_body/ChunkedEnd.feed/RecordBuilder.on_bytes (py-spy, scripts/
@@ -19,6 +23,7 @@ Types:
   RelayBase   -- base class of upstream.UpstreamConn: the attributes the hot path reads (state,
                  last_read, reusable, framing, pool, _high) live in its C struct, and data_received is
                  C; when the fast path is not armed (_fast_attach) it calls self._data_received_py.
+  Turn, Sink  -- the relay thread's (see _pump.c).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -28,6 +33,8 @@ Types:
 #include <time.h>
 
 #include "_chunked.h"
+
+int pump_module_init(PyObject *m, PyTypeObject *chunked_end_type); /* _pump.c: the relay thread */
 
 #define STATE_BODY 3 /* upstream._BODY */
 
@@ -430,7 +437,8 @@ PyInit__relayc(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "ChunkedEnd", (PyObject *)&ChunkedEndType) < 0 ||
-        PyModule_AddObjectRef(m, "RelayBase", (PyObject *)&RelayBaseType) < 0) {
+        PyModule_AddObjectRef(m, "RelayBase", (PyObject *)&RelayBaseType) < 0 ||
+        pump_module_init(m, &ChunkedEndType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

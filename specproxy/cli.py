@@ -69,16 +69,22 @@ def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""
     from .service import Service, install_uvloop
 
+    from . import upstream
+
+    if upstream.RELAY_SETTING_ERROR:
+        raise SpecproxyError(upstream.RELAY_SETTING_ERROR)
     cfg = load_config(config_path, overrides=flags)
     service = Service.from_config(cfg)
     install_uvloop()
 
     def ready(svc: Service) -> None:
-        from .upstream import RELAY_C
-
         from . import texts
 
-        relay = "C" if RELAY_C else "pure Python (specproxy._relayc not built or SPECPROXY_RELAY=python: more CPU)"
+        relay = {
+            "thread": "the relay thread (C)",
+            "loop": "C on the event loop (SPECPROXY_RELAY=loop: more CPU)",
+            "python": "pure Python (specproxy._relayc not built or SPECPROXY_RELAY=python: more CPU)",
+        }[upstream.RELAY_MODE]
         scans = "C" if texts.c_scans() else (
             "pure Python (specproxy._scanc not built or SPECPROXY_SCAN=python: more CPU)")
         click.echo(

@@ -11,8 +11,10 @@ measuring keeps up (a batch is every turn that ended meanwhile) and records arri
 later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
 up. Results go back to the event loop once per batch of at most ``MAX_BATCH``, not once per turn.
 
-``activity()`` is the relay's clock of its latest read (``UpstreamPool.last_read``); reading a float
-attribute is all the worker does to the relay.
+``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
+the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
+(the default) the bodies' reads do not need the interpreter lock at all, so a build no longer delays
+them; the wait still keeps builds off the loop's per-turn work in a burst of new turns.
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ class Proxy:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s)
-        self._measurer = MeasuringWorker(self.tokenizer, lambda: pool.last_read, asyncio.get_running_loop(),
+        self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
                                          self._built)
 
     async def close(self) -> None:

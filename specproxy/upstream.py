@@ -9,11 +9,15 @@ The per-read work is: a clock read, finding out whether the body ended (chunk si
 payload is never copied), the write, a clock read, and three list appends into the turn's
 ``RecordBuilder``. Nothing is parsed or counted here; the measuring thread strips the framing later.
 
-With ``specproxy._relayc`` built (a small C extension, optional at install), that per-read work runs in C
-for the case that carries almost every chunk (a chunked body passed through): ``UpstreamConn`` inherits
-its ``data_received`` from ``_relayc.RelayBase``, armed by ``_fast_attach`` once the client's head is out.
-The Python methods here stay the reference and the fallback (``SPECPROXY_RELAY=python`` forces them);
-tests/test_relayc.py and the ``each_relay`` fixture hold the two to the same behaviour.
+With ``specproxy._relayc`` built (a small C extension, optional at install), the case that carries almost
+every chunk (a chunked body passed through) leaves Python: by default ``attach`` hands the body to the
+relay thread (``relay_thread.py``, ``_pump.c``), which reads, sends and stamps it without the interpreter
+lock and reports once per turn to the same edges (``_complete``, ``_truncated``, ``_client_gone``); with
+``SPECPROXY_RELAY=loop``, or when the thread cannot take a turn (TLS, bytes still queued for the client),
+``UpstreamConn`` relays each read on the loop in C (its ``data_received`` from ``_relayc.RelayBase``,
+armed by ``_fast_attach``). The Python methods here stay the reference and the fallback
+(``SPECPROXY_RELAY=python`` forces them); tests/test_relayc.py, tests/test_relay_thread.py and the
+``each_relay`` fixture hold the three to the same behaviour.
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
@@ -33,6 +37,9 @@ import ssl
 import time
 
 from yarl import URL
+
+from .relay_thread import TurnSink, ended_reason, plain_socket_fd
+from .relay_thread import last_read as thread_last_read
 
 try:  # the per-read body path in C (see _relayc.c); the Python methods below are its reference
     from . import _relayc
@@ -82,8 +89,18 @@ class FramingError(ValueError):
     """The upstream's body framing is malformed."""
 
 
-# Relay each chunked body read in C when the accelerator is built (SPECPROXY_RELAY=python: never).
-RELAY_C = _relayc is not None and os.environ.get("SPECPROXY_RELAY", "c") != "python"
+# Who relays a chunked body passed through (SPECPROXY_RELAY): "thread" (the default), the relay thread
+# (relay_thread.py); "loop", the per-read path in C on the event loop; "python", its Python reference.
+# Without the C extension only "python" exists. Other bodies (length, until close, re-framed) are relayed
+# on the loop, in Python, whatever the setting.
+RELAY_MODES = ("thread", "loop", "python")
+_relay_env = os.environ.get("SPECPROXY_RELAY", "").strip().lower()
+# a setting nobody knows: ``specproxy serve`` refuses to start with this message (not an import error)
+RELAY_SETTING_ERROR = None if _relay_env in ("", *RELAY_MODES) else (
+    f"SPECPROXY_RELAY must be one of {', '.join(RELAY_MODES)}, not {_relay_env!r}")
+RELAY_MODE = "python" if _relayc is None else (_relay_env if _relay_env in RELAY_MODES else "thread")
+RELAY_C = RELAY_MODE != "python"
+RELAY_THREAD = RELAY_MODE == "thread"
 if _relayc is not None:
     _relayc.set_framing_error(FramingError)
     _RelayBase = _relayc.RelayBase
@@ -312,6 +329,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._pool_timer: asyncio.TimerHandle | None = None
         self.reusable = True
+        self._turn = None  # the body's _relayc.Turn while the relay thread has it
 
     # --- asyncio callbacks ----------------------------------------------------------------------------
 
@@ -475,8 +493,67 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
             return
         if self.transport is not None:
             self._arm_timer()
-            if RELAY_C and type(self.framing) is _relayc.ChunkedEnd:
-                self._fast_attach(out, builder)  # from now on each read is relayed by _relayc
+            if RELAY_C and type(self.framing) is _relayc.ChunkedEnd and not (RELAY_THREAD and self._thread_attach(out)):
+                self._fast_attach(out, builder)  # from now on each read is relayed by _relayc on the loop
+
+    def _thread_attach(self, out: asyncio.Transport) -> bool:
+        """Hand the body to the relay thread: only when both ends are plain sockets and nothing of ours waits
+        in the client's write buffer (the thread's bytes must come after it). False: relay it here."""
+        if out.is_closing() or out.get_write_buffer_size():
+            return False
+        up_fd = plain_socket_fd(self.transport)
+        client_fd = plain_socket_fd(out)
+        if up_fd is None or client_fd is None:
+            return False
+        self.transport.pause_reading()  # from now on the thread reads this socket, not the loop
+        try:
+            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing)
+        except OSError:
+            self.transport.resume_reading()
+            return False
+        return True
+
+    def _thread_ended(self) -> None:
+        """From ``TurnSink``: the thread ended this turn; the same edges as the per-read path's."""
+        turn = self._turn
+        if turn is None:
+            return
+        past_end = turn.past_end
+        how, reason = ended_reason(turn.outcome)
+        self._thread_detach()
+        if how == "ok":
+            if past_end:
+                self.reusable = False  # bytes past the end of the response nobody asked for
+            self._complete("ok", None)
+        elif how == "client_gone":
+            self._client_gone(reason)
+        else:
+            self._truncated(reason)
+
+    def _thread_ended_first(self) -> bool:
+        """Before ending a turn the thread has (an idle deadline, a client hanging up, the upstream's
+        connection lost): if the thread had already ended it, its report still on the way to the loop,
+        that ending stands (the client has the whole body, say, before it hung up). True: handled."""
+        turn = self._turn
+        if turn is not None and not turn.cancel():
+            self._thread_ended()
+            return True
+        return False
+
+    def _thread_detach(self) -> None:
+        """Take the body back from the thread (it stops, if it had not): its reads go to the builder."""
+        turn = self._turn
+        if turn is None:
+            return
+        self._turn = None
+        turn.cancel()
+        self.pool.turn_sink().forget(turn)
+        b = self.builder
+        if b is not None:
+            turn.take(b.reads, b.read_times, b.write_times)
+        self.last_read = max(self.last_read, turn.last_activity)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _body(self, data: bytes, t_read: float) -> None:
         """The forwarding path of one read. Keep it short."""
@@ -548,6 +625,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         if self.state == _DONE:
             return
         self.state = _DONE
+        self._thread_detach()
         self._fast_detach()
         self._cancel_timer()
         if outcome == "ok" and self.mode == ENCODE and self.out is not None and not self.out.is_closing():
@@ -566,17 +644,23 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self._wake()
 
     def _truncated(self, reason: str) -> None:
+        if self._thread_ended_first():
+            return
         out = self.out
         self._complete("upstream_truncated", reason)
         if out is not None:
             out.abort()  # the client must see the truncation: no invented end of the body
 
     def _client_gone(self, reason: str) -> None:
+        if self._thread_ended_first():
+            return
         self.reusable = False
         self._complete("client_abort", reason)
 
     def abandon(self, outcome: str, reason: str) -> None:
         """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection."""
+        if self._thread_ended_first():
+            return  # the body had ended: the connection is as good as after any other exchange
         if self.state == _WAIT_HEAD:
             self._fail_head(UpstreamError(reason))
         if self.state != _DONE:
@@ -598,6 +682,9 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
     def _check_idle(self) -> None:
         """One timer per idle period, not per read: re-armed for what is left when bytes came meanwhile."""
         self._timer = None
+        turn = self._turn
+        if turn is not None:  # the thread's reads, or now if the client is what holds the body back
+            self.last_read = clock() if turn.blocked else max(self.last_read, turn.last_activity)
         left = self.last_read + self.pool.idle_timeout_s - clock()
         if left > 0:
             self._timer = self.pool.loop.call_later(left, self._check_idle)
@@ -611,6 +698,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
 
     def close(self) -> None:
         self.reusable = False
+        self._thread_detach()  # the thread lets go of the sockets before they close
         if self.transport is not None:
             self.transport.close()
 
@@ -634,7 +722,18 @@ class UpstreamPool:
         self.idle: list[UpstreamConn] = []
         self.active: set[UpstreamConn] = set()
         self.closed = False
-        self.last_read = 0.0  # the latest read on any connection (perf_counter)
+        self.last_read = 0.0  # the latest read on the loop, any connection (perf_counter)
+        self._turn_sink: TurnSink | None = None
+
+    def turn_sink(self) -> TurnSink:
+        """This loop's mailbox for the relay thread (made on first use)."""
+        if self._turn_sink is None:
+            self._turn_sink = TurnSink(self.loop)
+        return self._turn_sink
+
+    def activity(self) -> float:
+        """The latest read of any body, on the loop or by the relay thread (the measuring worker waits for a gap)."""
+        return max(self.last_read, thread_last_read())
 
     async def request(self, method: str, data: bytes) -> UpstreamConn:
         """Send one request (head and body in ``data``); return the connection once its response head is in.
@@ -693,3 +792,5 @@ class UpstreamPool:
         for conn in [*self.idle, *self.active]:
             conn.close()
         self.idle.clear()
+        if self._turn_sink is not None:
+            self._turn_sink.close()

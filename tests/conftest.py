@@ -187,15 +187,17 @@ def make_stack(tmp_path) -> Iterator:
         s.close()
 
 
-@pytest.fixture(params=["c", "python"])
+@pytest.fixture(params=["thread", "loop", "python"])
 def each_relay(request, monkeypatch):
-    """Run a test with the relay's per-read body path in C (``_relayc``, what ships) and in pure Python
-    (its reference). Modules opt in with ``pytestmark = pytest.mark.usefixtures("each_relay")``."""
+    """Run a test with each relay of a chunked body (``upstream.RELAY_MODES``): the relay thread (what
+    ships), the per-read path in C on the event loop, and its pure-Python reference. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("each_relay")``."""
     from specproxy import upstream
 
-    if request.param == "c" and upstream._relayc is None:
+    if request.param != "python" and upstream._relayc is None:
         pytest.skip("specproxy._relayc is not built (no C compiler at install time)")
-    monkeypatch.setattr(upstream, "RELAY_C", request.param == "c")
+    monkeypatch.setattr(upstream, "RELAY_C", request.param != "python")
+    monkeypatch.setattr(upstream, "RELAY_THREAD", request.param == "thread")
     return request.param
 
 

@@ -107,6 +107,14 @@ def test_bad_input_is_one_clear_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("specproxy: error:") and message in lines[0], proc.stderr
 
 
+def test_an_unknown_relay_setting_is_one_clear_line():
+    proc = subprocess.run([*SPECPROXY, "serve", "--upstream", "http://127.0.0.1:9", "--port", "0"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env={**os.environ, "SPECPROXY_RELAY": "fast"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["specproxy: error: SPECPROXY_RELAY must be one of thread, loop, python, not 'fast'"], proc.stderr
+
+
 def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok):
     stack = make_stack()  # used for its fake upstream only
     stack.upstream.script = Script(pieces=["A", " real", " answer"], interval_s=0.01)

@@ -109,12 +109,15 @@ async def _answer_in_pieces(_req, writer, _i):
     return True
 
 
-@pytest.mark.parametrize("mode", ["c", "python"])
+@pytest.mark.parametrize("mode", upstream.RELAY_MODES)
 def test_body_reads_take_the_path_the_mode_says(make_stack, tiktoken_tok, monkeypatch, mode):
-    """In C mode no read of the body reaches Python; in Python mode they all do. Both give the same turn."""
-    if mode == "c" and relayc is None:
+    """With the relay thread or the C per-read path no read of the body reaches Python (the thread's
+    counters show which of the two relayed it); in Python mode they all do. All give the same turn."""
+    if mode != "python" and relayc is None:
         pytest.skip("specproxy._relayc is not built")
-    monkeypatch.setattr(upstream, "RELAY_C", mode == "c")
+    monkeypatch.setattr(upstream, "RELAY_C", mode != "python")
+    monkeypatch.setattr(upstream, "RELAY_THREAD", mode == "thread")
+    before = relayc.pump_stats() if relayc is not None else None
     body_reads_in_python = []
     original = upstream.UpstreamConn._data_received_py
 
@@ -133,10 +136,17 @@ def test_body_reads_take_the_path_the_mode_says(make_stack, tiktoken_tok, monkey
     assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
-    if mode == "c":
-        assert body_reads_in_python == []
-    else:
+    if mode == "python":
         assert len(body_reads_in_python) >= len(EVENTS)
+    else:
+        assert body_reads_in_python == []
+    if relayc is not None:
+        after = relayc.pump_stats()
+        if mode == "thread":
+            assert after["turns"] == before["turns"] + 1
+            assert after["reads"] >= before["reads"] + len(EVENTS)
+        else:
+            assert after == before
 
 
 class _Transport:
