@@ -265,7 +265,7 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
         return;
     }
     t->last_activity = t_read;
-    g.last_read = t_read; /* a plain double store: the reader only wants a recent value */
+    __atomic_store(&g.last_read, &t_read, __ATOMIC_RELAXED); /* read without a lock: any recent value does */
     const char *err = NULL;
     ssize_t end = chunked_scan(&t->cs, rbuf, n, &err);
     if (end == -2) { /* as the per-read path: nothing of this read reaches the client */
@@ -693,7 +693,10 @@ Turn_get_blocked(TurnObject *self, void *closure)
 static PyObject *
 Turn_get_past_end(TurnObject *self, void *closure)
 {
-    return PyBool_FromLong(self->t->past_end);
+    pthread_mutex_lock(&self->t->mu);
+    int past_end = self->t->past_end;
+    pthread_mutex_unlock(&self->t->mu);
+    return PyBool_FromLong(past_end);
 }
 
 static PyObject *
@@ -745,7 +748,9 @@ static PyTypeObject TurnType = {
 static PyObject *
 pump_last_read(PyObject *module, PyObject *unused)
 {
-    return PyFloat_FromDouble(g.last_read);
+    double t;
+    __atomic_load(&g.last_read, &t, __ATOMIC_RELAXED);
+    return PyFloat_FromDouble(t);
 }
 
 static PyObject *
