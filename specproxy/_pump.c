@@ -105,7 +105,6 @@ typedef struct sink {
 static struct {
     pthread_mutex_t mu;
     int started;
-    pid_t pid;
     int epfd;
     int wakefd; /* in the epoll set with tag 0: a cancel wakes the thread so that it lets go promptly */
     pthread_t thread;
@@ -366,11 +365,20 @@ pump_main(void *arg)
     return NULL;
 }
 
-/* start the thread once per process (a forked child starts its own); call with g.mu held */
+/* a forked child has no relay thread (fork copies only the forking thread): it starts its own */
+static void
+pump_after_fork_in_child(void)
+{
+    pthread_mutex_init(&g.mu, NULL);
+    g.started = 0;
+    g.cancelled = NULL;
+}
+
+/* start the thread once per process; call with g.mu held */
 static int
 pump_start_locked(void)
 {
-    if (g.started && g.pid == getpid())
+    if (g.started)
         return 0;
     int epfd = epoll_create1(EPOLL_CLOEXEC);
     if (epfd < 0)
@@ -400,7 +408,6 @@ pump_start_locked(void)
         return -1;
     }
     g.started = 1;
-    g.pid = getpid();
     return 0;
 }
 
@@ -771,6 +778,10 @@ int
 pump_module_init(PyObject *m, PyTypeObject *chunked_end_type)
 {
     ChunkedEndTypeRef = chunked_end_type;
+    if (pthread_atfork(NULL, NULL, pump_after_fork_in_child) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
+        return -1;
+    }
     if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&TurnType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Sink", (PyObject *)&SinkType) < 0 ||

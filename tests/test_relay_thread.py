@@ -445,3 +445,25 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
     assert abandoned.is_set(), "the handler was not told the client left: the test did not test the race"
     assert rec["outcome"] == "ok" and rec["saw_done"] == 0 and rec["chunks"] == 2
     assert relay_thread.last_read() >= rec["t_first_token"]  # the thread read the body
+
+
+def test_a_forked_child_starts_its_own_thread():
+    """fork() copies only the forking thread: a child that relays must not wait on its parent's thread."""
+    sink = relayc.Sink()
+    ends = Ends()
+    ends.turn(sink)  # the parent's thread is running
+    ends.close()
+    pid = os.fork()
+    if pid == 0:  # the child: one turn through its own thread, then report by exit status
+        code = 1
+        try:
+            child_sink = relayc.Sink()
+            child_ends = Ends()
+            turn = child_ends.turn(child_sink)
+            child_ends.up_server.sendall(b"0\r\n\r\n")
+            ready, _, _ = select.select([child_sink.fileno()], [], [], 5)
+            code = 0 if ready and child_sink.done() == [turn.id] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
