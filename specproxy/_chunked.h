@@ -1,4 +1,4 @@
-/* _chunked.h: where an HTTP/1.1 chunked body ends, read by read (a port of upstream.ChunkedEnd.feed).
+/* _chunked.h: where an HTTP/1.1 chunked body ends, read by read (a port of http1.ChunkedEnd.feed).
 
 Shared by _relayc.c (the per-read path on the event loop) and _pump.c (the relay thread). It touches no
 Python object and allocates with malloc, so the relay thread can run it without the interpreter lock. */
@@ -11,7 +11,7 @@ Python object and allocates with malloc, so the relay thread can run it without 
 
 #include "_hex.h"
 
-#define MAX_LINE_BYTES 4096 /* upstream.MAX_LINE_BYTES: a partial size/trailer line longer is malformed */
+#define MAX_LINE_BYTES 4096 /* http1.MAX_LINE_BYTES: a partial size/trailer line longer is malformed */
 
 typedef struct {
     ssize_t rem;      /* bytes of the current chunk (payload and its CRLF) still to skip */

@@ -34,11 +34,12 @@ Types:
 
 #include "_chunked.h"
 
-int pump_module_init(PyObject *m, PyTypeObject *chunked_end_type); /* _pump.c: the relay thread */
+/* _pump_py.c: adds the relay thread's Sink, Turn, pump_last_read and pump_stats to the module */
+__attribute__((visibility("hidden"))) int pump_module_init(PyObject *m, PyTypeObject *chunked_end_type);
 
 #define STATE_BODY 3 /* upstream._BODY */
 
-static PyObject *FramingError = NULL; /* upstream.FramingError, given by set_framing_error() */
+static PyObject *FramingError = NULL; /* http1.FramingError, given by set_framing_error() */
 
 static PyObject *s_data_received_py, *s_last_read, *s_truncated, *s_client_gone, *s_complete, *s_pause;
 static PyObject *s_ok, *s_client_disconnected;
@@ -82,7 +83,7 @@ ChunkedEnd_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &collect))
         return NULL;
     if (collect) {
-        PyErr_SetString(PyExc_ValueError, "the C ChunkedEnd does not collect payload (use upstream.ChunkedEnd)");
+        PyErr_SetString(PyExc_ValueError, "the C ChunkedEnd does not collect payload (use http1.ChunkedEnd)");
         return NULL;
     }
     ChunkedEnd *self = (ChunkedEnd *)type->tp_alloc(type, 0);
@@ -124,7 +125,7 @@ static PyTypeObject ChunkedEndType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy._relayc.ChunkedEnd",
     .tp_basicsize = sizeof(ChunkedEnd),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Where a chunked body ends, fed read by read (a port of upstream.ChunkedEnd, no payload).",
+    .tp_doc = "Where a chunked body ends, fed read by read (a port of http1.ChunkedEnd, no payload).",
     .tp_new = ChunkedEnd_new,
     .tp_methods = ChunkedEnd_methods,
     .tp_members = ChunkedEnd_members,

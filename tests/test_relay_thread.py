@@ -22,10 +22,10 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_relayc import chunked_bodies
 
 from specproxy import relay_thread, upstream
 from specproxy.upstream import ChunkedEnd, FramingError
-from test_relayc import chunked_bodies
 
 relayc = upstream._relayc
 pytestmark = pytest.mark.skipif(relayc is None, reason="specproxy._relayc is not built")
@@ -87,7 +87,7 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def reference(prefix: bytes, rest: bytes) -> tuple[str, int | str]:
-    """upstream.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
+    """http1.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
     ("framing", message) or ("more", 0)."""
     ref = ChunkedEnd()
     try:

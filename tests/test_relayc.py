@@ -1,7 +1,7 @@
 """The relay's per-read path in C (``specproxy/_relayc.c``) against its Python reference.
 
 ``_relayc.ChunkedEnd`` must find a chunked body's end, keep the same state between reads and refuse the
-same malformed framing with the same message as ``upstream.ChunkedEnd``, whatever the read boundaries;
+same malformed framing with the same message as ``http1.ChunkedEnd``, whatever the read boundaries;
 ``RelayBase.data_received`` must really take the body's reads (else the accelerator is dead code) and
 leave every other read to ``_data_received_py``. End to end, the relay tests (test_relay_framing.py,
 test_faults_upstream.py) run in both modes through the ``each_relay`` fixture.

@@ -1,0 +1,79 @@
+/* _pump.h: the relay thread's shared pieces (see _pump.c for why and how it works): a turn, a sink, the
+thread's globals, and what _pump.c (the thread) gives _pump_py.c (its Python types). Nothing here is
+visible outside the _relayc module. */
+#ifndef SPECPROXY_PUMP_H
+#define SPECPROXY_PUMP_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+#include "_chunked.h"
+
+#define PUMP_HIDDEN __attribute__((visibility("hidden")))
+
+#define READ_BYTES 65536 /* one recv() at most; also the most a blocked client can leave us holding */
+#define MAX_EVENTS 128
+
+enum { T_ACTIVE, T_ENDED, T_CANCELLED };
+enum { O_NONE, O_END, O_FRAMING, O_UPSTREAM_EOF, O_UPSTREAM_ERROR, O_CLIENT_GONE, O_NO_MEMORY };
+
+typedef struct {
+    size_t end; /* the read's last byte + 1, in buf */
+    double t_read, t_written;
+} read_mark;
+
+struct sink;
+
+typedef struct turn {
+    pthread_mutex_t mu;
+    int state;                 /* T_*: only T_ACTIVE turns are touched by the thread */
+    int outcome, err_no;       /* O_*, and errno for the *_ERROR/CLIENT_GONE outcomes */
+    const char *framing_error; /* a static string */
+    int past_end;              /* the read that held the end had bytes after it (not relayed) */
+    int up_fd, cl_fd;          /* our dups; -1 once closed */
+    int up_watched, cl_watched;
+    int end_seen;              /* the end was read; the last bytes may still wait for the client */
+    int blocked;               /* waiting for the client to take bytes */
+    chunked_state cs;
+    char *buf;
+    size_t len, cap, sent; /* buf[sent:len] is what the client has not taken yet */
+    read_mark *marks;
+    size_t nmarks, capmarks, taken;
+    double last_activity; /* the latest read, or the latest progress of a blocked write */
+    int refs;             /* Python's object, the thread: under g.mu */
+    long long id;
+    struct sink *sink;
+    struct turn *next; /* on one of the lists below */
+} turn;
+
+typedef struct sink {
+    int efd;    /* eventfd: written when done goes from empty to not */
+    turn *done; /* ended by the thread, not yet returned by Sink.done() (holds the thread's refs) */
+    int refs;   /* Python's object and each turn: under g.mu */
+} sink;
+
+struct pump_globals {
+    pthread_mutex_t mu;
+    int started;
+    int epfd;
+    int wakefd; /* in the epoll set with tag 0: a cancel wakes the thread so that it lets go promptly */
+    pthread_t thread;
+    turn *cancelled; /* cancelled by Python, waiting for the thread to let go after its next batch */
+    long long next_id;
+    double last_read; /* the latest read of any turn (the measuring worker waits for a gap) */
+    long long turns, reads;
+};
+
+extern PUMP_HIDDEN struct pump_globals pump_g;
+extern PUMP_HIDDEN const char *const PUMP_OUTCOME_NAMES[];
+
+PUMP_HIDDEN double pump_now(void);                     /* CLOCK_MONOTONIC seconds: perf_counter's clock */
+PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu */
+PUMP_HIDDEN void pump_turn_release(turn *t);           /* callers hold pump_g.mu */
+PUMP_HIDDEN int pump_watch(turn *t, int client, int on); /* callers hold t->mu */
+PUMP_HIDDEN void pump_unwatch(turn *t);                /* callers hold t->mu; closes the dups */
+PUMP_HIDDEN int pump_start_locked(void);               /* callers hold pump_g.mu */
+PUMP_HIDDEN void pump_after_fork_in_child(void);
+
+#endif
