@@ -53,6 +53,7 @@ class RecordBuilder:
         "method",
         "outcome",
         "path",
+        "relayed",
         "read_times",
         "request_encoding",
         "reads",
@@ -98,6 +99,7 @@ class RecordBuilder:
         self.reads: list[bytes] = []
         self.read_times: list[float] = []
         self.write_times: list[float] = []
+        self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
@@ -120,6 +122,17 @@ class RecordBuilder:
         self.reads.append(data)
         self.read_times.append(t_read)
         self.write_times.append(t_written)
+
+    def relayed_by_thread(self, turn) -> None:
+        """The relay thread relayed the rest of the body: its reads (after those already appended) are in
+        ``turn``, and become Python objects in ``take_relayed``, in the measuring thread, not on the loop."""
+        self.relayed = turn
+
+    def take_relayed(self) -> None:
+        """Append the reads the relay thread kept (once; nothing when it relayed none). Off the loop."""
+        turn, self.relayed = self.relayed, None
+        if turn is not None:
+            turn.take(self.reads, self.read_times, self.write_times)
 
     def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
         """The response ended (normally, or with an outcome the proxy observed)."""
@@ -147,6 +160,7 @@ class RecordBuilder:
     def _build(self, tokenizer: Tokenizer | None, *, fast: bool) -> Record:
         """``fast=False`` parses a stream with the reference path only (for differential tests)."""
         assert self._ended, "build before finish/fail"
+        self.take_relayed()
         request = _read_request(_inflate(self.body, self.request_encoding))
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None

@@ -368,7 +368,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self.pool.turn_sink().forget(turn)
         b = self.builder
         if b is not None:
-            turn.take(b.reads, b.read_times, b.write_times)
+            b.relayed_by_thread(turn)  # its reads become objects in the measuring thread, not here
         self.last_read = max(self.last_read, turn.last_activity)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()

@@ -467,3 +467,65 @@ def test_a_forked_child_starts_its_own_thread():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tiktoken_tok, monkeypatch):
+    """The loop hands the builder the thread's turn as it is; the bytes and floats of each read are made
+    when the turn is measured, off the loop."""
+    import asyncio
+
+    from faultkit import ScriptedUpstream, chunk, db_records, post_head
+    from specproxy.measure import RecordBuilder
+
+    monkeypatch.setattr(upstream, "RELAY_C", True)
+    monkeypatch.setattr(upstream, "RELAY_THREAD", True)
+    takers: list[tuple[int, int]] = []
+    real_take = RecordBuilder.take_relayed
+
+    def take_relayed(self):
+        had = self.relayed is not None
+        real_take(self)
+        if had:
+            takers.append((threading.get_ident(), len(self.reads)))
+
+    monkeypatch.setattr(RecordBuilder, "take_relayed", take_relayed)
+    events = [b'data: {"choices":[{"index":0,"delta":{"content":"a%d"}}]}\n\n' % i for i in range(20)]
+    box: dict = {}
+
+    async def respond(_req, writer, _i):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(box["head_seen"].wait(), 5)  # the body after the head is out: the thread's
+        for e in events:
+            writer.write(chunk(e))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    scripted = ScriptedUpstream(respond)
+    stack = make_stack(tiktoken_tok, raw_script=scripted.serve, scrape_interval_s=0)
+
+    async def loop_ident():
+        return threading.get_ident()
+
+    loop_thread = stack.run(loop_ident())
+
+    async def go():
+        box["head_seen"] = asyncio.Event()
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        writer.write(post_head("/v1/chat/completions", b"{}"))
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        box["head_seen"].set()
+        got = b""
+        while not got.endswith(b"0\r\n\r\n"):
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data
+            got += data
+        writer.close()
+
+    stack.run(go())
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["chunks"] == 20
+    assert takers and all(ident != loop_thread and n > 0 for ident, n in takers)
