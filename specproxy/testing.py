@@ -74,6 +74,9 @@ class Sent:
     """The truth of one response: what the fake sent and when (its own monotonic clock)."""
 
     t_received: float
+    #: when the fake began writing the bytes that completed its first (last) text event: the earliest a
+    #: reader can have that text. (A write may be cut in two; the text can be whole in either part, and
+    #: a reader on another core may read the first part before the fake's clock read for the second.)
     t_first_text: float | None = None
     t_last_text: float | None = None
     chunks: int = 0
@@ -251,15 +254,15 @@ class FakeUpstream:
             if script.split_events and len(data) > 1:
                 cut = _utf8_cut(data)
                 parts = [data[:cut], data[cut:]]
-            t = clock()
+            t_begun = clock()
             for part in parts:
                 t = clock()
                 await resp.write(part)
                 sent.write_times.append(t)
                 sent.body.extend(part)
-            if pending_text[0]:  # the text became whole with the last part written
-                sent.t_first_text = sent.t_first_text or t
-                sent.t_last_text = t
+            if pending_text[0]:  # the text became whole within these parts
+                sent.t_first_text = sent.t_first_text or t_begun
+                sent.t_last_text = t_begun
                 pending_text[0] = 0
 
         def event(obj: Any) -> bytes:

@@ -32,6 +32,7 @@ def _spy_reads(stack) -> dict[bytes, list[int]]:
     submit = proxy._submit
 
     def spy(builder):
+        builder.take_relayed()  # the relay thread's reads (the product makes these objects at build time)
         reads = dechunk_reads(builder.reads) if builder.chunked else builder.reads
         seen[builder.body] = [len(r) for r in reads if r]
         submit(builder)

@@ -58,6 +58,18 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fds_on(sock: socket.socket) -> int:
+    """How many of this process's descriptors refer to ``sock``'s socket (ours and any dup of it)."""
+    target = os.readlink(f"/proc/self/fd/{sock.fileno()}")
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == target
+        except OSError:  # closed meanwhile (another thread's descriptor)
+            pass
+    return n
+
+
 class Ends:
     """An upstream socket pair and a client socket pair; the turn gets ``up_theirs`` and ``cl_ours``."""
 
@@ -256,23 +268,21 @@ def test_malformed_framing_sends_nothing_of_the_bad_read():
 
 
 def test_cancel_lets_go_of_both_sockets_at_once():
-    before = open_fds()
     sink = relayc.Sink()
     ends = Ends()
-    with_ends = open_fds()
+    assert fds_on(ends.up_proxy) == fds_on(ends.cl_proxy) == 1
     turn = ends.turn(sink)
-    assert open_fds() == with_ends + 2  # the thread's own copies of the two sockets
+    assert fds_on(ends.up_proxy) == fds_on(ends.cl_proxy) == 2  # the thread's own copies
     ends.up_server.sendall(b"5\r\nhello\r\n")
     assert recv_until(ends.cl_client, 10) == b"5\r\nhello\r\n"
     assert turn.cancel() is True
-    assert open_fds() == with_ends  # closed on return: the thread cannot write to the client any more
+    # closed on return: the thread cannot write to the client any more
+    assert fds_on(ends.up_proxy) == fds_on(ends.cl_proxy) == 1
     assert turn.cancel() is False and not turn.active
     assert turn.outcome == ("none", 0, None)
     reads, _, _ = taken(turn)
     assert reads == [b"5\r\nhello\r\n"]
     ends.close()
-    del sink, turn
-    assert open_fds() == before + 0
 
 
 def test_a_client_that_does_not_read_stops_the_thread_reading_the_upstream():
@@ -361,7 +371,7 @@ def test_thousands_of_turns_leak_neither_descriptors_nor_memory():
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     stats = relayc.pump_stats()
     batch(3000)  # 180 MB relayed: a leak of the turns' buffers would show
-    assert open_fds() == fds
+    assert open_fds() - fds < 50  # a leak would be 6000 (two per turn); other threads' own may come and go
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50_000  # KiB
     assert relayc.pump_stats()["turns"] == stats["turns"] + 3000
 
