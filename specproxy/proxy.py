@@ -344,6 +344,7 @@ class Proxy:
         try:
             head_bytes = _request_head(self._base_path, self._host_header, request, body)
             conn = await self._pool.request(method, head_bytes + body)
+            exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
             # head within idle_timeout_s: 504. Either way the upstream gave no response to relay.
@@ -363,7 +364,7 @@ class Proxy:
             await resp.prepare(request)
             transport = request.transport
             if transport is None:  # the client left while we waited for the upstream
-                conn.abandon("client_abort", "client disconnected")
+                conn.abandon("client_abort", "client disconnected", exchange)
                 return resp
             conn.attach(transport, b, mode)
             while conn.outcome is None:
@@ -373,10 +374,10 @@ class Proxy:
                     conn.resume()
             return resp
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler): keep the turn
-            conn.abandon("client_abort", "client disconnected")
+            conn.abandon("client_abort", "client disconnected", exchange)
             raise
         except Exception as exc:  # a bug of ours: the turn is recorded as such, the client sees a cut
-            conn.abandon("proxy_error", f"{type(exc).__name__} ({_where(exc)})")
+            conn.abandon("proxy_error", f"{type(exc).__name__} ({_where(exc)})", exchange)
             _abort(request)
             raise
 

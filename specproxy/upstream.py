@@ -148,6 +148,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self._pool_timer: asyncio.TimerHandle | None = None
         self.reusable = True
         self._turn = None  # the body's _relayc.Turn while the relay thread has it
+        self.exchanges = 0  # requests sent on this connection: names the exchange a handler is part of
 
     # --- asyncio callbacks ----------------------------------------------------------------------------
 
@@ -215,6 +216,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
             self._pool_timer.cancel()
             self._pool_timer = None
         self._method = method
+        self.exchanges += 1
         self.state = _WAIT_HEAD
         self._head_waiter = self.pool.loop.create_future()
         self.transport.write(data)
@@ -475,8 +477,14 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self.reusable = False
         self._complete("client_abort", reason)
 
-    def abandon(self, outcome: str, reason: str) -> None:
-        """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection."""
+    def abandon(self, outcome: str, reason: str, exchange: int | None = None) -> None:
+        """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection.
+
+        ``exchange`` (``exchanges`` when the handler's request was sent): when that exchange is over and the
+        connection already serves another handler's (it went back to the pool as this handler was being
+        cancelled), there is nothing of this handler's left to end."""
+        if exchange is not None and exchange != self.exchanges:
+            return
         if self._thread_ended_first():
             return  # the body had ended: the connection is as good as after any other exchange
         if self.state == _WAIT_HEAD:

@@ -121,3 +121,72 @@ def test_header_bytes_are_kept_as_they_came():
 def test_malformed_heads_are_refused(head):
     with pytest.raises(UpstreamError):
         parse_head(head, "GET")
+
+
+# --- a handler abandoning its exchange --------------------------------------------------------------------
+
+
+class _Client:
+    """A stand-in for the client's transport: takes what the relay writes."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def test_abandoning_an_exchange_that_is_over_leaves_the_connections_next_one_alone():
+    """A handler cancelled just after its exchange ended (its connection already back in the pool and
+    sent the next request) must not fail that next exchange: the soak's 502s "client disconnected"."""
+    import asyncio
+
+    from yarl import URL
+
+    from specproxy.upstream import PASS, UpstreamPool
+
+    async def main():
+        requests = asyncio.Queue()
+
+        async def serve(reader, writer):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await requests.put(head)
+                if requests.qsize() == 1 and head.startswith(b"POST /first"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+                    await writer.drain()
+                # the second request gets no answer: its exchange waits for a head
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = UpstreamPool(URL(f"http://127.0.0.1:{port}"), connect_timeout_s=5, idle_timeout_s=30)
+        try:
+            conn = await asyncio.wait_for(pool.request("POST", b"POST /first HTTP/1.1\r\nHost: x\r\n\r\n"), 5)
+            first = conn.exchanges
+            conn.attach(_Client(), None, PASS)  # the whole body came with the head: over at once
+            assert conn.outcome == "ok" and conn in pool.idle
+            second = asyncio.ensure_future(pool.request("POST", b"POST /second HTTP/1.1\r\nHost: x\r\n\r\n"))
+            await asyncio.wait_for(requests.get(), 5)
+            await asyncio.wait_for(requests.get(), 5)  # the second request reached the upstream
+            assert conn in pool.active and conn.exchanges == first + 1
+            conn.abandon("client_abort", "client disconnected", first)  # the first handler, cancelled late
+            await asyncio.sleep(0)
+            assert not second.done(), "the next exchange was failed by a handler that was already done"
+            conn.abandon("client_abort", "client disconnected", first + 1)  # its own handler: it ends
+            with pytest.raises(UpstreamError, match="client disconnected"):
+                await asyncio.wait_for(second, 5)
+        finally:
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
