@@ -98,6 +98,27 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
+@pytest.fixture
+def sink():
+    return relayc.Sink()
+
+
+@pytest.fixture
+def ends():
+    """Unix socket pairs for both sides of a turn (closed after the test, whatever it asserted)."""
+    e = Ends()
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def tcp_ends():
+    """As ``ends``, with TCP on the upstream side (resets, send buffers)."""
+    e = Ends(socket.AF_INET)
+    yield e
+    e.close()
+
+
 def reference(prefix: bytes, rest: bytes) -> tuple[str, int | str]:
     """http1.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
     ("framing", message) or ("more", 0)."""
@@ -164,11 +185,9 @@ def test_the_client_gets_the_body_up_to_its_end_from_any_framing_state(body, cut
         ends.close()
 
 
-def test_a_body_split_into_many_writes_arrives_whole_with_a_stamp_per_read():
+def test_a_body_split_into_many_writes_arrives_whole_with_a_stamp_per_read(sink, ends):
     events = [b"data: {\"n\": %d}\n\n" % i for i in range(200)]
     body = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
-    sink = relayc.Sink()
-    ends = Ends()
     t0 = time.perf_counter()
     turn = ends.turn(sink)
     received = bytearray()
@@ -187,13 +206,10 @@ def test_a_body_split_into_many_writes_arrives_whole_with_a_stamp_per_read():
     assert all(t0 <= r <= w <= t1 for r, w in zip(rtimes, wtimes))  # the same clock as perf_counter
     assert rtimes == sorted(rtimes)
     assert taken(turn) == ([], [], [])  # take() hands each read over once
-    ends.close()
 
 
-def test_bytes_past_the_end_are_not_sent():
+def test_bytes_past_the_end_are_not_sent(sink, ends):
     body = b"5\r\nhello\r\n0\r\n\r\n"
-    sink = relayc.Sink()
-    ends = Ends()
     turn = ends.turn(sink)
     ends.up_server.sendall(body + b"HTTP/1.1 200 OK\r\n")  # one write: the same read as the end
     assert wait_done(sink) == [turn.id]
@@ -202,15 +218,12 @@ def test_bytes_past_the_end_are_not_sent():
     ends.cl_proxy.close()  # our copy too: the thread's was closed when the turn ended
     ends.cl_client.settimeout(5)
     assert ends.cl_client.recv(100) == b""  # nothing followed the body
-    ends.close()
 
 
 # --- how a turn ends ----------------------------------------------------------------------------------------
 
 
-def test_the_upstream_closing_mid_body_is_reported_as_eof():
-    sink = relayc.Sink()
-    ends = Ends()
+def test_the_upstream_closing_mid_body_is_reported_as_eof(sink, ends):
     turn = ends.turn(sink)
     ends.up_server.sendall(b"5\r\nhello\r\n")
     ends.up_server.shutdown(socket.SHUT_WR)
@@ -219,28 +232,22 @@ def test_the_upstream_closing_mid_body_is_reported_as_eof():
     assert relay_thread.ended_reason(turn.outcome) == (
         "truncated", "body incomplete: the upstream closed the connection")
     assert recv_until(ends.cl_client, 10) == b"5\r\nhello\r\n"
-    ends.close()
 
 
-def test_an_upstream_reset_is_reported_with_its_errno():
-    sink = relayc.Sink()
-    ends = Ends(socket.AF_INET)
-    turn = ends.turn(sink)
-    ends.up_server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    ends.up_server.sendall(b"5\r\nhello\r\n")
-    assert recv_until(ends.cl_client, 10) == b"5\r\nhello\r\n"
-    ends.up_server.close()  # linger 0: a reset
+def test_an_upstream_reset_is_reported_with_its_errno(sink, tcp_ends):
+    turn = tcp_ends.turn(sink)
+    tcp_ends.up_server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    tcp_ends.up_server.sendall(b"5\r\nhello\r\n")
+    assert recv_until(tcp_ends.cl_client, 10) == b"5\r\nhello\r\n"
+    tcp_ends.up_server.close()  # linger 0: a reset
     assert wait_done(sink) == [turn.id]
     name, err, _ = turn.outcome
     assert name == "upstream_error" and err == 104  # ECONNRESET
     assert relay_thread.ended_reason(turn.outcome) == (
         "truncated", "body incomplete: ConnectionResetError: connection lost")
-    ends.close()
 
 
-def test_a_client_gone_is_reported():
-    sink = relayc.Sink()
-    ends = Ends()
+def test_a_client_gone_is_reported(sink, ends):
     turn = ends.turn(sink)
     ends.cl_client.close()
     ends.up_server.sendall(b"5\r\nhello\r\n")
@@ -248,12 +255,9 @@ def test_a_client_gone_is_reported():
     name, err, _ = turn.outcome
     assert name == "client_gone" and err in (32, 104)  # EPIPE, ECONNRESET
     assert relay_thread.ended_reason(turn.outcome) == ("client_gone", "client disconnected")
-    ends.close()
 
 
-def test_malformed_framing_sends_nothing_of_the_bad_read():
-    sink = relayc.Sink()
-    ends = Ends()
+def test_malformed_framing_sends_nothing_of_the_bad_read(sink, ends):
     turn = ends.turn(sink)
     ends.up_server.sendall(b"5\r\nhello\r\nzz\r\n")
     assert wait_done(sink) == [turn.id]
@@ -264,12 +268,9 @@ def test_malformed_framing_sends_nothing_of_the_bad_read():
     ends.cl_proxy.close()
     ends.cl_client.settimeout(5)
     assert ends.cl_client.recv(100) == b""
-    ends.close()
 
 
-def test_cancel_lets_go_of_both_sockets_at_once():
-    sink = relayc.Sink()
-    ends = Ends()
+def test_cancel_lets_go_of_both_sockets_at_once(sink, ends):
     assert fds_on(ends.up_proxy) == fds_on(ends.cl_proxy) == 1
     turn = ends.turn(sink)
     assert fds_on(ends.up_proxy) == fds_on(ends.cl_proxy) == 2  # the thread's own copies
@@ -282,28 +283,25 @@ def test_cancel_lets_go_of_both_sockets_at_once():
     assert turn.outcome == ("none", 0, None)
     reads, _, _ = taken(turn)
     assert reads == [b"5\r\nhello\r\n"]
-    ends.close()
 
 
-def test_a_client_that_does_not_read_stops_the_thread_reading_the_upstream():
+def test_a_client_that_does_not_read_stops_the_thread_reading_the_upstream(sink, tcp_ends):
     """The thread keeps at most one read it could not send; the upstream's writes stall in the kernel's
     buffers; once the client reads, everything arrives, identical."""
-    sink = relayc.Sink()
-    ends = Ends(socket.AF_INET)
-    ends.cl_proxy.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    tcp_ends.cl_proxy.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
     payload = os.urandom(16384)
     frame = b"%x\r\n%b\r\n" % (len(payload), payload)
     total_frames = 2000  # 32 MiB: far more than the kernel's buffers hold
-    turn = ends.turn(sink)
+    turn = tcp_ends.turn(sink)
     written = [0]
     done = threading.Event()
 
     def upstream_writes():
         try:
             for _ in range(total_frames):
-                ends.up_server.sendall(frame)
+                tcp_ends.up_server.sendall(frame)
                 written[0] += 1
-            ends.up_server.sendall(b"0\r\n\r\n")
+            tcp_ends.up_server.sendall(b"0\r\n\r\n")
         except OSError:
             pass
         done.set()
@@ -320,12 +318,11 @@ def test_a_client_that_does_not_read_stops_the_thread_reading_the_upstream():
     assert turn.blocked and turn.active
     stalled_at = written[0]
     want = frame * total_frames + b"0\r\n\r\n"
-    got = recv_until(ends.cl_client, len(want), timeout=30)
+    got = recv_until(tcp_ends.cl_client, len(want), timeout=30)
     assert got == want
     assert wait_done(sink) == [turn.id] and turn.outcome == ("end", 0, None)
     assert done.wait(5) and stalled_at < total_frames
     assert not turn.blocked
-    ends.close()
 
 
 def test_each_sink_gets_its_own_turns():
@@ -376,19 +373,65 @@ def test_thousands_of_turns_leak_neither_descriptors_nor_memory():
     assert relayc.pump_stats()["turns"] == stats["turns"] + 3000
 
 
-def test_last_read_is_the_threads_latest_read():
-    sink = relayc.Sink()
-    ends = Ends()
+def test_last_read_is_the_threads_latest_read(sink, ends):
     turn = ends.turn(sink)
     before = time.perf_counter()
     ends.up_server.sendall(b"0\r\n\r\n")
     wait_done(sink)
     assert before <= relay_thread.last_read() <= time.perf_counter()
     assert turn.outcome[0] == "end"
-    ends.close()
 
 
-# --- end to end: the loop hears from the thread after the client is gone -----------------------------------
+# --- end to end ------------------------------------------------------------------------------------------------
+
+
+def body_after_head_stack(make_stack, tok, body: bytes):
+    """A proxy in front of an upstream that sends a stream's head, then ``body`` (chunked) only once the
+    client has the head: by then the loop has handed the body to the relay thread (bytes that came with
+    the head would be relayed by the loop). Returns the stack and ``fetch(hold)``, a coroutine for the
+    stack's loop: one chat request, the head, then the body to its end; returns the client's writer
+    (``hold()`` runs just before the request is sent)."""
+    import asyncio
+
+    from faultkit import ScriptedUpstream, post_head
+
+    box: dict = {}
+
+    async def respond(_req, writer, _i):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(box["head_seen"].wait(), 5)
+        writer.write(body)
+        await writer.drain()
+        return True
+
+    stack = make_stack(tok, raw_script=ScriptedUpstream(respond).serve, scrape_interval_s=0)
+
+    async def fetch(hold=lambda: None):
+        box["head_seen"] = asyncio.Event()
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        hold()
+        writer.write(post_head("/v1/chat/completions", b'{"model":"m","stream":true,"messages":[]}'))
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        box["head_seen"].set()
+        got = b""
+        while not got.endswith(body):
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, "the proxy closed before the end of the body"
+            got += data
+        return writer
+
+    return stack, fetch
+
+
+def sse_body(texts: list[str]) -> bytes:
+    from faultkit import chunk
+
+    events = [b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % t.encode() for t in texts]
+    return b"".join(chunk(e) for e in events) + b"0\r\n\r\n"
+
+
 
 
 def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, tiktoken_tok, monkeypatch):
@@ -396,9 +439,7 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
     from the thread. The turn ended as the thread saw it (ok: no [DONE] in this stream to say so), not as
     a client abort. To make that order certain, the loop's collecting is held back until the handler has
     been told the client left (at most 5 s)."""
-    import asyncio
-
-    from faultkit import ScriptedUpstream, chunk, db_records, post_head
+    from faultkit import db_records
 
     monkeypatch.setattr(upstream, "RELAY_C", True)
     monkeypatch.setattr(upstream, "RELAY_THREAD", True)
@@ -419,35 +460,10 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
 
     monkeypatch.setattr(upstream.UpstreamConn, "abandon", abandon)
     monkeypatch.setattr(relay_thread.TurnSink, "_collect", late_collect)
-    events = [b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
-              b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\n\n']
-    body = b"".join(chunk(e) for e in events) + b"0\r\n\r\n"
-    box: dict = {}
-
-    async def respond(_req, writer, _i):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.wait_for(box["head_seen"].wait(), 5)  # the body after the head is out: the thread's
-        writer.write(body)
-        await writer.drain()
-        return True
-
-    scripted = ScriptedUpstream(respond)
-    stack = make_stack(tiktoken_tok, raw_script=scripted.serve, scrape_interval_s=0)
+    stack, fetch = body_after_head_stack(make_stack, tiktoken_tok, sse_body(["Hel", "lo"]))
 
     async def go():
-        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
-        hold_until[0] = time.monotonic() + 5
-        box["head_seen"] = asyncio.Event()
-        writer.write(post_head("/v1/chat/completions", b'{"model":"m","stream":true,"messages":[]}'))
-        await writer.drain()
-        got = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        box["head_seen"].set()
-        got = b""
-        while not got.endswith(body):
-            data = await asyncio.wait_for(reader.read(65536), 5)
-            assert data, "the proxy closed before the end of the body"
-            got += data
+        writer = await fetch(hold=lambda: hold_until.__setitem__(0, time.monotonic() + 5))
         writer.transport.abort()
 
     stack.run(go())
@@ -482,9 +498,8 @@ def test_a_forked_child_starts_its_own_thread():
 def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tiktoken_tok, monkeypatch):
     """The loop hands the builder the thread's turn as it is; the bytes and floats of each read are made
     when the turn is measured, off the loop."""
-    import asyncio
+    from faultkit import db_records
 
-    from faultkit import ScriptedUpstream, chunk, db_records, post_head
     from specproxy.measure import RecordBuilder
 
     monkeypatch.setattr(upstream, "RELAY_C", True)
@@ -499,43 +514,13 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
             takers.append((threading.get_ident(), len(self.reads)))
 
     monkeypatch.setattr(RecordBuilder, "take_relayed", take_relayed)
-    events = [b'data: {"choices":[{"index":0,"delta":{"content":"a%d"}}]}\n\n' % i for i in range(20)]
-    box: dict = {}
-
-    async def respond(_req, writer, _i):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.wait_for(box["head_seen"].wait(), 5)  # the body after the head is out: the thread's
-        for e in events:
-            writer.write(chunk(e))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return True
-
-    scripted = ScriptedUpstream(respond)
-    stack = make_stack(tiktoken_tok, raw_script=scripted.serve, scrape_interval_s=0)
-
-    async def loop_ident():
-        return threading.get_ident()
-
-    loop_thread = stack.run(loop_ident())
+    stack, fetch = body_after_head_stack(make_stack, tiktoken_tok, sse_body([f"a{i}" for i in range(20)]))
 
     async def go():
-        box["head_seen"] = asyncio.Event()
-        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
-        writer.write(post_head("/v1/chat/completions", b"{}"))
-        await writer.drain()
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        box["head_seen"].set()
-        got = b""
-        while not got.endswith(b"0\r\n\r\n"):
-            data = await asyncio.wait_for(reader.read(65536), 5)
-            assert data
-            got += data
-        writer.close()
+        (await fetch()).close()
+        return threading.get_ident()
 
-    stack.run(go())
+    loop_thread = stack.run(go())
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 20
     assert takers and all(ident != loop_thread and n > 0 for ident, n in takers)
