@@ -52,7 +52,7 @@ and counts; never the other way round.
 
 struct pump_globals pump_g = {.mu = PTHREAD_MUTEX_INITIALIZER};
 const char *const PUMP_OUTCOME_NAMES[] = {"none", "end", "framing", "upstream_eof", "upstream_error",
-                                          "client_gone", "no_memory"};
+                                          "client_gone", "thread_error"};
 
 double
 pump_now(void)
@@ -191,7 +191,7 @@ on_client_writable(turn *t, turn **ended)
         return;
     }
     if (pump_watch(t, 1, 0) < 0 || pump_watch(t, 0, 1) < 0)
-        end_turn(t, O_NO_MEMORY, errno, ended);
+        end_turn(t, O_THREAD_ERROR, errno, ended);
 }
 
 static void
@@ -217,26 +217,27 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
     ssize_t end = chunked_scan(&t->cs, rbuf, n, &err);
     if (end == -2) { /* as the per-read path: nothing of this read reaches the client */
         t->framing_error = err;
-        end_turn(t, err ? O_FRAMING : O_NO_MEMORY, 0, ended);
+        end_turn(t, err ? O_FRAMING : O_THREAD_ERROR, err ? 0 : ENOMEM, ended);
         return;
     }
     size_t take = (size_t)(end >= 0 ? end : n);
     if (end >= 0 && end != n)
         t->past_end = 1;
     if (grow(t, take) < 0) {
-        end_turn(t, O_NO_MEMORY, ENOMEM, ended);
+        end_turn(t, O_THREAD_ERROR, ENOMEM, ended);
         return;
     }
     memcpy(t->buf + t->len, rbuf, take);
     t->len += take;
     int r = flush(t);
+    int flush_errno = errno;
     double t_written = pump_now();
     read_mark *m = &t->marks[t->nmarks++];
     m->end = t->len;
     m->t_read = t_read;
     m->t_written = t_written;
     if (r < 0) {
-        end_turn(t, O_CLIENT_GONE, errno, ended);
+        end_turn(t, O_CLIENT_GONE, flush_errno, ended);
         return;
     }
     if (end >= 0)
@@ -244,7 +245,7 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
     if (r > 0) { /* the client is slower than the upstream: hold the upstream until it has taken this */
         t->blocked = 1;
         if (pump_watch(t, 0, 0) < 0 || pump_watch(t, 1, 1) < 0)
-            end_turn(t, O_NO_MEMORY, errno, ended);
+            end_turn(t, O_THREAD_ERROR, errno, ended);
         return;
     }
     if (end >= 0)

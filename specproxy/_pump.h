@@ -16,7 +16,8 @@ visible outside the _relayc module. */
 #define MAX_EVENTS 128
 
 enum { T_ACTIVE, T_ENDED, T_CANCELLED };
-enum { O_NONE, O_END, O_FRAMING, O_UPSTREAM_EOF, O_UPSTREAM_ERROR, O_CLIENT_GONE, O_NO_MEMORY };
+/* how a turn ended; O_THREAD_ERROR: the thread itself could not go on (memory, epoll), with its errno */
+enum { O_NONE, O_END, O_FRAMING, O_UPSTREAM_EOF, O_UPSTREAM_ERROR, O_CLIENT_GONE, O_THREAD_ERROR };
 
 typedef struct {
     size_t end; /* the read's last byte + 1, in buf */

@@ -99,4 +99,5 @@ def ended_reason(outcome: tuple[str, int, str | None]) -> tuple[str, str | None]
         return "truncated", f"body incomplete: {type(OSError(err, os.strerror(err))).__name__}: connection lost"
     if name == "client_gone":
         return "client_gone", "client disconnected"
-    return "truncated", f"the relay thread could not go on ({name})"
+    why = os.strerror(err) if err else name  # "thread_error": out of memory, or epoll refused the socket
+    return "truncated", f"the relay thread could not go on ({why})"

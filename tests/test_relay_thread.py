@@ -524,3 +524,8 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 20
     assert takers and all(ident != loop_thread and n > 0 for ident, n in takers)
+
+
+def test_the_thread_failing_is_a_truncation_with_its_reason():
+    assert relay_thread.ended_reason(("thread_error", 12, None)) == (
+        "truncated", "the relay thread could not go on (Cannot allocate memory)")
