@@ -123,7 +123,7 @@ def _rows(db: str) -> int:
 
 # the writer's queue in the store-fault tests: room for a few measuring batches (records reach the writer
 # up to MAX_BATCH at a time, so one client never overflows it), far less than a fault window piles up
-SMALL_QUEUE = 32 * MAX_BATCH
+SMALL_QUEUE = 8 * MAX_BATCH
 
 
 async def _load(url: str, seconds: float, concurrency: int = 8) -> list[tuple[int, bytes, float]]:

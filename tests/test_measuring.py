@@ -1,5 +1,6 @@
-"""The measuring worker's policy: build in the relay's gaps, never wait more than MAX_DEFER_S per batch,
-stop waiting when turns queue faster than that, hand every turn back (measured or with its error)."""
+"""The measuring worker's policy: gather turns into batches, build in the relay's gaps, never wait more than
+MAX_DEFER_S per batch, stop waiting when turns queue faster than that, hand every turn back (measured or
+with its error)."""
 
 from __future__ import annotations
 
@@ -157,3 +158,54 @@ def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median
         b.on_bytes(SSE if i == 0 else b"", 2.0 + i, 2.0 + i + d)
     b.finish(9.0)
     assert b.build(None).proxy_delay_s == pytest.approx(median)
+
+
+def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together():
+    """The first turn does not start a build at once: the turns that end within the gather window join
+    it, and the loop gets them in one callback."""
+    loop = asyncio.new_event_loop()
+    calls: list[int] = []
+    got: list = []
+    done = asyncio.Event()
+
+    def on_done(results):
+        calls.append(len(results))
+        got.extend(results)
+        if len(got) == 5:
+            done.set()
+
+    async def go():
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), on_done, gather_s=2.0)
+        for i in range(5):  # spread over ~40 ms, well inside the window
+            worker.submit(_turn(i))
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    try:
+        worker = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert calls == [5] and worker.batches == 1
+    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+
+
+def test_stop_does_not_wait_out_a_gathering_batch():
+    loop = asyncio.new_event_loop()
+    got: list = []
+
+    async def go():
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), got.extend, gather_s=120.0)
+        worker.submit(_turn(0))
+        t0 = time.perf_counter()
+        await asyncio.to_thread(worker.stop)
+        return time.perf_counter() - t0
+
+    try:
+        took = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert len(got) == 1 and got[0][1].model == "m0"
+    assert took < 30  # the window is 120 s: stop cut it short
+
