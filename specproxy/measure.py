@@ -18,7 +18,6 @@ Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at
 
 from __future__ import annotations
 
-import uuid
 import zlib
 from dataclasses import dataclass
 from operator import sub
@@ -29,7 +28,7 @@ from . import texts as texts_mod
 from .chunked import dechunk_reads, join_whole_frames
 from .content import classify
 from .openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
-from .record import Record
+from .record import Record, new_turn_id
 from .texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
 from .tokens import Tokenizer, tokens_in_first
 
@@ -80,7 +79,7 @@ class RecordBuilder:
         store_text: bool = False,
         request_encoding: str = "",
     ) -> None:
-        self.id = uuid.uuid4().hex  # known before the record is built, so counter deltas can join it
+        self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
         self.body = body

@@ -33,7 +33,6 @@ import logging
 import re
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +46,7 @@ from yarl import URL
 from .config import Config
 from .measure import RecordBuilder, is_measured
 from .measuring import MeasuringWorker
-from .record import Record
+from .record import Record, new_turn_id
 from .tokens import Tokenizer
 from .upstream import (
     CHUNKED,
@@ -518,7 +517,7 @@ def _where(exc: BaseException) -> str:
 def _unmeasured(b: RecordBuilder, error: str) -> Record:
     """The row of a turn whose measuring failed: what the forwarding path knew, nothing derived."""
     return Record(
-        id=getattr(b, "id", None) or uuid.uuid4().hex,
+        id=getattr(b, "id", None) or new_turn_id(),
         t_wall=b.t_wall,
         method=b.method,
         path=b.path,

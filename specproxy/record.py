@@ -12,12 +12,33 @@ runs. ``t_wall`` (UTC epoch seconds) only dates the turn.
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .fielddocs import field_docs
 
-__all__ = ["OUTCOMES", "Record", "FIELD_DOCS"]
+__all__ = ["OUTCOMES", "Record", "FIELD_DOCS", "new_turn_id"]
+
+
+def _reseed() -> None:
+    global _ID_PREFIX, _ID_COUNT
+    _ID_PREFIX = os.urandom(8).hex()
+    _ID_COUNT = itertools.count()
+
+
+_ID_PREFIX = ""
+_ID_COUNT = itertools.count()
+_reseed()
+os.register_at_fork(after_in_child=_reseed)  # a forked worker must not repeat its parent's ids
+
+
+def new_turn_id() -> str:
+    """32 hex digits: 16 random ones drawn once per process, then a counter. Unique across processes and
+    restarts like a random id, without a ``getrandom`` system call per turn on the event loop (uuid4
+    made one); thread-safe (``next`` on a count is atomic under the interpreter lock)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNT):016x}"
 
 OUTCOMES = (
     "ok",  # the upstream answered and the stream ended normally
@@ -34,7 +55,8 @@ class Record:
     """One measured turn. A field is ``None`` when it could not be measured, never 0 instead."""
 
     id: str
-    """Random hex id of the turn."""
+    """Hex id of the turn, unique across proxy processes and restarts (32 digits: a random part drawn once
+    per process, then a counter)."""
     t_wall: float
     """UTC epoch seconds when the request arrived (dates the turn; never used for durations)."""
     method: str

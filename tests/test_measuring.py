@@ -209,3 +209,28 @@ def test_stop_does_not_wait_out_a_gathering_batch():
     assert len(got) == 1 and got[0][1].model == "m0"
     assert took < 30  # the window is 120 s: stop cut it short
 
+
+
+def test_turn_ids_are_unique_within_a_process_and_across_a_fork():
+    import os
+    import re
+
+    from specproxy.record import new_turn_id
+
+    ids = [new_turn_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    assert _turn(0).id != _turn(1).id
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, as its parent's next ones would be
+        try:
+            os.write(w, ",".join(new_turn_id() for _ in range(3)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child = f.read().split(",")
+    os.waitpid(pid, 0)
+    parent = [new_turn_id() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent) and not set(child) & set(ids)
+    assert child[0][:16] != parent[0][:16]  # a fresh random part, not a copy of the parent's
