@@ -30,7 +30,7 @@ from .content import classify
 from .openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
 from .record import Record, new_turn_id
 from .texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
-from .tokens import Tokenizer, tokens_in_first
+from .tokens import Tokenizer, count_with_first
 
 __all__ = ["RecordBuilder", "is_measured"]
 
@@ -321,9 +321,9 @@ def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:
         return None
     out = {"content": 0, "reasoning": 0, "tool_args": 0, "first": 0}
     for key, text in texts.texts.items():
-        ends = tok.token_ends(text)
-        out[key[1]] += len(ends)
-        out["first"] += tokens_in_first(ends, texts.first_lens.get(key, 0))
+        n, first = count_with_first(tok, text, texts.first_lens.get(key, 0))
+        out[key[1]] += n
+        out["first"] += first
     out["completion"] = out["content"] + out["reasoning"] + out["tool_args"]
     return out
 

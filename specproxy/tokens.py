@@ -85,6 +85,17 @@ def tokens_in_first(ends: list[int], first_len: int) -> int:
     return bisect_right(ends, first_len)
 
 
+def count_with_first(tok: Tokenizer, text: str, first_len: int) -> tuple[int, int]:
+    """The tokens of ``text``, and how many were complete once its first ``first_len`` characters had
+    arrived: ``(len(ends), tokens_in_first(ends, first_len))`` with ``ends = tok.token_ends(text)``.
+    A tokenizer may offer the same as its own ``count_with_first`` (a fast path: tiktoken's)."""
+    fast = getattr(tok, "count_with_first", None)
+    if fast is not None:
+        return fast(text, first_len)
+    ends = tok.token_ends(text)
+    return len(ends), tokens_in_first(ends, first_len)
+
+
 def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
     """Prompt parts counted as plain text: used without a chat template (and as a fallback).
 
@@ -214,6 +225,28 @@ class TiktokenTokenizer:
             ends = [max(0, e) for e in ends]
         ends.append(len(text))
         return ends
+
+    def count_with_first(self, text: str, first_len: int) -> tuple[int, int]:
+        """As ``token_ends`` would give it, without the ends of every token: the first chunk is a few
+        tokens, a completion hundreds (measuring: ~10 µs less per turn of 100 tokens)."""
+        tokens = self._enc.encode(text, disallowed_special=())
+        n = len(tokens)
+        if n == 0 or first_len >= len(text):
+            return n, n
+        tables = self._tables if self._tables is not None else self._build_tables()
+        if tables is None:
+            return n, tokens_in_first(self._token_ends_reference(tokens, text), first_len)
+        chars, cont = tables
+        # token i ends where token i+1 starts (token_ends' formula); the ends never decrease, and the
+        # last one is len(text) > first_len: count the leading ends <= first_len
+        begun = 0
+        first = 0
+        for i in range(n - 1):
+            begun += chars[tokens[i]]
+            if begun - cont[tokens[i + 1]] > first_len:
+                break
+            first += 1
+        return n, first
 
     def _token_ends_reference(self, tokens: list[int], text: str) -> list[int]:
         """tiktoken's own offsets (a Python loop per byte): the definition the tables reproduce."""

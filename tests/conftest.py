@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from specproxy.config import load_config  # noqa: E402
 from specproxy.service import Service  # noqa: E402
 from specproxy.testing import FakeUpstream, Script  # noqa: E402
-from specproxy.tokens import load_tokenizer  # noqa: E402
+from specproxy.tokens import count_with_first, load_tokenizer  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
 pytest_plugins = ["llamacpp.fixtures"]
@@ -96,6 +96,10 @@ class OffLoopTokenizer:
     def token_ends(self, text):
         self._check()
         return self.inner.token_ends(text)
+
+    def count_with_first(self, text, first_len):
+        self._check()
+        return count_with_first(self.inner, text, first_len)
 
     def count_prompt(self, parts):
         self._check()

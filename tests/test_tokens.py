@@ -111,6 +111,26 @@ def test_tiktoken_token_ends_equal_tiktokens_own_offsets(tiktoken_tok):
         assert tiktoken_tok.token_ends(text) == [*starts[1:], len(text)], text
 
 
+def test_count_with_first_equals_the_ends_it_skips(request):
+    """tiktoken's fast path (no list of ends) against the definition from ``token_ends``, at every
+    ``first_len`` of texts that split characters across tokens; and the generic path for HF."""
+    import random
+
+    from specproxy.tokens import count_with_first
+
+    rng = random.Random(11)
+    alphabet = "ab xyz,.!\n日本語한국어ñé🚀😀👍🏽\u200d🇫🇷\x00ÿ"
+    samples = ["", "a", "Hello, wörld! 日本語 🚀", "👩\u200d👩\u200d👧" * 2, "💩" * 7]
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)]
+    for fixture in ("tiktoken_tok", "hf_tok"):
+        tok = request.getfixturevalue(fixture)
+        for text in samples:
+            ends = tok.token_ends(text)
+            for first_len in range(len(text) + 2):
+                expected = (len(ends), tokens_in_first(ends, first_len))
+                assert count_with_first(tok, text, first_len) == expected, (fixture, text, first_len)
+
+
 def test_tiktoken_repeated_prompt_parts_are_memoised(tiktoken_tok):
     parts = split_prompt(CHAT)
     first = tiktoken_tok.count_prompt(parts)
