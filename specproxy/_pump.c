@@ -113,7 +113,8 @@ pump_watch(turn *t, int client, int on)
         *watched = 0;
         return epoll_ctl(pump_g.epfd, EPOLL_CTL_DEL, fd, NULL);
     }
-    struct epoll_event ev = {.events = client ? EPOLLOUT : EPOLLIN, .data.u64 = (uint64_t)(uintptr_t)t | client};
+    struct epoll_event ev = {.events = client ? EPOLLOUT : EPOLLIN | EPOLLRDHUP | EPOLLET,
+                             .data.u64 = (uint64_t)(uintptr_t)t | client};
     if (epoll_ctl(pump_g.epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
         return -1;
     *watched = 1;
@@ -194,8 +195,10 @@ on_client_writable(turn *t, turn **ended)
         end_turn(t, O_THREAD_ERROR, errno, ended);
 }
 
-static void
-on_upstream_readable(turn *t, char *rbuf, turn **ended)
+/* one recv() and what follows it; 1 when the turn goes on and more may be waiting: the read filled the
+   buffer, or the peer has closed (``closing``: read on until the EOF or the error) */
+static int
+read_once(turn *t, char *rbuf, int closing, turn **ended)
 {
     ssize_t n;
     do /* MSG_DONTWAIT: never block the thread, whatever the socket's own flags say */
@@ -205,11 +208,11 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
     if (n < 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK)
             end_turn(t, O_UPSTREAM_ERROR, errno, ended);
-        return;
+        return 0;
     }
     if (n == 0) {
         end_turn(t, O_UPSTREAM_EOF, 0, ended);
-        return;
+        return 0;
     }
     t->last_activity = t_read;
     __atomic_store(&pump_g.last_read, &t_read, __ATOMIC_RELAXED); /* read without a lock: any recent value does */
@@ -218,14 +221,14 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
     if (end == -2) { /* as the per-read path: nothing of this read reaches the client */
         t->framing_error = err;
         end_turn(t, err ? O_FRAMING : O_THREAD_ERROR, err ? 0 : ENOMEM, ended);
-        return;
+        return 0;
     }
     size_t take = (size_t)(end >= 0 ? end : n);
     if (end >= 0 && end != n)
         t->past_end = 1;
     if (grow(t, take) < 0) {
         end_turn(t, O_THREAD_ERROR, ENOMEM, ended);
-        return;
+        return 0;
     }
     memcpy(t->buf + t->len, rbuf, take);
     t->len += take;
@@ -238,7 +241,7 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
     m->t_written = t_written;
     if (r < 0) {
         end_turn(t, O_CLIENT_GONE, flush_errno, ended);
-        return;
+        return 0;
     }
     if (end >= 0)
         t->end_seen = 1;
@@ -246,10 +249,29 @@ on_upstream_readable(turn *t, char *rbuf, turn **ended)
         t->blocked = 1;
         if (pump_watch(t, 0, 0) < 0 || pump_watch(t, 1, 1) < 0)
             end_turn(t, O_THREAD_ERROR, errno, ended);
-        return;
+        return 0;
     }
-    if (end >= 0)
+    if (end >= 0) {
         end_turn(t, O_END, 0, ended);
+        return 0;
+    }
+    return n == READ_BYTES || closing;
+}
+
+/* The upstream's socket is watched edge-triggered, as nginx watches its sockets (level-triggered epoll
+   polls every socket it reported once more in the next epoll_wait, only to find most of them empty): read
+   until a read leaves the socket empty, the turn ends, or the client holds us back (re-watching with
+   EPOLL_CTL_ADD polls the socket afresh). A short read empties a TCP socket (recv copies all that is
+   queued; bytes that arrive meanwhile raise a new edge), except of a pending EOF: the peer's FIN raises
+   EPOLLRDHUP with the data it follows, and then the reads go on until the EOF itself. */
+static long long
+on_upstream_readable(turn *t, char *rbuf, uint32_t events, turn **ended)
+{
+    int closing = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+    long long reads = 1;
+    while (read_once(t, rbuf, closing, ended))
+        reads++;
+    return reads;
 }
 
 static void *
@@ -280,10 +302,8 @@ pump_main(void *arg)
             if (t->state == T_ACTIVE) {
                 if (tag & 1)
                     on_client_writable(t, &ended);
-                else {
-                    on_upstream_readable(t, rbuf, &ended);
-                    reads++;
-                }
+                else
+                    reads += on_upstream_readable(t, rbuf, evs[i].events, &ended);
             }
             pthread_mutex_unlock(&t->mu);
         }

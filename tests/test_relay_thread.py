@@ -223,10 +223,17 @@ def test_bytes_past_the_end_are_not_sent(sink, ends):
 # --- how a turn ends ----------------------------------------------------------------------------------------
 
 
-def test_the_upstream_closing_mid_body_is_reported_as_eof(sink, ends):
-    turn = ends.turn(sink)
+@pytest.mark.parametrize("pair", ["ends", "tcp_ends"])
+def test_the_upstream_closing_mid_body_is_reported_as_eof(sink, pair, request):
+    """The bytes and the EOF behind them are in the socket before the thread's first read: the thread
+    watches the socket edge-triggered, so it must read on past the short read to the EOF."""
+    ends = request.getfixturevalue(pair)
     ends.up_server.sendall(b"5\r\nhello\r\n")
     ends.up_server.shutdown(socket.SHUT_WR)
+    poll = select.poll()
+    poll.register(ends.up_proxy, select.POLLRDHUP)
+    assert poll.poll(10_000), "the EOF never reached the proxy's socket"  # bytes and EOF both queued now
+    turn = ends.turn(sink)
     assert wait_done(sink) == [turn.id]
     assert turn.outcome == ("upstream_eof", 0, None)
     assert relay_thread.ended_reason(turn.outcome) == (
