@@ -13,6 +13,7 @@ visible outside the _relayc module. */
 #define PUMP_HIDDEN __attribute__((visibility("hidden")))
 
 #define READ_BYTES 65536 /* one recv() at most; also the most a blocked client can leave us holding */
+#define READ_ROOM 16384  /* the least room a recv() gets in the turn's buffer (which then doubles) */
 #define MAX_EVENTS 128
 
 enum { T_ACTIVE, T_ENDED, T_CANCELLED };
