@@ -47,7 +47,6 @@ class _Held(MeasuringWorker):
 
 def _run(n: int, activity, *, broken: int | None = None, first: type | None = None) -> tuple[list, MeasuringWorker]:
     """Submit n turns at once; wait (bounded) until all came back on the loop."""
-    loop = asyncio.new_event_loop()
     got: list = []
     done = asyncio.Event()
 
@@ -70,10 +69,7 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
         await asyncio.to_thread(worker.stop)
         return worker
 
-    try:
-        worker = loop.run_until_complete(go())
-    finally:
-        loop.close()
+    worker = asyncio.run(go())
     return got, worker
 
 
@@ -133,7 +129,6 @@ def test_a_failing_build_comes_back_as_its_error():
 
 @pytest.mark.parametrize("n", [1, MAX_BATCH + 3])
 def test_stop_builds_what_is_queued(n):
-    loop = asyncio.new_event_loop()
     got: list = []
 
     async def go():
@@ -143,10 +138,7 @@ def test_stop_builds_what_is_queued(n):
         # the worker schedules its results before it ends, so they run before this task resumes
         await asyncio.to_thread(worker.stop)
 
-    try:
-        loop.run_until_complete(go())
-    finally:
-        loop.close()
+    asyncio.run(go())
     assert len(got) == n
 
 
@@ -163,7 +155,6 @@ def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median
 def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together():
     """The first turn does not start a build at once: the turns that end within the gather window join
     it, and the loop gets them in one callback."""
-    loop = asyncio.new_event_loop()
     calls: list[int] = []
     got: list = []
     done = asyncio.Event()
@@ -183,16 +174,12 @@ def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together
         await asyncio.to_thread(worker.stop)
         return worker
 
-    try:
-        worker = loop.run_until_complete(go())
-    finally:
-        loop.close()
+    worker = asyncio.run(go())
     assert calls == [5] and worker.batches == 1
     assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
 
 
 def test_stop_does_not_wait_out_a_gathering_batch():
-    loop = asyncio.new_event_loop()
     got: list = []
 
     async def go():
@@ -202,10 +189,7 @@ def test_stop_does_not_wait_out_a_gathering_batch():
         await asyncio.to_thread(worker.stop)
         return time.perf_counter() - t0
 
-    try:
-        took = loop.run_until_complete(go())
-    finally:
-        loop.close()
+    took = asyncio.run(go())
     assert len(got) == 1 and got[0][1].model == "m0"
     assert took < 30  # the window is 120 s: stop cut it short
 
