@@ -15,8 +15,9 @@ Batches are gathered: after the first turn of a batch arrives the worker sleeps 
 nothing but ``stop``) and then takes every turn that queued meanwhile. Many builds in a row run with
 warm caches, the interpreter lock changes hands once per batch instead of once per turn, the loop gets
 one callback per batch and the writer one burst; a submit never wakes the worker. At C = 256 that cut
-the measuring thread's CPU per relayed chunk by about a quarter and the event loop's system time by
-half (``scripts/bench_overhead.py``, interleaved A/B); a record reaches the store that much later.
+the measuring thread's CPU per relayed chunk by about a quarter and the writer's by half
+(``scripts/bench_overhead.py``, interleaved A/B; added p99 within the runs' spread); a record reaches
+the store that much later.
 
 ``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
 the relay thread's); reading two floats is all the worker does to the relay. With the relay thread

@@ -19,7 +19,11 @@ from typing import Any
 
 from .fielddocs import field_docs
 
-__all__ = ["OUTCOMES", "Record", "FIELD_DOCS", "new_turn_id"]
+__all__ = ["FIELD_DOCS", "OUTCOMES", "Record", "new_turn_id"]
+
+
+_ID_PREFIX = os.urandom(8).hex()  # the random part of this process's turn ids
+_ID_COUNT = itertools.count()
 
 
 def _reseed() -> None:
@@ -28,9 +32,6 @@ def _reseed() -> None:
     _ID_COUNT = itertools.count()
 
 
-_ID_PREFIX = ""
-_ID_COUNT = itertools.count()
-_reseed()
 os.register_at_fork(after_in_child=_reseed)  # a forked worker must not repeat its parent's ids
 
 
