@@ -249,3 +249,40 @@ def test_secrets_reach_neither_the_database_nor_the_logs(tmp_path, loop_thread):
     plain_rows = db_rows(dbs["plain"], "SELECT prompt_text, response_text, error, path FROM turns")
     assert all(p is None and r is None for p, r, _, _ in plain_rows)
     assert all(path == CHAT for *_, path in plain_rows)  # the query string is not stored
+
+
+def test_serve_freezes_what_start_up_made(tmp_path, loop_thread):
+    """``serve`` freezes start-up's objects (``service.settle_heap``) before it says it is ready: a full
+    collection under load then walks only what was made since, not the imports' few hundred thousand
+    objects (a ~20 ms stall of the event loop every few seconds at 256 streams, before). Its state line
+    says how many are frozen; without the call there are none."""
+    upstream = FakeUpstream(Script(pieces=["tok"]))
+    loop_thread.run(upstream.start())
+    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db")
+    try:
+        state = proc.state()
+    finally:
+        assert proc.stop() == 0
+    assert state["gc_frozen"] > 10_000, state
+
+
+def test_settle_heap_collects_start_up_garbage_before_freezing():
+    """What start-up left as cyclic garbage is freed, not frozen for the life of the process."""
+    import gc
+    import weakref
+
+    from specproxy.service import settle_heap
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the collector can free it
+    gone = weakref.ref(a)
+    del a, b
+    try:
+        frozen = settle_heap()
+        assert gone() is None, "a garbage cycle was frozen instead of collected"
+        assert frozen == gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # this pytest process goes on making and dropping objects
