@@ -1,0 +1,168 @@
+"""``bench_overhead.py``'s summaries: medians over rounds with their ranges, the ratios to direct and to
+nginx, and the Markdown tables it prints (the results, CPU by thread, the issue's targets)."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return (statistics.median(xs), min(xs), max(xs)) if xs else None
+
+
+def _fmt(stat, spec: str = "{:.0f}", mm: bool = True) -> str:
+    if stat is None:
+        return "-"
+    m, lo, hi = stat
+    s = spec.format(m)
+    if mm and (lo != hi):
+        s += f" ({spec.format(lo)}–{spec.format(hi)})"
+    return s
+
+
+def summarize(runs: list[dict], cs: list[int], paths: list[str]) -> dict:
+    """Per (C, path): medians and min-max over rounds; ratios computed within each round."""
+    by: dict[tuple[int, str], list[dict]] = {}
+    for r in runs:
+        by.setdefault((r["conns"], r["path"]), []).append(r)
+    out = {}
+    for c in cs:
+        direct = {r["round"]: r for r in by.get((c, "direct"), [])}
+        nginx = {r["round"]: r for r in by.get((c, "nginx"), [])}
+        for p in paths:
+            rs = by.get((c, p), [])
+            if not rs:
+                continue
+            row = {"rounds": len(rs)}
+            row["chunks_per_s"] = _med([r["chunks_per_s"] for r in rs])
+            row["x_direct"] = _med([r["chunks_per_s"] / direct[r["round"]]["chunks_per_s"] for r in rs if r["round"] in direct])
+            for q in ("p50", "p99", "p99.9"):
+                row[q] = _med([r["lat_us"].get(q) for r in rs])
+                row["added_" + q] = _med(
+                    [r["lat_us"][q] - direct[r["round"]]["lat_us"][q] for r in rs if r["round"] in direct]
+                ) if p != "direct" else None
+            row["cpu_us"] = _med([r["cpu_us_per_chunk"] for r in rs])
+            row["sched_us"] = _med([r["sched_us_per_chunk"] for r in rs])
+            row["cpu_util"] = _med([r["proxy_cpu_util"] for r in rs])
+            for key, col in (("cpu_x_nginx", "cpu_us_per_chunk"), ("sched_x_nginx", "sched_us_per_chunk")):
+                row[key] = _med(
+                    [r[col] / nginx[r["round"]][col] for r in rs
+                     if r["round"] in nginx and r[col] and nginx[r["round"]][col]]
+                ) if p != "direct" else None
+            row["load_util"] = _med([r["load_cpu_util"] for r in rs])
+            row["errors"] = sum(r["errors"] for r in rs)
+            row["turns"] = sum(r["turns"] for r in rs)
+            row["rss_mib"] = max((r.get("rss_kb") or 0) for r in rs) / 1024 or None
+            out[(c, p)] = row
+    return out
+
+
+def render(summary: dict, cs: list[int], paths: list[str], meta: dict, held: dict[int, bool]) -> str:
+    L = []
+    L.append(f"### specproxy overhead: {meta['date']}, nproc {meta['nproc']}, {meta['cpu']}")
+    L.append("")
+    L.append(f"`{meta['command']}` (specproxy {meta['git']}, Python {meta['python']})")
+    L.append("")
+    L.append(f"Upstream: {meta['stream_mode']} decode-step clock, {meta['step_ms']:g} ms per step, "
+             f"{meta['tokens'][0]}–{meta['tokens'][1]} chunks per turn, ~{meta['prompt_bytes']} B prompts; "
+             f"{meta['rounds']} rounds of {meta['warmup']:g} s warm-up + {meta['measure']:g} s measured, paths in rotating order; "
+             f"proxy pinned to CPU {meta['proxy_cores']}, upstream + load generator to CPU {meta['load_cores']}. "
+             f"specproxy: full measurement (tiktoken:o200k_base, SQLite); nginx {meta['nginx_version']}: 1 worker, "
+             f"proxy_buffering off. Median over rounds (min–max). Added latency = the path's per-chunk latency "
+             f"percentile minus direct's in the same round. CPU: utime+stime from /proc/PID/stat (10 ms ticks: "
+             f"coarse at C=1) and on-CPU time from /proc/PID/task/*/schedstat (ns), all threads, nginx master + worker, "
+             f"÷ chunks received in the window. This machine's cross-CPU wake-up latency (pipe write every 10 ms, "
+             f"reader idle in between): p50 {meta['wake'][0]:.0f} µs, p99 {meta['wake'][1]:.0f} µs, max {meta['wake'][2]:.0f} µs: "
+             f"a floor under any proxy's added latency here.")
+    L.append("")
+    L.append("| C | path | chunks/s | × direct | latency p50 / p99 (µs) | added p50 (µs) | added p99 (µs) "
+             "| CPU µs/chunk (stat) | × nginx | CPU µs/chunk (schedstat) | × nginx | proxy CPU (cores) | peak RSS (MiB) |")
+    L.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c in cs:
+        for p in paths:
+            row = summary.get((c, p))
+            if row is None:
+                continue
+            lat = f"{_fmt(row['p50'], mm=False)} / {_fmt(row['p99'], mm=False)}"
+            cflag = "" if held.get(c, True) else " †"
+            L.append(
+                f"| {c}{cflag} | {p} | {_fmt(row['chunks_per_s'])} | {_fmt(row['x_direct'], '{:.3f}')} | {lat} "
+                f"| {_fmt(row['added_p50'])} | {_fmt(row['added_p99'])} | {_fmt(row['cpu_us'], '{:.1f}')} "
+                f"| {_fmt(row['cpu_x_nginx'], '{:.2f}')} | {_fmt(row['sched_us'], '{:.1f}')} "
+                f"| {_fmt(row['sched_x_nginx'], '{:.2f}')} | {_fmt(row['cpu_util'], '{:.2f}', mm=False)} "
+                f"| {('%.0f' % row['rss_mib']) if row['rss_mib'] else '-'} |"
+            )
+    if not all(held.values()):
+        L.append("")
+        L.append("† the load side (upstream + load generator) could not hold the nominal rate at this C on this "
+                 "machine even direct: read those rows as indicative.")
+    return "\n".join(L)
+
+
+def git_state() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "specproxy"],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        changed = sorted(line[3:].split("/")[-1] for line in dirty if line.strip())
+        return f"{head}" + (f" + uncommitted {', '.join(changed)}" if changed else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def render_threads(runs: list[dict], c: int) -> str:
+    """Per-thread user/system CPU per chunk of the proxies at concurrency c (median over rounds)."""
+    L = [f"Where the proxy's CPU goes at C={c} (µs per chunk, median over rounds; user = in the process, "
+         "sys = in the kernel for it: its syscalls, and the loopback TCP delivery they trigger):", "",
+         "| path | thread | user | sys | total |", "|---|---|---:|---:|---:|"]
+    for path in ("nginx", "specproxy"):
+        rs = [r for r in runs if r["conns"] == c and r["path"] == path and r.get("threads")]
+        if not rs:
+            continue
+        per: dict[str, list[tuple[float, float]]] = {}
+        for r in rs:
+            agg: dict[str, list[float]] = {}
+            for tid, (u, sy) in r["threads"].items():
+                name = r.get("thread_names", {}).get(tid, f"tid {tid}")
+                a = agg.setdefault(name, [0.0, 0.0])
+                a[0] += u
+                a[1] += sy
+            for name, (u, sy) in agg.items():
+                per.setdefault(name, []).append((u, sy))
+        rows = sorted(((name, statistics.median(u for u, _ in v), statistics.median(sy for _, sy in v))
+                       for name, v in per.items()), key=lambda x: -(x[1] + x[2]))
+        for name, u, sy in rows:
+            if u + sy >= 0.05:
+                L.append(f"| {path} | {name} | {u:.1f} | {sy:.1f} | {u + sy:.1f} |")
+        L.append(f"| {path} | **all** | {sum(r[1] for r in rows):.1f} | {sum(r[2] for r in rows):.1f} | "
+                 f"**{sum(r[1] + r[2] for r in rows):.1f}** |")
+    return "\n".join(L)
+
+
+def render_targets(summary: dict, cs: list[int]) -> str:
+    L = ["| target (issue 7) | measured | verdict |", "|---|---:|---|"]
+
+    def add(name, stat, limit, spec, better="le"):
+        if stat is None:
+            L.append(f"| {name} | - | not measured |")
+            return
+        ok = stat[0] <= limit if better == "le" else stat[0] >= limit
+        L.append(f"| {name} | {_fmt(stat, spec)} | {'met' if ok else '**not met**'} |")
+
+    c_hi = 256 if 256 in cs else max(cs)
+    sp = summary.get((c_hi, "specproxy"))
+    if sp:
+        add(f"C={c_hi}: CPU per chunk ≤ 1.5× nginx (utime+stime)", sp["cpu_x_nginx"], 1.5, "{:.2f}×")
+        add(f"C={c_hi}: CPU per chunk ≤ 1.5× nginx (schedstat)", sp["sched_x_nginx"], 1.5, "{:.2f}×")
+        add(f"C={c_hi}: added p99 per chunk ≤ 1000 µs", sp["added_p99"], 1000, "{:.0f} µs")
+        add(f"C={c_hi}: chunks/s ≥ 0.99× direct", sp["x_direct"], 0.99, "{:.3f}×", "ge")
+    s1 = summary.get((1, "specproxy")) if 1 in cs else None
+    if s1:
+        add("C=1: added p50 ≤ 150 µs", s1["added_p50"], 150, "{:.0f} µs")
+    return "\n".join(L)
