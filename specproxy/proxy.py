@@ -33,8 +33,8 @@ import logging
 import re
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import orjson
@@ -116,12 +116,28 @@ http_log.addFilter(_NoRequestContent())
 clock = time.perf_counter
 
 
-def _error_response(status: int, kind: str, message: str, *, close: bool = False) -> web.Response:
-    body = orjson.dumps({"error": {"message": f"specproxy: {message}", "type": kind, "code": status}})
-    resp = web.Response(status=status, body=body, content_type="application/json")
-    if close:
-        resp.force_close()
-    return resp
+class Refusal(NamedTuple):
+    """An answer of our own instead of the upstream's (the request was refused, or the upstream gave no
+    response): an OpenAI-style JSON error. Each front writes it its own way (``as_response``, ``lane``)."""
+
+    status: int
+    kind: str
+    message: str
+    close: bool = False
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": f"specproxy: {self.message}", "type": self.kind,
+                                       "code": self.status}})
+
+    def as_response(self) -> web.Response:
+        resp = web.Response(status=self.status, body=self.body(), content_type="application/json")
+        if self.close:
+            resp.force_close()
+        return resp
+
+
+def _error_response(status: int, kind: str, message: str, *, close: bool = False) -> Refusal:
+    return Refusal(status, kind, message, close)
 
 
 def _refuse(request: web.BaseRequest) -> web.Response | None:
@@ -233,21 +249,37 @@ class Proxy:
     # --- the handler ------------------------------------------------------------------------------
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """aiohttp's server: every request the lane (``lane.py``) did not take."""
         refused = _refuse(request)  # before anything else, e.g. CONNECT's authority-form target
         if refused is not None:
             self.rejected_bad += 1
-            return refused
+            return refused.as_response()
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
-            return _error_response(503, "busy", f"more than {self.cfg.max_concurrent} requests in flight")
+            return self.busy().as_response()
         self.in_flight += 1
         try:
-            return await self._forward(request)
+            body = await self._read_body(request)
+            if not isinstance(body, bytes):
+                self.rejected_bad += 1
+                resp = body.as_response()
+                if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
+                    await resp.prepare(request)
+                    await resp.write_eof()
+                    if request.transport is not None:
+                        request.transport.close()
+                return resp  # nothing was sent upstream
+            client = _AiohttpClient(request)
+            refusal = await self.forward(_incoming(request), body, client)
+            return refusal.as_response() if refusal is not None else client.response
         finally:
             self.in_flight -= 1
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes | web.Response:
-        """The whole body, or the error response: 413 over ``max_body_bytes``, 408 when it stalls."""
+    def busy(self) -> Refusal:
+        return _error_response(503, "busy", f"more than {self.cfg.max_concurrent} requests in flight")
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes | Refusal:
+        """The whole body, or the refusal: 413 over ``max_body_bytes``, 408 when it stalls."""
         limit = self.cfg.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
@@ -286,38 +318,31 @@ class Proxy:
                 return _error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
             parts.append(data)
 
-    async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        body = await self._read_body(request)
-        if not isinstance(body, bytes):
-            self.rejected_bad += 1
-            if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
-                await body.prepare(request)
-                await body.write_eof()
-                if request.transport is not None:
-                    request.transport.close()
-            return body  # nothing was sent upstream
+    async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
+        """One exchange with the upstream, from either front, the request read whole and vetted: relayed to
+        ``client`` (None), or a refusal when the upstream gave no response. Measured turns get a builder,
+        handed to the measuring worker at the end whatever happened."""
         t_request = clock()
-        path = request.rel_url.path
         builder = None
-        if is_measured(request.method, path):
+        if is_measured(req.method, req.path):
             self.measured_in_flight += 1
             self.turns_started += 1
             started_before = self.turns_started
             prev_done = self.last_turn_done
             builder = RecordBuilder(
-                method=request.method,
-                path=path,
+                method=req.method,
+                path=req.path,
                 body=body,
                 t_wall=time.time(),
                 t_request=t_request,
                 concurrency=self.measured_in_flight,
-                label=request.headers.get(LABEL_HEADER) or self.cfg.label,
+                label=req.label or self.cfg.label,
                 instance_id=self.instance_id(),
                 store_text=self.cfg.store_text,
-                request_encoding=request.headers.get("Content-Encoding", ""),
+                request_encoding=req.content_encoding,
             )
         try:
-            return await self._relay(request, body, builder)
+            return await self._relay(req, body, builder, client)
         except Exception as exc:  # a bug of ours, not the client's nor the upstream's: still one record
             if builder is not None and not builder._ended:
                 reason = f"{type(exc).__name__} ({_where(exc)})"  # its message might quote the request
@@ -336,12 +361,11 @@ class Proxy:
                 if self.on_turn_end is not None:
                     self.on_turn_end(builder.id, t_request, prev_done, alone)
 
-    async def _relay(self, request: web.BaseRequest, body: bytes, b: RecordBuilder | None) -> web.StreamResponse:
+    async def _relay(self, req: Incoming, body: bytes, b: RecordBuilder | None, client: Client) -> Refusal | None:
         assert self._pool is not None
-        method = request.method
         try:
-            head_bytes = _request_head(self._base_path, self._host_header, request, body)
-            conn = await self._pool.request(method, head_bytes + body)
+            head_bytes = _request_head(self._base_path, self._host_header, req, body)
+            conn = await self._pool.request(req.method, head_bytes + body)
             exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
@@ -357,26 +381,25 @@ class Proxy:
             if b is not None:
                 b.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
                              _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
-            raw, mode, keep = _response_head(head, request)
-            resp = _RelayedResponse(head.status, raw, keep)
-            await resp.prepare(request)
-            transport = request.transport
+            raw, mode, keep = _response_head(head, req)
+            await client.start(head.status, raw, keep)
+            transport = client.transport
             if transport is None:  # the client left while we waited for the upstream
                 conn.abandon("client_abort", "client disconnected", exchange)
-                return resp
+                return None
             conn.attach(transport, b, mode)
             while conn.outcome is None:
                 await conn.wait()
                 if conn.paused:  # the client reads slower than the upstream sends: wait for it to drain
-                    await request.writer.drain()
+                    await client.drain()
                     conn.resume()
-            return resp
-        except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler): keep the turn
+            return None
+        except asyncio.CancelledError:  # the client hung up (its front cancels the handler): keep the turn
             conn.abandon("client_abort", "client disconnected", exchange)
             raise
         except Exception as exc:  # a bug of ours: the turn is recorded as such, the client sees a cut
             conn.abandon("proxy_error", f"{type(exc).__name__} ({_where(exc)})", exchange)
-            _abort(request)
+            client.abort()
             raise
 
     # --- measuring, off the forwarding path -----------------------------------------------------------
@@ -407,17 +430,87 @@ class Proxy:
                 self.sink(record)
 
 
-def _request_head(self_base_path: bytes, host: bytes, request: web.BaseRequest, body: bytes) -> bytes:
+class Incoming(NamedTuple):
+    """What the forwarding path needs of a client's request, whichever front read it (aiohttp's server or
+    the lane): the request line, the header bytes as they came, and the few header values it acts on."""
+
+    method: str
+    path: str  # the decoded path, without the query: which endpoint (``is_measured``)
+    target: bytes  # the path and query as sent, forwarded as they are
+    http11: bool
+    keep_alive: bool  # the client allows another request on the connection after this one
+    raw_headers: Sequence[tuple[bytes, bytes]]
+    connection: Sequence[str | bytes]  # the Connection header's values: more hop-by-hop names
+    label: str | None  # X-Specproxy-Label
+    content_encoding: str  # of the request body
+
+
+class Client(Protocol):
+    """The front's side of one exchange: where the response goes."""
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    async def start(self, status: int, head: bytes, keep_alive: bool) -> None:
+        """Write the response head (the body follows on ``transport``)."""
+
+    async def drain(self) -> None:
+        """Until the client has taken what waits in the transport's buffer."""
+
+    def abort(self) -> None:
+        """Cut the connection (a bug of ours mid-response)."""
+
+
+def _incoming(request: web.BaseRequest) -> Incoming:
+    headers = request.headers
+    return Incoming(
+        method=request.method,
+        path=request.rel_url.path,
+        target=request.rel_url.raw_path_qs.encode(),
+        http11=request.version == aiohttp.HttpVersion11,
+        keep_alive=request.keep_alive,
+        raw_headers=request.raw_headers,
+        connection=headers.getall("Connection", ()),
+        label=headers.get(LABEL_HEADER),
+        content_encoding=headers.get("Content-Encoding", ""),
+    )
+
+
+class _AiohttpClient:
+    """``Client`` for a request aiohttp's server read: the head goes out through a ``_RelayedResponse``,
+    which keeps aiohttp's bookkeeping right; ``response`` is what the handler returns."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.BaseRequest) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.request.transport  # type: ignore[return-value]
+
+    async def start(self, status: int, head: bytes, keep_alive: bool) -> None:
+        self.response = _RelayedResponse(status, head, keep_alive)
+        await self.response.prepare(self.request)
+
+    async def drain(self) -> None:
+        await self.request.writer.drain()
+
+    def abort(self) -> None:
+        _abort(self.request)
+
+
+def _request_head(self_base_path: bytes, host: bytes, req: Incoming, body: bytes) -> bytes:
     """The request line and headers for the upstream: the client's header bytes as they came, minus
     hop-by-hop ones and our own; Host is the upstream's; Content-Length is that of the exact body sent."""
-    named = _connection_named(request.headers.getall("Connection", ()))
-    out = [b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (request.method.encode(), self_base_path,
-                                                   request.rel_url.raw_path_qs.encode(), host)]
-    for name, value in request.raw_headers:
+    named = _connection_named(req.connection)
+    out = [b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (req.method.encode(), self_base_path, req.target, host)]
+    for name, value in req.raw_headers:
         low = name.lower()
         if low not in _NOT_FORWARDED_UP_B and low not in named:
             out.append(b"%s: %s\r\n" % (name, value))
-    if body or request.method not in ("GET", "HEAD"):
+    if body or req.method not in ("GET", "HEAD"):
         out.append(b"Content-Length: %d\r\n" % len(body))
     out.append(b"\r\n")
     return b"".join(out)
@@ -442,14 +535,14 @@ def _connection_named(values) -> set[bytes]:
     return named
 
 
-def _response_head(head: ResponseHead, request: web.BaseRequest) -> tuple[bytes, int, bool]:
+def _response_head(head: ResponseHead, req: Incoming) -> tuple[bytes, int, bool]:
     """The client's response head, how its body is framed for the client, and whether the connection is kept.
 
     The upstream's header bytes pass unchanged, minus hop-by-hop ones. A chunked body passes with its
     framing to an HTTP/1.1 client, and is unframed for an HTTP/1.0 one (which then sees the end by the
     close); a body that ends by the upstream's close is chunked for an HTTP/1.1 client."""
-    http11 = request.version == aiohttp.HttpVersion11
-    keep = http11 and request.keep_alive
+    http11 = req.http11
+    keep = http11 and req.keep_alive
     named = _connection_named([v for k, v in head.headers if k.lower() == b"connection"])
     framing = head.framing
     lines = [b"HTTP/1.%d %d %s\r\n" % (1 if http11 else 0, head.status, head.reason)]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .config import Config
+from .lane import Lane, Lanes, lane_enabled
 from .observe import ServerWatch
 from .proxy import Proxy
 from .record import Record
@@ -131,6 +132,7 @@ class Service:
     watch: ServerWatch | None = None
     port: int = 0
     header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
+    lanes: Lanes = field(default_factory=Lanes)
     _runner: web.ServerRunner | None = None
     _listener: asyncio.AbstractServer | None = None
 
@@ -168,8 +170,16 @@ class Service:
         def expired() -> None:
             self.header_timeouts += 1
 
+        proxy, lanes = self.proxy, self.lanes
+        if lane_enabled():  # the common request without aiohttp's server; any other goes on to it (lane.py)
+            def protocol() -> asyncio.Protocol:
+                return _HeadDeadline(Lane(proxy, lanes, server, timeout), timeout, expired)
+        else:
+            def protocol() -> asyncio.Protocol:
+                return _HeadDeadline(server(), timeout, expired)
+
         self._listener = await asyncio.get_running_loop().create_server(
-            lambda: _HeadDeadline(server(), timeout, expired), self.cfg.host, self.cfg.port, backlog=1024
+            protocol, self.cfg.host, self.cfg.port, backlog=1024
         )
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
@@ -177,6 +187,11 @@ class Service:
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
+
+    def open_connections(self) -> int:
+        """Client connections open now: the lane's and aiohttp's server's."""
+        server = self._runner.server if self._runner is not None else None
+        return (len(server.connections) if server is not None else 0) + len(self.lanes.open)
 
     def state(self) -> dict[str, int]:
         """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
@@ -189,7 +204,9 @@ class Service:
         pool = p._pool if p else None
         return {
             "tasks": len(asyncio.all_tasks()),
-            "connections": len(server.connections) if server is not None else 0,
+            "connections": self.open_connections(),
+            "lane_requests": self.lanes.requests,  # forwarded by the lane, without aiohttp's server
+            "handed_over": self.lanes.handed_over,  # connections the lane gave to aiohttp's server
             "upstream_idle": len(pool.idle) if pool is not None else 0,  # kept-alive upstream connections
             "fds": fds,
             "in_flight": p.in_flight if p else 0,
@@ -212,9 +229,12 @@ class Service:
         """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
         if self._listener is not None:
             self._listener.close()  # no new connections; open ones finish their current request
+        lanes = self.lanes.shutdown(30.0)  # as aiohttp's, below: in-flight exchanges get that long
         if self._runner is not None:
-            await self._runner.cleanup()
+            await asyncio.gather(self._runner.cleanup(), lanes)
             self._runner = None
+        else:
+            await lanes
         if self.proxy is not None:
             await self.proxy.close()
         if self._listener is not None:

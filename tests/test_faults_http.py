@@ -243,7 +243,7 @@ def test_1000_requests_on_one_connection_leak_nothing(make_stack, tiktoken_tok):
 
     upstream = ScriptedUpstream(respond)
     stack = make_stack(tiktoken_tok, raw_script=upstream.serve, scrape_interval_s=0)
-    server = stack.service._runner.server
+    service = stack.service
 
     async def go():
         fds_before, tasks_before = fd_count(), len(asyncio.all_tasks())
@@ -265,7 +265,7 @@ def test_1000_requests_on_one_connection_leak_nothing(make_stack, tiktoken_tok):
                 pending += data
             assert resp.status == 200
         writer.close()
-        await await_until(lambda: not server.connections, 5, what="the proxy to let the connection go")
+        await await_until(lambda: not service.open_connections(), 5, what="the proxy to let the connection go")
         return fds_before, tasks_before, fd_count(), len(asyncio.all_tasks())
 
     fds_before, tasks_before, fds_after, tasks_after = stack.run(go(), timeout=120)
