@@ -117,7 +117,7 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
                 encoding = value.decode("utf-8", "surrogateescape")
             elif low in _DECLINED:
                 return None
-    if length > max_body:
+    if length > max_body or b"host" not in once:  # HTTP/1.1 requires Host (aiohttp refuses a request without)
         return None
     keep_alive = True
     for value in connection:

@@ -206,6 +206,15 @@ def each_relay(request, monkeypatch):
 
 
 
+@pytest.fixture(params=["lane", "aiohttp"])
+def each_front(request, monkeypatch):
+    """Run a test with each front of the proxy: the lane (``specproxy/lane.py``, what ships: the common
+    request without aiohttp's server, any other handed to it) and aiohttp's server alone
+    (``SPECPROXY_LANE=off``). Modules opt in with ``pytestmark = pytest.mark.usefixtures("each_front")``."""
+    monkeypatch.setenv("SPECPROXY_LANE", "on" if request.param == "lane" else "off")
+    return request.param
+
+
 @pytest.fixture(params=["c", "python"])
 def each_scan(request, monkeypatch):
     """Run a test with the measuring's per-chunk scans in C (``_scanc``, what ships) and in Python (the

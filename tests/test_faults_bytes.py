@@ -21,6 +21,8 @@ from specproxy.chunked import dechunk_reads
 
 from faultkit import ScriptedUpstream, Stream, chunk, db_records, make_stream, split_plan
 
+pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
+
 CHAT = "/v1/chat/completions"
 
 

@@ -20,6 +20,8 @@ from faultkit import ScriptedUpstream, await_until, chunk, exchange, fd_count, p
 from specproxy.config import Config
 from specproxy.testing import Script
 
+pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
+
 CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 

@@ -23,7 +23,7 @@ import pytest
 from faultkit import (ScriptedUpstream, blackhole_listener, chunk, db_records, delta_event, kernel_queued,
                       parse_response, post_head)
 
-pytestmark = pytest.mark.usefixtures("each_relay")  # the C body path and its Python reference
+pytestmark = pytest.mark.usefixtures("each_relay", "each_front")  # each body relay; the lane and aiohttp alone
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})

@@ -15,6 +15,8 @@ import pytest
 from rawpeers import SSE_HEAD, chunk, read_request, wait_closed
 from specproxy.testing import Script, pieces_of
 
+pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
+
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a thing up.",
                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 
