@@ -1,7 +1,9 @@
 """The forwarding path: relays every request to the one configured upstream.
 
-Why it looks like this: a measuring tool must not disturb what it measures. aiohttp's server parses and
-vets each request (the checks below); the response is relayed below aiohttp's streaming layers, by
+Why it looks like this: a measuring tool must not disturb what it measures. Two fronts read requests:
+the lane (``lane.py``) takes the common, plainly well-formed request straight from the socket, and hands
+any other, from its first byte, to aiohttp's low-level server, which parses and vets it (the checks
+below); both call ``Proxy.forward`` with an ``Incoming`` and a ``Client``. The response is relayed by
 ``upstream.UpstreamConn``: per read of the upstream's body, inside the socket callback, it takes a
 monotonic timestamp, writes the bytes to the client's transport (chunk framing passed verbatim), takes
 another timestamp and appends to the turn's ``RecordBuilder``. The handler's task only waits: for the

@@ -55,11 +55,13 @@ def settle_heap() -> int:
 
 
 class _HeadDeadline(asyncio.Protocol):
-    """Wraps aiohttp's per-connection protocol; closes the connection when the first request's headers
-    (up to the blank line that ends them) have not all arrived within ``timeout`` of connecting.
+    """Wraps the per-connection protocol (the lane, or aiohttp's); closes the connection when the first
+    request's headers (up to the blank line that ends them) have not all arrived within ``timeout`` of
+    connecting.
 
     It looks at incoming bytes only until that blank line, then only forwards. Requests never pass
-    through here (aiohttp parses them); responses never do (they go straight to the transport)."""
+    through here (the lane or aiohttp parses them); responses never do (they go straight to the
+    transport)."""
 
     __slots__ = ("_handle", "_inner", "_on_expire", "_tail", "_timeout", "_transport")
 
