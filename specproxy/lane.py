@@ -87,6 +87,7 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
     connection: list[bytes] = []
     label = None
     encoding = ""
+    seen_encoding = False
     once: set[bytes] = set()
     if start < end:
         if _FIELD_LINES.fullmatch(buf, start, end + 2) is None:
@@ -111,10 +112,13 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
                 length = int(value)
             elif low == b"connection":
                 connection.append(value)
-            elif low == _LABEL:
-                label = value.decode("utf-8", "surrogateescape")  # as aiohttp decodes header values
+            elif low == _LABEL:  # the first one, as aiohttp's headers.get(), decoded as it decodes values
+                if label is None:
+                    label = value.decode("utf-8", "surrogateescape")
             elif low == b"content-encoding":
-                encoding = value.decode("utf-8", "surrogateescape")
+                if not seen_encoding:
+                    seen_encoding = True
+                    encoding = value.decode("utf-8", "surrogateescape")
             elif low in _DECLINED:
                 return None
     if length > max_body or b"host" not in once:  # HTTP/1.1 requires Host (aiohttp refuses a request without)
