@@ -303,3 +303,36 @@ def test_stop_lets_an_exchange_finish_and_closes_idle_connections(make_stack):
     rest = stack.run(go())
     assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert service.open_connections() == 0
+
+
+def test_a_large_request_pipelined_behind_a_slow_exchange_waits_and_is_forwarded_whole(make_stack):
+    """The lane stops reading while more than ``PIPELINED_BYTES`` wait behind the exchange in progress, and
+    reads on when it is over: the second request (2 MiB of body) arrives whole and in order."""
+    release = asyncio.Event()
+
+    async def first_slow(req, writer, i):
+        if i == 0:
+            await release.wait()
+        writer.write(_sse())
+        await writer.drain()
+        return True
+
+    upstream = ScriptedUpstream(first_slow)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}'
+
+    async def go():
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        writer.write(post_head(CHAT, BODY) + post_head(CHAT, big))
+        lanes = stack.service.lanes
+        lane = next(iter(lanes.open))
+        await await_until(lambda: lane._reading_paused, 10, what="the lane to stop reading")
+        release.set()
+        got = await _read_responses(reader, 2, timeout=30)
+        writer.close()
+        return got
+
+    got = stack.run(go())
+    assert [r.status for r in got] == [200, 200]
+    assert [r.body for r in upstream.requests] == [BODY, big]
+    assert _counts(stack) == (2, 0)
