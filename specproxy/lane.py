@@ -34,7 +34,6 @@ import asyncio
 import logging
 import os
 import re
-import socket
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING
 from aiohttp import http_parser as _aiohttp_parser
 
 from .proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal
+from .relay_thread import no_delay
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -224,12 +224,7 @@ class Lane(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._lanes.open.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # a token must not wait for Nagle's algorithm
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         inner = self._inner

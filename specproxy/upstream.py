@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import ssl
 import time
 
@@ -51,7 +50,7 @@ from .http1 import (
     _UntilClose,
     parse_head,
 )
-from .relay_thread import TurnSink, ended_reason, plain_socket_fd
+from .relay_thread import TurnSink, ended_reason, no_delay, plain_socket_fd
 from .relay_thread import last_read as thread_last_read
 
 try:  # the per-read body path in C (see _relayc.c); the Python methods below are its reference
@@ -154,12 +153,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # a token must not wait for Nagle's algorithm
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        no_delay(transport)
 
     def _data_received_py(self, data: bytes) -> None:
         """``data_received`` in Python; with ``_relayc`` built, its ``data_received`` runs the body's reads
