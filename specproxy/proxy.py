@@ -142,7 +142,7 @@ def _error_response(status: int, kind: str, message: str, *, close: bool = False
     return Refusal(status, kind, message, close)
 
 
-def _refuse(request: web.BaseRequest) -> web.Response | None:
+def _refuse(request: web.BaseRequest) -> Refusal | None:
     """Requests that must not be forwarded, decided from the request line and headers alone."""
     if request.method == "CONNECT":
         return _error_response(405, "method_not_allowed", "CONNECT is not supported: this is a reverse proxy",
