@@ -536,3 +536,64 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
 def test_the_thread_failing_is_a_truncation_with_its_reason():
     assert relay_thread.ended_reason(("thread_error", 12, None)) == (
         "truncated", "the relay thread could not go on (Cannot allocate memory)")
+
+
+# --- the thread's scheduler slice -------------------------------------------------------------------------
+
+
+def _kernel_has_task_slices() -> bool:
+    """EEVDF's per-task slice (``sched_attr.sched_runtime`` for SCHED_OTHER) came with Linux 6.12."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 12) and os.path.exists("/proc/self/sched")
+
+
+def _relay_slice_ns(pid: int) -> int | None:
+    """``se.slice`` of the process's relay thread, once it runs (``/proc/PID/task/TID/sched``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != "specproxy-relay":
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/sched") as f:
+                for line in f:
+                    if line.startswith("se.slice"):
+                        return int(line.split(":")[1])
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.skipif(not _kernel_has_task_slices(), reason="this kernel has no per-task scheduler slice")
+@pytest.mark.parametrize("setting", [None, "0", "250"])
+def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
+    """Its reads must preempt Python at once, not after a Python thread's slice: 0.1 ms by default
+    (``SPECPROXY_RELAY_SLICE_US``; 0 leaves the kernel's default)."""
+    import json
+    import urllib.request
+
+    from faultkit import LoopThread, ServeProcess, wait_until
+    from specproxy.testing import FakeUpstream, Script
+
+    loop = LoopThread()
+    upstream = FakeUpstream(Script(pieces=["a", "b", "c"]))
+    loop.run(upstream.start())
+    env = {} if setting is None else {"SPECPROXY_RELAY_SLICE_US": setting}
+    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", env=env)
+    try:
+        body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        req = urllib.request.Request(proc.url + "/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert b"[DONE]" in resp.read()  # a streamed body: the relay thread carried it
+        got = wait_until(lambda: _relay_slice_ns(proc.proc.pid), 10, 0.02, "the relay thread")
+    finally:
+        assert proc.stop() == 0
+        loop.run(upstream.close())
+        loop.close()
+    if setting == "0":
+        assert got != 100_000 and got != 250_000  # the kernel's default, whatever it is here
+    else:
+        assert got == (100_000 if setting is None else 250_000)
