@@ -309,14 +309,13 @@ struct pump_sched_attr {
     uint64_t runtime, deadline, period;
 };
 
+static long pump_slice_us = 100; /* read from the environment where the thread is started, under the GIL */
+
 static void
 pump_short_slice(void)
 {
 #ifdef SYS_sched_setattr
-    long us = 100;
-    const char *env = getenv("SPECPROXY_RELAY_SLICE_US");
-    if (env != NULL && *env != '\0')
-        us = strtol(env, NULL, 10);
+    long us = pump_slice_us;
     if (us <= 0)
         return;
     errno = 0;
@@ -420,6 +419,10 @@ pump_start_locked(void)
     pump_g.epfd = epfd;
     pump_g.wakefd = wakefd;
     pump_g.cancelled = NULL;
+    /* here, not in the thread: Python changes the environment under the GIL, which the caller holds */
+    const char *slice = getenv("SPECPROXY_RELAY_SLICE_US");
+    if (slice != NULL && *slice != '\0')
+        pump_slice_us = strtol(slice, NULL, 10);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
