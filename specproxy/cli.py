@@ -79,6 +79,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
 
     def ready(svc: Service) -> None:
         from . import texts
+        from .lane import lane_enabled
 
         relay = {
             "thread": "the relay thread (C)",
@@ -87,10 +88,12 @@ def serve(config_path: str | None, **flags: Any) -> None:
         }[upstream.RELAY_MODE]
         scans = "C" if texts.c_scans() else (
             "pure Python (specproxy._scanc not built or SPECPROXY_SCAN=python: more CPU)")
+        front = "the lane, aiohttp's server for the rest" if lane_enabled() else (
+            "aiohttp's server (SPECPROXY_LANE=off: more CPU)")
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}; "
-            f"relay {relay}; measuring scans {scans}\n"
+            f"requests read by {front}; relay {relay}; measuring scans {scans}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,
         )

@@ -131,6 +131,7 @@ def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok)
                 break
             if "forwarding http://" in line:
                 url = line.split("forwarding ")[1].split(" ")[0]
+                assert "requests read by the lane" in line, line
         assert url, "serve did not say where it listens"
 
         async def chat(n):
