@@ -298,7 +298,7 @@ on_upstream_readable(turn *t, uint32_t events, turn **ended)
    measuring thread); a read that arrives while one of them runs waited for that task's slice to end
    (milliseconds) before the relay's wake-up could preempt it. With a 0.1 ms slice, the shortest the kernel
    allows, it preempts at once: at C = 256 with a smooth upstream (scripts/bench_overhead.py --stream-mode
-   smooth, interleaved pairs), added p99 per chunk 356-420 us against 1,210-1,512 without; CPU per chunk
+   smooth, interleaved pairs), added p99 per chunk 326-420 us against 1,192-1,512 without; CPU per chunk
    and the batched upstream's p99 unchanged within the runs' spread. SPECPROXY_RELAY_SLICE_US sets it in
    microseconds (0: the kernel's default). The thread's nice value is kept. */
 struct pump_sched_attr {
