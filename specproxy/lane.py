@@ -196,8 +196,8 @@ class Lane(asyncio.Protocol):
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
     __slots__ = ("_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
-                 "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_waiting_body",
-                 "_writing_paused", "transport")
+                 "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
+                 "transport")
 
     def __init__(self, proxy: Proxy, lanes: Lanes, fallback: Callable[[], asyncio.Protocol], timeout: float) -> None:
         self._proxy = proxy
@@ -214,7 +214,6 @@ class Lane(asyncio.Protocol):
         self._keep = False
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
-        self._waiting_body = False
         self._reading_paused = False
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
@@ -292,10 +291,8 @@ class Lane(asyncio.Protocol):
             self._pending = pending
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
-            self._waiting_body = True
             self._set_deadline()
             return
-        self._waiting_body = False
         buf = self._joined()
         body = buf[start:need]
         rest = buf[need:]
@@ -356,7 +353,6 @@ class Lane(asyncio.Protocol):
         self._lanes.handed_over += 1
         self._lanes.open.discard(self)
         self._cancel_timer()
-        self._pending = None
         inner = self._inner = self._fallback()
         inner.connection_made(self.transport)
         if self._writing_paused:
@@ -417,7 +413,7 @@ class Lane(asyncio.Protocol):
         if left > 0:
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
             return
-        if self._waiting_body:
+        if self._pending is not None:  # a head read, its body stalled
             self._proxy.rejected_bad += 1
             refusal = Refusal(408, "request_timeout", f"request body stalled for {self._timeout:g} s", True)
             transport.write(refusal_bytes(refusal, False))
