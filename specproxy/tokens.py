@@ -26,10 +26,13 @@ chunk), and both give exactly what the plain computation gives:
   with a continuation byte; the offsets are then running sums in C (``itertools.accumulate``). This is
   tiktoken's own offset rule, the start of a token that begins inside a character being that
   character's index, so multi-byte characters split across tokens come out the same.
-* Plain prompt counts memoise the system prompt and the tool definitions (a bounded LRU keyed by the
-  exact text): a chat client sends the same ones turn after turn. The chat-template split of the HF
-  adapter is not cached: each render covers the conversation, which changes every turn, and a
-  template may read the clock (``strftime_now``), so no piece of it is provably the same next time.
+* Plain prompt counts memoise every message's count (``CountMemo``: a bounded LRU keyed by a 128-bit
+  digest of the exact text). A chat client resends the system prompt, the tool definitions and the
+  whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing
+  (a 40 KB history is ~10,000 tokens, ~2 ms a turn with tiktoken), memoised O(n): each message is
+  counted once, the turn it is new. The chat-template split of the HF adapter is not cached: each
+  render covers the conversation, which changes every turn, and a template may read the clock
+  (``strftime_now``), so no piece of it is provably the same next time.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ import gzip
 import hashlib
 import os
 import tempfile
+import threading
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 from operator import sub
 from pathlib import Path
@@ -51,7 +55,7 @@ import orjson
 from .errors import TokenizerError
 from .openai import PromptParts, message_text
 
-__all__ = ["PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
+__all__ = ["CountMemo", "PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +100,67 @@ def count_with_first(tok: Tokenizer, text: str, first_len: int) -> tuple[int, in
     return len(ends), tokens_in_first(ends, first_len)
 
 
+class CountMemo:
+    """``count(text)`` remembered for the texts a chat client sends again every turn.
+
+    Keyed by a BLAKE2b-128 digest of the text, not the text: the memo holds ``maxsize`` digests and
+    counts (~90 bytes each), never the conversations themselves, however long their messages. A
+    digest costs ~1 µs per KB, tokenizing ~50 (tiktoken) to ~500 (Hugging Face). Least recently used
+    entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
+    """
+
+    def __init__(self, count: Callable[[str], int], maxsize: int) -> None:
+        self._count = count
+        self._maxsize = maxsize
+        self._counts: dict[bytes, int] = {}  # insertion order is recency order
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, text: str) -> int:
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        with self._lock:
+            n = self._counts.pop(key, None)
+            if n is not None:
+                self._counts[key] = n  # now the most recent
+                self.hits += 1
+                return n
+        n = self._count(text)  # outside the lock: another thread may count the same text meanwhile
+        with self._lock:
+            self.misses += 1
+            self._counts[key] = n
+            while len(self._counts) > self._maxsize:
+                del self._counts[next(iter(self._counts))]
+        return n
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+_MEMO_TEXTS = 32_768  # messages remembered: 256 conversations of 128 messages, ~3 MB at most
+
+
 def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
     """Prompt parts counted as plain text: used without a chat template (and as a fallback).
 
-    The system prompt and the tools repeat turn after turn: counted through the tokenizer's
-    ``count_repeated`` (a memo of ``count``) when it has one.
+    Every message goes through the tokenizer's ``count_memo`` (a ``CountMemo``) when it has one: the
+    system prompt, the tools and the history repeat turn after turn, and this turn's new messages are
+    the next turn's history. A completions ``prompt`` is counted afresh (a client that grows one
+    prompt sends a different text every turn).
     """
     if parts.prompt is not None:
         n = tok.count(parts.prompt)
         return PromptCounts(n, 0, 0, 0, n)
-    repeated = getattr(tok, "count_repeated", tok.count)
-    system = sum(repeated(message_text(m)) for m in parts.system)
-    tools = repeated(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
-    history = sum(tok.count(message_text(m)) for m in parts.history)
-    new = sum(tok.count(message_text(m)) for m in parts.new)
+    count = getattr(tok, "count_memo", tok.count)
+    system = sum(count(message_text(m)) for m in parts.system)
+    tools = count(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
+    history = sum(count(message_text(m)) for m in parts.history)
+    new = sum(count(message_text(m)) for m in parts.new)
     return PromptCounts(system + tools + history + new, system, tools, history, new)
 
 
 # --- tiktoken -------------------------------------------------------------------------------------
 
-_REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered (LRU)
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: they begin no character
 
 
@@ -195,8 +240,7 @@ class TiktokenTokenizer:
                 "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
             ) from None
 
-        # count() memoised for texts that repeat every turn (system prompt, tools); thread-safe
-        self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
+        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)  # what a client resends every turn
         self._tables: tuple[list[int], list[int]] | None = None
         self._build_tables()  # ~0.1 s once, at load time rather than in the first turn's build
 
@@ -329,6 +373,7 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
         self.name = f"hf:{path}"
         self.has_template = bool(getattr(self._tok, "chat_template", None))
+        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)  # plain counts (no template, or fallback)
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import orjson
 import pytest
 
 from specproxy.errors import TokenizerError
 from specproxy.openai import split_prompt
-from specproxy.tokens import load_tokenizer, tokens_in_first
+from specproxy.tokens import CountMemo, load_tokenizer, tokens_in_first
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing with files.",
                                             "parameters": {"type": "object", "properties": {"p": {"type": "string"}}}}}
@@ -134,7 +137,88 @@ def test_count_with_first_equals_the_ends_it_skips(request):
 def test_tiktoken_repeated_prompt_parts_are_memoised(tiktoken_tok):
     parts = split_prompt(CHAT)
     first = tiktoken_tok.count_prompt(parts)
-    hits = tiktoken_tok.count_repeated.cache_info().hits
+    hits = tiktoken_tok.count_memo.hits
     assert tiktoken_tok.count_prompt(split_prompt(CHAT)) == first
-    assert tiktoken_tok.count_repeated.cache_info().hits >= hits + 2  # system and tools
-    assert tiktoken_tok.count_repeated(CHAT["messages"][0]["content"]) == tiktoken_tok.count(CHAT["messages"][0]["content"])
+    assert tiktoken_tok.count_memo.hits == hits + 5  # system, tools, and the three other messages
+    assert tiktoken_tok.count_memo(CHAT["messages"][0]["content"]) == tiktoken_tok.count(CHAT["messages"][0]["content"])
+
+
+class _CountingTokenizer:
+    """A real tokenizer's ``count``, with every text it was asked for recorded."""
+
+    def __init__(self, inner, maxsize=1000):
+        self.inner, self.name, self.asked = inner, inner.name, []
+        self.count_memo = CountMemo(self.count, maxsize)
+
+    def count(self, text):
+        self.asked.append(text)
+        return self.inner.count(text)
+
+
+def test_a_growing_conversation_counts_each_message_once(tiktoken_tok):
+    """A chat client resends everything each turn; each text is tokenized once, the turn it is new,
+    and every turn's counts are those of counting it afresh (O(n) over a conversation, not O(n²))."""
+    from specproxy.tokens import _plain_counts
+
+    tok = _CountingTokenizer(tiktoken_tok)
+    messages = [{"role": "system", "content": "Be brief. " * 50}]
+    texts = {messages[0]["content"], orjson.dumps(TOOLS).decode()}
+    for turn in range(30):
+        messages.append({"role": "user", "content": f"question {turn}: " + "why? " * turn})
+        parts = split_prompt({"messages": messages, "tools": TOOLS})
+        fresh = _plain_counts(SimpleNamespace(count=tiktoken_tok.count), parts)
+        assert _plain_counts(tok, parts) == fresh, turn
+        assert fresh.history == sum(tiktoken_tok.count(m["content"]) for m in messages[1:-1])
+        texts.add(messages[-1]["content"])
+        messages.append({"role": "assistant", "content": f"answer {turn} " * (turn + 1)})
+        texts.update(m["content"] for m in messages[1:-1])
+    assert sorted(tok.asked) == sorted(texts)  # each once: no text tokenized twice
+    assert tok.count_memo.hits > 400 and tok.count_memo.misses == len(texts)
+
+
+def test_count_memo_forgets_the_least_recently_used_first():
+    asked = []
+    memo = CountMemo(lambda t: asked.append(t) or len(t), maxsize=3)
+    for t in ("a", "bb", "ccc"):
+        memo(t)
+    assert memo("a") == 1  # a hit: "a" is now the most recent, "bb" the least
+    memo("dddd")  # over the bound: "bb" goes
+    assert len(memo) == 3
+    asked.clear()
+    assert [memo(t) for t in ("a", "ccc", "dddd", "bb")] == [1, 3, 4, 2]
+    assert asked == ["bb"]  # only the forgotten one was counted again
+    assert (memo.hits, memo.misses) == (4, 5)
+
+
+def test_count_memo_holds_digests_not_texts():
+    """However long the messages, the memo keeps a fixed-size entry each: a 1 MB text counted and
+    dropped leaves no 1 MB behind (the count is the only thing kept)."""
+    import gc
+    import tracemalloc
+
+    memo = CountMemo(len, maxsize=100)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            text = str(i) * 1_000_000
+            assert memo(text) == len(text)
+            del text
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(memo) == 20
+    assert grown < 20 * 1024  # 20 entries of ~100 bytes, not 20+ MB of text
+
+
+def test_count_memo_tells_texts_apart_by_their_end(tiktoken_tok):
+    """Texts alike but for their last characters get their own counts, and a string holding a lone
+    surrogate (orjson never makes one, Python code can) is counted, not an error in the digest."""
+    memo = CountMemo(tiktoken_tok.count, maxsize=100)
+    base = "the same long prefix. " * 300
+    texts = [base + "a", base + "a b", base + "日本語のテキスト", "lone surrogate \ud800 here"]
+    expected = [tiktoken_tok.count(t) for t in texts]
+    assert len(set(expected[:3])) == 3
+    assert [memo(t) for t in texts] == expected
+    assert [memo(t) for t in texts] == expected and memo.hits == 4
