@@ -1,16 +1,16 @@
 """What counting a chat turn's prompt costs as the conversation grows: memoised against counted afresh.
 
-    python scripts/bench_prompt_counts.py                 # 80 turns, tiktoken and HF, 3 repeats (~1 min)
+    python scripts/bench_prompt_counts.py                 # 80 turns, tiktoken and HF, 3 repeats (~10 s)
     python scripts/bench_prompt_counts.py --turns 40 --tokenizers tiktoken
 
 A chat client resends the system prompt, the tools and the whole conversation every turn, so counting
 each request's prompt afresh costs O(n²) tokenizing over a conversation of n turns. specproxy counts
 plain prompts through ``CountMemo`` (``specproxy/tokens.py``): each message once, the turn it is new.
 This replays one conversation (a ~4,000-byte system prompt, five tools, per turn a ~400-character user
-message and a ~1,500-character answer that comes back as history) and times ``count_prompt`` on each
+message and a ~1,500-character answer that comes back as history) and times the plain prompt split (``count_prompt`` without a template) on each
 turn's request two ways, in the same run and alternating: as the proxy does it (the tokenizer's
-``count_memo``, emptied before each conversation) and the baseline (the same tokenizer, every text
-counted afresh). Both must give the same counts, or the script fails.
+``count_repeated`` and ``count_memo``, emptied before each conversation) and the baseline (the same
+tokenizer, every text counted afresh). Both must give the same counts, or the script fails.
 
 Printed, per tokenizer: µs per turn at a few turns (median over the repeats) and for the whole
 conversation, and the ratio baseline / memoised. ``hf`` is Llama-3's tokenizer.json (the
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from functools import lru_cache
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +90,8 @@ def run(tok, bodies: list[bytes], repeats: int) -> tuple[list[list[float]], list
     memo_times, fresh_times = [], []
     baseline = plain_only(tok)
     for r in range(repeats):
-        tok.count_memo = CountMemo(tok.count, 32_768)  # each conversation starts with an empty memo
+        tok.count_repeated = lru_cache(maxsize=128)(tok.count)  # each conversation starts with empty memos
+        tok.count_memo = CountMemo(tok.count, 32_768)
         mt, ft = [], []
         for i, body in enumerate(bodies):
             parts = split_prompt(json.loads(body))

@@ -26,11 +26,12 @@ chunk), and both give exactly what the plain computation gives:
   with a continuation byte; the offsets are then running sums in C (``itertools.accumulate``). This is
   tiktoken's own offset rule, the start of a token that begins inside a character being that
   character's index, so multi-byte characters split across tokens come out the same.
-* Plain prompt counts memoise every message's count (``CountMemo``: a bounded LRU keyed by a 128-bit
-  digest of the exact text). A chat client resends the system prompt, the tool definitions and the
-  whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing
-  (a 40 KB history is ~10,000 tokens, ~2 ms a turn with tiktoken), memoised O(n): each message is
-  counted once, the turn it is new. The chat-template split of the HF adapter is not cached: each
+* Plain prompt counts are memoised. A chat client resends the system prompt, the tool definitions and
+  the whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing
+  (a 40 KB history is ~10,000 tokens, ~1.2 ms a turn with tiktoken). The system prompt and the tools,
+  the same for every conversation, are remembered by their exact text (a small LRU: a lookup is the
+  string's hash); the conversation's messages by a 128-bit digest (``CountMemo``, bounded: it never
+  holds the texts), so each is counted once, the turn it is new. The chat-template split of the HF adapter is not cached: each
   render covers the conversation, which changes every turn, and a template may read the clock
   (``strftime_now``), so no piece of it is provably the same next time.
 """
@@ -45,6 +46,7 @@ import threading
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from operator import sub
 from pathlib import Path
@@ -137,23 +139,26 @@ class CountMemo:
         return len(self._counts)
 
 
-_MEMO_TEXTS = 32_768  # messages remembered: 256 conversations of 128 messages, ~3 MB at most
+_REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered by their text (LRU)
+_MEMO_TEXTS = 32_768  # conversation messages remembered: 256 conversations of 128, ~3 MB at most
 
 
 def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
     """Prompt parts counted as plain text: used without a chat template (and as a fallback).
 
-    Every message goes through the tokenizer's ``count_memo`` (a ``CountMemo``) when it has one: the
-    system prompt, the tools and the history repeat turn after turn, and this turn's new messages are
-    the next turn's history. A completions ``prompt`` is counted afresh (a client that grows one
-    prompt sends a different text every turn).
+    The system prompt and the tools go through the tokenizer's ``count_repeated`` (an LRU keyed by the
+    text: the same few texts every turn), the conversation through its ``count_memo`` (a
+    ``CountMemo``: this turn's new messages are the next turn's history), when it has them. A
+    completions ``prompt`` is counted afresh (a client that grows one prompt sends a different text
+    every turn).
     """
     if parts.prompt is not None:
         n = tok.count(parts.prompt)
         return PromptCounts(n, 0, 0, 0, n)
+    repeated = getattr(tok, "count_repeated", tok.count)
     count = getattr(tok, "count_memo", tok.count)
-    system = sum(count(message_text(m)) for m in parts.system)
-    tools = count(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
+    system = sum(repeated(message_text(m)) for m in parts.system)
+    tools = repeated(orjson.dumps(list(parts.tools)).decode()) if parts.tools else 0
     history = sum(count(message_text(m)) for m in parts.history)
     new = sum(count(message_text(m)) for m in parts.new)
     return PromptCounts(system + tools + history + new, system, tools, history, new)
@@ -240,7 +245,9 @@ class TiktokenTokenizer:
                 "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
             ) from None
 
-        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)  # what a client resends every turn
+        # what a client resends every turn: the same system prompt and tools; its conversation so far
+        self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
+        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
         self._tables: tuple[list[int], list[int]] | None = None
         self._build_tables()  # ~0.1 s once, at load time rather than in the first turn's build
 
@@ -373,7 +380,9 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
         self.name = f"hf:{path}"
         self.has_template = bool(getattr(self._tok, "chat_template", None))
-        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)  # plain counts (no template, or fallback)
+        # plain counts (no template, or its fallback), memoised as tiktoken's are
+        self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
+        self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
