@@ -7,10 +7,10 @@ A chat client resends the system prompt, the tools and the whole conversation ev
 each request's prompt afresh costs O(n²) tokenizing over a conversation of n turns. specproxy counts
 plain prompts through ``CountMemo`` (``specproxy/tokens.py``): each message once, the turn it is new.
 This replays one conversation (a ~4,000-byte system prompt, five tools, per turn a ~400-character user
-message and a ~1,500-character answer that comes back as history) and times the plain prompt split (``count_prompt`` without a template) on each
-turn's request two ways, in the same run and alternating: as the proxy does it (the tokenizer's
-``count_repeated`` and ``count_memo``, emptied before each conversation) and the baseline (the same
-tokenizer, every text counted afresh). Both must give the same counts, or the script fails.
+message and a ~1,500-character answer that comes back as history) and times the plain prompt split
+(``count_prompt`` without a template) on each turn's request two ways, in the same run and
+alternating: as the proxy does it (the tokenizer's ``count_repeated`` and ``count_memo``, emptied
+before each conversation) and the baseline (the same tokenizer, every text counted afresh). Both must give the same counts, or the script fails.
 
 Printed, per tokenizer: µs per turn at a few turns (median over the repeats) and for the whole
 conversation, and the ratio baseline / memoised. ``hf`` is Llama-3's tokenizer.json (the
