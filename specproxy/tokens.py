@@ -31,9 +31,10 @@ chunk), and both give exactly what the plain computation gives:
   (a 40 KB history is ~10,000 tokens, ~1.2 ms a turn with tiktoken). The system prompt and the tools,
   the same for every conversation, are remembered by their exact text (a small LRU: a lookup is the
   string's hash); the conversation's messages by a 128-bit digest (``CountMemo``, bounded: it never
-  holds the texts), so each is counted once, the turn it is new. The chat-template split of the HF adapter is not cached: each
-  render covers the conversation, which changes every turn, and a template may read the clock
-  (``strftime_now``), so no piece of it is provably the same next time.
+  holds the texts), so each is counted once, the turn it is new. The HF adapter's chat-template
+  renders are not cached whole (each covers the conversation, which changes every turn, and a template
+  may read the clock, ``strftime_now``), but counted piece by piece between the tokenizer's added
+  tokens, each piece remembered, where the tokenizer makes that exact (``prompt_pieces.py``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ import gzip
 import hashlib
 import os
 import tempfile
-import threading
 from bisect import bisect_right
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -54,8 +53,10 @@ from typing import Any, Protocol
 
 import orjson
 
+from .count_memo import CountMemo
 from .errors import TokenizerError
 from .openai import PromptParts, message_text
+from .prompt_pieces import PieceCounter
 
 __all__ = ["CountMemo", "PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
 
@@ -100,43 +101,6 @@ def count_with_first(tok: Tokenizer, text: str, first_len: int) -> tuple[int, in
         return fast(text, first_len)
     ends = tok.token_ends(text)
     return len(ends), tokens_in_first(ends, first_len)
-
-
-class CountMemo:
-    """``count(text)`` remembered for the texts a chat client sends again every turn.
-
-    Keyed by a BLAKE2b-128 digest of the text, not the text: the memo holds ``maxsize`` digests and
-    counts (~90 bytes each), never the conversations themselves, however long their messages. A
-    digest costs ~1 µs per KB, tokenizing ~50 (tiktoken) to ~500 (Hugging Face). Least recently used
-    entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
-    """
-
-    def __init__(self, count: Callable[[str], int], maxsize: int) -> None:
-        self._count = count
-        self._maxsize = maxsize
-        self._counts: dict[bytes, int] = {}  # insertion order is recency order
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def __call__(self, text: str) -> int:
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        with self._lock:
-            n = self._counts.pop(key, None)
-            if n is not None:
-                self._counts[key] = n  # now the most recent
-                self.hits += 1
-                return n
-        n = self._count(text)  # outside the lock: another thread may count the same text meanwhile
-        with self._lock:
-            self.misses += 1
-            self._counts[key] = n
-            while len(self._counts) > self._maxsize:
-                del self._counts[next(iter(self._counts))]
-        return n
-
-    def __len__(self) -> int:
-        return len(self._counts)
 
 
 _REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered by their text (LRU)
@@ -383,6 +347,8 @@ class HFTokenizer:
         # plain counts (no template, or its fallback), memoised as tiktoken's are
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
+        # the template's renders: counted piece by piece between added tokens when that is exact
+        self.rendered = PieceCounter(self._tok, self.count)
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -398,7 +364,7 @@ class HFTokenizer:
         text = self._tok.apply_chat_template(
             _template_messages(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
         )
-        return len(self._encode(text))
+        return self.rendered.count(text)
 
     def count_prompt(self, parts: PromptParts) -> PromptCounts:
         if parts.prompt is not None or not self.has_template:

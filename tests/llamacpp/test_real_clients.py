@@ -34,9 +34,9 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from llamacpp.fixtures import TinyModel, _cached_model
 from llamacpp.server import LlamaServer
+
 from specproxy.dataset import load_turns
 from specproxy.openai import split_prompt
 from specproxy.report import build_report, render_text
@@ -393,6 +393,33 @@ def test_token_counts_equal_the_servers_own(make_stack, counter, llama_server, t
     assert stop.usage_completion_tokens == stop.completion_tokens + 1 == len(tiny_model.token_ids)
     assert length.finish_reason == "length"
     assert length.usage_completion_tokens == length.completion_tokens == 4
+
+
+def test_a_growing_chat_counted_by_pieces_equals_the_servers_prompt_tokens(make_stack, hf_tokenizer_dir,
+                                                                          llama_server, tiny_model, monkeypatch):
+    """Eight turns of one chat, each resending the whole conversation, as chat clients do: specproxy's
+    ``prompt_tokens`` equals llama-server's ``usage.prompt_tokens`` on every turn with the template's
+    renders counted piece by piece between the tokenizer's added tokens (``prompt_pieces.py``), its
+    checks against whole counts switched off, so that what is compared is the piece count alone."""
+    from specproxy import prompt_pieces
+
+    monkeypatch.setattr(prompt_pieces, "VERIFY_FIRST", 0)
+    monkeypatch.setattr(prompt_pieces, "VERIFY_EVERY", 10**9)
+    tok = load_tokenizer(f"hf:{hf_tokenizer_dir}")
+    assert tok.rendered.by_pieces, tok.rendered.why
+    stack, arrivals = proxy(make_stack, llama_server, tok)
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn in range(8):
+        messages.append({"role": "user", "content": f"{USER} ({turn})" + " more" * turn})
+        answer = chat(stack.url, messages=messages, tools=TOOLS, stream=True,
+                      stream_options={"include_usage": True}, max_tokens=8)
+        (rec,) = arrivals.wait(turn + 1)[turn:]
+        assert rec.prompt_tokens == answer[-1]["usage"]["prompt_tokens"], turn
+        prompt_parts_add_up(rec)
+        assert (rec.prompt_history_tokens > 0) is (turn > 0)
+        messages.append({"role": "assistant", "content": streamed_text(answer)[0]})
+    assert tok.rendered.verified == 0 and tok.rendered.mismatch is None
+    assert tok.rendered._pieces.hits > tok.rendered._pieces.misses  # the conversation was not re-tokenized
 
 
 def test_agent_history_prompt_tokens_and_the_tool_call_envelope(make_stack, counter, tool_server, tool_model):
