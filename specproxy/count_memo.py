@@ -19,8 +19,8 @@ class CountMemo:
 
     Keyed by a BLAKE2b-128 digest of the text, not the text: the memo holds ``maxsize`` digests and
     counts (~90 bytes each), never the conversations themselves, however long their messages. A
-    digest costs ~1.5 µs per KB, tokenizing ~30 (tiktoken) to ~350 (Llama-3's HF tokenizer). Least recently used
-    entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
+    digest costs ~1.5 µs per KB, tokenizing ~30 (tiktoken) to ~350 (Llama-3's HF tokenizer). Least
+    recently used entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
     """
 
     def __init__(self, count: Callable[[str], int], maxsize: int) -> None:

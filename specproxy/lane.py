@@ -13,8 +13,9 @@ What it takes: a request that is plainly well-formed and whole. HTTP/1.1; a meth
 origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no dot segments, no
 ``//``); header lines of token names and values without control characters (a tab aside); none of
 Transfer-Encoding, Expect, Upgrade; one Host; no single-valued header twice (aiohttp's list and RFC
-9110's); Content-Length, if any, of digits, within ``max_body_bytes``; the head under aiohttp's limits. It waits for the body (it is usually in the same read) and forwards the
-request with ``Proxy.forward``, as aiohttp's handler does.
+9110's); Content-Length, if any, of digits, within ``max_body_bytes``; the head under aiohttp's
+limits. It waits for the body (it is usually in the same read) and forwards the request with
+``Proxy.forward``, as aiohttp's handler does.
 
 Anything else it declines: from that request on, the connection is aiohttp's, which reads the request
 from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always

@@ -58,7 +58,7 @@ from .errors import TokenizerError
 from .openai import PromptParts, message_text
 from .prompt_pieces import PieceCounter
 
-__all__ = ["CountMemo", "PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
+__all__ = ["PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)

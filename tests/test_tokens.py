@@ -10,7 +10,8 @@ import pytest
 
 from specproxy.errors import TokenizerError
 from specproxy.openai import split_prompt
-from specproxy.tokens import CountMemo, load_tokenizer, tokens_in_first
+from specproxy.count_memo import CountMemo
+from specproxy.tokens import load_tokenizer, tokens_in_first
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing with files.",
                                             "parameters": {"type": "object", "properties": {"p": {"type": "string"}}}}}
