@@ -78,7 +78,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
     install_uvloop()
 
     def ready(svc: Service) -> None:
-        from . import texts
+        from . import texts, tokens
         from .lane import lane_enabled
 
         relay = {
@@ -90,9 +90,11 @@ def serve(config_path: str | None, **flags: Any) -> None:
             "pure Python (specproxy._scanc not built or SPECPROXY_SCAN=python: more CPU)")
         front = "the lane, aiohttp's server for the rest" if lane_enabled() else (
             "aiohttp's server (SPECPROXY_LANE=off: more CPU)")
+        counting = tokens.describe(svc.tokenizer)
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
-            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}; database {cfg.db}; "
+            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
+            f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; measuring scans {scans}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,

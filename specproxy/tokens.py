@@ -58,7 +58,7 @@ from .errors import TokenizerError
 from .openai import PromptParts, message_text
 from .prompt_pieces import PieceCounter
 
-__all__ = ["PromptCounts", "Tokenizer", "load_tokenizer", "tokens_in_first"]
+__all__ = ["PromptCounts", "Tokenizer", "describe", "load_tokenizer", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +350,14 @@ class HFTokenizer:
         # the template's renders: counted piece by piece between added tokens when that is exact
         self.rendered = PieceCounter(self._tok, self.count)
 
+    def describe(self) -> str:
+        """How prompts are counted, for the start-up line."""
+        if not self.has_template:
+            return "no chat template: prompts counted as plain text"
+        if self.rendered.by_pieces:
+            return "chat template, renders counted piece by piece"
+        return f"chat template, renders counted whole: {self.rendered.mismatch or self.rendered.why}"
+
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
@@ -399,6 +407,11 @@ class HFTokenizer:
             return self._render([], None, False)
         except Exception:
             return 0
+
+
+def describe(tok: Tokenizer | None) -> str:
+    """What the start-up line says about how ``tok`` counts prompts ("" when there is nothing to say)."""
+    return tok.describe() if tok is not None and hasattr(tok, "describe") else ""
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer | None:

@@ -115,6 +115,23 @@ def test_an_unknown_relay_setting_is_one_clear_line():
     assert lines == ["specproxy: error: SPECPROXY_RELAY must be one of thread, loop, python, not 'fast'"], proc.stderr
 
 
+def test_serve_says_how_a_chat_template_is_counted(hf_dir, tmp_path):
+    proc = subprocess.Popen([*SPECPROXY, "serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--db",
+                             str(tmp_path / "t.db"), "--tokenizer", f"hf:{hf_dir}"], stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        for _ in range(50):  # bounded: start-up prints a few lines at most before this one
+            line = proc.stderr.readline()
+            if not line or "forwarding http://" in line:
+                break
+        assert f"tokenizer hf:{hf_dir} (chat template, renders counted piece by piece);" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == 0
+
+
 def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok):
     stack = make_stack()  # used for its fake upstream only
     stack.upstream.script = Script(pieces=["A", " real", " answer"], interval_s=0.01)

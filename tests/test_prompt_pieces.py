@@ -160,3 +160,21 @@ def test_added_tokens_that_begin_alike_match_longest_first(hf_dir, tmp_path):
     texts += ["".join(rng.choice(bits) for _ in range(rng.randint(1, 12))) for _ in range(400)]
     for text in texts:
         assert tok.rendered._count_pieces(text) == tok.count(text), text
+
+
+def test_the_start_up_line_says_how_prompts_are_counted(hf_dir, tmp_path):
+    """``describe``: piece by piece, or whole and why (a refused configuration, or a difference found),
+    or plain text without a template; nothing for tiktoken (it has no template)."""
+    from specproxy.tokens import describe
+
+    assert describe(load_tokenizer(f"hf:{hf_dir}")) == "chat template, renders counted piece by piece"
+    stripping = load_tokenizer(f"hf:{_variant(hf_dir, tmp_path, lambda s: s['added_tokens'][9].update(lstrip=True))}")
+    assert describe(stripping).startswith("chat template, renders counted whole: added token")
+    tok = load_tokenizer(f"hf:{hf_dir}")
+    tok.rendered._turn_off("3 tokens by pieces, 4 whole")
+    assert describe(tok) == "chat template, renders counted whole: 3 tokens by pieces, 4 whole"
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_dir, plain)
+    (plain / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert describe(load_tokenizer(f"hf:{plain}")) == "no chat template: prompts counted as plain text"
+    assert describe(load_tokenizer("tiktoken:o200k_base")) == "" and describe(None) == ""
