@@ -11,13 +11,19 @@ measuring keeps up (a batch is every turn that ended meanwhile) and records arri
 later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
 up. Results go back to the event loop once per batch of at most ``MAX_BATCH``, not once per turn.
 
-Batches are gathered: after the first turn of a batch arrives the worker sleeps ``GATHER_S`` (woken by
-nothing but ``stop``) and then takes every turn that queued meanwhile. Many builds in a row run with
-warm caches, the interpreter lock changes hands once per batch instead of once per turn, the loop gets
-one callback per batch and the writer one burst; a submit never wakes the worker. At C = 256 that cut
-the measuring thread's CPU per relayed chunk by about a quarter and the writer's by half
-(``scripts/bench_overhead.py``, interleaved A/B; added p99 within the runs' spread); a record reaches
-the store that much later.
+Batches are gathered: after the first turn of a batch arrives the worker waits, and then takes every
+turn that queued meanwhile, until one of: ``MAX_BATCH`` turns are waiting; a turn ended with no other
+in flight (nothing more is coming soon: a lone chat's turn is measured at once); ``GATHER_S`` passed;
+``stop``. Many builds in a row run with warm caches, the interpreter lock changes hands once per batch
+instead of once per turn, the loop gets one callback per batch and the writer one burst; a submit wakes
+the worker only to end a gathering. At C = 256 gathering for 0.1 s cut the measuring thread's CPU per
+relayed chunk by about a quarter and the writer's by half (``scripts/bench_overhead.py``, interleaved
+A/B; added p99 within the runs' spread). At C = 64 (a turn ending every ~30 ms) a 0.1 s batch was ~3
+turns, each built nearly cold: gathering up to 0.4 s or 32 turns took the thread from 3.9–4.7 to 2.3 µs
+per chunk and ~270 to ~200 µs of build a turn (three interleaved pairs, ``--concurrency 64 --rounds 1
+--no-nginx``, 2026-11-30; three more pairs later, on a busier host: 2.3–3.1 against 1.6–2.3; at
+C = 256, 1.8–2.5 against 1.8–2.1; the process's total within the pairs' spread). Under steady traffic a
+record reaches the store up to ``GATHER_S`` later; a lone turn's, at once.
 
 ``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
 the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
@@ -48,7 +54,7 @@ MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a ba
 # p99, every 4 ms 23.7 µs and 0.6 ms)
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
-GATHER_S = 0.1  # after a batch's first turn, wait this long for more before building (see above)
+GATHER_S = 0.4  # after a batch's first turn, wait at most this long for more before building (see above)
 
 Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
 
@@ -58,7 +64,7 @@ class MeasuringWorker:
                  loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float = GATHER_S) -> None:
         self.tokenizer = tokenizer
         self._gather_s = gather_s
-        self._stopping = threading.Event()  # cuts a gathering sleep short
+        self._gathered = threading.Event()  # ends a gathering: a full batch, nothing more in flight, stop
         self._activity = activity
         self._loop = loop
         self._done = done
@@ -68,13 +74,17 @@ class MeasuringWorker:
         self.batches = 0
         self.deferred_s = 0.0  # time spent waiting for the relay to pause
 
-    def submit(self, builder: RecordBuilder) -> None:
-        """From the event loop: never blocks (an in-memory queue)."""
-        self._queue.put(builder)
+    def submit(self, builder: RecordBuilder, *, more_in_flight: bool) -> None:
+        """From the event loop: never blocks (an in-memory queue). ``more_in_flight``: other turns are
+        still running, so more may end soon and join this one's batch."""
+        queue = self._queue
+        queue.put(builder)
+        if (not more_in_flight or queue.qsize() >= MAX_BATCH) and not self._gathered.is_set():
+            self._gathered.set()
 
     def stop(self) -> None:
         """Build what is queued, then end the thread. Blocks: call from a thread, not the loop."""
-        self._stopping.set()
+        self._gathered.set()
         self._queue.put(None)
         self._thread.join()
 
@@ -83,7 +93,8 @@ class MeasuringWorker:
         while not stopping:
             first = self._queue.get()
             if first is not None and self._gather_s > 0 and self._queue.qsize() < MAX_BATCH:
-                self._stopping.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+                self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+            self._gathered.clear()  # before taking the batch: a later end of gathering is for the next
             batch = []
             if first is None:
                 stopping = True

@@ -414,7 +414,7 @@ class Proxy:
             return
         self._pending_builds += 1
         assert self._measurer is not None
-        self._measurer.submit(builder)
+        self._measurer.submit(builder, more_in_flight=self.measured_in_flight > 0)
 
     def _built(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
         """On the loop, once per batch the measuring worker built."""

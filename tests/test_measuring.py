@@ -63,7 +63,7 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
                 b.__class__ = _Broken
             if i == 0 and first is not None:
                 b.__class__ = first
-            worker.submit(b)
+            worker.submit(b, more_in_flight=i < n - 1)
         worker.held.set()
         await asyncio.wait_for(done.wait(), 30)
         await asyncio.to_thread(worker.stop)
@@ -134,7 +134,7 @@ def test_stop_builds_what_is_queued(n):
     async def go():
         worker = MeasuringWorker(None, time.perf_counter, asyncio.get_running_loop(), got.extend)
         for i in range(n):
-            worker.submit(_turn(i))
+            worker.submit(_turn(i), more_in_flight=True)
         # the worker schedules its results before it ends, so they run before this task resumes
         await asyncio.to_thread(worker.stop)
 
@@ -167,8 +167,8 @@ def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together
 
     async def go():
         worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), on_done, gather_s=2.0)
-        for i in range(5):  # spread over ~40 ms, well inside the window
-            worker.submit(_turn(i))
+        for i in range(5):  # spread over ~40 ms, well inside the window; the last ends with none in flight
+            worker.submit(_turn(i), more_in_flight=i < 4)
             await asyncio.sleep(0.01)
         await asyncio.wait_for(done.wait(), 30)
         await asyncio.to_thread(worker.stop)
@@ -179,12 +179,49 @@ def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together
     assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
 
 
+def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
+    """A lone chat's turn: nothing else is running, so nothing is coming to join its batch; it is built
+    at once, not after the window (120 s here: the bounded wait below would fail first)."""
+    got: list = []
+
+    async def go():
+        built = asyncio.Event()
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
+                                 lambda results: (got.extend(results), built.set()), gather_s=120.0)
+        worker.submit(_turn(0), more_in_flight=True)  # another turn still runs: this one waits for it
+        worker.submit(_turn(1), more_in_flight=False)  # the last one ended: build both now
+        await asyncio.wait_for(built.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    worker = asyncio.run(go())
+    assert [r.model for _, r, _ in got] == ["m0", "m1"] and worker.batches == 1
+
+
+def test_a_full_batch_ends_the_gathering():
+    """Under traffic that keeps turns in flight, a batch is built once ``MAX_BATCH`` turns wait, not after
+    the window (120 s here)."""
+    calls: list[int] = []
+
+    async def go():
+        built = asyncio.Event()
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
+                                 lambda results: (calls.append(len(results)), built.set()), gather_s=120.0)
+        for i in range(MAX_BATCH):
+            worker.submit(_turn(i), more_in_flight=True)
+        await asyncio.wait_for(built.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert calls[0] == MAX_BATCH
+
+
 def test_stop_does_not_wait_out_a_gathering_batch():
     got: list = []
 
     async def go():
         worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), got.extend, gather_s=120.0)
-        worker.submit(_turn(0))
+        worker.submit(_turn(0), more_in_flight=True)
         t0 = time.perf_counter()
         await asyncio.to_thread(worker.stop)
         return time.perf_counter() - t0
