@@ -45,6 +45,7 @@ from benchlib import cpu_model  # the machine line every benchmark script prints
 from specproxy.count_memo import CountMemo
 from specproxy.openai import split_prompt
 from specproxy.prompt_pieces import PieceCounter
+from specproxy.testing import LLAMA3_STYLE_TEMPLATE
 from specproxy.tokens import _plain_counts, load_tokenizer
 
 WORDS = ("the model drafts tokens and the verifier accepts most of them when the text is predictable "
@@ -77,18 +78,6 @@ def conversation(turns: int, seed: int) -> list[bytes]:
         bodies.append(json.dumps({"model": "m", "stream": True, "messages": messages, "tools": TOOLS}).encode())
         messages.append({"role": "assistant", "content": _text(rng, 1500)})
     return bodies
-
-
-# the wire format of Llama 3 chat turns, as a template (the test suite has the same one)
-LLAMA3_STYLE_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these tools:\\n' }}"
-    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] or '') | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
 
 
 def llama3_dir(template: bool) -> Path:

