@@ -61,9 +61,9 @@ Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]
 
 class MeasuringWorker:
     def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
-                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float = GATHER_S) -> None:
+                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None) -> None:
         self.tokenizer = tokenizer
-        self._gather_s = gather_s
+        self._gather_s = GATHER_S if gather_s is None else gather_s
         self._gathered = threading.Event()  # ends a gathering: a full batch, nothing more in flight, stop
         self._activity = activity
         self._loop = loop

@@ -255,3 +255,36 @@ def test_turn_ids_are_unique_within_a_process_and_across_a_fork():
     parent = [new_turn_id() for _ in range(3)]
     assert len(child) == 3 and not set(child) & set(parent) and not set(child) & set(ids)
     assert child[0][:16] != parent[0][:16]  # a fresh random part, not a copy of the parent's
+
+
+def test_through_the_proxy_a_turn_waits_for_those_in_flight_and_the_last_ends_the_gathering(make_stack, monkeypatch):
+    """The policy end to end, with ``Proxy`` saying what is in flight: a short turn that ends while a long
+    one streams is not built alone; the long one, ending with none other in flight, ends the gathering
+    (a 120 s window here: the bounded wait would fail first), and both are built in one batch."""
+    import aiohttp
+
+    from specproxy import measuring
+    from specproxy.testing import Script
+
+    monkeypatch.setattr(measuring, "GATHER_S", 120.0)
+    stack = make_stack()
+    stack.upstream.script = lambda req: Script(
+        pieces=["a", " b", " c"] * (20 if req.get("model") == "long" else 1), interval_s=0.02)
+
+    async def turns():
+        async with aiohttp.ClientSession() as c:
+            async def one(model):
+                async with c.post(stack.url + "/v1/chat/completions", json={
+                        "model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    return await r.read()
+
+            long = asyncio.ensure_future(one("long"))  # 60 chunks, 20 ms apart
+            await one("short")  # 3 chunks: it ends while the long one streams
+            await long
+
+    stack.run(turns())
+    deadline = time.monotonic() + 30
+    while len(stack.records) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(r.model for r in stack.records) == ["long", "short"]
+    assert stack.service.proxy._measurer.batches == 1
