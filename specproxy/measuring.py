@@ -18,12 +18,16 @@ in flight (nothing more is coming soon: a lone chat's turn is measured at once);
 instead of once per turn, the loop gets one callback per batch and the writer one burst; a submit wakes
 the worker only to end a gathering. At C = 256 gathering for 0.1 s cut the measuring thread's CPU per
 relayed chunk by about a quarter and the writer's by half (``scripts/bench_overhead.py``, interleaved
-A/B; added p99 within the runs' spread). At C = 64 (a turn ending every ~30 ms) a 0.1 s batch was ~3
-turns, each built nearly cold: gathering up to 0.4 s or 32 turns took the thread from 3.9–4.7 to 2.3 µs
-per chunk and ~270 to ~200 µs of build a turn (three interleaved pairs, ``--concurrency 64 --rounds 1
---no-nginx``, 2026-11-30; three more pairs later, on a busier host: 2.3–3.1 against 1.6–2.3; at
-C = 256, 1.8–2.5 against 1.8–2.1; the process's total within the pairs' spread). Under steady traffic a
-record reaches the store up to ``GATHER_S`` later; a lone turn's, at once.
+A/B; added p99 within the runs' spread). Under steady traffic a record reaches the store up to
+``GATHER_S`` later; a lone turn's, at once.
+
+Tried and not kept (2026-11-30, ``--rounds 1 --no-nginx`` pairs against 0.1 s): longer gathers, 0.4 s
+with batches of 32 or of 16. At C = 64 (a turn ending every ~30 ms, ~3 a batch) the measuring thread
+took 2.3 instead of 3.9–4.7 µs per chunk in a first set of pairs, 1.6–2.3 against 2.3–3.1 in a second,
+2.3 against 2.3 in a third (batches of 16). At C = 256 the process's CPU stayed within the pairs'
+spread, and p99 per chunk was worse: added p99 higher in 3 pairs of 4 with batches of 32, specproxy's
+p99 higher in 4 of 4 with 16 (3.0–3.7 ms against 1.8–3.3). Likely cause: longer runs of builds hold the
+interpreter lock while a turn's head and first chunks, written by the event loop, wait for it.
 
 ``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
 the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
@@ -54,7 +58,7 @@ MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a ba
 # p99, every 4 ms 23.7 µs and 0.6 ms)
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
-GATHER_S = 0.4  # after a batch's first turn, wait at most this long for more before building (see above)
+GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
 
 Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
 
