@@ -248,7 +248,10 @@ class Writer:
                 try:
                     pending.append(self._queue.get(timeout=0.1))
                 except queue.Empty:
-                    if self._stop.is_set():
+                    # only an empty queue ends the thread: CPython's timed SimpleQueue.get can raise Empty
+                    # with records queued (its wait times out as a put lands), and returning then lost
+                    # every record put just before close() (seen in the test suite, 2026-11-30)
+                    if self._stop.is_set() and self._queue.empty():
                         return
                     continue
             deadline = time.monotonic() + self._linger_s
