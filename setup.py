@@ -12,8 +12,8 @@ _FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-fiel
 
 setup(ext_modules=[
     Extension("specproxy._relayc", ["specproxy/_relayc.c", "specproxy/_pump.c", "specproxy/_pump_py.c"],
-              depends=["specproxy/_hex.h", "specproxy/_chunked.h", "specproxy/_pump.h"], optional=True,
-              extra_compile_args=_FLAGS),
+              depends=["specproxy/_hex.h", "specproxy/_chunked.h", "specproxy/_pump.h", "specproxy/_cadence.h"],
+              optional=True, extra_compile_args=_FLAGS),
     Extension("specproxy._scanc", ["specproxy/_scanc.c"], depends=["specproxy/_hex.h"], optional=True,
               extra_compile_args=_FLAGS),
 ])

@@ -8,6 +8,7 @@ visible outside the _relayc module. */
 #include <stddef.h>
 #include <sys/types.h>
 
+#include "_cadence.h"
 #include "_chunked.h"
 
 #define PUMP_HIDDEN __attribute__((visibility("hidden")))
@@ -15,6 +16,7 @@ visible outside the _relayc module. */
 #define READ_BYTES 65536 /* one recv() at most; also the most a blocked client can leave us holding */
 #define READ_ROOM 16384  /* the least room a recv() gets in the turn's buffer (which then doubles) */
 #define MAX_EVENTS 128
+#define POLL_MAX_TURNS 4 /* the most turns for which the relay thread polls (_pump.c, the cadence poll) */
 
 enum { T_ACTIVE, T_ENDED, T_CANCELLED };
 /* how a turn ended; O_THREAD_ERROR: the thread itself could not go on (memory, epoll), with its errno */
@@ -65,6 +67,11 @@ struct pump_globals {
     long long next_id;
     double last_read; /* the latest read of any turn (the measuring worker waits for a gap) */
     long long turns, reads;
+    int active;  /* turns the thread relays now (atomic: Python adds, either side takes away) */
+    int poll_on; /* the cadence poll is allowed (atomic: set by Python, read by the thread) */
+    cadence cad; /* the server's clock, as the thread's reads see it (the thread's alone) */
+    long long poll_windows, poll_hits; /* windows polled, and those in which something arrived (atomic) */
+    long long poll_ns;                 /* time spent polling (atomic) */
 };
 
 extern PUMP_HIDDEN struct pump_globals pump_g;

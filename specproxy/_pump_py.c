@@ -1,5 +1,5 @@
-/* _pump_py.c: the relay thread's Python face: Sink and Turn (see _pump.c for what they mean), and
-pump_module_init, which _relayc.c's module init calls. */
+/* _pump_py.c: the relay thread's Python face: Sink and Turn (see _pump.c for what they mean), Cadence
+(_cadence.h's predictor, for tests), and pump_module_init, which _relayc.c's module init calls. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -176,6 +176,7 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         failed = 1;
     }
     else {
+        __atomic_add_fetch(&pump_g.active, 1, __ATOMIC_RELAXED);
         pthread_mutex_lock(&pump_g.mu);
         t->refs = 2; /* this object, the thread */
         pthread_mutex_unlock(&pump_g.mu);
@@ -202,6 +203,7 @@ Turn_cancel(TurnObject *self, PyObject *unused)
     int cancelled = 0;
     pthread_mutex_lock(&t->mu);
     if (t->state == T_ACTIVE) {
+        __atomic_sub_fetch(&pump_g.active, 1, __ATOMIC_RELAXED);
         t->state = T_CANCELLED;
         t->blocked = 0;
         pump_unwatch(t);
@@ -352,6 +354,62 @@ static PyTypeObject TurnType = {
     .tp_getset = Turn_getset,
 };
 
+/* ---- Python: Cadence (the relay thread's clock predictor, _cadence.h, on times the caller gives) ---- */
+
+typedef struct {
+    PyObject_HEAD
+    cadence c;
+} CadenceObject;
+
+static PyObject *
+Cadence_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (!PyArg_ParseTuple(args, ":Cadence"))
+        return NULL;
+    return type->tp_alloc(type, 0); /* zeroed: no reads yet */
+}
+
+static PyObject *
+Cadence_read(CadenceObject *self, PyObject *arg)
+{
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(cadence_read(&self->c, t));
+}
+
+static PyObject *
+Cadence_forget(CadenceObject *self, PyObject *unused)
+{
+    cadence_forget(&self->c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Cadence_window(CadenceObject *self, PyObject *unused)
+{
+    double from, to;
+    if (!cadence_window(&self->c, &from, &to))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dd)", from, to);
+}
+
+static PyMethodDef Cadence_methods[] = {
+    {"read", (PyCFunction)Cadence_read, METH_O, "a read at t (seconds); True when it started a tick"},
+    {"forget", (PyCFunction)Cadence_forget, METH_NOARGS, "forget the clock, as when no turn is left"},
+    {"window", (PyCFunction)Cadence_window, METH_NOARGS,
+     "(from, to): when to poll for the next tick; None when the clock is not regular enough to say"},
+    {NULL}};
+
+static PyTypeObject CadenceType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy._relayc.Cadence",
+    .tp_basicsize = sizeof(CadenceObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The relay thread's predictor of the server's next token (_cadence.h), fed the times given.",
+    .tp_new = Cadence_new,
+    .tp_methods = Cadence_methods,
+};
+
 /* ---- module -------------------------------------------------------------------------------------- */
 
 static PyObject *
@@ -368,12 +426,30 @@ pump_stats(PyObject *module, PyObject *unused)
     pthread_mutex_lock(&pump_g.mu);
     long long turns = pump_g.turns, reads = pump_g.reads;
     pthread_mutex_unlock(&pump_g.mu);
-    return Py_BuildValue("{sLsL}", "turns", turns, "reads", reads);
+    return Py_BuildValue("{sLsLsisLsLsd}", "turns", turns, "reads", reads, "active",
+                         __atomic_load_n(&pump_g.active, __ATOMIC_RELAXED), "poll_windows",
+                         __atomic_load_n(&pump_g.poll_windows, __ATOMIC_RELAXED), "poll_hits",
+                         __atomic_load_n(&pump_g.poll_hits, __ATOMIC_RELAXED), "poll_s",
+                         (double)__atomic_load_n(&pump_g.poll_ns, __ATOMIC_RELAXED) * 1e-9);
+}
+
+static PyObject *
+pump_cadence_poll(PyObject *module, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    int was = __atomic_exchange_n(&pump_g.poll_on, on, __ATOMIC_RELAXED);
+    return PyBool_FromLong(was);
 }
 
 static PyMethodDef pump_functions[] = {
     {"pump_last_read", pump_last_read, METH_NOARGS, "the relay thread's latest read (monotonic s; 0.0: none)"},
-    {"pump_stats", pump_stats, METH_NOARGS, "turns started and reads relayed by the relay thread"},
+    {"pump_stats", pump_stats, METH_NOARGS,
+     "the relay thread's counters: turns started, reads relayed, turns active now, cadence-poll windows, "
+     "those in which something arrived, and seconds spent polling"},
+    {"set_cadence_poll", pump_cadence_poll, METH_O,
+     "allow (True) or forbid (False) the relay thread's cadence poll; returns the previous setting"},
     {NULL}};
 
 PUMP_HIDDEN int
@@ -384,10 +460,12 @@ pump_module_init(PyObject *m, PyTypeObject *chunked_end_type)
         PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
         return -1;
     }
-    if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&TurnType) < 0)
+    if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&TurnType) < 0 || PyType_Ready(&CadenceType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Sink", (PyObject *)&SinkType) < 0 ||
-        PyModule_AddObjectRef(m, "Turn", (PyObject *)&TurnType) < 0)
+        PyModule_AddObjectRef(m, "Turn", (PyObject *)&TurnType) < 0 ||
+        PyModule_AddObjectRef(m, "Cadence", (PyObject *)&CadenceType) < 0 ||
+        PyModule_AddIntConstant(m, "POLL_MAX_TURNS", POLL_MAX_TURNS) < 0)
         return -1;
     return PyModule_AddFunctions(m, pump_functions);
 }

@@ -62,6 +62,9 @@ db_option = click.option("--db", default=None, help="SQLite database file [defau
               help="Seconds without upstream bytes before giving up [default: 600]; no total deadline")
 @click.option("--scrape-interval", "scrape_interval_s", type=float, default=None,
               help="Seconds between polls of the upstream's /metrics; 0 = off [default: 5]")
+@click.option("--cadence-poll", type=click.Choice(["auto", "on", "off"]), default=None,
+              help="With few streams, poll for each next token on the server's decode clock instead of "
+                   "sleeping until it comes; auto: only while a core is idle [default: auto]")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml)")
 @_friendly
@@ -78,7 +81,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
     install_uvloop()
 
     def ready(svc: Service) -> None:
-        from . import texts, tokens
+        from . import cadence_poll, texts, tokens
         from .lane import lane_enabled
 
         relay = {
@@ -95,7 +98,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
-            f"requests read by {front}; relay {relay}; measuring scans {scans}\n"
+            f"requests read by {front}; relay {relay}; "
+            f"cadence poll {cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD)}; measuring scans {scans}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,
         )

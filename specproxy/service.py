@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from .cadence_poll import CadenceGate, poll_stats
 from .config import Config
 from .lane import Lane, Lanes, lane_enabled
 from .observe import ServerWatch
@@ -135,6 +136,7 @@ class Service:
     port: int = 0
     header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
     lanes: Lanes = field(default_factory=Lanes)
+    cadence: CadenceGate | None = None
     _runner: web.ServerRunner | None = None
     _listener: asyncio.AbstractServer | None = None
 
@@ -163,6 +165,8 @@ class Service:
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
         await self.proxy.start()
+        self.cadence = CadenceGate(self.cfg.cadence_poll)
+        self.cadence.start()
         self._runner = web.ServerRunner(self.proxy.make_server(), shutdown_timeout=30.0)
         await self._runner.setup()
         server = self._runner.server  # aiohttp's protocol factory
@@ -195,7 +199,7 @@ class Service:
         server = self._runner.server if self._runner is not None else None
         return (len(server.connections) if server is not None else 0) + len(self.lanes.open)
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, int | float]:
         """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
         p, w = self.proxy, self.writer
         server = self._runner.server if self._runner is not None else None
@@ -222,6 +226,7 @@ class Service:
             "written": w.written if w else 0,
             "dropped": w.dropped if w else 0,
             "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
+            **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
         }
 
     def log_state(self) -> None:
@@ -237,6 +242,9 @@ class Service:
             self._runner = None
         else:
             await lanes
+        if self.cadence is not None:
+            await asyncio.to_thread(self.cadence.stop)
+            self.cadence = None
         if self.proxy is not None:
             await self.proxy.close()
         if self._listener is not None:

@@ -450,13 +450,20 @@ class ServeProcess:
             self.proc.kill()
         self.wait(10)
 
-    def state(self, timeout: float = 10) -> dict[str, int]:
+    def state(self, timeout: float = 10) -> dict[str, int | float]:
         """Ask for a state line (SIGUSR1) and parse the newest one."""
         before = self.stderr().count(" state ")
         self.proc.send_signal(signal.SIGUSR1)
         wait_until(lambda: self.stderr().count(" state ") > before, timeout, 0.02, "a state line")
         line = [ln for ln in self.stderr().splitlines() if " state " in ln][-1]
-        return {k: int(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
+        return {k: _number(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def db_records(stack, n: int, timeout: float = 30) -> list[dict]:
