@@ -66,6 +66,7 @@ from overhead_procs import (
     proc_cpu_s,
     proc_sched_s,
     sleep_until,
+    specproxy_state,
     start_nginx,
     start_specproxy,
     stop,
@@ -74,7 +75,7 @@ from overhead_procs import (
     wait_quiet,
     wake_floor,
 )
-from overhead_tables import git_state, render, render_targets, render_threads, summarize
+from overhead_tables import git_state, render, render_polls, render_targets, render_threads, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,6 +221,7 @@ def orchestrate(args) -> None:
                            "--step-ms", str(args.step_ms)], preexec_fn=pin(load_cores), stdout=subprocess.PIPE)
     runs: list[dict] = []
     held: dict[int, bool] = {}
+    polls: dict[int, dict[str, float]] = {}  # specproxy's cadence poll per C, from its state line
     profile_c = 256 if 256 in cs else max(cs)
     profile = None
     try:
@@ -233,6 +235,7 @@ def orchestrate(args) -> None:
                     targets["nginx"] = (nport, [nginx.pid])
                 specproxy, sport, db = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg)
                 targets["specproxy"] = (sport, [specproxy.pid])
+                state0, t_state0 = specproxy_state(specproxy, tmp, sport), time.monotonic()
                 args._our_pids = [os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
                 for rnd in range(args.rounds):
                     order = paths[rnd % len(paths):] + paths[: rnd % len(paths)]
@@ -247,6 +250,10 @@ def orchestrate(args) -> None:
                               + f"  load side {r['load_cpu_util']:.2f} cores"
                               + (f"  errors {r['errors']} {r['error_kinds']}" if r["errors"] else ""),
                               file=sys.stderr, flush=True)
+                state1 = specproxy_state(specproxy, tmp, sport)
+                if state0 and state1 and "poll_windows" in state1:
+                    polls[c] = {k: state1[k] - state0[k] for k in ("poll_windows", "poll_hits", "poll_s")}
+                    polls[c]["cores"] = polls[c]["poll_s"] / (time.monotonic() - t_state0)
                 sp_children = children(specproxy.pid)
                 names = {"specproxy": {**thread_names(specproxy.pid),
                                        **{int(t): "measuring process" for c in sp_children
@@ -286,6 +293,7 @@ def orchestrate(args) -> None:
         "prompt_bytes": args.prompt_bytes, "rounds": args.rounds, "warmup": args.warmup, "measure": args.measure,
         "proxy_cores": ",".join(map(str, sorted(proxy_cores))) if proxy_cores else "any", "load_cores": env_cores,
         "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": platform.python_version(),
+        "cadence_poll": polls,
     }
     print()
     print(render(summary, cs, paths, meta, held))
@@ -296,6 +304,9 @@ def orchestrate(args) -> None:
         if c > 1 or len(cs) == 1:  # at C=1 a window holds ~200 chunks: per-thread splits are noise
             print(render_threads(runs, c))
             print()
+    if polls:
+        print(render_polls(polls))
+        print()
     if profile:
         print(profile)
         print()

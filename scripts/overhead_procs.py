@@ -283,6 +283,26 @@ def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str]) -> tuple[s
     return proc, port, db
 
 
+def specproxy_state(proc: subprocess.Popen, tmp: Path, port: int, timeout: float = 5.0) -> dict[str, float] | None:
+    """The state line ``specproxy serve`` logs on SIGUSR1 (its counters: the cadence poll's among them),
+    parsed; None if none came within ``timeout``."""
+    log = tmp / f"specproxy-{port}.log"
+
+    def lines() -> list[str]:
+        return [ln for ln in log.read_text(errors="replace").splitlines() if " state " in ln]
+
+    before = len(lines())
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = lines()
+        if len(got) > before:
+            fields = (kv.split("=", 1) for kv in got[-1].split(" state ", 1)[1].split())
+            return {k: float(v) for k, v in fields}
+        time.sleep(0.02)
+    return None
+
+
 def sleep_until(t_ns: int) -> None:
     d = (t_ns - now_ns()) / 1e9
     if d > 0:

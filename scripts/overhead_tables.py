@@ -166,3 +166,16 @@ def render_targets(summary: dict, cs: list[int]) -> str:
     if s1:
         add("C=1: added p50 ≤ 150 µs", s1["added_p50"], 150, "{:.0f} µs")
     return "\n".join(L)
+
+
+def render_polls(polls: dict[int, dict[str, float]]) -> str:
+    """specproxy's cadence poll at each C (``serve --cadence-poll``; its state line, over all the C's
+    rounds, warm-ups and the gaps between windows included): the CPU it spent is in the CPU columns."""
+    parts = []
+    for c, p in sorted(polls.items()):
+        if p["poll_windows"] <= 0:
+            parts.append(f"C = {c}: none")
+            continue
+        parts.append(f"C = {c}: {p['poll_windows']:,.0f} windows, {p['poll_hits'] / p['poll_windows']:.0%} caught "
+                     f"their token, {p['cores']:.3f} cores polling")
+    return ("specproxy's cadence poll (its state line; polling is in its CPU above): " + "; ".join(parts) + ".")

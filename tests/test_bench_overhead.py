@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from overhead_tables import render_targets, summarize  # noqa: E402
+from overhead_tables import render_polls, render_targets, summarize  # noqa: E402
 
 
 def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
@@ -76,3 +76,12 @@ def test_a_short_run_measures_every_path(tmp_path):
     sp = runs["specproxy"]
     assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
     assert "| 4 | specproxy |" in proc.stdout
+    poll = json.loads(out.read_text())["meta"]["cadence_poll"]["4"]  # from specproxy's state line
+    assert poll["poll_windows"] >= poll["poll_hits"] >= 0 and poll["cores"] >= 0, poll
+    assert "specproxy's cadence poll (its state line" in proc.stdout
+
+
+def test_the_cadence_poll_line_says_windows_catches_and_cores():
+    line = render_polls({1: {"poll_windows": 1000, "poll_hits": 970, "poll_s": 4.1, "cores": 0.0412},
+                         256: {"poll_windows": 0, "poll_hits": 0, "poll_s": 0.0, "cores": 0.0}})
+    assert "C = 1: 1,000 windows, 97% caught their token, 0.041 cores polling; C = 256: none." in line
