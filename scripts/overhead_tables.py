@@ -177,5 +177,5 @@ def render_polls(polls: dict[int, dict[str, float]]) -> str:
             parts.append(f"C = {c}: none")
             continue
         parts.append(f"C = {c}: {p['poll_windows']:,.0f} windows, {p['poll_hits'] / p['poll_windows']:.0%} caught "
-                     f"their token, {p['cores']:.3f} cores polling")
+                     f"their token, {p['poll_s'] / p['poll_windows'] * 1e6:,.0f} µs polled per window")
     return ("specproxy's cadence poll (its state line; polling is in its CPU above): " + "; ".join(parts) + ".")
