@@ -460,6 +460,8 @@ pump_after_fork_in_child(void)
     pthread_mutex_init(&pump_g.mu, NULL);
     pump_g.started = 0;
     pump_g.cancelled = NULL;
+    pump_g.active = 0; /* the parent's turns are not this process's */
+    cadence_forget(&pump_g.cad);
 }
 
 /* start the thread once per process; call with pump_g.mu held */

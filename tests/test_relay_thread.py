@@ -481,15 +481,17 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
 
 
 def test_a_forked_child_starts_its_own_thread():
-    """fork() copies only the forking thread: a child that relays must not wait on its parent's thread."""
+    """fork() copies only the forking thread: a child that relays must not wait on its parent's thread,
+    nor count its parent's turns as its own (the cadence poll's gate counts the turns in flight)."""
     sink = relayc.Sink()
     ends = Ends()
-    ends.turn(sink)  # the parent's thread is running
-    ends.close()
+    held = ends.turn(sink)  # the parent's thread is running, with a turn in flight
     pid = os.fork()
     if pid == 0:  # the child: one turn through its own thread, then report by exit status
         code = 1
         try:
+            if relayc.pump_stats()["active"] != 0:
+                os._exit(2)
             child_sink = relayc.Sink()
             child_ends = Ends()
             turn = child_ends.turn(child_sink)
@@ -499,7 +501,9 @@ def test_a_forked_child_starts_its_own_thread():
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    held.cancel()
+    ends.close()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "2: the child counted its parent's turn"
 
 
 def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tiktoken_tok, monkeypatch):
