@@ -187,6 +187,14 @@ async def run_clients(url: str, first: int, count: int, args, tally: Tally) -> N
 # --- the proxy process ---------------------------------------------------------------------------------
 
 
+def _number(text: str) -> int | float:
+    """A state line's value: a count, or seconds (the cadence poll's ``poll_s``)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 class Proxy:
     def __init__(self, upstream: str, db: Path, log: Path) -> None:
         self.log = log
@@ -209,7 +217,7 @@ class Proxy:
     def text(self) -> str:
         return self.log.read_bytes().decode("utf-8", "replace")
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, float]:
         before = self.text().count(" state ")
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + 10
@@ -218,7 +226,7 @@ class Proxy:
                 raise SystemExit("the proxy did not answer SIGUSR1")
             time.sleep(0.02)
         line = [ln for ln in self.text().splitlines() if " state " in ln][-1]
-        out = {k: int(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
+        out = {k: _number(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         out["rss_kib"] = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
         out["threads"] = int(re.search(r"Threads:\s+(\d+)", status).group(1))
