@@ -218,6 +218,13 @@ def test_auto_samples_in_its_own_thread_and_stops_it():
     assert len(samples) == n, "sampled after stop()"
 
 
+def test_the_start_up_line_says_what_the_setting_does_here():
+    assert cadence_poll.describe("auto", True) == "auto (polls for the next token while a core is idle)"
+    assert cadence_poll.describe("on", True) == "on (polls for the next token)"
+    assert cadence_poll.describe("off", True) == "off"
+    assert cadence_poll.describe("on", False) == "off (no relay thread)"  # SPECPROXY_RELAY=loop|python
+
+
 def test_a_bad_mode_is_a_clear_error():
     with pytest.raises(ConfigError, match="cadence_poll must be one of auto, on, off, not 'sometimes'"):
         load_config(env={"SPECPROXY_CADENCE_POLL": "sometimes"})
