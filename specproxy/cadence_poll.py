@@ -9,8 +9,9 @@ is spent polling, and only while at most ``POLL_MAX_TURNS`` streams are in fligh
 
 Polling spends CPU, and a proxy must not take CPU from the server it measures (a llama.cpp server on
 the same machine decodes on its cores). So ``auto``, the default, lets the thread poll only while the
-machine has a whole core idle, sampled from ``/proc/stat`` once a second (``IdleCores``); ``on`` lets it
-poll regardless, ``off`` never. Without the relay thread (``SPECPROXY_RELAY=loop|python``, or no C
+machine has a whole core idle, sampled from ``/proc/stat`` once a second (``IdleCores``), and never
+under a CPU quota (``cpu_quota``: a container's limit, which polling would spend); ``on`` lets it poll
+regardless, ``off`` never. Without the relay thread (``SPECPROXY_RELAY=loop|python``, or no C
 compiler at install) there is nothing to poll and the setting does nothing.
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
 
 from .config import CADENCE_POLL_MODES
 
-__all__ = ["MODES", "CadenceGate", "IdleCores", "describe", "poll_stats"]
+__all__ = ["MODES", "CadenceGate", "IdleCores", "cpu_quota", "describe", "poll_stats"]
 
 log = logging.getLogger("specproxy.cadence")
 
@@ -87,6 +89,61 @@ def _read_proc_stat() -> str:
         return f.read()
 
 
+def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup",
+              proc_cgroup: str | Path = "/proc/self/cgroup") -> float | None:
+    """The CPU quota this process runs under, in cores (the tightest of its cgroup and their parents:
+    cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``); None without one, or when it cannot be read.
+
+    Why: ``/proc/stat`` shows the host's idle cores, which a container with a quota (a Kubernetes CPU
+    limit) may not spend: polling would use up the proxy's own quota, and the throttling that follows
+    would cost every stream far more than a wake-up."""
+    root = Path(cgroup_root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "" and (root / "cgroup.controllers").exists():  # v2, unified
+            quotas += _walk(root, path, _v2_quota)
+        elif "cpu" in controllers.split(","):  # v1: mounted as cpu, or with cpuacct as cpu,cpuacct
+            for mount in (root / controllers, root / "cpu"):
+                if mount.is_dir():
+                    quotas += _walk(mount, path, _v1_quota)
+                    break
+    return min(quotas) if quotas else None
+
+
+def _walk(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The quotas set on the cgroup at ``path`` under ``mount`` and on each of its parents."""
+    found = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        q = read(mount.joinpath(*parts[:depth]))
+        if q is not None:
+            found.append(q)
+    return found
+
+
+def _v2_quota(d: Path) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(d: Path) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 or period <= 0 else quota / period
+
+
 class CadenceGate:
     """Sets the relay thread's leave to poll from the mode, and in ``auto`` from the machine's idle cores.
 
@@ -94,10 +151,13 @@ class CadenceGate:
     loop. The leave is the process's (one relay thread per process): ``stop()`` withdraws it.
     """
 
-    def __init__(self, mode: str, idle: IdleCores | None = None, *, interval_s: float = SAMPLE_S) -> None:
+    def __init__(self, mode: str, idle: IdleCores | None = None, *, interval_s: float = SAMPLE_S,
+                 quota: float | None = None) -> None:
+        """``quota``: the CPU quota in cores (``cpu_quota()``); under one, ``auto`` never polls."""
         if mode not in MODES:
             raise ValueError(f"cadence poll mode {mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode
+        self.quota = quota
         self.allowed = False
         self._idle = idle or IdleCores()
         self._interval_s = interval_s
@@ -107,15 +167,16 @@ class CadenceGate:
     def start(self) -> None:
         if self.mode == "on":
             self._set(True)
-        elif self.mode == "auto":
+        elif self.mode == "auto" and self.quota is None:
             self._thread = threading.Thread(target=self._watch, name="specproxy-cadence", daemon=True)
             self._thread.start()
 
     def update(self) -> None:
-        """One sample: allow polling while at least ``IDLE_CORES_NEEDED`` cores were idle since the last."""
+        """One sample: allow polling while at least ``IDLE_CORES_NEEDED`` cores were idle since the last
+        (never under a CPU quota)."""
         idle = self._idle.sample()
         if idle is not None and not self._stopping.is_set():
-            self._set(idle >= IDLE_CORES_NEEDED)
+            self._set(idle >= IDLE_CORES_NEEDED and self.quota is None)
 
     def stop(self) -> None:
         """Withdraw the leave; waits for the sampling thread (at most one sample's read)."""
@@ -138,9 +199,11 @@ class CadenceGate:
             _relayc.set_cadence_poll(allowed)
 
 
-def describe(mode: str, relay_thread: bool) -> str:
+def describe(mode: str, relay_thread: bool, quota: float | None = None) -> str:
     """For ``serve``'s start-up line."""
     if not relay_thread:
         return "off (no relay thread)"
+    if mode == "auto" and quota is not None:
+        return f"auto, off: this process has a CPU quota of {quota:.2f} cores (--cadence-poll on to poll anyway)"
     return {"auto": "auto (polls for the next token while a core is idle)",
             "on": "on (polls for the next token)", "off": "off"}[mode]

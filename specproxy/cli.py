@@ -94,12 +94,14 @@ def serve(config_path: str | None, **flags: Any) -> None:
         front = "the lane, aiohttp's server for the rest" if lane_enabled() else (
             "aiohttp's server (SPECPROXY_LANE=off: more CPU)")
         counting = tokens.describe(svc.tokenizer)
+        quota = svc.cadence.quota if svc.cadence is not None else None
+        poll = cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD, quota)
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; "
-            f"cadence poll {cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD)}; measuring scans {scans}\n"
+            f"cadence poll {poll}; measuring scans {scans}\n"
             f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
             err=True,
         )

@@ -62,7 +62,8 @@ class Config:
     """``auto``, ``on`` or ``off``: with at most 4 streams in flight, the relay thread learns the server's
     decode clock and polls for each next token instead of sleeping until it comes, which saves the token a
     CPU wake-up (tens of µs on a VM), at the cost of at most a tenth of one core. ``auto`` polls only while
-    the machine has a core idle, so that it never takes CPU from a server on the same machine."""
+    the machine has a core idle, so that it never takes CPU from a server on the same machine, and never
+    under a CPU quota (a container's limit)."""
 
     @property
     def upstream_url(self) -> URL:

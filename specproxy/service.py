@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .cadence_poll import CadenceGate, poll_stats
+from .cadence_poll import CadenceGate, cpu_quota, poll_stats
 from .config import Config
 from .lane import Lane, Lanes, lane_enabled
 from .observe import ServerWatch
@@ -165,7 +165,9 @@ class Service:
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
         await self.proxy.start()
-        self.cadence = CadenceGate(self.cfg.cadence_poll)
+        mode = self.cfg.cadence_poll
+        quota = await asyncio.to_thread(cpu_quota) if mode == "auto" else None  # files: not on the loop
+        self.cadence = CadenceGate(mode, quota=quota)
         self.cadence.start()
         self._runner = web.ServerRunner(self.proxy.make_server(), shutdown_timeout=30.0)
         await self._runner.setup()

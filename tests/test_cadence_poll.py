@@ -218,6 +218,53 @@ def test_auto_samples_in_its_own_thread_and_stops_it():
     assert len(samples) == n, "sampled after stop()"
 
 
+def write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_its_parents(tmp_path):
+    root = tmp_path / "cgroup"
+    write(root / "cgroup.controllers", "cpu memory\n")
+    write(root / "cpu.max", "max 100000\n")
+    write(root / "kubepods" / "cpu.max", "150000 100000\n")  # a parent's limit: 1.5 cores
+    write(root / "kubepods" / "pod1" / "cpu.max", "max 100000\n")
+    write(tmp_path / "self-cgroup", "0::/kubepods/pod1\n")
+    assert cadence_poll.cpu_quota(root, tmp_path / "self-cgroup") == pytest.approx(1.5)
+    write(root / "kubepods" / "pod1" / "cpu.max", "50000 100000\n")
+    assert cadence_poll.cpu_quota(root, tmp_path / "self-cgroup") == pytest.approx(0.5)
+
+
+def test_a_cgroup_v1_quota_and_none(tmp_path):
+    root = tmp_path / "cgroup"
+    cpu = root / "cpu,cpuacct"
+    write(cpu / "cpu.cfs_quota_us", "-1\n")
+    write(cpu / "cpu.cfs_period_us", "100000\n")
+    write(cpu / "docker" / "c1" / "cpu.cfs_quota_us", "200000\n")
+    write(cpu / "docker" / "c1" / "cpu.cfs_period_us", "100000\n")
+    write(tmp_path / "self-cgroup", "4:memory:/docker/c1\n2:cpu,cpuacct:/docker/c1\n0::/\n")
+    assert cadence_poll.cpu_quota(root, tmp_path / "self-cgroup") == pytest.approx(2.0)
+    write(tmp_path / "self-cgroup", "2:cpu,cpuacct:/\n0::/\n")  # the root: no quota
+    assert cadence_poll.cpu_quota(root, tmp_path / "self-cgroup") is None
+    assert cadence_poll.cpu_quota(root, tmp_path / "missing") is None
+
+
+@needs_thread
+def test_under_a_cpu_quota_auto_never_polls_and_says_why():
+    class Idle:
+        def sample(self):
+            return 2.0  # a whole idle host: not the container's to spend
+
+    relayc.set_cadence_poll(False)
+    gate = cadence_poll.CadenceGate("auto", Idle(), interval_s=0.01, quota=0.5)
+    gate.start()
+    gate.update()
+    assert gate._thread is None and not gate.allowed and not poll_setting()
+    gate.stop()
+    assert cadence_poll.describe("auto", True, 0.5) == (
+        "auto, off: this process has a CPU quota of 0.50 cores (--cadence-poll on to poll anyway)")
+
+
 def test_the_start_up_line_says_what_the_setting_does_here():
     assert cadence_poll.describe("auto", True) == "auto (polls for the next token while a core is idle)"
     assert cadence_poll.describe("on", True) == "on (polls for the next token)"
@@ -287,7 +334,7 @@ class TickingUpstream:
                 time.sleep(max(0.0, t0 + k * STEP_S - time.monotonic()))
                 for i, conn in enumerate(conns):
                     conn.sendall(chunk(event(i, k)) + (b"0\r\n\r\n" if k == CHUNKS - 1 else b""))
-        except BaseException as exc:  # the test reads it in join()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it in join()
             self.error = exc
         finally:
             for conn in conns:
