@@ -15,7 +15,7 @@ import click
 import orjson
 
 from . import __version__
-from .config import load_config
+from .config import CADENCE_POLL_MODES, load_config
 from .errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -62,7 +62,7 @@ db_option = click.option("--db", default=None, help="SQLite database file [defau
               help="Seconds without upstream bytes before giving up [default: 600]; no total deadline")
 @click.option("--scrape-interval", "scrape_interval_s", type=float, default=None,
               help="Seconds between polls of the upstream's /metrics; 0 = off [default: 5]")
-@click.option("--cadence-poll", type=click.Choice(["auto", "on", "off"]), default=None,
+@click.option("--cadence-poll", type=click.Choice(CADENCE_POLL_MODES), default=None,
               help="With few streams, poll for each next token on the server's decode clock instead of "
                    "sleeping until it comes; auto: only while a core is idle [default: auto]")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
