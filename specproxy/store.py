@@ -14,13 +14,10 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import fields
+from collections.abc import Iterable
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
-
-import sqlite_utils
 
 from .errors import StoreError
 from .record import FIELD_NAMES, Record
@@ -28,83 +25,49 @@ from .record import FIELD_NAMES, Record
 __all__ = ["MIGRATIONS", "Writer", "connect", "migrate", "open_store"]
 
 
-def _sqlite_type(annotation: str) -> type:
-    if "bool" in annotation or annotation.startswith("int"):
-        return int
-    if annotation.startswith("float"):
-        return float
-    return str
-
-
-TURN_COLUMNS: dict[str, type] = {f.name: _sqlite_type(str(f.type)) for f in fields(Record)}
-
-
-# Columns that later migrations add: the first migration must create the table as it was then, so
-# that every database, old or new, passes through the same steps.
-_ADDED_LATER = {"content_class"}
-
-
-def _m001_turns(db: sqlite_utils.Database) -> None:
-    db["turns"].create({k: v for k, v in TURN_COLUMNS.items() if k not in _ADDED_LATER}, pk="id")
-    db["turns"].create_index(["t_wall"])
-    db["turns"].create_index(["label"])
-
-
-def _m002_scrapes(db: sqlite_utils.Database) -> None:
-    db["scrapes"].create(
-        {
-            "id": int,
-            "t_wall": float,
-            "t_mono": float,
-            "instance_id": str,
-            "server_kind": str,
-            "requests_running": float,
-            "requests_waiting": float,
-            "generation_tokens_total": float,
-            "prompt_tokens_total": float,
-            "spec_drafts_total": float,
-            "spec_draft_tokens_total": float,
-            "spec_accepted_tokens_total": float,
-            "spec_accept_length": float,
-            "spec_accept_rate": float,
-            "raw": str,
-        },
-        pk="id",
-    )
-    db["scrapes"].create_index(["t_wall"])
-    db["instances"].create(
-        {"instance_id": str, "first_seen": float, "last_seen": float, "detail": str}, pk="instance_id"
-    )
-
-
-def _m003_turn_counters(db: sqlite_utils.Database) -> None:
-    db["scrapes"].add_column("error", str)
-    db["turn_counters"].create(
-        {
-            "turn_id": str,
-            "instance_id": str,
-            "seconds": float,
-            "generated_tokens": float,
-            "drafts": float,
-            "draft_tokens": float,
-            "accepted_tokens": float,
-            "mal": float,
-            "acceptance_rate": float,
-        },
-        pk="turn_id",
-    )
-
-
-def _m004_content_class(db: sqlite_utils.Database) -> None:
-    db["turns"].add_column("content_class", str)
-
-
-# Named and ordered; each runs once, in its own transaction, and is recorded in _migrations.
-MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
-    ("001_turns", _m001_turns),
-    ("002_scrapes_and_instances", _m002_scrapes),
-    ("003_turn_counters_and_scrape_errors", _m003_turn_counters),
-    ("004_content_class", _m004_content_class),
+# Each migration is literal SQL, frozen once released: a database made by any earlier version passes
+# through exactly the steps a new one does, so the two cannot diverge. A schema change is a new
+# migration appended here (tests/test_config_store.py holds every released one to its hash, and the
+# database the migrations build to Record's fields). Named and ordered; each runs once, in its own
+# transaction, and is recorded in _migrations.
+MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
+    ("001_turns", (
+        """CREATE TABLE "turns" (
+    "id" TEXT PRIMARY KEY, "t_wall" REAL, "method" TEXT, "path" TEXT, "status" INTEGER, "outcome" TEXT,
+    "error" TEXT, "streamed" INTEGER, "model" TEXT, "label" TEXT, "instance_id" TEXT, "request_parsed" INTEGER,
+    "concurrency" INTEGER, "t_request" REAL, "t_upstream_headers" REAL, "t_first_token" REAL,
+    "t_last_token" REAL, "t_done" REAL, "ttft_s" REAL, "decode_s" REAL, "total_s" REAL,
+    "completion_tokens" INTEGER, "content_tokens" INTEGER, "reasoning_tokens" INTEGER,
+    "tool_args_tokens" INTEGER, "first_chunk_tokens" INTEGER, "usage_completion_tokens" INTEGER,
+    "usage_prompt_tokens" INTEGER, "chunks" INTEGER, "tokens_per_chunk" REAL, "decode_tps" REAL,
+    "prompt_tokens" INTEGER, "prompt_system_tokens" INTEGER, "prompt_tools_tokens" INTEGER,
+    "prompt_history_tokens" INTEGER, "prompt_new_tokens" INTEGER, "proxy_delay_s" REAL,
+    "request_bytes" INTEGER, "response_bytes" INTEGER, "saw_done" INTEGER, "finish_reason" TEXT,
+    "server_timings" TEXT, "tokenizer" TEXT, "prompt_text" TEXT, "response_text" TEXT
+)""",
+        'CREATE INDEX "idx_turns_t_wall" ON "turns" ("t_wall")',
+        'CREATE INDEX "idx_turns_label" ON "turns" ("label")',
+    )),
+    ("002_scrapes_and_instances", (
+        """CREATE TABLE "scrapes" (
+    "id" INTEGER PRIMARY KEY, "t_wall" REAL, "t_mono" REAL, "instance_id" TEXT, "server_kind" TEXT,
+    "requests_running" REAL, "requests_waiting" REAL, "generation_tokens_total" REAL,
+    "prompt_tokens_total" REAL, "spec_drafts_total" REAL, "spec_draft_tokens_total" REAL,
+    "spec_accepted_tokens_total" REAL, "spec_accept_length" REAL, "spec_accept_rate" REAL, "raw" TEXT
+)""",
+        'CREATE INDEX "idx_scrapes_t_wall" ON "scrapes" ("t_wall")',
+        'CREATE TABLE "instances" ("instance_id" TEXT PRIMARY KEY, "first_seen" REAL, "last_seen" REAL, "detail" TEXT)',
+    )),
+    ("003_turn_counters_and_scrape_errors", (
+        'ALTER TABLE "scrapes" ADD COLUMN "error" TEXT',
+        """CREATE TABLE "turn_counters" (
+    "turn_id" TEXT PRIMARY KEY, "instance_id" TEXT, "seconds" REAL, "generated_tokens" REAL, "drafts" REAL,
+    "draft_tokens" REAL, "accepted_tokens" REAL, "mal" REAL, "acceptance_rate" REAL
+)""",
+    )),
+    ("004_content_class", (
+        'ALTER TABLE "turns" ADD COLUMN "content_class" TEXT',
+    )),
 ]
 
 
@@ -130,16 +93,16 @@ def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
 
 def migrate(conn: sqlite3.Connection) -> list[str]:
     """Apply the migrations not yet applied; return their names."""
-    db = sqlite_utils.Database(conn)
     conn.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL)")
     done = {row[0] for row in conn.execute("SELECT name FROM _migrations")}
     applied = []
-    for name, step in MIGRATIONS:
+    for name, statements in MIGRATIONS:
         if name in done:
             continue
         conn.execute("BEGIN IMMEDIATE")
         try:
-            step(db)
+            for sql in statements:
+                conn.execute(sql)
             conn.execute("INSERT INTO _migrations VALUES (?, ?)", (name, time.time()))
             conn.execute("COMMIT")
         except BaseException:

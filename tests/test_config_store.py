@@ -189,11 +189,52 @@ def test_an_older_database_is_upgraded_in_place(tmp_path):
     conn = connect(tmp_path / "old.db")
     conn.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at REAL)")
     db = sqlite_utils.Database(conn)
-    for name, step in MIGRATIONS[:3]:
-        step(db)
+    for name, statements in MIGRATIONS[:3]:
+        for sql in statements:
+            conn.execute(sql)
         conn.execute("INSERT INTO _migrations VALUES (?, 0)", (name,))
     conn.execute("INSERT INTO turns (id, t_wall, method, path, outcome) VALUES ('old', 1, 'POST', '/v1/chat/completions', 'ok')")
     assert "content_class" not in {c.name for c in db["turns"].columns}
     assert migrate(conn) == [name for name, _ in MIGRATIONS[3:]]
     assert "content_class" in {c.name for c in db["turns"].columns}
     assert conn.execute("SELECT id FROM turns").fetchall() == [("old",)]
+
+
+# The SQL of every released migration, by hash. A released migration never changes (a database made by
+# an older version must pass through the same steps as a new one): change the schema with a new one.
+RELEASED_MIGRATIONS = {
+    "001_turns": "f9b8c110f213da6e",
+    "002_scrapes_and_instances": "ab7aac715ff2810a",
+    "003_turn_counters_and_scrape_errors": "feb1a0aeee70393d",
+    "004_content_class": "b6b47577cdc3e566",
+}
+
+
+def _migration_hash(statements) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n;\n".join(statements).encode()).hexdigest()[:16]
+
+
+def test_released_migrations_never_change():
+    hashes = {name: _migration_hash(statements) for name, statements in MIGRATIONS}
+    assert {name: hashes[name] for name in RELEASED_MIGRATIONS} == RELEASED_MIGRATIONS
+    assert list(hashes)[:len(RELEASED_MIGRATIONS)] == list(RELEASED_MIGRATIONS), "a new migration goes last"
+
+
+def test_the_migrated_turns_table_is_the_record(tmp_path):
+    """Every Record field is a column of the type the store writes, and no column is left over."""
+    import dataclasses
+
+    from specproxy.record import Record
+
+    conn = connect(tmp_path / "a.db")
+    migrate(conn)
+    columns = {row[1]: row[2] for row in conn.execute("PRAGMA table_info(turns)")}
+
+    def sql_type(annotation: str) -> str:
+        if "bool" in annotation or annotation.startswith("int"):
+            return "INTEGER"
+        return "REAL" if annotation.startswith("float") else "TEXT"
+
+    assert columns == {f.name: sql_type(str(f.type)) for f in dataclasses.fields(Record)}
