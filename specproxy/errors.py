@@ -27,4 +27,10 @@ class StoreError(SpecproxyError):
 
 
 class UpstreamError(SpecproxyError):
-    """The upstream inference server is unreachable or is not what it should be."""
+    """The upstream inference server is unreachable or is not what it should be. ``timeout``: a deadline
+    passed (the client gets 504), else a failure (502). Messages are our own words, never request
+    content."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout

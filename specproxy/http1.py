@@ -16,9 +16,10 @@ __all__ = [
     "ChunkedEnd",
     "FramingError",
     "ResponseHead",
-    "UpstreamError",
     "parse_head",
 ]
+
+from .errors import UpstreamError
 
 MAX_LINE_BYTES = 4096  # a chunk-size or trailer line longer than this is malformed framing
 
@@ -28,15 +29,6 @@ NO_BODY, LENGTH, CHUNKED, CLOSE = "none", "length", "chunked", "close"
 _HEX = b"0123456789abcdefABCDEF"
 # RFC 9110 5.6.2: a field name is visible ASCII but for these delimiters; checked with one translate()
 _TOKEN_CHARS = bytes(c for c in range(33, 127) if c not in b'"(),/:;<=>?@[\\]{}')
-
-
-class UpstreamError(Exception):
-    """No usable response from the upstream. ``timeout``: a deadline passed (504), else a failure (502).
-    Messages are our own words, never request content."""
-
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.timeout = timeout
 
 
 class FramingError(ValueError):

@@ -45,11 +45,11 @@ from .http1 import (
     ChunkedEnd,
     FramingError,
     ResponseHead,
-    UpstreamError,
     _Length,
     _UntilClose,
     parse_head,
 )
+from .errors import UpstreamError
 from .relay_thread import TurnSink, ended_reason, no_delay, plain_socket_fd
 from .relay_thread import last_read as thread_last_read
 
