@@ -216,9 +216,9 @@ def _arm_text(r: dict[str, Any], arm: str, instance: str = "instance") -> str:
 def render_compare(r: dict[str, Any]) -> str:
     lines = []
     if r.get("negative_control"):
-        lines.append(f"negative control: {r['a']} split into two random halves"
-                     f"{' within each kind' if r.get('non_streamed_a') else ''} ({_arm_text(r, 'a', 'server instance')}). "
-                     "Every row should be 'not distinguishable'.")
+        within = " within each kind" if r.get("non_streamed_a") else ""
+        lines.append(f"negative control: {r['a']} split into two random halves{within} "
+                     f"({_arm_text(r, 'a', 'server instance')}). Every row should be 'not distinguishable'.")
     else:
         lines.append(f"compare B={r['b']} ({_arm_text(r, 'b')}) against A={r['a']} ({_arm_text(r, 'a')})")
     lines.append(f"  {'figure':34} {'A':>10} {'B':>10} {'B/A':>7}  {'95% CI':>16}  verdict")

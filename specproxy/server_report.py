@@ -165,7 +165,8 @@ def render_server(s: dict[str, Any]) -> list[str]:
             lines.append(f"  the window spans {w['segments']} server instances (restarts): counts are summed per instance")
     lt = s.get("lone_turns")
     if lt:
-        lines.append(f"  streamed turns that ran alone joined with their own counter deltas: {lt['joined']} of {lt['alone']}; "
+        lines.append(f"  streamed turns that ran alone joined with their own counter deltas: "
+                     f"{lt['joined']} of {lt['alone']}; "
                      f"per-turn MAL median {_f(lt['mal']['median'], '{:.2f}')} beside tokens per chunk median "
                      f"{_f(lt['tokens_per_chunk']['median'], '{:.2f}')}, forward passes/s median "
                      f"{_f(lt['forward_passes_per_s']['median'], '{:.1f}')}")

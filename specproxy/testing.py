@@ -373,7 +373,8 @@ def make_record(**overrides: Any) -> Record:
         t_request=t0, t_first_token=t0 + ttft, t_last_token=t0 + ttft + decode, t_done=t0 + ttft + decode,
         ttft_s=ttft, decode_s=decode, total_s=ttft + decode, completion_tokens=tokens, content_tokens=tokens,
         reasoning_tokens=0, tool_args_tokens=0, first_chunk_tokens=1, chunks=tokens, tokens_per_chunk=1.0,
-        decode_tps=(tokens - 1) / decode if decode else None, prompt_tokens=1000, prompt_system_tokens=300, prompt_tools_tokens=500,
+        decode_tps=(tokens - 1) / decode if decode else None, prompt_tokens=1000, prompt_system_tokens=300,
+        prompt_tools_tokens=500,
         prompt_history_tokens=150, prompt_new_tokens=50, proxy_delay_s=0.0001, tokenizer="tiktoken:o200k_base",
     )
     return replace(base, **overrides)
