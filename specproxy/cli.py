@@ -138,7 +138,7 @@ def _report(db: str | None, label: str | None = None, since: str | None = None, 
     conn = _open(db)
     try:
         turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
-        return build_report(turns, source=_db_path(db), conn=conn)
+        return build_report(turns, source=_db_path(db), conn=conn, window=window)
     finally:
         conn.close()
 

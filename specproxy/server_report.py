@@ -83,7 +83,8 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
     out["requests_running"] = _dist(running)
     out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
     d = window_counters(samples, samples[0].t_mono, samples[-1].t_mono)
-    per_stream = summarize(turns.num["decode_tps"]).median
+    streamed = turns.num["streamed"] == 1  # per-stream speed and tokens per chunk are theirs alone
+    per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
         w0, w1 = samples[0].t_wall, samples[-1].t_wall
         done = start + np.nan_to_num(turns.num["total_s"])
@@ -103,7 +104,10 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
             "accepted_tokens": d.accepted_tokens,
             "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
         }
-    order = np.argsort(turns.num["rowid"], kind="stable")
+    # the join is over streamed turns: a non-streamed reply is one chunk of all its tokens, which says
+    # nothing about steps, and it has no decode speed to divide by the MAL
+    order = np.flatnonzero(streamed)
+    order = order[np.argsort(turns.num["rowid"][order], kind="stable")]
     pos, mal = _turn_counters(conn, turns.num["rowid"][order])
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``
@@ -114,7 +118,7 @@ def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
         tpc = turns.num["tokens_per_chunk"][at]
         out["lone_turns"] = {
             "joined": len(pos),
-            "alone": int(np.sum(turns.num["concurrency"] == 1)),
+            "alone": int(np.sum(streamed & (turns.num["concurrency"] == 1))),
             "mal": summarize(mal).to_dict(),
             "tokens_per_chunk": summarize(tpc).to_dict(),
             "forward_passes_per_s": summarize(fwd).to_dict(),
@@ -161,7 +165,8 @@ def render_server(s: dict[str, Any]) -> list[str]:
             lines.append(f"  the window spans {w['segments']} server instances (restarts): counts are summed per instance")
     lt = s.get("lone_turns")
     if lt:
-        lines.append(f"  turns that ran alone joined with their own counter deltas: {lt['joined']} of {lt['alone']}; "
+        lines.append(f"  streamed turns that ran alone joined with their own counter deltas: "
+                     f"{lt['joined']} of {lt['alone']}; "
                      f"per-turn MAL median {_f(lt['mal']['median'], '{:.2f}')} beside tokens per chunk median "
                      f"{_f(lt['tokens_per_chunk']['median'], '{:.2f}')}, forward passes/s median "
                      f"{_f(lt['forward_passes_per_s']['median'], '{:.1f}')}")

@@ -50,10 +50,15 @@ __all__ = [
     "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "negative_control",
     "Throughput", "aggregate_throughput", "aggregate_throughput_interval",
     "CONCURRENCY_BUCKETS", "concurrency_bucket", "PROMPT_BUCKETS", "prompt_bucket",
-    "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING",
+    "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING",
+    "instance_warning", "plural",
 ]
 
 CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
+SEPARATE_INSTANCES_WARNING = (
+    "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
+    "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
+    "several instances (restarts)")
 MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (A/A FP 8-30%)
 STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
 _CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps
@@ -375,18 +380,12 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         return result(est)
 
     single_a, single_b = ka == 1, kb == 1
-    forced = False
-    if single_a or single_b:
-        warnings.append(CONFOUNDED_WARNING)
+    confound = instance_warning(None if ka is None else ua, None if kb is None else ub)
+    if confound:
+        warnings.append(confound)
+    forced = confound == SEPARATE_INSTANCES_WARNING
     parts = [comps["a"][:2], comps["b"][:2]]
-    if single_a and single_b:  # the same single instance: valid for that instance only
-        if ua != ub:
-            forced = True
-            warnings.append("each arm ran in a different single instance: the instance effect "
-                            "is unmeasured, so the verdict cannot be faster/slower; the interval "
-                            "covers request-to-request noise only. Run each arm in several "
-                            "instances (restarts)")
-    elif (single_a and (kb or 0) >= 2) or (single_b and (ka or 0) >= 2):
+    if (single_a and (kb or 0) >= 2) or (single_b and (ka or 0) >= 2):
         one, many = ("a", "b") if single_a else ("b", "a")
         k_many = ka if many == "a" else kb
         v_many, df_many, _ = comps[many]
@@ -407,6 +406,33 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     if not forced and not lo <= 1.0 <= hi:
         verdict = "faster" if (lo > 1.0) == higher_is_better else "slower"
     return result(est, lo, hi, verdict, method)
+
+
+def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[Any] | None) -> str | None:
+    """The one warning on how the arms' server instances confound an A/B; None when they do not.
+
+    ``instances_*``: the distinct instances an arm ran in, None when it has no instance labels.
+    Both arms in the same single instance: a valid comparison for that instance only. Each in a
+    different single instance: the instance effect is unmeasured (the precise warning; saying
+    "inside one instance" beside it would contradict it). One arm in one instance and the other in
+    several: None here, as ``bootstrap_ratio`` borrows the other arm's between-instance variance
+    and says so. One arm in one instance, the other unlabelled: confounded as far as is known.
+    """
+    a = None if instances_a is None else set(instances_a)
+    b = None if instances_b is None else set(instances_b)
+    single_a, single_b = a is not None and len(a) == 1, b is not None and len(b) == 1
+    if single_a and single_b:
+        return CONFOUNDED_WARNING if a == b else SEPARATE_INSTANCES_WARNING
+    if (single_a and b is None) or (single_b and a is None):
+        return CONFOUNDED_WARNING
+    return None
+
+
+def plural(n: int | None, noun: str) -> str:
+    """"1 instance", "2 instances", "? instances" (unknown)."""
+    if n is None:
+        return f"? {noun}s"
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int = 0,

@@ -40,7 +40,7 @@ LLAMA3_STYLE_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-__all__ = ["LLAMA3_STYLE_TEMPLATE", "FakeUpstream", "Script", "Sent", "make_record", "pieces_of"]
+__all__ = ["LLAMA3_STYLE_TEMPLATE", "FakeUpstream", "Script", "Sent", "make_record", "make_whole_record", "pieces_of"]
 
 clock = time.perf_counter
 
@@ -373,7 +373,21 @@ def make_record(**overrides: Any) -> Record:
         t_request=t0, t_first_token=t0 + ttft, t_last_token=t0 + ttft + decode, t_done=t0 + ttft + decode,
         ttft_s=ttft, decode_s=decode, total_s=ttft + decode, completion_tokens=tokens, content_tokens=tokens,
         reasoning_tokens=0, tool_args_tokens=0, first_chunk_tokens=1, chunks=tokens, tokens_per_chunk=1.0,
-        decode_tps=(tokens - 1) / decode, prompt_tokens=1000, prompt_system_tokens=300, prompt_tools_tokens=500,
+        decode_tps=(tokens - 1) / decode if decode else None, prompt_tokens=1000, prompt_system_tokens=300,
+        prompt_tools_tokens=500,
         prompt_history_tokens=150, prompt_new_tokens=50, proxy_delay_s=0.0001, tokenizer="tiktoken:o200k_base",
     )
     return replace(base, **overrides)
+
+
+def make_whole_record(**overrides: Any) -> Record:
+    """A plausible non-streamed turn, as the proxy measures one: the reply arrives whole, so its "TTFT"
+    is the whole response time, there is no decode time or speed, and it is one chunk of all its tokens.
+    ``total_s`` sets the response time; override any other field."""
+    rng = random.Random(overrides.pop("seed", None))
+    whole = overrides.pop("total_s", round(rng.uniform(0.5, 5.0), 4))
+    tokens = overrides.pop("completion_tokens", rng.randint(50, 800))
+    t0 = overrides.pop("t_request", 1000.0 + next(_ids))
+    base = make_record(ttft_s=whole, decode_s=0.0, completion_tokens=tokens, t_request=t0)
+    return replace(base, streamed=False, total_s=whole, t_done=t0 + whole, chunks=1, tokens_per_chunk=float(tokens),
+                   first_chunk_tokens=tokens, decode_tps=None, saw_done=None, **overrides)

@@ -68,6 +68,29 @@ def test_report_filters_by_label(demo_db):
     assert r["turns"] == 0 and r["user"]["ttft_s"]["n"] == 0 and r["user"]["ttft_s"]["median"] is None
 
 
+def test_an_empty_window_says_so_and_what_the_database_holds(demo_db):
+    """Not "no turns recorded yet" and "start serve with --tokenizer" when the database has turns."""
+    db, _ = demo_db
+    out = run("report", "--db", str(db), "--label", "no-such-arm", "--since", "2020-01-01").stdout
+    assert "no turns in this window (label no-such-arm, since 2020-01-01 00:00:00 UTC); the database holds 15 turns (" in out
+    assert "no turns recorded yet" not in out and "tokenizer" not in out
+    later = run("report", "--db", str(db), "--until", "1000").stdout
+    assert "no turns in this window (until 1970-01-01 00:16:40 UTC); the database holds 15 turns" in later
+    r = json.loads(run("report", "--db", str(db), "--json", "--label", "no-such-arm").stdout)
+    assert r["window"]["label"] == "no-such-arm" and r["database_turns"]["n"] == 15
+    assert r["database_turns"]["first_t_wall"] <= r["database_turns"]["last_t_wall"]
+
+
+def test_an_empty_database_has_no_turns_recorded_yet(tmp_path):
+    from specproxy.store import open_store
+
+    open_store(tmp_path / "empty.db").close()
+    out = run("report", "--db", str(tmp_path / "empty.db"), "--label", "x").stdout
+    assert "no turns recorded yet" in out and "the database holds" not in out and "tokenizer" not in out
+    r = json.loads(run("report", "--db", str(tmp_path / "empty.db"), "--json").stdout)
+    assert r["turns"] == 0 and r["database_turns"]["n"] == 0
+
+
 def test_report_cache_and_no_cache_agree(demo_db, tmp_path):
     import shutil
 

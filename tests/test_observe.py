@@ -12,12 +12,12 @@ from specproxy.report import build_report, render_text
 from specproxy.testing import Script
 
 
-async def chat(url: str, n: int) -> list[int]:
+async def chat(url: str, n: int, stream: bool = True) -> list[int]:
     statuses = []
     async with aiohttp.ClientSession() as c:
         for _ in range(n):
             async with c.post(url + "/v1/chat/completions", json={
-                    "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}) as r:
                 await r.read()
                 statuses.append(r.status)
     return statuses
@@ -90,6 +90,31 @@ def test_lone_turns_are_joined_with_their_counter_deltas(make_stack, tiktoken_to
         assert mal == 3.0
     assert r["server"]["lone_turns"]["mal"]["median"] == 3.0
     assert r["server"]["window"]["mal"] == 3.0
+
+
+def test_lone_non_streamed_turns_stay_out_of_the_stream_figures(make_stack, tiktoken_tok):
+    """Streamed and non-streamed chats through the real proxy: the stream figures are the streamed turns',
+    the non-streamed ones (one chunk of all their tokens each) have their own. (The per-turn MAL join
+    over streamed turns only is checked on fixed data in test_report_kinds.)"""
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0.05)
+    stack.upstream.script = Script(pieces=[f" w{i}" for i in range(12)], tokens_per_chunk=3, drafts_per_chunk=2)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    for stream in (True, False, True, False, True, False):
+        assert stack.run(chat(stack.url, 1, stream=stream)) == [200]
+        stack.settle()
+        assert wait_for(lambda: not watch._turn_tasks, 5)
+    r, _ = report_of(stack)
+    streamed = [rec for rec in stack.records if rec.streamed]
+    whole = [rec for rec in stack.records if not rec.streamed]
+    assert len(streamed) == len(whole) == 3 and all(rec.chunks == 1 for rec in whole)
+    tpc = streamed[0].tokens_per_chunk  # tokens / 4 chunks, the same for every streamed turn
+    assert all(rec.tokens_per_chunk == tpc for rec in streamed) and whole[0].tokens_per_chunk == 4 * tpc
+    assert r["user"]["tokens_per_chunk"]["median"] == tpc and r["user"]["tokens_per_chunk"]["p95"] == tpc
+    assert r["user"]["ttft_s"]["n"] == 3
+    assert r["completed_turns"] == {"streamed": 3, "non_streamed": 3}
+    assert r["non_streamed"]["total_s"]["n"] == 3
+    assert r["non_streamed"]["completion_tokens"]["median"] == whole[0].completion_tokens
 
 
 async def test_overlapping_scrapes_never_make_a_false_restart():

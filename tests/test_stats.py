@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specproxy.stats import (
-    CONFOUNDED_WARNING, Ratio, Summary, _t_ppf, aggregate_throughput,
-    aggregate_throughput_interval, bootstrap_ratio, concurrency_bucket, median_ci,
-    negative_control, prompt_bucket, summarize, which_to_read,
+    CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, _t_ppf, aggregate_throughput,
+    aggregate_throughput_interval, bootstrap_ratio, concurrency_bucket, instance_warning, median_ci,
+    negative_control, plural, prompt_bucket, summarize, which_to_read,
 )
 
 SIG15 = math.sqrt(math.log(1 + 0.15**2))  # lognormal sigma for a 15% CV
@@ -150,7 +150,9 @@ def test_restart_confounding_single_instances_are_not_a_verdict():
           f"{_rate(naive):.3f}")
     assert _rate(naive) > 0.2  # the trap this guards against
     assert all(r.verdict == ND for r in clustered)
-    assert all(CONFOUNDED_WARNING in r.warnings for r in clustered)
+    # the precise warning alone: "inside one instance" beside it would contradict it
+    assert all(SEPARATE_INSTANCES_WARNING in r.warnings and CONFOUNDED_WARNING not in r.warnings
+               for r in clustered)
     assert all((r.instances_a, r.instances_b) == (1, 1) for r in clustered)
 
 
@@ -199,7 +201,9 @@ def test_single_instance_arm_borrows_instance_variance():
                                    clusters_a=[0] * 15, clusters_b=lb))
     print(f"\n1 instance vs 4 instances, A/A: distinguishable {_rate(res):.3f}")
     assert _rate(res) <= 0.09
-    assert all(CONFOUNDED_WARNING in r.warnings for r in res)
+    # not "an A/B inside one server instance": the other arm ran in four; the borrowing is said instead
+    assert all(CONFOUNDED_WARNING not in r.warnings and any("borrowed from arm b's 4 instances" in w
+                                                            for w in r.warnings) for r in res)
 
 
 def test_negative_control_splits_by_instance():
@@ -208,7 +212,20 @@ def test_negative_control_splits_by_instance():
     r = negative_control(x, list(labels), seed=3)
     assert (r.instances_a, r.instances_b, r.n_a + r.n_b) == (3, 3, 60)
     r2 = negative_control(x[:20], list(labels[:20]), seed=3)  # two instances: one each
-    assert r2.verdict == ND and CONFOUNDED_WARNING in r2.warnings
+    assert r2.verdict == ND and r2.warnings == [SEPARATE_INSTANCES_WARNING]
+
+
+def test_instance_warning_fits_the_arms_instances():
+    assert instance_warning({"x"}, {"x"}) == CONFOUNDED_WARNING
+    assert instance_warning({"x"}, {"y"}) == SEPARATE_INSTANCES_WARNING
+    assert instance_warning({"x"}, None) == CONFOUNDED_WARNING == instance_warning(None, ["y"])
+    assert instance_warning({"x"}, {"y", "z"}) is None and instance_warning(None, None) is None
+    assert instance_warning({"x", "y"}, {"x", "y"}) is None
+
+
+def test_plural():
+    assert (plural(1, "instance"), plural(2, "instance"), plural(0, "turn"), plural(None, "instance")) == (
+        "1 instance", "2 instances", "0 turns", "? instances")
 
 
 def test_ratio_missing_and_tiny_arms():
