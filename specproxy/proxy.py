@@ -184,7 +184,8 @@ class Proxy:
     ) -> None:
         self.cfg = cfg
         self.upstream = cfg.upstream_url
-        # requests go to the upstream's path prefix (if any) + the client's path and query, as sent
+        # requests go to the upstream's path prefix (if any; a trailing /v1 is not one: config.server_root)
+        # + the client's path and query, as sent
         self._base_path = self.upstream.raw_path.rstrip("/").encode()
         self._host_header = _host_header(self.upstream)
         self.tokenizer = tokenizer
