@@ -71,3 +71,22 @@ def test_an_upstream_given_with_v1_gets_no_doubled_prefix(make_stack, tiktoken_t
         assert watch.scraper.url == stack.upstream.url + "/metrics"
         assert wait_for(lambda: watch.instance_id is not None)
         assert watch.scraper.disabled_reason is None
+
+
+# --- clients whose base URL has no /v1 --------------------------------------------------------------------
+
+@pytest.mark.usefixtures("each_front", "each_relay")
+def test_paths_without_v1_are_measured_like_their_v1_twins(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok)
+    stack.upstream.script = Script(pieces=["one", " two", " three"])
+    assert stack.run(post(stack.url, "/chat/completions", CHAT))[0] == 200
+    status, body = stack.run(post(stack.url, "/completions", {"model": "m", "prompt": "count"}))
+    assert status == 200 and b"one two three" in body
+    assert [s.path for s in stack.upstream.sent] == ["/chat/completions", "/completions"]
+    stack.settle()
+    recs = sorted(stack.records, key=lambda r: r.t_request)
+    assert [r.path for r in recs] == ["/chat/completions", "/completions"]  # what the client sent
+    assert [r.outcome for r in recs] == ["ok", "ok"]
+    assert [r.streamed for r in recs] == [True, False]
+    assert [r.completion_tokens for r in recs] == [3, 3]
+    assert recs[1].prompt_new_tokens == tiktoken_tok.count("count")
