@@ -239,6 +239,11 @@ class Proxy:
         if measurer is not None:
             await asyncio.to_thread(measurer.stop)  # joining a thread blocks: not on the loop
 
+    async def probe_upstream(self, timeout_s: float) -> UpstreamError | None:
+        """Whether the upstream accepts a connection now (None) or why not (``UpstreamPool.probe``)."""
+        assert self._pool is not None
+        return await self._pool.probe(timeout_s)
+
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""
         deadline = time.monotonic() + timeout

@@ -4,6 +4,9 @@ reported)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 import time
 
 import aiohttp
@@ -12,6 +15,7 @@ from yarl import URL
 
 from specproxy.config import load_config, server_root
 from specproxy.testing import Script
+from specproxy.upstream import UpstreamPool
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:
@@ -90,3 +94,48 @@ def test_paths_without_v1_are_measured_like_their_v1_twins(make_stack, tiktoken_
     assert [r.streamed for r in recs] == [True, False]
     assert [r.completion_tokens for r in recs] == [3, 3]
     assert recs[1].prompt_new_tokens == tiktoken_tok.count("count")
+
+
+# --- an upstream that does not answer ---------------------------------------------------------------------
+
+@pytest.fixture
+def dead_port():
+    """A port on 127.0.0.1 that is bound but never listening: connections to it are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+def messages(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in list(caplog.records) if text in r.getMessage()]
+
+
+def test_start_up_says_when_the_upstream_is_not_answering(make_stack, dead_port, caplog):
+    caplog.set_level(logging.INFO, logger="specproxy")
+    dead = f"http://127.0.0.1:{dead_port}/v1"
+    stack = make_stack(upstream=dead)
+    (line,) = messages(caplog, "is not answering")
+    assert line.startswith(f"upstream {dead} is not answering (") and "refused" in line
+    assert line.endswith("): serving anyway; requests will get 502 until it does")
+    assert stack.run(post(stack.url, "/v1/chat/completions", CHAT))[0] == 502  # and it serves
+
+
+def test_start_up_is_quiet_about_an_upstream_that_answers(make_stack, caplog):
+    caplog.set_level(logging.INFO, logger="specproxy")
+    make_stack()
+    assert messages(caplog, "is not answering") == []
+
+
+async def test_the_start_up_check_waits_no_longer_than_its_timeout(monkeypatch):
+    """A connect that never completes (a firewall dropping packets) is a timeout after the check's own
+    bound, not after connect_timeout_s: start-up is never held for long."""
+    pool = UpstreamPool(URL("http://127.0.0.1:9"), connect_timeout_s=10.0, idle_timeout_s=1.0)
+
+    async def hang(*_args, **_kwargs):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(pool.loop, "create_connection", hang)
+    t0 = time.monotonic()
+    why = await pool.probe(0.05)
+    assert time.monotonic() - t0 < 2.0
+    assert why is not None and why.timeout and str(why) == "no connection within 0.05 s"
