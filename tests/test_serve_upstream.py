@@ -14,6 +14,7 @@ import pytest
 from yarl import URL
 
 from specproxy.config import load_config, server_root
+from specproxy.scrape import FAIL_LOG_EVERY_S, _worth_a_line
 from specproxy.testing import Script
 from specproxy.upstream import UpstreamPool
 
@@ -139,3 +140,41 @@ async def test_the_start_up_check_waits_no_longer_than_its_timeout(monkeypatch):
     why = await pool.probe(0.05)
     assert time.monotonic() - t0 < 2.0
     assert why is not None and why.timeout and str(why) == "no connection within 0.05 s"
+
+
+# --- scrape failures: logged with a back-off -------------------------------------------------------------
+
+def test_failed_scrapes_are_logged_with_a_back_off(make_stack, dead_port, caplog):
+    """Nothing answers: the 1st, 2nd, 4th, 8th... failure in a row is logged, with its reason, not every one."""
+    caplog.set_level(logging.INFO, logger="specproxy")
+    stack = make_stack(upstream=f"http://127.0.0.1:{dead_port}", scrape_interval_s=0.02)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.failures >= 9)
+    stack.run(stack.service.stop())  # no more scrapes
+    lines = messages(caplog, "failed (")
+    assert [int(line.split("failed (")[1].split(" ")[0]) for line in lines] == [
+        n for n in (1, 2, 4, 8, 16, 32, 64) if n <= watch.failures]
+    assert all(line.startswith(f"scrape of http://127.0.0.1:{dead_port}/metrics failed (") for line in lines)
+    assert all("Connect" in line for line in lines)
+
+
+def test_a_run_of_scrape_failures_ends_with_a_recovery_line(make_stack, caplog):
+    caplog.set_level(logging.INFO, logger="specproxy")
+    stack = make_stack(scrape_interval_s=0.02)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    stack.upstream.metrics_status = 500
+    assert wait_for(lambda: watch.failures >= 3)
+    stack.upstream.metrics_status = 200
+    assert wait_for(lambda: messages(caplog, "recovered after"))
+    (line,) = messages(caplog, "recovered after")
+    n = int(line.split("recovered after ")[1].split(" ")[0])
+    assert n >= 3 and line.endswith(f"failure{'s' if n != 1 else ''} in a row")
+    assert messages(caplog, "failed (1 in a row): ScrapeError: HTTP 500")
+
+
+def test_the_back_off_logs_powers_of_two_then_at_least_every_few_minutes():
+    logged = [n for n in range(1, 100) if _worth_a_line(n, since_last_line_s=1.0)]
+    assert logged == [1, 2, 4, 8, 16, 32, 64]
+    assert _worth_a_line(65, since_last_line_s=FAIL_LOG_EVERY_S)
+    assert not _worth_a_line(65, since_last_line_s=FAIL_LOG_EVERY_S - 1)
