@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sqlite3
 import time
 
 import aiohttp
@@ -14,6 +15,8 @@ import pytest
 from yarl import URL
 
 from specproxy.config import load_config, server_root
+from specproxy.dataset import load_turns
+from specproxy.report import build_report, render_text
 from specproxy.scrape import FAIL_LOG_EVERY_S, _worth_a_line
 from specproxy.testing import Script
 from specproxy.upstream import UpstreamPool
@@ -32,6 +35,13 @@ async def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as c:
         async with c.post(url + path, json=body) as r:
             return r.status, await r.read()
+
+
+def report_of(stack):
+    stack.settle()
+    stack.run(stack.service.stop())  # drains the measurements and the writer's queue
+    conn = sqlite3.connect(stack.cfg.db)
+    return build_report(load_turns(conn), source="test", conn=conn), conn
 
 
 CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -178,3 +188,20 @@ def test_the_back_off_logs_powers_of_two_then_at_least_every_few_minutes():
     assert logged == [1, 2, 4, 8, 16, 32, 64]
     assert _worth_a_line(65, since_last_line_s=FAIL_LOG_EVERY_S)
     assert not _worth_a_line(65, since_last_line_s=FAIL_LOG_EVERY_S - 1)
+
+
+# --- scrape failures: in the report ----------------------------------------------------------------------
+
+def test_a_report_whose_scrapes_all_failed_says_how_many_and_why(make_stack, dead_port):
+    """Every turn 502 and every scrape failed: the report says "0 scrapes, N failed (last error: ...)", not
+    "none recorded"."""
+    stack = make_stack(upstream=f"http://127.0.0.1:{dead_port}", scrape_interval_s=0.02)
+    watch = stack.service.watch
+    assert stack.run(post(stack.url, "/v1/chat/completions", CHAT))[0] == 502
+    assert wait_for(lambda: watch.failures >= 5)
+    r, _ = report_of(stack)  # stops the service: no more scrapes
+    s = r["server"]
+    assert s["scrapes"] == 0 and s["scrape_failures"] == watch.failures and "Connect" in s["last_scrape_error"]
+    text = render_text(r)
+    assert f"Server's own counters: 0 scrapes, {watch.failures} failed (last error: {s['last_scrape_error']})" in text
+    assert "none recorded" not in text
