@@ -151,7 +151,8 @@ def _f(v: Any, fmt: str) -> str:
 def _scrape_counts(s: dict[str, Any]) -> str:
     """"N scrapes, M failed", and the latest failure's error when any failed."""
     text = f"{s.get('scrapes', 0)} scrapes, {s.get('scrape_failures', 0)} failed"
-    return text + (f" (last error: {s['last_scrape_error']})" if s.get("scrape_failures") and s.get("last_scrape_error") else "")
+    error = s.get("last_scrape_error") if s.get("scrape_failures") else None
+    return text + (f" (last error: {error})" if error else "")
 
 
 def render_server(s: dict[str, Any]) -> list[str]:
