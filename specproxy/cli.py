@@ -97,7 +97,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
         quota = svc.cadence.quota if svc.cadence is not None else None
         poll = cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD, quota)
         click.echo(
-            f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream}; "
+            f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream} (client /v1/chat/completions -> "
+            f"{cfg.forwards_to('/v1/chat/completions')}; /chat/completions -> {cfg.forwards_to('/chat/completions')}); "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; "

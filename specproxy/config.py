@@ -17,7 +17,7 @@ from yarl import URL
 
 from .errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "Config", "load_config"]
+__all__ = ["CADENCE_POLL_MODES", "Config", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 
@@ -25,7 +25,9 @@ CADENCE_POLL_MODES = ("auto", "on", "off")
 @dataclass(frozen=True, slots=True)
 class Config:
     upstream: str | None = None
-    """Base URL of the inference server, e.g. ``http://127.0.0.1:8000``; every request goes there."""
+    """Base URL of the inference server, e.g. ``http://127.0.0.1:8000``; every request goes there, its path
+    appended as the client sent it. A trailing ``/v1`` is accepted and dropped (``http://127.0.0.1:8000/v1``
+    is the same upstream, not ``/v1/v1/...``); any other base path is kept as a prefix."""
     host: str = "127.0.0.1"
     """Address to listen on. Loopback by default: exposing the proxy is a choice you make."""
     port: int = 8080
@@ -67,9 +69,30 @@ class Config:
 
     @property
     def upstream_url(self) -> URL:
+        """The upstream server's root: what every client path is appended to, and what ``metrics_path``
+        and the identity look-ups (``/v1/models``...) are read under. See ``server_root``."""
         if not self.upstream:
             raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000)")
-        return URL(self.upstream)
+        return server_root(URL(self.upstream))
+
+    def forwards_to(self, client_path: str) -> str:
+        """The upstream URL a client's request for ``client_path`` goes to (for the start-up line; the
+        proxy builds its request line from the same ``upstream_url``)."""
+        url = self.upstream_url
+        return f"{url.origin()}{url.raw_path.rstrip('/')}{client_path}"
+
+
+def server_root(url: URL) -> URL:
+    """``url`` without a trailing ``/v1`` segment (``/v1/`` too); any other base path is kept.
+
+    Why here, once: clients send ``/v1/...`` themselves, and most servers' docs give their base URL as
+    ``http://host:8000/v1``, so a user copying it would otherwise get ``/v1/v1/...`` on every request;
+    and the server's ``/metrics``, ``/props`` and ``/version`` live at its root, not under ``/v1``. A
+    reverse-proxied server under ``/llm`` keeps that prefix (``http://host/llm/v1`` -> ``/llm``)."""
+    path = url.raw_path.rstrip("/")
+    if not path.endswith("/v1"):
+        return url
+    return url.with_path(path[: -len("/v1")], encoded=True)
 
 
 KEYS: dict[str, type] = {}

@@ -23,8 +23,9 @@ __all__ = [
     "split_prompt",
 ]
 
-# Endpoints whose turns are measured; everything else is forwarded only.
-MEASURED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Endpoints whose turns are measured; everything else is forwarded only. Both spellings: a client whose
+# base URL has no /v1 (the server's root) calls /chat/completions, and servers such as llama-server answer it.
+MEASURED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions"})
 
 # The kinds of delivered output text. Each is counted, and each is also stored apart.
 TEXT_KINDS = ("content", "reasoning", "tool_args")

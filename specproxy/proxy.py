@@ -184,7 +184,8 @@ class Proxy:
     ) -> None:
         self.cfg = cfg
         self.upstream = cfg.upstream_url
-        # requests go to the upstream's path prefix (if any) + the client's path and query, as sent
+        # requests go to the upstream's path prefix (if any; a trailing /v1 is not one: config.server_root)
+        # + the client's path and query, as sent
         self._base_path = self.upstream.raw_path.rstrip("/").encode()
         self._host_header = _host_header(self.upstream)
         self.tokenizer = tokenizer
@@ -237,6 +238,11 @@ class Proxy:
         measurer, self._measurer = self._measurer, None
         if measurer is not None:
             await asyncio.to_thread(measurer.stop)  # joining a thread blocks: not on the loop
+
+    async def probe_upstream(self, timeout_s: float) -> UpstreamError | None:
+        """Whether the upstream accepts a connection now (None) or why not (``UpstreamPool.probe``)."""
+        assert self._pool is not None
+        return await self._pool.probe(timeout_s)
 
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""

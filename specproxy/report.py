@@ -140,7 +140,7 @@ def build_report(turns: Turns, *, source: str = "", conn: sqlite3.Connection | N
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     if conn is not None:
-        report["server"] = server_section(conn, ok)
+        report["server"] = server_section(conn, ok, span=turns)
     return report
 
 

@@ -251,6 +251,18 @@ def _identity_changed(old: Instance, new: Instance) -> str | None:
     return None
 
 
+#: While scrapes keep failing, a line at the 1st, 2nd, 4th, 8th... failure in a row, and at least this
+#: often: a dead server is said at once without a line every ``interval_s`` for as long as it stays dead.
+FAIL_LOG_EVERY_S = 300.0
+
+
+def _worth_a_line(failing: int, since_last_line_s: float | None) -> bool:
+    """Whether the ``failing``-th failure in a row is logged (the back-off of ``Scraper``'s log)."""
+    if failing & (failing - 1) == 0:  # a power of two
+        return True
+    return since_last_line_s is not None and since_last_line_s >= FAIL_LOG_EVERY_S
+
+
 class Scraper:
     """Polls ``base_url + path`` every ``interval_s`` and hands each parsed scrape to
     ``on_sample`` as a ``ScrapeSample``.
@@ -258,7 +270,8 @@ class Scraper:
     Lifecycle: ``start()`` (inside a running loop) launches one task; ``await stop()`` ends it
     promptly (the wait between polls is a wait on the stop event, not a sleep). The poller
     never raises into the caller: a timeout, a refused connection, a non-200 status or text
-    that does not parse adds one to ``failures`` and sets ``last_error``, and polling goes on.
+    that does not parse adds one to ``failures`` and sets ``last_error``, and polling goes on; a
+    run of failures is logged with a back-off (``FAIL_LOG_EVERY_S``), and its end too.
     If the very first answer is 404 (no such endpoint) or 501 (llama.cpp started without
     ``--metrics``), the scraper turns itself off and says why in ``disabled_reason``; after a
     success, those statuses count as failures like any other.
@@ -303,6 +316,8 @@ class Scraper:
         self.identify_every_s = float(identify_every_s)
 
         self.failures = 0
+        self.failing = 0  # failures in a row since the last success (the log's back-off counts these)
+        self._fail_logged_at: float | None = None
         self.callback_failures = 0
         self.last_error: str | None = None
         self.disabled_reason: str | None = None
@@ -369,8 +384,20 @@ class Scraper:
 
     def _fail(self, message: str) -> None:
         self.failures += 1
+        self.failing += 1
         self.last_error = message
-        log.debug("scrape %s failed: %s", self.url, message)
+        now = self.clock()
+        if _worth_a_line(self.failing, now - self._fail_logged_at if self._fail_logged_at is not None else None):
+            self._fail_logged_at = now
+            log.warning("scrape of %s failed (%d in a row): %s; traffic is unaffected, scraping goes on",
+                        self.url, self.failing, message)
+
+    def _succeeded(self) -> None:
+        if self.failing:
+            log.info("scrape of %s recovered after %d failure%s in a row", self.url, self.failing,
+                        "s" if self.failing != 1 else "")
+        self.failing = 0
+        self._fail_logged_at = None
 
     async def scrape_once(self) -> ScrapeSample | None:
         """One poll: fetch, parse, identify, hand over. Returns the sample, or ``None`` on
@@ -422,6 +449,7 @@ class Scraper:
         )
         self.samples += 1
         self.last_sample = sample
+        self._succeeded()
         if self.on_sample is not None:
             try:
                 self.on_sample(sample)

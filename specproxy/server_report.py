@@ -27,22 +27,24 @@ _FIELDS = ("requests_running", "requests_waiting", "generation_tokens_total", "p
            "spec_accept_length", "spec_accept_rate")
 
 
-def _samples(conn: sqlite3.Connection, t0: float, t1: float) -> tuple[list[ScrapeSample], int]:
-    """Stored scrapes in [t0, t1] as ScrapeSamples (wall time as their clock), and failed scrapes."""
+def _samples(conn: sqlite3.Connection, t0: float, t1: float) -> tuple[list[ScrapeSample], int, str | None]:
+    """Stored scrapes in [t0, t1] as ScrapeSamples (wall time as their clock), the failed scrapes, and the
+    latest failure's error."""
     try:
         rows = conn.execute(
             f"SELECT t_wall, instance_id, server_kind, error, {', '.join(_FIELDS)} FROM scrapes "
             "WHERE t_wall >= ? AND t_wall <= ? ORDER BY t_wall", (t0, t1)).fetchall()
     except sqlite3.OperationalError:
-        return [], 0
-    samples, failures = [], 0
+        return [], 0, None
+    samples, failures, last_error = [], 0, None
     for t_wall, instance_id, kind, error, *values in rows:
         if error is not None or kind is None:
             failures += 1
+            last_error = error if error is not None else last_error
             continue
         snap = Snapshot(server_kind=kind, **dict(zip(_FIELDS, values)))
         samples.append(ScrapeSample(t_mono=t_wall, t_wall=t_wall, snapshot=snap, instance_id=instance_id or ""))
-    return samples, failures
+    return samples, failures, last_error
 
 
 def _turn_counters(conn: sqlite3.Connection, rowids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,15 +65,26 @@ def _turn_counters(conn: sqlite3.Connection, rowids: np.ndarray) -> tuple[np.nda
     return pos[hit], mal[hit]
 
 
-def server_section(conn: sqlite3.Connection, turns: Turns) -> dict[str, Any]:
-    """Everything the server's counters add to a report over these turns' window."""
-    if not len(turns):
-        return {"scrapes": 0}
+def _around(turns: Turns) -> tuple[float, float]:
+    """The wall-time window the scrapes are read over: just around these (non-empty) turns."""
     start = turns.num["t_wall"]
     end = start + np.nan_to_num(turns.num["total_s"])
-    t0, t1 = float(np.min(start)) - 60.0, float(np.max(end)) + 60.0  # scrapes just around the turns
-    samples, failures = _samples(conn, t0, t1)
-    out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures}
+    return float(np.min(start)) - 60.0, float(np.max(end)) + 60.0
+
+
+def server_section(conn: sqlite3.Connection, turns: Turns, *, span: Turns | None = None) -> dict[str, Any]:
+    """Everything the server's counters add to a report over these turns' window.
+
+    ``span``: all of the report's turns, failed ones included; when none of ``turns`` is there (every
+    turn failed, e.g. the upstream never answered) the scrapes are counted over their window instead,
+    so that the failed scrapes of that time are said, not "none recorded"."""
+    window = turns if len(turns) or span is None else span
+    if not len(window):
+        return {"scrapes": 0}
+    t0, t1 = _around(window)
+    start = turns.num["t_wall"]
+    samples, failures, last_error = _samples(conn, t0, t1)
+    out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures, "last_scrape_error": last_error}
     instances = sorted({s.instance_id for s in samples if s.instance_id})
     turn_instances = sorted(str(i) for i in distinct(turns.txt["instance_id"]) if i)
     out["instances"] = instances
@@ -139,15 +152,23 @@ def _f(v: Any, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _scrape_counts(s: dict[str, Any]) -> str:
+    """"N scrapes, M failed", and the latest failure's error when any failed."""
+    text = f"{s.get('scrapes', 0)} scrapes, {s.get('scrape_failures', 0)} failed"
+    error = s.get("last_scrape_error") if s.get("scrape_failures") else None
+    return text + (f" (last error: {error})" if error else "")
+
+
 def render_server(s: dict[str, Any]) -> list[str]:
     lines = [""]
     if not s.get("scrapes"):
-        fails = s.get("scrape_failures")
-        why = f" ({fails} scrapes failed)" if fails else ""
-        lines.append(f"Server's own counters: none recorded for this window{why} (serve scrapes the upstream's /metrics)")
+        if s.get("scrape_failures"):
+            lines.append(f"Server's own counters: {_scrape_counts(s)}: nothing from the server for this window")
+        else:
+            lines.append("Server's own counters: none recorded for this window (serve scrapes the upstream's /metrics)")
         return lines
     n_inst = len(s["instances"])
-    lines.append(f"Server's own counters ({s['server_kind']}, {s['scrapes']} scrapes, {s['scrape_failures']} failed, "
+    lines.append(f"Server's own counters ({s['server_kind']}; {_scrape_counts(s)}; "
                  f"{n_inst} server instance{'s' if n_inst != 1 else ''})")
     r, p = s["requests_running"], s["proxy_in_flight"]
     lines.append(f"  operating point: server running median {_f(r['median'], '{:.0f}')}, p95 {_f(r['p95'], '{:.0f}')}, "

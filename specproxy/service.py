@@ -39,6 +39,10 @@ __all__ = ["Service", "install_uvloop"]
 
 log = logging.getLogger("specproxy")
 
+# How long start-up waits to connect to the upstream for its one check (at most connect_timeout_s): the
+# scraper's own timeout, which the first scrape already waits for, so the check adds no delay of its own.
+START_CHECK_TIMEOUT_S = 2.0
+
 
 def settle_heap() -> int:
     """Collect once, then freeze every object start-up made; returns how many are frozen.
@@ -160,11 +164,12 @@ class Service:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
         self.watch = ServerWatch(self.cfg, self.writer)
-        await self.watch.start()
         self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
         await self.proxy.start()
+        # side by side, so that start-up waits for the slower of the two, never their sum
+        await asyncio.gather(self.watch.start(), self._check_upstream())
         mode = self.cfg.cadence_poll
         quota = await asyncio.to_thread(cpu_quota) if mode == "auto" else None  # files: not on the loop
         self.cadence = CadenceGate(mode, quota=quota)
@@ -191,6 +196,16 @@ class Service:
         )
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
+
+    async def _check_upstream(self) -> None:
+        """Connect to the upstream once before serving, so that a server that is down, or a mistyped URL,
+        is said at start-up rather than by the first client's 502. Only a warning: the server may well be
+        starting up too, and requests are forwarded (and answered 502/504) the same either way."""
+        assert self.proxy is not None
+        why = await self.proxy.probe_upstream(START_CHECK_TIMEOUT_S)
+        if why is not None:
+            log.warning("upstream %s is not answering (%s): serving anyway; requests will get %d until it does",
+                        self.cfg.upstream, why, 504 if why.timeout else 502)
 
     @property
     def url(self) -> str:

@@ -575,18 +575,34 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def _connect(self) -> UpstreamConn:
+    async def probe(self, timeout_s: float) -> UpstreamError | None:
+        """Connect once: None when the upstream accepts a connection within ``timeout_s``, else why not, in
+        the words a request's 502 or 504 would use. Nothing is sent. For start-up's check. The connection
+        joins the idle ones, for the first request to use: the check costs the upstream no connection."""
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            conn = await self._connect(min(timeout_s, self.connect_timeout_s))
+        except UpstreamError as exc:
+            return exc
+        self._release(conn)
+        return None
+
+    async def _connect(self, timeout_s: float | None = None) -> UpstreamConn:
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
                 _, conn = await self.loop.create_connection(
                     lambda: UpstreamConn(self), self.host, self.port, ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None,
                 )
         except TimeoutError:
-            raise UpstreamError(f"no connection within connect_timeout_s ({self.connect_timeout_s:g} s)",
-                                timeout=True) from None
+            within = f"connect_timeout_s ({timeout_s:g} s)" if timeout_s == self.connect_timeout_s else f"{timeout_s:g} s"
+            raise UpstreamError(f"no connection within {within}", timeout=True) from None
         except (OSError, ssl.SSLError) as exc:
-            detail = getattr(exc, "strerror", None) or type(exc).__name__
+            # the system's words for the errno ("Connection refused"), the same on every event loop
+            # (asyncio's own loop says "Connect call failed (...)" where uvloop says "Connection refused")
+            errno = getattr(exc, "errno", None)
+            detail = (os.strerror(errno) if isinstance(errno, int) and errno > 0 else None) or \
+                getattr(exc, "strerror", None) or type(exc).__name__
             raise UpstreamError(f"cannot connect to the upstream: {detail}") from None
         return conn
 

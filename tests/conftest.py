@@ -96,9 +96,10 @@ class OffLoopTokenizer:
 
 
 class LiveStack:
-    """A fake upstream and a proxy on a private event loop thread; ``run(coro)`` runs on that loop."""
+    """A fake upstream and a proxy on a private event loop thread; ``run(coro)`` runs on that loop.
+    ``upstream_path`` is appended to the upstream's URL in the proxy's config (a base path, ``/v1``...)."""
 
-    def __init__(self, tmp: Path, tokenizer, raw_script=None, **cfg) -> None:
+    def __init__(self, tmp: Path, tokenizer, raw_script=None, upstream_path: str = "", **cfg) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -112,7 +113,7 @@ class LiveStack:
 
             self.raw = RawUpstream(raw_script)
             self.run(self.raw.start())
-        target = self.raw.url if self.raw is not None else self.upstream.url
+        target = (self.raw.url if self.raw is not None else self.upstream.url) + upstream_path
         self.cfg = load_config(env={}, overrides={"upstream": target, "port": 0,
                                                    "db": str(tmp / "turns.db"), **cfg})
         from specproxy.store import Writer

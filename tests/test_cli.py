@@ -155,6 +155,25 @@ def test_serve_says_how_a_chat_template_is_counted(hf_dir, tmp_path):
     assert proc.returncode == 0
 
 
+def test_serve_says_where_a_client_path_goes(tmp_path):
+    """A base URL copied from a server's docs (with /v1): the start-up line shows the mapping, no /v1/v1."""
+    proc = subprocess.Popen([*SPECPROXY, "serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--db",
+                             str(tmp_path / "t.db")], stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        for _ in range(50):  # bounded: start-up prints a few lines at most before this one
+            line = proc.stderr.readline()
+            if not line or "forwarding http://" in line:
+                break
+        assert ("(client /v1/chat/completions -> http://127.0.0.1:9/v1/chat/completions; "
+                "/chat/completions -> http://127.0.0.1:9/chat/completions)") in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == 0
+
+
 def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok):
     stack = make_stack()  # used for its fake upstream only
     stack.upstream.script = Script(pieces=["A", " real", " answer"], interval_s=0.01)
