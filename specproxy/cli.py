@@ -117,9 +117,10 @@ def _db_path(db: str | None) -> str:
 
 
 def _open(db: str | None):
-    from .store import connect
+    """The database for reading: every way it can be the wrong file is one line (store.reading)."""
+    from .store import reading
 
-    return connect(_db_path(db), readonly=True)
+    return reading(_db_path(db))
 
 
 def _echo(result: dict, render, as_json: bool) -> None:
@@ -135,12 +136,9 @@ def _report(db: str | None, label: str | None = None, since: str | None = None, 
     from .report import REPORT_COLUMNS, build_report
 
     window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
-    conn = _open(db)
-    try:
+    with _open(db) as conn:
         turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
         return build_report(turns, source=_db_path(db), conn=conn)
-    finally:
-        conn.close()
 
 
 window_options = [
@@ -188,23 +186,22 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
     from .dataset import parse_time, where_clause
     from .record import FIELD_NAMES
 
-    conn = _open(db)
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
     sql = f"SELECT {', '.join(FIELD_NAMES)} FROM turns{where}"
-    out = sys.stdout if output == "-" else open(output, "w", newline="")
-    try:
-        rows = conn.execute(sql + " ORDER BY t_wall", params)
-        if fmt == "csv":
-            writer = csv.writer(out)
-            writer.writerow(FIELD_NAMES)
-            writer.writerows(rows)
-        else:
-            for row in rows:
-                out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
-    finally:
-        conn.close()
-        if out is not sys.stdout:
-            out.close()
+    with _open(db) as conn:
+        out = sys.stdout if output == "-" else open(output, "w", newline="")
+        try:
+            rows = conn.execute(sql + " ORDER BY t_wall", params)
+            if fmt == "csv":
+                writer = csv.writer(out)
+                writer.writerow(FIELD_NAMES)
+                writer.writerows(rows)
+            else:
+                for row in rows:
+                    out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
 
 
 @main.command("compare")
@@ -228,14 +225,11 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
-    conn = _open(db)
-    try:
+    with _open(db) as conn:
         if negative_control:
             r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache)
         else:
             r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
-    finally:
-        conn.close()
     _echo(r, render_compare, as_json)
 
 

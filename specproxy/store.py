@@ -14,7 +14,8 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from operator import attrgetter
 from pathlib import Path
@@ -25,7 +26,7 @@ import sqlite_utils
 from .errors import StoreError
 from .record import FIELD_NAMES, Record
 
-__all__ = ["MIGRATIONS", "Writer", "connect", "migrate", "open_store"]
+__all__ = ["MIGRATIONS", "Writer", "check_schema", "connect", "migrate", "open_store", "reading"]
 
 
 def _sqlite_type(annotation: str) -> type:
@@ -108,14 +109,23 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
 ]
 
 
-def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """Open the database (WAL, a busy timeout); raise StoreError with a clear reason when it can't."""
+def connect(path: str | Path, *, readonly: bool = False, existing: bool | None = None) -> sqlite3.Connection:
+    """Open the database (WAL, a busy timeout); raise StoreError with a clear reason when it can't.
+
+    ``existing`` (the default when ``readonly``): the file must already be a specproxy database of a
+    schema this version knows; it is never created. Read commands and ``prune`` open it so, and every
+    way a file can be the wrong one (missing, a directory, empty, not SQLite, another program's, written
+    by a newer or older specproxy) is said here as one line naming the path, not left to the first query.
+    """
     p = Path(path)
+    existing = readonly if existing is None else existing
     try:
-        if readonly:
-            if not p.exists():
-                raise StoreError(f"database {p} does not exist (run `specproxy serve` or `specproxy demo` first)")
-            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, check_same_thread=False)
+        if existing:
+            _check_file(p)
+            if readonly:
+                conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, check_same_thread=False)
+            else:  # never creates the file; transactions are the caller's, as the writer's are
+                conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, check_same_thread=False, isolation_level=None)
         else:
             if p.parent and not p.parent.exists():
                 raise StoreError(f"cannot create database {p}: directory {p.parent} does not exist")
@@ -123,9 +133,78 @@ def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=2000")
-        return conn
     except sqlite3.Error as exc:
-        raise StoreError(f"cannot open database {p}: {exc}") from None
+        raise StoreError(f"{p}: cannot open database: {exc}") from None
+    if existing:
+        try:
+            check_schema(conn, p)
+        except BaseException:
+            conn.close()
+            raise
+    return conn
+
+
+def _check_file(p: Path) -> None:
+    """What the file system alone can tell; SQLite would create a missing file, and calls a directory
+    a "disk I/O error"."""
+    if p.is_dir():
+        raise StoreError(f"{p}: is a directory, not a database file")
+    if not p.exists():
+        raise StoreError(f"{p}: database does not exist (run `specproxy serve` or `specproxy demo` first)")
+
+
+def check_schema(conn: sqlite3.Connection, p: Path) -> None:
+    """Raise StoreError unless ``conn`` holds a specproxy database whose migrations are exactly ours."""
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        done = ({row[0] for row in conn.execute("SELECT name FROM _migrations")}
+                if "_migrations" in tables else set())
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _NOTADB:  # junk bytes: "file is not a database"
+            raise StoreError(f"{p}: not an SQLite database ({exc})") from None
+        raise StoreError(f"{p}: cannot read database: {exc}") from None
+    if "turns" not in tables or not done:
+        what = "an empty file (0 bytes)" if _size(p) == 0 else (
+            "an SQLite database without a turns table" if "turns" not in tables else "a turns table without _migrations")
+        raise StoreError(f"{p}: not a specproxy database: {what}")
+    known = [name for name, _ in MIGRATIONS]
+    newer = sorted(done - set(known))
+    if newer:
+        raise StoreError(f"{p}: written by a newer specproxy (schema step {newer[0]} is unknown here): upgrade "
+                         f"specproxy to read it")
+    missing = [name for name in known if name not in done]
+    if missing:
+        raise StoreError(f"{p}: written by an older specproxy (schema step {missing[0]} not applied): "
+                         f"`specproxy serve --db {p}` upgrades it in place")
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return -1
+
+
+_NOTADB = 26
+# SQLite's primary result codes that say the file (not the query) is the problem
+# (PERM, BUSY, LOCKED, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB)
+_FILE_ERRORS = frozenset({3, 5, 6, 8, 10, 11, 13, 14, _NOTADB})
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to an existing specproxy database, closed on exit. A file that fails
+    part-way (a corrupt page, a lock held too long) is a StoreError naming the path, not a traceback;
+    any other SQLite error is a bug and keeps its traceback."""
+    conn = connect(path, readonly=True)
+    try:
+        yield conn
+    except sqlite3.DatabaseError as exc:
+        if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in _FILE_ERRORS:
+            raise
+        raise StoreError(f"{path}: cannot read database: {exc}") from None
+    finally:
+        conn.close()
 
 
 def migrate(conn: sqlite3.Connection) -> list[str]:

@@ -1,0 +1,143 @@
+"""Every read command on every kind of wrong database file: one line naming the file, exit status 2,
+no traceback, and the file left as it was (a missing one is not created)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specproxy.cli import main
+from specproxy.store import open_store
+
+COMMANDS = {
+    "report": ["report"],
+    "report --json": ["report", "--json"],
+    "report --no-cache": ["report", "--no-cache"],
+    "export jsonl": ["export"],
+    "export csv": ["export", "--format", "csv"],
+    "compare": ["compare", "a", "b"],
+    "compare --negative-control": ["compare", "a", "--negative-control"],
+}
+
+
+def _turns_db(path: Path, n: int = 0) -> Path:
+    conn = open_store(path)
+    conn.executemany("INSERT INTO turns (id, t_wall, method, path, outcome, label) "
+                     "VALUES (?, ?, 'POST', '/v1/chat/completions', 'ok', ?)",
+                     [(f"{i:032x}", 1.7e9 + i, "ab"[i % 2]) for i in range(n)])
+    conn.close()
+    return path
+
+
+def _missing(p: Path) -> None:
+    pass
+
+
+def _empty(p: Path) -> None:
+    p.write_bytes(b"")
+
+
+def _junk(p: Path) -> None:
+    p.write_bytes(bytes(range(256)) * 16)
+
+
+def _foreign(p: Path) -> None:  # another program's SQLite database
+    conn = sqlite3.connect(p)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+
+
+def _directory(p: Path) -> None:
+    p.mkdir()
+
+
+def _newer(p: Path) -> None:
+    conn = open_store(p)
+    conn.execute("INSERT INTO _migrations VALUES ('999_from_the_future', 0)")
+    conn.close()
+
+
+def _older(p: Path) -> None:
+    conn = open_store(p)
+    conn.execute("DELETE FROM _migrations WHERE name = '004_content_class'")
+    conn.close()
+
+
+def _corrupt(p: Path) -> None:
+    """A specproxy database whose schema pages are intact and whose turn pages are not: it opens, and
+    fails only once the turns are read."""
+    _turns_db(p, 3000)
+    size = p.stat().st_size
+    with open(p, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xa5" * (size - size // 2))
+
+
+def _unreadable(p: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root reads a file whatever its mode")
+    _turns_db(p)
+    p.chmod(0)
+
+
+KINDS = {
+    "missing": (_missing, "database does not exist"),
+    "empty": (_empty, "not a specproxy database: an empty file (0 bytes)"),
+    "junk": (_junk, "not an SQLite database"),
+    "foreign": (_foreign, "not a specproxy database: an SQLite database without a turns table"),
+    "directory": (_directory, "is a directory"),
+    "newer": (_newer, "written by a newer specproxy (schema step 999_from_the_future is unknown here)"),
+    "older": (_older, "written by an older specproxy (schema step 004_content_class not applied)"),
+    "corrupt": (_corrupt, "cannot read database: database disk image is malformed"),
+    "unreadable": (_unreadable, "cannot"),
+}
+
+
+def _fingerprint(p: Path) -> str | None:
+    if p.is_dir():
+        return "dir:" + ",".join(sorted(os.listdir(p)))
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_database_is_one_line_and_left_alone(tmp_path, kind, command):
+    make, message = KINDS[kind]
+    db = tmp_path / "specproxy.db"
+    make(db)
+    before = _fingerprint(db)
+    result = CliRunner().invoke(main, [*COMMANDS[command], "--db", str(db)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert lines == [lines[0]] and lines[0].startswith(f"specproxy: error: {db}: ") and message in lines[0], lines
+    assert "Traceback" not in result.output
+    if kind != "corrupt":  # export streams: rows before the bad page may be out already
+        assert result.stdout == ""
+    assert _fingerprint(db) == before  # never created, never changed
+    assert not (tmp_path / "specproxy.db.cache").exists()
+
+
+def test_a_bad_database_through_the_real_entry_point(tmp_path):
+    """The same, as a user runs it: a separate process, its stderr as written (no traceback at all)."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "junk.db"
+    _junk(db)
+    proc = subprocess.run([sys.executable, "-m", "specproxy.cli", "export", "--db", str(db)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [f"specproxy: error: {db}: not an SQLite database (file is not a database)"]
+
+
+def test_a_good_database_still_reads(tmp_path):
+    db = _turns_db(tmp_path / "ok.db", 40)
+    for command in COMMANDS.values():
+        result = CliRunner().invoke(main, [*command, "--db", str(db)])
+        assert result.exit_code == 0, (command, result.output, result.exception)
