@@ -141,3 +141,29 @@ def test_a_good_database_still_reads(tmp_path):
     for command in COMMANDS.values():
         result = CliRunner().invoke(main, [*command, "--db", str(db)])
         assert result.exit_code == 0, (command, result.output, result.exception)
+
+
+def _serve_on_a_busy_port(db: Path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "specproxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
+                               "--port", str(port), "--db", str(db)], capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"specproxy: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in lines[0].lower()
+
+
+def test_serve_on_a_port_in_use_creates_no_database(tmp_path):
+    _serve_on_a_busy_port(tmp_path / "fresh.db")
+    assert sorted(os.listdir(tmp_path)) == []  # no fresh.db, -wal, -shm
+
+
+def test_serve_on_a_port_in_use_leaves_an_existing_database_as_it_was(tmp_path):
+    db = _turns_db(tmp_path / "kept.db", 10)
+    before = db.read_bytes()
+    _serve_on_a_busy_port(db)
+    assert db.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kept.db"]
