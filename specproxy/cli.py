@@ -117,10 +117,10 @@ def _db_path(db: str | None) -> str:
 
 
 def _open(db: str | None):
-    """The database for reading: every way it can be the wrong file is one line (store.reading)."""
-    from .store import reading
+    """The database for reading: every way it can be the wrong file is one line (store.open_existing)."""
+    from .store import open_existing
 
-    return reading(_db_path(db))
+    return open_existing(_db_path(db))
 
 
 def _echo(result: dict, render, as_json: bool) -> None:
@@ -231,6 +231,56 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
         else:
             r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
     _echo(r, render_compare, as_json)
+
+
+@main.command()
+@db_option
+@click.option("--before", required=True, help="Delete rows from before this time (ISO 8601 UTC or epoch s)")
+@click.option("--turns", "with_turns", is_flag=True,
+              help="Also delete the turns from before it (the measurements themselves: they are gone for good)")
+@click.option("--vacuum", is_flag=True,
+              help="Then rewrite the file to give the freed space back to the disk (needs that much free space "
+                   "again, and blocks a running serve's writes meanwhile); without it the space is reused by new rows")
+@_friendly
+def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
+    """Delete the server scrapes (and with --turns, the turns) stored before a time; print how many.
+
+    serve deletes scrapes older than scrape_retention_days on its own; this is for doing it by hand,
+    or for turns, which nothing deletes otherwise. Safe beside a running serve: it deletes in short
+    transactions.
+    """
+    import time
+
+    from .dataset import parse_time
+    from .retention import delete_scrapes, delete_turns
+    from .store import open_existing
+
+    cutoff = parse_time(before)
+    if cutoff is None or cutoff > time.time():
+        raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
+    path = _db_path(db)
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    scrapes = turns = counters = 0
+    with open_existing(path, readonly=False) as conn:
+        while n := delete_scrapes(conn, cutoff):  # chunk by chunk: each a short transaction
+            scrapes += n
+        while with_turns:
+            n, joins = delete_turns(conn, cutoff)
+            if not n:
+                break
+            turns, counters = turns + n, counters + joins
+        if vacuum:
+            conn.execute("VACUUM")
+    deleted = f"{scrapes} scrapes" + (f", {turns} turns and their {counters} counter joins" if with_turns else "")
+    click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {path}")
+    if vacuum:
+        click.echo(f"vacuumed: {size / 1e6:.1f} MB -> {Path(path).stat().st_size / 1e6:.1f} MB")
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @main.command()

@@ -171,7 +171,8 @@ class Service:
         sockets = bind_listeners(cfg.host, cfg.port)
         try:
             tokenizer = load_tokenizer(cfg.tokenizer)
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size),
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size,
+                                                                  scrape_retention_days=cfg.scrape_retention_days),
                        _sockets=sockets)
         except BaseException:
             for sock in sockets:

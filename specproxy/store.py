@@ -25,8 +25,9 @@ import sqlite_utils
 
 from .errors import StoreError
 from .record import FIELD_NAMES, Record
+from .retention import ScrapeRetention
 
-__all__ = ["MIGRATIONS", "Writer", "check_schema", "connect", "migrate", "open_store", "reading"]
+__all__ = ["MIGRATIONS", "Writer", "check_schema", "connect", "migrate", "open_existing", "open_store"]
 
 
 def _sqlite_type(annotation: str) -> type:
@@ -192,17 +193,17 @@ _FILE_ERRORS = frozenset({3, 5, 6, 8, 10, 11, 13, 14, _NOTADB})
 
 
 @contextmanager
-def reading(path: str | Path) -> Iterator[sqlite3.Connection]:
-    """A read-only connection to an existing specproxy database, closed on exit. A file that fails
+def open_existing(path: str | Path, *, readonly: bool = True) -> Iterator[sqlite3.Connection]:
+    """A connection to an existing specproxy database (never created), closed on exit. A file that fails
     part-way (a corrupt page, a lock held too long) is a StoreError naming the path, not a traceback;
     any other SQLite error is a bug and keeps its traceback."""
-    conn = connect(path, readonly=True)
+    conn = connect(path, readonly=readonly, existing=True)
     try:
         yield conn
     except sqlite3.DatabaseError as exc:
         if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in _FILE_ERRORS:
             raise
-        raise StoreError(f"{path}: cannot read database: {exc}") from None
+        raise StoreError(f"{path}: cannot {'read' if readonly else 'write'} database: {exc}") from None
     finally:
         conn.close()
 
@@ -274,13 +275,16 @@ class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
-                 linger_s: float = 0.25) -> None:
+                 linger_s: float = 0.25, scrape_retention_days: float = 0.0) -> None:
         """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
         time (one measuring batch), and a commit costs more than a row: at 64 streams (~30 turns/s) the
         writer thread cost 1.6 µs per relayed chunk lingering 50 ms and 0.8 lingering 250 ms
         (scripts/bench_overhead.py). A row appears in the database at most that much later; ``close``
         does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
-        the interpreter lock longer while its rows are bound, which the relay feels as latency."""
+        the interpreter lock longer while its rows are bound, which the relay feels as latency.
+
+        ``scrape_retention_days``: scrapes older than this are deleted at start-up and hourly, a chunk at a
+        time between batches (retention.py); 0 keeps them all."""
         self.path = Path(path)
         self._linger_s = linger_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
@@ -290,6 +294,7 @@ class Writer:
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._stop = threading.Event()
+        self.retention = ScrapeRetention(scrape_retention_days)
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
         self.dropped = 0
@@ -324,6 +329,7 @@ class Writer:
         pending: list = []
         while True:
             if not pending:
+                self.retention.run_if_due(self._conn)  # here: never while a batch waits
                 try:
                     pending.append(self._queue.get(timeout=0.1))
                 except queue.Empty:

@@ -22,6 +22,7 @@ COMMANDS = {
     "export csv": ["export", "--format", "csv"],
     "compare": ["compare", "a", "b"],
     "compare --negative-control": ["compare", "a", "--negative-control"],
+    "prune --turns": ["prune", "--before", "2025-01-01", "--turns"],  # after every turn: reads them all
 }
 
 
@@ -94,7 +95,7 @@ KINDS = {
     "directory": (_directory, "is a directory"),
     "newer": (_newer, "written by a newer specproxy (schema step 999_from_the_future is unknown here)"),
     "older": (_older, "written by an older specproxy (schema step 004_content_class not applied)"),
-    "corrupt": (_corrupt, "cannot read database: database disk image is malformed"),
+    "corrupt": (_corrupt, "database: database disk image is malformed"),
     "unreadable": (_unreadable, "cannot"),
 }
 
