@@ -15,7 +15,7 @@ import click
 import orjson
 
 from . import __version__
-from .config import CADENCE_POLL_MODES, load_config
+from .config import CADENCE_POLL_MODES, Config, load_config
 from .errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -46,27 +46,64 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-db_option = click.option("--db", default=None, help="SQLite database file [default: specproxy.db]")
+def _shown(value: Any) -> str:
+    """A default as a user would type it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+_DEFAULTS = Config()
+
+
+def _setting(flag: str, key: str, help: str, **kwargs: Any):
+    """The option that sets Config ``key``; not given, the config file's, SPECPROXY_<KEY>'s or the default
+    value holds. The default in the help is read from Config, so help and code cannot differ."""
+    return click.option(flag, key, default=None, help=f"{help} [default: {_shown(getattr(_DEFAULTS, key))}]",
+                        **kwargs)
+
+
+db_option = _setting("--db", "db", "SQLite database file")
+
+# Config keys with no serve flag, each with the reason; the test suite checks that every other key has one.
+CONFIG_ONLY: dict[str, str] = {}
 
 
 @main.command()
-@click.option("--upstream", help="Base URL of the inference server, e.g. http://127.0.0.1:8000")
-@click.option("--host", default=None, help="Address to listen on [default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="Port to listen on [default: 8080]")
+@click.option("--upstream", "upstream",
+              help="Base URL of the inference server, e.g. http://127.0.0.1:8000 "
+                   "[required unless set in the --config file or SPECPROXY_UPSTREAM]")
+@_setting("--host", "host", "Address to listen on")
+@_setting("--port", "port", "Port to listen on", type=int)
 @db_option
-@click.option("--tokenizer", default=None, help="hf:DIR, tiktoken:ENCODING or none [default: none]")
-@click.option("--label", default=None, help="Label every turn (an A/B arm); X-Specproxy-Label overrides")
-@click.option("--store-text/--no-store-text", default=None, help="Store prompt and response text (opt-in)")
-@click.option("--max-concurrent", type=int, default=None, help="Requests in flight before 503 [default: 1024]")
-@click.option("--idle-timeout", "idle_timeout_s", type=float, default=None,
-              help="Seconds without upstream bytes before giving up [default: 600]; no total deadline")
-@click.option("--scrape-interval", "scrape_interval_s", type=float, default=None,
-              help="Seconds between polls of the upstream's /metrics; 0 = off [default: 5]")
-@click.option("--cadence-poll", type=click.Choice(CADENCE_POLL_MODES), default=None,
-              help="With few streams, poll for each next token on the server's decode clock instead of "
-                   "sleeping until it comes; auto: only while a core is idle [default: auto]")
+@_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
+@_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
+@_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
+@_setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
+@_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
+@_setting("--idle-timeout", "idle_timeout_s",
+          "Seconds without upstream bytes before giving up; no total deadline", type=float)
+@_setting("--header-timeout", "header_timeout_s",
+          "Seconds a client may take to send its request headers, and the longest pause inside a request "
+          "body (408); also how long an idle kept-alive connection stays open", type=float)
+@_setting("--queue-size", "queue_size",
+          "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
+          type=int)
+@_setting("--metrics-path", "metrics_path", "The upstream's Prometheus endpoint")
+@_setting("--scrape-interval", "scrape_interval_s", "Seconds between polls of the upstream's metrics; 0 = off",
+          type=float)
+@_setting("--scrape-retention-days", "scrape_retention_days",
+          "Days of polled metrics kept in the database (turns are kept); 0 = all", type=float)
+@_setting("--cadence-poll", "cadence_poll",
+          "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
+          "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config file (see config.example.toml)")
+              help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @_friendly
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""

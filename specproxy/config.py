@@ -74,7 +74,8 @@ class Config:
     @property
     def upstream_url(self) -> URL:
         if not self.upstream:
-            raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000)")
+            raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000), or set upstream in "
+                              "the --config file or SPECPROXY_UPSTREAM")
         return URL(self.upstream)
 
 

@@ -144,15 +144,19 @@ def test_a_good_database_still_reads(tmp_path):
         assert result.exit_code == 0, (command, result.output, result.exception)
 
 
-def _serve_on_a_busy_port(db: Path):
+def _serve_on_a_busy_port(db: Path, *args: str, env: dict | None = None):
+    """serve on a port another socket holds; ``args`` replace ``--upstream``."""
     import socket
     import subprocess
     import sys
 
+    if not args and env is None:
+        args = ("--upstream", "http://127.0.0.1:9")
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "specproxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
-                               "--port", str(port), "--db", str(db)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "specproxy.cli", "serve", *args, "--port", str(port),
+                               "--db", str(db)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **(env or {})})
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"specproxy: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in lines[0].lower()
@@ -168,3 +172,11 @@ def test_serve_on_a_port_in_use_leaves_an_existing_database_as_it_was(tmp_path):
     before = db.read_bytes()
     _serve_on_a_busy_port(db)
     assert db.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kept.db"]
+
+
+def test_the_upstream_may_come_from_the_config_file_or_the_environment(tmp_path):
+    """--upstream is required only when neither gives it: serve gets as far as binding the port."""
+    config = tmp_path / "c.toml"
+    config.write_text('upstream = "http://127.0.0.1:9"\n')
+    _serve_on_a_busy_port(tmp_path / "a.db", "--config", str(config))
+    _serve_on_a_busy_port(tmp_path / "b.db", env={"SPECPROXY_UPSTREAM": "http://127.0.0.1:9"})
