@@ -180,3 +180,25 @@ def test_the_upstream_may_come_from_the_config_file_or_the_environment(tmp_path)
     config.write_text('upstream = "http://127.0.0.1:9"\n')
     _serve_on_a_busy_port(tmp_path / "a.db", "--config", str(config))
     _serve_on_a_busy_port(tmp_path / "b.db", env={"SPECPROXY_UPSTREAM": "http://127.0.0.1:9"})
+
+
+def test_a_start_that_fails_closes_the_database_and_the_port(tmp_path):
+    """Whatever fails in start(), run_forever closes what was opened: the writer's database (so its -wal
+    and -shm go) and the bound port."""
+    import asyncio
+
+    from specproxy.config import load_config
+    from specproxy.service import Service
+
+    cfg = load_config(env={}, overrides={"upstream": "http://127.0.0.1:9", "port": 0, "db": str(tmp_path / "s.db")})
+    service = Service.from_config(cfg)
+    bound = list(getattr(service, "_sockets", []))
+
+    async def fail() -> int:
+        raise RuntimeError("start-up failed")
+
+    service.start = fail
+    with pytest.raises(RuntimeError, match="start-up failed"):
+        asyncio.run(service.run_forever())
+    assert sorted(os.listdir(tmp_path)) == ["s.db"]  # closed: no -wal, -shm
+    assert all(sock.fileno() == -1 for sock in bound)
