@@ -293,7 +293,8 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     from .store import open_existing
 
     cutoff = parse_time(before)
-    if cutoff is None or cutoff > time.time():
+    assert cutoff is not None  # --before is required
+    if cutoff > time.time():
         raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
     path = _db_path(db)
     size = Path(path).stat().st_size if Path(path).is_file() else 0

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 __all__ = ["PRUNE_CHUNK", "PRUNE_EVERY_S", "ScrapeRetention", "delete_scrapes", "delete_turns"]
 
-PRUNE_CHUNK = 5000  # rows per transaction
+PRUNE_CHUNK = 1000  # rows per transaction: an hour of scrapes at 5 s (720) in one, and a short lock for the turns
 PRUNE_EVERY_S = 3600.0  # between the writer's scheduled deletes, once nothing old is left
 RETRY_S = 60.0  # after the database refused a delete (locked, full)
 
