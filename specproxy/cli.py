@@ -15,7 +15,7 @@ import click
 import orjson
 
 from . import __version__
-from .config import CADENCE_POLL_MODES, load_config
+from .config import CADENCE_POLL_MODES, Config, load_config
 from .errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -46,27 +46,64 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-db_option = click.option("--db", default=None, help="SQLite database file [default: specproxy.db]")
+def _shown(value: Any) -> str:
+    """A default as a user would type it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+_DEFAULTS = Config()
+
+
+def _setting(flag: str, key: str, help: str, **kwargs: Any):
+    """The option that sets Config ``key``; not given, the config file's, SPECPROXY_<KEY>'s or the default
+    value holds. The default in the help is read from Config, so help and code cannot differ."""
+    return click.option(flag, key, default=None, help=f"{help} [default: {_shown(getattr(_DEFAULTS, key))}]",
+                        **kwargs)
+
+
+db_option = _setting("--db", "db", "SQLite database file")
+
+# Config keys with no serve flag, each with the reason; the test suite checks that every other key has one.
+CONFIG_ONLY: dict[str, str] = {}
 
 
 @main.command()
-@click.option("--upstream", help="Base URL of the inference server, e.g. http://127.0.0.1:8000")
-@click.option("--host", default=None, help="Address to listen on [default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="Port to listen on [default: 8080]")
+@click.option("--upstream", "upstream",
+              help="Base URL of the inference server, e.g. http://127.0.0.1:8000 "
+                   "[required unless set in the --config file or SPECPROXY_UPSTREAM]")
+@_setting("--host", "host", "Address to listen on")
+@_setting("--port", "port", "Port to listen on", type=int)
 @db_option
-@click.option("--tokenizer", default=None, help="hf:DIR, tiktoken:ENCODING or none [default: none]")
-@click.option("--label", default=None, help="Label every turn (an A/B arm); X-Specproxy-Label overrides")
-@click.option("--store-text/--no-store-text", default=None, help="Store prompt and response text (opt-in)")
-@click.option("--max-concurrent", type=int, default=None, help="Requests in flight before 503 [default: 1024]")
-@click.option("--idle-timeout", "idle_timeout_s", type=float, default=None,
-              help="Seconds without upstream bytes before giving up [default: 600]; no total deadline")
-@click.option("--scrape-interval", "scrape_interval_s", type=float, default=None,
-              help="Seconds between polls of the upstream's /metrics; 0 = off [default: 5]")
-@click.option("--cadence-poll", type=click.Choice(CADENCE_POLL_MODES), default=None,
-              help="With few streams, poll for each next token on the server's decode clock instead of "
-                   "sleeping until it comes; auto: only while a core is idle [default: auto]")
+@_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
+@_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
+@_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
+@_setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
+@_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
+@_setting("--idle-timeout", "idle_timeout_s",
+          "Seconds without upstream bytes before giving up; no total deadline", type=float)
+@_setting("--header-timeout", "header_timeout_s",
+          "Seconds a client may take to send its request headers, and the longest pause inside a request "
+          "body (408); also how long an idle kept-alive connection stays open", type=float)
+@_setting("--queue-size", "queue_size",
+          "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
+          type=int)
+@_setting("--metrics-path", "metrics_path", "The upstream's Prometheus endpoint")
+@_setting("--scrape-interval", "scrape_interval_s", "Seconds between polls of the upstream's metrics; 0 = off",
+          type=float)
+@_setting("--scrape-retention-days", "scrape_retention_days",
+          "Days of polled metrics kept in the database (turns are kept); 0 = all", type=float)
+@_setting("--cadence-poll", "cadence_poll",
+          "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
+          "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config file (see config.example.toml)")
+              help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @_friendly
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""
@@ -118,9 +155,10 @@ def _db_path(db: str | None) -> str:
 
 
 def _open(db: str | None):
-    from .store import connect
+    """The database for reading: every way it can be the wrong file is one line (store.open_existing)."""
+    from .store import open_existing
 
-    return connect(_db_path(db), readonly=True)
+    return open_existing(_db_path(db))
 
 
 def _echo(result: dict, render, as_json: bool) -> None:
@@ -136,12 +174,9 @@ def _report(db: str | None, label: str | None = None, since: str | None = None, 
     from .report import REPORT_COLUMNS, build_report
 
     window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
-    conn = _open(db)
-    try:
+    with _open(db) as conn:
         turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
         return build_report(turns, source=_db_path(db), conn=conn, window=window)
-    finally:
-        conn.close()
 
 
 window_options = [
@@ -189,23 +224,22 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
     from .dataset import parse_time, where_clause
     from .record import FIELD_NAMES
 
-    conn = _open(db)
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
     sql = f"SELECT {', '.join(FIELD_NAMES)} FROM turns{where}"
-    out = sys.stdout if output == "-" else open(output, "w", newline="")
-    try:
-        rows = conn.execute(sql + " ORDER BY t_wall", params)
-        if fmt == "csv":
-            writer = csv.writer(out)
-            writer.writerow(FIELD_NAMES)
-            writer.writerows(rows)
-        else:
-            for row in rows:
-                out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
-    finally:
-        conn.close()
-        if out is not sys.stdout:
-            out.close()
+    with _open(db) as conn:
+        out = sys.stdout if output == "-" else open(output, "w", newline="")
+        try:
+            rows = conn.execute(sql + " ORDER BY t_wall", params)
+            if fmt == "csv":
+                writer = csv.writer(out)
+                writer.writerow(FIELD_NAMES)
+                writer.writerows(rows)
+            else:
+                for row in rows:
+                    out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
 
 
 @main.command("compare")
@@ -229,15 +263,63 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
-    conn = _open(db)
-    try:
+    with _open(db) as conn:
         if negative_control:
             r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache)
         else:
             r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
-    finally:
-        conn.close()
     _echo(r, render_compare, as_json)
+
+
+@main.command()
+@db_option
+@click.option("--before", required=True, help="Delete rows from before this time (ISO 8601 UTC or epoch s)")
+@click.option("--turns", "with_turns", is_flag=True,
+              help="Also delete the turns from before it (the measurements themselves: they are gone for good)")
+@click.option("--vacuum", is_flag=True,
+              help="Then rewrite the file to give the freed space back to the disk (needs that much free space "
+                   "again, and blocks a running serve's writes meanwhile); without it the space is reused by new rows")
+@_friendly
+def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
+    """Delete the server scrapes (and with --turns, the turns) stored before a time; print how many.
+
+    serve deletes scrapes older than scrape_retention_days on its own; this is for doing it by hand,
+    or for turns, which nothing deletes otherwise. Safe beside a running serve: it deletes in short
+    transactions.
+    """
+    import time
+
+    from .dataset import parse_time
+    from .retention import delete_scrapes, delete_turns
+    from .store import open_existing
+
+    cutoff = parse_time(before)
+    assert cutoff is not None  # --before is required
+    if cutoff > time.time():
+        raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
+    path = _db_path(db)
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    scrapes = turns = counters = 0
+    with open_existing(path, readonly=False) as conn:
+        while n := delete_scrapes(conn, cutoff):  # chunk by chunk: each a short transaction
+            scrapes += n
+        while with_turns:
+            n, joins = delete_turns(conn, cutoff)
+            if not n:
+                break
+            turns, counters = turns + n, counters + joins
+        if vacuum:
+            conn.execute("VACUUM")
+    deleted = f"{scrapes} scrapes" + (f", {turns} turns and their {counters} counter joins" if with_turns else "")
+    click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {path}")
+    if vacuum:
+        click.echo(f"vacuumed: {size / 1e6:.1f} MB -> {Path(path).stat().st_size / 1e6:.1f} MB")
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @main.command()

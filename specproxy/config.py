@@ -60,6 +60,12 @@ class Config:
     """The upstream's Prometheus endpoint, polled for its own counters."""
     scrape_interval_s: float = 5.0
     """Seconds between polls of ``metrics_path``; 0 turns scraping off."""
+    scrape_retention_days: float = 30.0
+    """Days of scrapes kept (the ``scrapes`` table: one row per poll of ``metrics_path``, holding the
+    whole page); older ones are deleted at start-up and hourly; 0 keeps them all. Turns are never deleted
+    by this (``specproxy prune --turns`` does that). At the default 5 s interval one llama.cpp server's
+    scrapes take about 15 MB a day, so the default keeps about 450 MB; a vLLM page carries histograms and
+    is many times larger (see yours: ``SELECT avg(length(raw)) FROM scrapes`` is bytes per row)."""
     cadence_poll: str = "auto"
     """``auto``, ``on`` or ``off``: with at most 4 streams in flight, the relay thread learns the server's
     decode clock and polls for each next token instead of sleeping until it comes, which saves the token a
@@ -72,7 +78,8 @@ class Config:
         """The upstream server's root: what every client path is appended to, and what ``metrics_path``
         and the identity look-ups (``/v1/models``...) are read under. See ``server_root``."""
         if not self.upstream:
-            raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000)")
+            raise ConfigError("no upstream: pass --upstream URL (e.g. http://127.0.0.1:8000), or set upstream in "
+                              "the --config file or SPECPROXY_UPSTREAM")
         return server_root(URL(self.upstream))
 
     def forwards_to(self, client_path: str) -> str:
@@ -141,6 +148,8 @@ def _validate(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be positive")
     if cfg.scrape_interval_s < 0:
         raise ConfigError("scrape_interval_s must be >= 0")
+    if cfg.scrape_retention_days < 0:
+        raise ConfigError("scrape_retention_days must be >= 0 (0 keeps every scrape)")
     if cfg.cadence_poll not in CADENCE_POLL_MODES:
         raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
     return cfg

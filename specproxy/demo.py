@@ -126,7 +126,7 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     service = Service(cfg=cfg, tokenizer=tok)
     from .store import Writer
 
-    service.writer = Writer(cfg.db, queue_size=cfg.queue_size)
+    service.writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
     await service.start()
     progress(f"demo: scripted upstream at {upstream.url}, specproxy at {service.url}, database {db}")
     tools = _tools()

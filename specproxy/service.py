@@ -19,6 +19,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from contextlib import suppress
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from .cadence_poll import CadenceGate, cpu_quota, poll_stats
 from .config import Config
+from .errors import SpecproxyError
 from .lane import Lane, Lanes, lane_enabled
 from .observe import ServerWatch
 from .proxy import Proxy
@@ -117,6 +119,26 @@ class _HeadDeadline(asyncio.Protocol):
         self._inner.resume_writing()
 
 
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Bind (not yet listen on) every address ``host`` resolves to, as asyncio's ``create_server`` would;
+    a SpecproxyError when one cannot be bound (a port in use), with nothing left open."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise SpecproxyError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
 def install_uvloop() -> bool:
     """Use uvloop when it is installed (it is a dependency on Linux and macOS)."""
     try:
@@ -142,14 +164,24 @@ class Service:
     lanes: Lanes = field(default_factory=Lanes)
     cadence: CadenceGate | None = None
     _runner: web.ServerRunner | None = None
-    _listener: asyncio.AbstractServer | None = None
+    _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
+    _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
 
     @classmethod
     def from_config(cls, cfg: Config) -> Service:
-        """Load what can fail (tokenizer, database) before listening, so errors come at start-up."""
+        """Bind the port, then load what can fail (tokenizer, database), so that errors come at start-up
+        and a port in use is said before the database file (and its -wal, -shm) is created."""
         cfg.upstream_url  # noqa: B018 - raises ConfigError without an upstream
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size))
+        sockets = bind_listeners(cfg.host, cfg.port)
+        try:
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size,
+                                                                  scrape_retention_days=cfg.scrape_retention_days),
+                       _sockets=sockets)
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
 
     def _sink(self, record: Record) -> None:
         if self.writer is not None:
@@ -191,10 +223,11 @@ class Service:
             def protocol() -> asyncio.Protocol:
                 return _HeadDeadline(server(), timeout, expired)
 
-        self._listener = await asyncio.get_running_loop().create_server(
-            protocol, self.cfg.host, self.cfg.port, backlog=1024
-        )
-        self.port = self._listener.sockets[0].getsockname()[1]
+        sockets, self._sockets = self._sockets or bind_listeners(self.cfg.host, self.cfg.port), []
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            self._listeners.append(await loop.create_server(protocol, sock=sock, backlog=1024))
+        self.port = sockets[0].getsockname()[1]
         return self.port
 
     async def _check_upstream(self) -> None:
@@ -251,8 +284,11 @@ class Service:
 
     async def stop(self) -> None:
         """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
-        if self._listener is not None:
-            self._listener.close()  # no new connections; open ones finish their current request
+        for listener in self._listeners:
+            listener.close()  # no new connections; open ones finish their current request
+        for sock in self._sockets:  # bound, never served: start() failed or never ran
+            sock.close()
+        self._sockets = []
         lanes = self.lanes.shutdown(30.0)  # as aiohttp's, below: in-flight exchanges get that long
         if self._runner is not None:
             await asyncio.gather(self._runner.cleanup(), lanes)
@@ -264,10 +300,10 @@ class Service:
             self.cadence = None
         if self.proxy is not None:
             await self.proxy.close()
-        if self._listener is not None:
+        for listener in self._listeners:
             with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._listener.wait_closed(), 5)
-            self._listener = None
+                await asyncio.wait_for(listener.wait_closed(), 5)
+        self._listeners = []
         if self.watch is not None:
             await self.watch.stop()
             self.watch = None
@@ -283,7 +319,11 @@ class Service:
                 loop.add_signal_handler(sig, stop.set)
         with suppress(NotImplementedError, RuntimeError, AttributeError):
             loop.add_signal_handler(signal.SIGUSR1, self.log_state)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:  # close what start-up opened: the writer's database, the bound port
+            await self.stop()
+            raise
         settle_heap()  # here, not in start(): a process that starts services again and again (tests) keeps its GC
         if ready is not None:
             ready(self)

@@ -9,20 +9,25 @@ row by row when one record of a batch is bad, so one odd string cannot cost the 
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 from .errors import StoreError
 from .record import FIELD_NAMES, Record
+from .retention import ScrapeRetention
 
-__all__ = ["MIGRATIONS", "Writer", "connect", "migrate", "open_store"]
+log = logging.getLogger("specproxy")
+
+__all__ = ["MIGRATIONS", "Writer", "check_schema", "connect", "migrate", "open_existing", "open_store"]
 
 
 # Each migration is literal SQL, frozen once released: a database made by any earlier version passes
@@ -71,14 +76,23 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """Open the database (WAL, a busy timeout); raise StoreError with a clear reason when it can't."""
+def connect(path: str | Path, *, readonly: bool = False, existing: bool | None = None) -> sqlite3.Connection:
+    """Open the database (WAL, a busy timeout); raise StoreError with a clear reason when it can't.
+
+    ``existing`` (the default when ``readonly``): the file must already be a specproxy database of a
+    schema this version knows; it is never created. Read commands and ``prune`` open it so, and every
+    way a file can be the wrong one (missing, a directory, empty, not SQLite, another program's, written
+    by a newer or older specproxy) is said here as one line naming the path, not left to the first query.
+    """
     p = Path(path)
+    existing = readonly if existing is None else existing
     try:
-        if readonly:
-            if not p.exists():
-                raise StoreError(f"database {p} does not exist (run `specproxy serve` or `specproxy demo` first)")
-            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, check_same_thread=False)
+        if existing:
+            _check_file(p)
+            if readonly:
+                conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, check_same_thread=False)
+            else:  # never creates the file; transactions are the caller's, as the writer's are
+                conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, check_same_thread=False, isolation_level=None)
         else:
             if p.parent and not p.parent.exists():
                 raise StoreError(f"cannot create database {p}: directory {p.parent} does not exist")
@@ -86,9 +100,100 @@ def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=2000")
-        return conn
     except sqlite3.Error as exc:
-        raise StoreError(f"cannot open database {p}: {exc}") from None
+        raise StoreError(f"{p}: cannot open database: {exc}") from None
+    if existing:
+        try:
+            check_schema(conn, p)
+        except _OlderSchema:
+            conn.close()
+            _upgrade(p)
+            return connect(path, readonly=readonly, existing=True)
+        except BaseException:
+            conn.close()
+            raise
+    return conn
+
+
+class _OlderSchema(StoreError):
+    """A specproxy database that lacks only later migrations: upgraded in place, never refused."""
+
+
+def _upgrade(p: Path) -> None:
+    """Apply the migrations an older specproxy's database lacks. They only add tables and columns, so a
+    read command may run them: the turns an older version recorded stay readable after an upgrade."""
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, check_same_thread=False, isolation_level=None)
+        try:
+            conn.execute("PRAGMA busy_timeout=2000")
+            applied = migrate(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"{p}: written by an older specproxy, and cannot be upgraded in place: {exc}") from None
+    log.info("%s: upgraded to the current schema (%s)", p, ", ".join(applied))
+
+
+def _check_file(p: Path) -> None:
+    """What the file system alone can tell; SQLite would create a missing file, and calls a directory
+    a "disk I/O error"."""
+    if p.is_dir():
+        raise StoreError(f"{p}: is a directory, not a database file")
+    if not p.exists():
+        raise StoreError(f"{p}: database does not exist (run `specproxy serve` or `specproxy demo` first)")
+
+
+def check_schema(conn: sqlite3.Connection, p: Path) -> None:
+    """Raise StoreError unless ``conn`` holds a specproxy database whose migrations are exactly ours."""
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        done = ({row[0] for row in conn.execute("SELECT name FROM _migrations")}
+                if "_migrations" in tables else set())
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _NOTADB:  # junk bytes: "file is not a database"
+            raise StoreError(f"{p}: not an SQLite database ({exc})") from None
+        raise StoreError(f"{p}: cannot read database: {exc}") from None
+    if "turns" not in tables or not done:
+        what = "an empty file (0 bytes)" if _size(p) == 0 else (
+            "an SQLite database without a turns table" if "turns" not in tables else "a turns table without _migrations")
+        raise StoreError(f"{p}: not a specproxy database: {what}")
+    known = [name for name, _ in MIGRATIONS]
+    newer = sorted(done - set(known))
+    if newer:
+        raise StoreError(f"{p}: written by a newer specproxy (schema step {newer[0]} is unknown here): upgrade "
+                         f"specproxy to read it")
+    missing = [name for name in known if name not in done]
+    if missing:
+        raise _OlderSchema(f"{p}: written by an older specproxy (schema step {missing[0]} not applied)")
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return -1
+
+
+_NOTADB = 26
+# SQLite's primary result codes that say the file (not the query) is the problem
+# (PERM, BUSY, LOCKED, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB)
+_FILE_ERRORS = frozenset({3, 5, 6, 8, 10, 11, 13, 14, _NOTADB})
+
+
+@contextmanager
+def open_existing(path: str | Path, *, readonly: bool = True) -> Iterator[sqlite3.Connection]:
+    """A connection to an existing specproxy database (never created), closed on exit. A file that fails
+    part-way (a corrupt page, a lock held too long) is a StoreError naming the path, not a traceback;
+    any other SQLite error is a bug and keeps its traceback."""
+    conn = connect(path, readonly=readonly, existing=True)
+    try:
+        yield conn
+    except sqlite3.DatabaseError as exc:
+        if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in _FILE_ERRORS:
+            raise
+        raise StoreError(f"{path}: cannot {'read' if readonly else 'write'} database: {exc}") from None
+    finally:
+        conn.close()
 
 
 def migrate(conn: sqlite3.Connection) -> list[str]:
@@ -158,13 +263,16 @@ class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
-                 linger_s: float = 0.25) -> None:
+                 linger_s: float = 0.25, scrape_retention_days: float = 0.0) -> None:
         """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
         time (one measuring batch), and a commit costs more than a row: at 64 streams (~30 turns/s) the
         writer thread cost 1.6 µs per relayed chunk lingering 50 ms and 0.8 lingering 250 ms
         (scripts/bench_overhead.py). A row appears in the database at most that much later; ``close``
         does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
-        the interpreter lock longer while its rows are bound, which the relay feels as latency."""
+        the interpreter lock longer while its rows are bound, which the relay feels as latency.
+
+        ``scrape_retention_days``: scrapes older than this are deleted at start-up and hourly, a chunk at a
+        time between batches (retention.py); 0 keeps them all."""
         self.path = Path(path)
         self._linger_s = linger_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
@@ -174,6 +282,7 @@ class Writer:
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._stop = threading.Event()
+        self.retention = ScrapeRetention(scrape_retention_days)
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
         self.dropped = 0
@@ -208,6 +317,7 @@ class Writer:
         pending: list = []
         while True:
             if not pending:
+                self.retention.run_if_due(self._conn)  # here: never while a batch waits
                 try:
                     pending.append(self._queue.get(timeout=0.1))
                 except queue.Empty:

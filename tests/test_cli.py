@@ -120,6 +120,8 @@ def test_report_cache_and_no_cache_agree(demo_db, tmp_path):
     (["serve", "--upstream", "http://127.0.0.1:9", "--tokenizer", "hf:/no/such/dir"], "not found"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--db", "/no/such/dir/x.db"], "does not exist"),
     (["serve", "--upstream", "not a url"], "not an http"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--header-timeout", "0"], "header_timeout_s must be positive"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--scrape-retention-days", "-1"], "scrape_retention_days must be >= 0"),
     (["report", "--db", "/no/such/file.db"], "does not exist"),
     (["report", "--db", "/dev/null", "--since", "yesterday-ish"], "cannot read time"),
 ])

@@ -238,3 +238,37 @@ def test_the_migrated_turns_table_is_the_record(tmp_path):
         return "REAL" if annotation.startswith("float") else "TEXT"
 
     assert columns == {f.name: sql_type(str(f.type)) for f in dataclasses.fields(Record)}
+
+
+def test_every_config_key_is_a_serve_flag_or_says_why_not():
+    """Help and config cannot drift: a new Config field needs a serve flag, or a reason in CONFIG_ONLY."""
+    from specproxy import cli
+
+    serve, CONFIG_ONLY = cli.serve, getattr(cli, "CONFIG_ONLY", {})
+    flags = {p.name for p in serve.params if p.name not in ("config_path", "help")}
+    assert flags <= set(KEYS), flags - set(KEYS)
+    assert flags | set(CONFIG_ONLY) == set(KEYS), set(KEYS) - flags - set(CONFIG_ONLY)
+    assert not flags & set(CONFIG_ONLY) and all(CONFIG_ONLY.values())
+
+
+def test_serve_help_shows_every_default_and_that_upstream_is_required():
+    from click.testing import CliRunner
+
+    from specproxy.cli import main, serve
+    from specproxy.config import Config
+
+    def typed(value):  # how a user types the default
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    for p in serve.params:
+        if p.name in KEYS and p.name != "upstream":
+            assert p.help.endswith(f"[default: {typed(getattr(Config(), p.name))}]"), (p.name, p.help)
+    text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).stdout.split())
+    assert "[required unless set in the --config file or SPECPROXY_UPSTREAM]" in text
+    for flag in ("--max-body-bytes", "--connect-timeout", "--header-timeout", "--queue-size", "--metrics-path",
+                 "--scrape-retention-days"):
+        assert f"{flag} " in text
