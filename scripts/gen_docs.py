@@ -47,7 +47,7 @@ def config_example() -> str:
 
 def schema_md() -> str:
     out = ["# The `turns` table and `specproxy export` fields", "",
-           "Generated from `specproxy/record.py` by `scripts/gen_docs.py`. Names and meanings follow METRICS.md.",
+           "Generated from `specproxy/record.py` by `scripts/gen_docs.py`. Names and meanings follow [metrics.md](metrics.md).",
            "", "| field | type | meaning |", "| --- | --- | --- |"]
     for f in fields(Record):
         doc = FIELD_DOCS.get(f.name, "").replace("|", "\\|")

@@ -220,7 +220,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
               help="File to write [default: stdout]")
 @_friendly
 def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
-    """Every turn, one JSON object (or CSV row) each, with METRICS.md's field names."""
+    """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names."""
     from .dataset import parse_time, where_clause
     from .record import FIELD_NAMES
 

@@ -204,7 +204,7 @@ def _mal_from(
         if drafts > 0:
             return 1.0 + accepted / drafts, "counters"
         # Spec counters exist but nothing drafted: every emitted token came from a plain
-        # forward pass (METRICS.md: "1.00 where nothing drafts") -- unless nothing was
+        # forward pass (docs/metrics.md: "1.00 where nothing drafts") -- unless nothing was
         # generated at all, in which case there were no passes to average over.
         if generated is not None and generated == 0:
             return None, None
@@ -377,7 +377,7 @@ def running_distribution(
     samples: Sequence[ScrapeSample], t0: float | None = None, t1: float | None = None
 ) -> list[float]:
     """The server's ``requests_running`` at each scrape (optionally within ``[t0, t1]``), in
-    time order, for the operating point (METRICS.md: quote its median and p95, never the
+    time order, for the operating point (docs/metrics.md: quote its median and p95, never the
     configured maximum). Scrapes that did not expose it are left out, not read as 0."""
     chosen = sorted(
         (s for s in samples if (t0 is None or s.t_mono >= t0) and (t1 is None or s.t_mono <= t1)),

@@ -2,7 +2,7 @@
 
 Why one frozen record: the proxy (passive traffic) and the benchmark (active traffic) build the same
 record through the same ``RecordBuilder`` (``measure.py``), so reports cannot tell them apart. Names and
-meanings follow ../shared/METRICS.md exactly; each field's docstring below is its definition, and the
+meanings follow docs/metrics.md exactly; each field's docstring below is its definition, and the
 store's columns, ``export`` and the docs are generated from this list.
 
 Times named ``t_*`` are seconds on the monotonic clock (``time.perf_counter``) of the proxy process,

@@ -3,7 +3,7 @@
 Why: specproxy's own numbers are what users receive; the server's counters say what the engine
 did (emitted tokens, drafts, accepted drafts, requests running). Put side by side they explain
 gaps like the field note's 40.7 / 29.4 / 27.8 tok/s, give MAL from the counters, and give the
-operating point from ``num_requests_running``. And because restarts change results (METRICS.md:
+operating point from ``num_requests_running``. And because restarts change results (docs/metrics.md:
 "Restarts count"), every scrape carries the ``instance_id`` of the process that produced it.
 
 This module does the I/O: ``identify_instance`` and the ``Scraper`` poller. Parsing and the
@@ -70,7 +70,7 @@ class Instance:
     """One server process, as far as the server lets us tell.
 
     ``instance_id`` is a hash of the upstream URL, the start time, the model list and the build,
-    so it changes exactly when METRICS.md says an instance changes (start time, build or model
+    so it changes exactly when docs/metrics.md says an instance changes (start time, build or model
     list) and is the same for every specproxy that looks at the same process. Every part is
     optional: a part the server does not expose is ``None`` and simply not in the hash; a part
     whose look-up failed is ``None`` too, and the failure is listed in ``errors``.

@@ -4,7 +4,7 @@ Why this module exists: a server's throughput figure and the tokens a user recei
 different quantities (the field note: 40.7 tok/s in the server log, 29.4 from the accepted
 counter, 27.8 delivered). specproxy measures the delivered side itself; this module reads the
 *server's* side so the two can be put next to each other and the mean acceptance length (MAL)
-can be taken from the server's counters, as METRICS.md asks. Everything here is pure: text in,
+can be taken from the server's counters, as docs/metrics.md asks. Everything here is pure: text in,
 frozen values out. The I/O (polling, instance identity) lives in ``specproxy.scrape``.
 
 The pieces, top to bottom:

@@ -1,4 +1,4 @@
-"""The whole-turn model: how much of an engine's decode speedup a user feels (METRICS.md).
+"""The whole-turn model: how much of an engine's decode speedup a user feels (docs/metrics.md).
 
 Why: a turn is ``ttft_s`` (waiting for the first token: prefill, queueing, the client's injected
 system prompt and tool definitions) plus ``decode_s`` (text streaming). Speculative decoding and
