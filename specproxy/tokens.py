@@ -65,7 +65,7 @@ __all__ = ["PromptCounts", "Tokenizer", "describe", "load_tokenizer", "tokens_in
 
 @dataclass(frozen=True, slots=True)
 class PromptCounts:
-    """``total`` = ``system + tools + history + new`` (METRICS.md ``prompt_*tokens``)."""
+    """``total`` = ``system + tools + history + new`` (docs/metrics.md ``prompt_*tokens``)."""
 
     total: int
     system: int

@@ -432,7 +432,7 @@ def test_agent_history_prompt_tokens_and_the_tool_call_envelope(make_stack, coun
       tokens too many per call in the history (quotes and escapes). specproxy parses them too.
     * Completion: an exact, documented difference. The model generated ``TOOL_SENTENCE`` + ``<|eot_id|>``
       (``usage.completion_tokens``); the client received the tool call as structure: the name as a
-      field and only ``TOOL_ARGS`` as text. specproxy counts delivered text (METRICS.md: content,
+      field and only ``TOOL_ARGS`` as text. specproxy counts delivered text (docs/metrics.md: content,
       reasoning and tool-call arguments), so ``usage.completion_tokens - completion_tokens`` is the
       end-of-turn token plus the JSON envelope the server parsed away
       (``count(TOOL_SENTENCE) - count(TOOL_ARGS)``).
