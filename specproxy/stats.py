@@ -4,7 +4,11 @@ Why: on inference hardware one config varies 15-19% from run to run, and two res
 same config can give non-overlapping intervals (METRICS.md, "Honest statistics"). A bare median,
 or an A/B that ignores which server instance served a request, gives confident numbers that are
 wrong. Here every figure has n and an interval, and an A/B verdict is "faster", "slower" or
-"not distinguishable", never more than the data carry. Numbers below are from the seeded
+"not distinguishable", never more than the data carry; a comparison that cannot get an interval
+says "no interval (why)", since "not distinguishable" would claim a comparison never made.
+The request-level path runs ``ratio_batch`` (many comparisons at once) so that its calibration
+is simulated on the code compare runs: tests/test_aa_calibration.py, table in
+docs/statistics.md (including the shapes where it misses 3-7%: bimodal mixes). Numbers below are from the seeded
 simulations in tests/test_stats.py (lognormal noise, 15% CV).
 
 * CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
@@ -48,7 +52,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 __all__ = [
-    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "negative_control",
+    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
+    "negative_control", "ND",
     "Throughput", "aggregate_throughput", "aggregate_throughput_interval",
     "CONCURRENCY_BUCKETS", "concurrency_bucket", "PROMPT_BUCKETS", "prompt_bucket",
     "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING",
@@ -565,6 +570,9 @@ class Throughput:
 def aggregate_throughput_interval(tokens, starts, ends, *, n_boot: int = 2000, seed: int = 0,
                                   level: float = 0.95) -> Throughput:
     """Aggregate throughput with a percentile-bootstrap interval over requests.
+
+    Not used by ``compare`` (aggregate.aggregate_ratio is): with the window fixed, only token
+    counts vary, so fixed-length outputs give an interval of zero width.
 
     Limits: the window is held fixed and requests are resampled as if independent, so the
     interval only says how much the figure depends on which requests (how long their outputs)
