@@ -17,18 +17,17 @@ An arm is a label (``X-Specproxy-Label`` or ``--label`` at serve time) or a time
 
 from __future__ import annotations
 
-import math
 import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .dataset import Turns, busy_seconds, load_turns, parse_time
+from .aggregate import aggregate_ratio, busy_throughput
+from .dataset import Turns, load_turns, parse_time
 from .errors import ConfigError
 from .stats import (
     CONFOUNDED_WARNING,
-    aggregate_throughput_interval,
     bootstrap_ratio,
     instance_warning,
     negative_control,
@@ -93,40 +92,20 @@ def _clusters(turns: Turns) -> np.ndarray | None:
 
 
 def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
-    """B/A of aggregate throughput (delivered tokens / busy time), each arm's interval by bootstrap
-    over its requests (window held fixed), combined on the log scale."""
+    """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
+    their start and end (aggregate.py says why and how); instances as in every other row."""
     def arm(t: Turns):
         start = t.num["t_wall"]
-        end = start + t.num["total_s"]
-        known = np.isfinite(t.num["completion_tokens"]) & np.isfinite(end)
-        busy = busy_seconds(start[known], end[known])
-        # the busy time stands in for the window: idle gaps between turns are not the server's
-        iv = aggregate_throughput_interval(t.num["completion_tokens"][known], np.zeros(int(known.sum())),
-                                           np.full(int(known.sum()), busy), seed=seed)
-        return iv
-    ia, ib = arm(a), arm(b)
-    out: dict[str, Any] = {"a": ia.value, "b": ib.value, "estimate": None, "ci_low": None, "ci_high": None,
-                           "verdict": "not distinguishable", "warnings": []}
-    if not (ia.value and ib.value and ia.ci_low and ib.ci_low):
-        out["warnings"].append("not enough data for an interval")
-        return out
-    se = math.hypot(*(math.log(i.ci_high / i.ci_low) / (2 * 1.96) for i in (ia, ib)))
-    est = ib.value / ia.value
-    lo, hi = est * math.exp(-1.96 * se), est * math.exp(1.96 * se)
-    out.update(estimate=est, ci_low=lo, ci_high=hi)
-    if lo > 1:
-        out["verdict"] = "faster"
-    elif hi < 1:
-        out["verdict"] = "slower"
-    ca, cb = _clusters(a), _clusters(b)
-    if ca is not None and cb is not None:
-        ua, ub = set(ca), set(cb)
-        if len(ua) == 1 or len(ub) == 1:
-            out["warnings"].append(CONFOUNDED_WARNING)
-        if len(ua) == 1 and len(ub) == 1 and ua != ub:
-            out["verdict"] = "not distinguishable"
-    out["warnings"].append("interval over requests only: run several server instances per arm for restart variance")
-    return out
+        return t.num["completion_tokens"], start, start + t.num["total_s"]
+
+    def value(t: Turns) -> float | None:
+        tokens, start, end = arm(t)
+        known = np.isfinite(tokens) & np.isfinite(start) & np.isfinite(end)
+        return busy_throughput(tokens[known], start[known], end[known])
+
+    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), seed=seed)
+    return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
+            "verdict": r.verdict, "warnings": r.warnings}
 
 
 def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int) -> dict[str, Any]:

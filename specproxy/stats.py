@@ -4,7 +4,11 @@ Why: on inference hardware one config varies 15-19% from run to run, and two res
 same config can give non-overlapping intervals (METRICS.md, "Honest statistics"). A bare median,
 or an A/B that ignores which server instance served a request, gives confident numbers that are
 wrong. Here every figure has n and an interval, and an A/B verdict is "faster", "slower" or
-"not distinguishable", never more than the data carry. Numbers below are from the seeded
+"not distinguishable", never more than the data carry; a comparison that cannot get an interval
+says "no interval (why)", since "not distinguishable" would claim a comparison never made.
+The request-level path runs ``ratio_batch`` (many comparisons at once) so that its calibration
+is simulated on the code compare runs: tests/test_aa_calibration.py, table in
+docs/statistics.md (including the shapes where it misses 3-7%: bimodal mixes). Numbers below are from the seeded
 simulations in tests/test_stats.py (lognormal noise, 15% CV).
 
 * CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
@@ -39,6 +43,7 @@ simulations in tests/test_stats.py (lognormal noise, 15% CV).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -47,7 +52,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 __all__ = [
-    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "negative_control",
+    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
+    "negative_control", "ND",
     "Throughput", "aggregate_throughput", "aggregate_throughput_interval",
     "CONCURRENCY_BUCKETS", "concurrency_bucket", "PROMPT_BUCKETS", "prompt_bucket",
     "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING",
@@ -62,6 +68,8 @@ SEPARATE_INSTANCES_WARNING = (
 MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (A/A FP 8-30%)
 STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
 _CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps
+_T_GRID_MIN_DF = 4.0  # t quantiles for df below this are computed exactly
+ND = "not distinguishable"
 
 
 # ----------------------------------------------------------------------------- input cleaning
@@ -231,38 +239,38 @@ def _stat(x: np.ndarray, stat: str) -> float:
 
 
 def _boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
-    """Bootstrap replicates of stat over requests.
+    """Bootstrap replicates of stat over requests, for a batch of arms of equal size.
 
-    For a quantile: a resample is x_sorted[I_1..I_n] with I uniform, so its r-th order
-    statistic is x_sorted[floor(n * U_(r))], U_(r) ~ Beta(r, n-r+1); the next one is
-    U_(r) + (1-U_(r)) * Beta(1, n-r). Exact, and O(n_boot) however large n is.
+    ``x_sorted``: (arms, n), each row sorted. Returns (arms, n_boot). For a quantile: a
+    resample is x_sorted[I_1..I_n] with I uniform, so its r-th order statistic is
+    x_sorted[floor(n * U_(r))], U_(r) ~ Beta(r, n-r+1); the next one is
+    U_(r) + (1-U_(r)) * Beta(1, n-r). Exact, and O(n_boot) per arm however large n is.
     """
-    n = x_sorted.size
+    m, n = x_sorted.shape
     q = STATS[stat]
     if q is None:
         rows = max(1, _CHUNK // n)
-        return np.concatenate([x_sorted[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
-                               for s in range(0, n_boot, rows)])
+        return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
+                                         for s in range(0, n_boot, rows)]) for x in x_sorted])
     h = (n - 1) * q
     r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
     frac = h - (r - 1)
-    u = rng.beta(r, n - r + 1, n_boot)
-    out = x_sorted[np.minimum((u * n).astype(np.int64), n - 1)]
+    u = rng.beta(r, n - r + 1, (m, n_boot))
+    pick = lambda v: np.take_along_axis(  # noqa: E731
+        x_sorted, np.minimum((v * n).astype(np.int64), n - 1), axis=1)
+    out = pick(u)
     if frac > 0 and r < n:
-        u2 = u + (1.0 - u) * rng.beta(1, n - r, n_boot)
-        out = out + frac * (x_sorted[np.minimum((u2 * n).astype(np.int64), n - 1)] - out)
+        out = out + frac * (pick(u + (1.0 - u) * rng.beta(1, n - r, (m, n_boot))) - out)
     return out
 
 
 def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
     """Replicates of the pooled stat when whole instances are resampled with replacement."""
-    k = int(lab.max()) + 1
-    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
     q = STATS[stat]
     if q is None:
-        sums = np.bincount(lab, weights=x, minlength=k)
-        sizes = np.bincount(lab, minlength=k)
-        return (counts @ sums) / (counts @ sizes)
+        return _boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
     # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
     # first i sorted values is sum_j copies_j * (values of instance j among them), found with
     # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
@@ -288,10 +296,96 @@ def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng)
     return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
 
 
-def _log_var(reps: np.ndarray) -> float | None:
-    if (reps <= 0).any():
-        return None
-    return float(np.var(np.log(reps), ddof=1))
+def _boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
+                         rng) -> np.ndarray:
+    """Replicates of sum(num) / sum(den) when whole instances are resampled with replacement
+    (a mean is num = values, den = 1; aggregate throughput is tokens over busy shares)."""
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (counts @ np.bincount(lab, weights=num, minlength=k)) / (
+            counts @ np.bincount(lab, weights=den, minlength=k))
+
+
+def _log_var(reps: np.ndarray) -> np.ndarray:
+    """Variance of log(replicates) per row; NaN where a replicate is 0 (no log scale there)."""
+    reps = np.atleast_2d(reps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.var(np.log(reps), axis=1, ddof=1)
+    return np.where((reps > 0).all(axis=1), v, np.nan)
+
+
+def _request_component(x_sorted: np.ndarray, stat: str, n_boot: int, rng
+                       ) -> tuple[np.ndarray, float]:
+    """(variance of log stat, df) per arm for a batch of request-level arms (see the module
+    docstring): the mean gets exactly Welch (n/(n-1), df n-1); a quantile the normal quantile."""
+    n = x_sorted.shape[1]
+    v = _log_var(_boot_requests(x_sorted, stat, n_boot, rng))
+    return (v * n / (n - 1), n - 1.0) if stat == "mean" else (v, math.inf)
+
+
+def _combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: float,
+             higher_is_better: bool, forced: bool = False):
+    """The one rule from per-arm log variances to an interval and a verdict, for a batch.
+
+    ``est``: B/A per comparison; ``parts``: (variance, df) of each independent component.
+    The quantile is Student t with Welch-Satterthwaite df (normal when every df is infinite).
+    Returns lo, hi, df, verdict (object array; None where a variance is NaN: no interval).
+    ``forced``: the verdict cannot be faster/slower (the instance effect is unmeasured).
+    """
+    est = np.asarray(est, dtype=float)
+    var = sum(np.broadcast_to(np.asarray(v, float), est.shape) for v, _ in parts)
+    denom = sum(np.asarray(v, float) ** 2 / df for v, df in parts if math.isfinite(df))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = np.where(np.asarray(denom) > 0, var * var / denom, math.inf)
+    half = _t_quantiles(1.0 - (1.0 - level) / 2.0, df) * np.sqrt(var)
+    lo, hi = est * np.exp(-half), est * np.exp(half)
+    verdict = np.full(est.shape, ND, dtype=object)
+    if not forced:
+        out = (lo > 1.0) | (hi < 1.0)
+        verdict[out] = np.where((lo[out] > 1.0) == higher_is_better, "faster", "slower")
+    verdict[np.isnan(var)] = None
+    return lo, hi, df, verdict
+
+
+@functools.lru_cache(maxsize=8)
+def _t_grid(p: float) -> tuple[np.ndarray, np.ndarray]:
+    inv_df = np.linspace(0.0, 1.0 / _T_GRID_MIN_DF, 401)
+    return inv_df, np.array([_t_ppf(p, 1.0 / x if x > 0 else math.inf) for x in inv_df])
+
+
+def _t_quantiles(p: float, df: np.ndarray) -> np.ndarray:
+    """``_t_ppf`` for an array of df: interpolated in 1/df (smooth there; error < 1e-5) for
+    df >= _T_GRID_MIN_DF, exact below. One function for the batch and the single comparison,
+    so both give the same numbers."""
+    df = np.asarray(df, dtype=float)
+    inv_df, q = _t_grid(p)
+    with np.errstate(divide="ignore"):
+        out = np.interp(1.0 / df, inv_df, q)
+    small = df < _T_GRID_MIN_DF
+    if small.any():
+        out[small] = [_t_ppf(p, d) for d in df[small]]
+    return out
+
+
+def ratio_batch(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool, stat: str = "median",
+                n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
+    """``bootstrap_ratio`` at request level for many comparisons at once: a (m, n_a), b (m, n_b)
+    hold complete rows of values > 0. Returns arrays estimate, ci_low, ci_high, verdict (None
+    where a bootstrap stat was 0). bootstrap_ratio calls this with m = 1, so simulations of
+    its calibration run this same code, and with the same seed give the same numbers."""
+    rng = np.random.default_rng(seed)
+    xa, xb = np.sort(np.atleast_2d(a), axis=1), np.sort(np.atleast_2d(b), axis=1)
+    est = _stat_rows(xb, stat) / _stat_rows(xa, stat)
+    parts = [_request_component(xa, stat, n_boot, rng), _request_component(xb, stat, n_boot, rng)]
+    lo, hi, df, verdict = _combine(est, parts, level, higher_is_better)
+    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
+            "var_a": parts[0][0], "var_b": parts[1][0]}
+
+
+def _stat_rows(x_sorted: np.ndarray, stat: str) -> np.ndarray:
+    q = STATS[stat]
+    return x_sorted.mean(axis=1) if q is None else np.quantile(x_sorted, q, axis=1)
 
 
 # ----------------------------------------------------------------------------- Ratio
@@ -302,7 +396,7 @@ class Ratio:
     estimate: float | None
     ci_low: float | None
     ci_high: float | None
-    verdict: str  # "faster" | "slower" | "not distinguishable"
+    verdict: str  # "faster" | "slower" | "not distinguishable" | "no interval (why)"
     n_a: int
     n_b: int
     instances_a: int | None  # distinct cluster labels, None when no labels were given
@@ -314,6 +408,12 @@ class Ratio:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def no_interval(why: str) -> str:
+    """The verdict of a row that cannot get an interval: saying "not distinguishable" there
+    would claim a comparison that was never made."""
+    return f"no interval ({why})"
 
 
 def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
@@ -338,19 +438,18 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     ka = None if la is None else len(ua)
     kb = None if lb is None else len(ub)
     warnings: list[str] = []
-    nd = "not distinguishable"
 
-    def result(est=None, lo=None, hi=None, verdict=nd, method=""):
+    def result(est=None, lo=None, hi=None, verdict=ND, method=""):
         return Ratio(est, lo, hi, verdict, int(xa.size), int(xb.size), ka, kb, warnings,
                      stat, level, method)
 
     warnings += [f"no data in arm {name}" for name, x in (("a", xa), ("b", xb)) if not x.size]
     if warnings:
-        return result()
+        return result(verdict=no_interval(warnings[0]))
     sa, sb = _stat(np.sort(xa), stat), _stat(np.sort(xb), stat)
     if sa <= 0 or sb <= 0:
         warnings.append(f"{stat} is 0 in an arm: the ratio is undefined")
-        return result()
+        return result(verdict=no_interval(f"{stat} is 0 in an arm"))
     est = sb / sa
     for name, x in (("a", xa), ("b", xb)):
         if x.size < MIN_REQUESTS:
@@ -359,26 +458,37 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
             warnings.append(f"arm {name}: fewer than 5 values above its {stat}; "
                             "the interval is unreliable")
     if any(x.size < MIN_REQUESTS for x in (xa, xb)):
-        return result(est)
+        return result(est, verdict=no_interval(f"fewer than {MIN_REQUESTS} values in an arm"))
     if (clusters_a is None) != (clusters_b is None):
         name = "a" if clusters_a is None else "b"
         warnings.append(f"arm {name} has no instance labels: its restart-to-restart variance "
                         "is not in the interval")
-
     rng = np.random.default_rng(seed)
     comps = {}  # arm -> (variance of log stat, df, unit)
     for name, x, lab, k in (("a", xa, la, ka), ("b", xb, lb, kb)):
         if k is not None and k >= 2:
-            v, fix, df, unit = (_log_var(_boot_instances(x, lab, stat, n_boot, rng)),
-                                k / (k - 1), k - 1, f"{k} instances")
-        else:  # the mean: exactly Welch; a quantile: normal (see the module docstring)
-            v, unit = _log_var(_boot_requests(np.sort(x), stat, n_boot, rng)), "requests"
-            fix, df = (x.size / (x.size - 1), x.size - 1) if stat == "mean" else (1, math.inf)
-        comps[name] = (None if v is None else v * fix, df, unit)
-    if comps["a"][0] is None or comps["b"][0] is None:
+            v = _log_var(_boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
+            comps[name] = (v, k - 1.0, f"{k} instances")
+        else:  # the same draws as ratio_batch, so its simulations speak for this path
+            v, df = _request_component(np.sort(x)[None, :], stat, n_boot, rng)
+            comps[name] = (v, df, "requests")
+    parts, forced = _instance_parts(comps, ka, kb, ua, ub, warnings)
+    lo, hi, df, verdict = _combine(np.array([est]), parts, level, higher_is_better, forced)
+    if verdict[0] is None:
         warnings.append(f"a bootstrap {stat} was 0: no interval")
-        return result(est)
+        return result(est, verdict=no_interval(f"a bootstrap {stat} was 0"))
+    method = (f"log-{stat} bootstrap SE over a: {comps['a'][2]}, b: {comps['b'][2]}; "
+              + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
+    return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
 
+
+def _instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: list,
+                    warnings: list[str]) -> tuple[list, bool]:
+    """The variance components of a comparison given where each arm ran, and whether the
+    verdict is forced to "not distinguishable" (each arm in its own single instance).
+
+    Shared by every ratio row (per-request stats and aggregate throughput), so all rows treat
+    server instances by the same rule (module docstring)."""
     single_a, single_b = ka == 1, kb == 1
     confound = instance_warning(None if ka is None else ua, None if kb is None else ub)
     if confound:
@@ -393,19 +503,7 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         parts = [(comps[one][0], comps[one][1]), ((k_many + 1) * v_many, df_many)]
         warnings.append(f"arm {one} ran in one instance: its instance-to-instance variance is "
                         f"borrowed from arm {many}'s {k_many} instances (assumes equal spread)")
-
-    var = sum(v for v, _ in parts)
-    denom = sum(v * v / df for v, df in parts if math.isfinite(df))
-    df = var * var / denom if denom > 0 else math.inf
-    q = _t_ppf(1.0 - (1.0 - level) / 2.0, df)
-    half = q * math.sqrt(var)
-    lo, hi = est * math.exp(-half), est * math.exp(half)
-    method = (f"log-{stat} bootstrap SE over a: {comps['a'][2]}, b: {comps['b'][2]}; "
-              + ("normal quantile" if math.isinf(df) else f"t quantile, df={df:.1f}"))
-    verdict = nd
-    if not forced and not lo <= 1.0 <= hi:
-        verdict = "faster" if (lo > 1.0) == higher_is_better else "slower"
-    return result(est, lo, hi, verdict, method)
+    return parts, forced
 
 
 def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[Any] | None) -> str | None:
@@ -498,6 +596,9 @@ class Throughput:
 def aggregate_throughput_interval(tokens, starts, ends, *, n_boot: int = 2000, seed: int = 0,
                                   level: float = 0.95) -> Throughput:
     """Aggregate throughput with a percentile-bootstrap interval over requests.
+
+    Not used by ``compare`` (aggregate.aggregate_ratio is): with the window fixed, only token
+    counts vary, so fixed-length outputs give an interval of zero width.
 
     Limits: the window is held fixed and requests are resampled as if independent, so the
     interval only says how much the figure depends on which requests (how long their outputs)

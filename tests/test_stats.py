@@ -230,11 +230,12 @@ def test_plural():
 
 def test_ratio_missing_and_tiny_arms():
     r = bootstrap_ratio([], [1.0, 2.0], higher_is_better=True)
-    assert r.estimate is None and r.verdict == ND and "no data in arm a" in r.warnings
+    assert r.estimate is None and "no data in arm a" in r.warnings
+    assert r.verdict == "no interval (no data in arm a)"  # not "not distinguishable": no comparison
     r = bootstrap_ratio([1.0, None, 2.0, 3.0], [10.0, 20.0, 30.0, float("nan")],
                         higher_is_better=True)
     assert (r.n_a, r.n_b) == (3, 3) and r.estimate == pytest.approx(10.0)
-    assert r.ci_low is None and r.verdict == ND  # 3 per arm: no interval, no verdict
+    assert r.ci_low is None and r.verdict == "no interval (fewer than 5 values in an arm)"
     with pytest.raises(ValueError):
         bootstrap_ratio([1.0] * 5, [1.0] * 5, higher_is_better=True, clusters_a=[1, 2])
     json.dumps(r.to_dict())
