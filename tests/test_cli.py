@@ -140,40 +140,34 @@ def test_an_unknown_relay_setting_is_one_clear_line():
     assert lines == ["specproxy: error: SPECPROXY_RELAY must be one of thread, loop, python, not 'fast'"], proc.stderr
 
 
-def test_serve_says_how_a_chat_template_is_counted(hf_dir, tmp_path):
-    proc = subprocess.Popen([*SPECPROXY, "serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--db",
-                             str(tmp_path / "t.db"), "--tokenizer", f"hf:{hf_dir}"], stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _start_up_line(tmp_path, *args: str) -> str:
+    """The line `serve` prints once it listens (the one that says where it forwards); then SIGTERM, and a
+    clean exit is asserted."""
+    proc = subprocess.Popen([*SPECPROXY, "serve", "--port", "0", "--db", str(tmp_path / "t.db"), *args],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = ""
         for _ in range(50):  # bounded: start-up prints a few lines at most before this one
             line = proc.stderr.readline()
             if not line or "forwarding http://" in line:
                 break
-        assert f"tokenizer hf:{hf_dir} (chat template, renders counted piece by piece);" in line, line
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert proc.returncode == 0
+    return line
+
+
+def test_serve_says_how_a_chat_template_is_counted(hf_dir, tmp_path):
+    line = _start_up_line(tmp_path, "--upstream", "http://127.0.0.1:9", "--tokenizer", f"hf:{hf_dir}")
+    assert f"tokenizer hf:{hf_dir} (chat template, renders counted piece by piece);" in line, line
 
 
 def test_serve_says_where_a_client_path_goes(tmp_path):
     """A base URL copied from a server's docs (with /v1): the start-up line shows the mapping, no /v1/v1."""
-    proc = subprocess.Popen([*SPECPROXY, "serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--db",
-                             str(tmp_path / "t.db")], stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        line = ""
-        for _ in range(50):  # bounded: start-up prints a few lines at most before this one
-            line = proc.stderr.readline()
-            if not line or "forwarding http://" in line:
-                break
-        assert ("(client /v1/chat/completions -> http://127.0.0.1:9/v1/chat/completions; "
-                "/chat/completions -> http://127.0.0.1:9/chat/completions)") in line, line
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    assert proc.returncode == 0
+    line = _start_up_line(tmp_path, "--upstream", "http://127.0.0.1:9/v1")
+    assert ("(client /v1/chat/completions -> http://127.0.0.1:9/v1/chat/completions; "
+            "/chat/completions -> http://127.0.0.1:9/chat/completions)") in line, line
 
 
 def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok):

@@ -20,15 +20,7 @@ from specproxy.report import build_report, render_text
 from specproxy.scrape import FAIL_LOG_EVERY_S, _worth_a_line
 from specproxy.testing import Script
 from specproxy.upstream import UpstreamPool
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+from test_observe import wait_for
 
 
 async def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
