@@ -13,7 +13,7 @@ chunk with finish_reason and usage, ``[DONE]``, the last-chunk frame). Two shape
 tokenizer is ``tiktoken:o200k_base``, loaded as the proxy loads it.
 
 Printed, in µs per chunk (an SSE event read; median over the repeats of the mean over all turns, with
-the range of the repeats): ``build`` (the fast path with the C scans of ``specproxy._scanc``, what the
+the range of the repeats): ``build`` (the fast path with the C scans of ``specproxy.frames._scanc``, what the
 proxy runs), the same build with the Python scans and that one's parts: dechunk, stream_texts, and the
 rest (request parse, token counting, the Record), and what the C scans do instead of the first two
 (``C join + stream_texts``); the reference build
@@ -42,9 +42,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchlib import cpu_model  # the machine line every benchmark script prints
 
-from specproxy import chunked, texts
-from specproxy.measure import RecordBuilder
-from specproxy.tokens import load_tokenizer
+from specproxy.frames import chunked
+from specproxy.measure import texts
+from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.tokens import load_tokenizer
 
 PROSE = """\
 Speculative decoding speeds up inference by letting a small draft model propose several tokens that the

@@ -17,7 +17,7 @@ Three processes besides this orchestrator, all on 127.0.0.1:
   turn after turn. Per chunk it records ``receive - send`` (same machine, same CLOCK_MONOTONIC).
 * the path under test: nothing (direct), nginx (installed from Debian when missing; ``proxy_buffering
   off``, HTTP/1.1 keepalive upstream, one worker, a non-daemon child), or specproxy
-  (``python -m specproxy.cli serve`` with ``--tokenizer tiktoken:o200k_base`` and a temp database:
+  (``python -m specproxy.app.cli serve`` with ``--tokenizer tiktoken:o200k_base`` and a temp database:
   full measurement on).
 
 The proxy under test is pinned to the last CPU; the upstream, the load generator and this script to the

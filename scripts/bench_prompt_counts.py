@@ -14,7 +14,7 @@ two ways, in the same run and alternating, each with the counts the other gives 
   ``CountMemo`` for the conversation; emptied before each conversation) against every text counted
   afresh.
 * ``hf-template``: the same tokenizer with a Llama-3-style chat template, whose four renders a turn are
-  counted piece by piece between added tokens (``specproxy/prompt_pieces.py``, its checks included)
+  counted piece by piece between added tokens (``specproxy/measure/prompt_pieces.py``, its checks included)
   against every render tokenized whole.
 
 Printed, per kind: µs per turn at a few turns (median over the repeats) and for the whole conversation,
@@ -42,11 +42,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchlib import cpu_model  # the machine line every benchmark script prints
 
-from specproxy.count_memo import CountMemo
-from specproxy.openai import split_prompt
-from specproxy.prompt_pieces import PieceCounter
-from specproxy.testing import LLAMA3_STYLE_TEMPLATE
-from specproxy.tokens import _plain_counts, load_tokenizer
+from specproxy.measure.count_memo import CountMemo
+from specproxy.measure.openai import split_prompt
+from specproxy.measure.prompt_pieces import PieceCounter
+from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE
+from specproxy.measure.tokens import _plain_counts, load_tokenizer
 
 WORDS = ("the model drafts tokens and the verifier accepts most of them when the text is predictable "
          "latency throughput acceptance rate décodage spéculatif 推測デコード code review function class "

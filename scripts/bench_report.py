@@ -49,11 +49,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from specproxy import column_cache  # noqa: E402
-from specproxy.dataset import load_turns  # noqa: E402
+from specproxy.store import column_cache  # noqa: E402
+from specproxy.store.dataset import load_turns  # noqa: E402
 from specproxy.record import FIELD_NAMES  # noqa: E402
-from specproxy.report import REPORT_COLUMNS, build_report, render_text  # noqa: E402
-from specproxy.store import connect, open_store  # noqa: E402
+from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text  # noqa: E402
+from specproxy.store.db import connect, open_store  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -272,7 +272,7 @@ def main() -> None:
 
     def cli(*extra: str) -> tuple[float, int, bytes]:
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "specproxy.cli", "report", "--db", str(db), "--json", *extra],
+        p = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "report", "--db", str(db), "--json", *extra],
                            capture_output=True, env=env, cwd=str(ROOT))
         wall = time.perf_counter() - t0
         if p.returncode != 0:
@@ -321,7 +321,7 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(r"specproxy|numpy|sqlite3", args.top)
     prof_cum = buf.getvalue()
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import specproxy.cli, specproxy.report, specproxy.dataset"], env=env, cwd=str(ROOT))
+    subprocess.run([sys.executable, "-c", "import specproxy.app.cli, specproxy.analyze.report, specproxy.store.dataset"], env=env, cwd=str(ROOT))
     import_s = time.perf_counter() - t0
 
     def stat(xs, spec="{:.2f}"):

@@ -5,7 +5,7 @@
 
 In one run, on fresh temporary databases (WAL, synchronous=NORMAL, as the proxy opens them):
 
-* ``Writer`` throughput: put N records built with ``specproxy.testing.make_record`` (built beforehand,
+* ``Writer`` throughput: put N records built with ``specproxy.app.fake_upstream.make_record`` (built beforehand,
   not timed) into a Writer whose queue holds them all, and time from the first ``put`` until
   ``written == N`` (every batch committed). Records/s = N / that time.
 * ``put()`` latency while the writer thread is busy writing: every call timed with
@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specproxy.store import _INSERT_TURN, Writer, open_store, record_row  # noqa: E402
-from specproxy.testing import make_record  # noqa: E402
+from specproxy.store.db import _INSERT_TURN, Writer, open_store, record_row  # noqa: E402
+from specproxy.app.fake_upstream import make_record  # noqa: E402
 
 now_ns = time.perf_counter_ns
 

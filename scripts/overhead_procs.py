@@ -275,7 +275,7 @@ def start_nginx(binary: str, tmp: Path, up_port: int, cores) -> tuple[subprocess
 def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str]) -> tuple[subprocess.Popen, int, Path]:
     port = _free_port()
     db = tmp / f"specproxy-{time.monotonic_ns()}.db"
-    cmd = [sys.executable, "-m", "specproxy.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
+    cmd = [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
            "--port", str(port), "--db", str(db), "--tokenizer", "tiktoken:o200k_base", *extra]
     log = open(tmp / f"specproxy-{port}.log", "w")
     proc = subprocess.Popen(cmd, preexec_fn=pin(cores), stdout=log, stderr=log, cwd=str(tmp))

@@ -201,7 +201,7 @@ class Proxy:
         self._f = open(log, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPROXY_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specproxy.cli", "serve", "--upstream", upstream, "--port", "0",
+            [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
              "--db", str(db), "--scrape-interval", "0"],
             stdout=subprocess.DEVNULL, stderr=self._f, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from yarl import URL
 
-from .errors import ConfigError
+from specproxy.errors import ConfigError
 
 __all__ = ["CADENCE_POLL_MODES", "Config", "load_config", "server_root"]
 

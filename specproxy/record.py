@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .fielddocs import field_docs
+from specproxy.fielddocs import field_docs
 
 __all__ = ["FIELD_DOCS", "OUTCOMES", "Record", "new_turn_id"]
 

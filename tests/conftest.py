@@ -21,12 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from specproxy.config import load_config  # noqa: E402
-from specproxy.service import Service  # noqa: E402
-from specproxy.testing import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
-from specproxy.tokens import count_with_first, load_tokenizer  # noqa: E402
+from specproxy.serve.service import Service  # noqa: E402
+from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
+from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
-pytest_plugins = ["llamacpp.fixtures"]
+pytest_plugins = ["real.fixtures"]
 
 
 def pytest_configure(config):
@@ -116,7 +116,7 @@ class LiveStack:
         target = (self.raw.url if self.raw is not None else self.upstream.url) + upstream_path
         self.cfg = load_config(env={}, overrides={"upstream": target, "port": 0,
                                                    "db": str(tmp / "turns.db"), **cfg})
-        from specproxy.store import Writer
+        from specproxy.store.db import Writer
 
         self.service = Service(cfg=self.cfg, tokenizer=self.tokenizer, extra_sinks=[self.records.append],
                                writer=Writer(self.cfg.db, queue_size=self.cfg.queue_size))
@@ -186,10 +186,10 @@ def each_relay(request, monkeypatch):
     """Run a test with each relay of a chunked body (``upstream.RELAY_MODES``): the relay thread (what
     ships), the per-read path in C on the event loop, and its pure-Python reference. Modules opt in with
     ``pytestmark = pytest.mark.usefixtures("each_relay")``."""
-    from specproxy import upstream
+    from specproxy.wire import upstream
 
     if request.param != "python" and upstream._relayc is None:
-        pytest.skip("specproxy._relayc is not built (no C compiler at install time)")
+        pytest.skip("specproxy.wire._relayc is not built (no C compiler at install time)")
     monkeypatch.setattr(upstream, "RELAY_C", request.param != "python")
     monkeypatch.setattr(upstream, "RELAY_THREAD", request.param == "thread")
     return request.param
@@ -198,7 +198,7 @@ def each_relay(request, monkeypatch):
 
 @pytest.fixture(params=["lane", "aiohttp"])
 def each_front(request, monkeypatch):
-    """Run a test with each front of the proxy: the lane (``specproxy/lane.py``, what ships: the common
+    """Run a test with each front of the proxy: the lane (``specproxy/serve/lane.py``, what ships: the common
     request without aiohttp's server, any other handed to it) and aiohttp's server alone
     (``SPECPROXY_LANE=off``). Modules opt in with ``pytestmark = pytest.mark.usefixtures("each_front")``."""
     monkeypatch.setenv("SPECPROXY_LANE", "on" if request.param == "lane" else "off")
@@ -209,10 +209,10 @@ def each_front(request, monkeypatch):
 def each_scan(request, monkeypatch):
     """Run a test with the measuring's per-chunk scans in C (``_scanc``, what ships) and in Python (the
     path without a compiler, kept equal to the reference)."""
-    from specproxy import texts
+    from specproxy.measure import texts
 
     if request.param == "c" and texts._scanc is None:
-        pytest.skip("specproxy._scanc is not built (no C compiler at install time)")
+        pytest.skip("specproxy.frames._scanc is not built (no C compiler at install time)")
     monkeypatch.setattr(texts, "USE_C", request.param == "c")
     return request.param
 
@@ -220,6 +220,6 @@ def each_scan(request, monkeypatch):
 @pytest.fixture
 def python_scan(monkeypatch):
     """The Python scans only: for tests of how that path reads (its windows of events)."""
-    from specproxy import texts
+    from specproxy.measure import texts
 
     monkeypatch.setattr(texts, "USE_C", False)

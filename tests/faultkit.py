@@ -1,4 +1,4 @@
-"""Helpers for the fault tests (tests/test_faults_*.py): raw HTTP/1.1 on sockets, SSE stream shapes,
+"""Helpers for the fault tests (tests/integration/test_faults_*.py): raw HTTP/1.1 on sockets, SSE stream shapes,
 kernel socket queues, file-descriptor counts, and ``specproxy serve`` as a real subprocess.
 
 Why raw sockets: an HTTP library normalises exactly what these tests look at (framing, header order,
@@ -406,14 +406,14 @@ _READY = re.compile(r"forwarding http://127\.0\.0\.1:(\d+) ->")
 
 
 class ServeProcess:
-    """``python -m specproxy.cli serve`` with stderr in a file (to read its logs afterwards)."""
+    """``python -m specproxy.app.cli serve`` with stderr in a file (to read its logs afterwards)."""
 
     def __init__(self, tmp: Path, upstream: str, db: Path, *args: str, env: dict | None = None, name: str = "serve"):
         self.log_path = tmp / f"{name}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env = {k: v for k, v in full_env.items() if not k.startswith("SPECPROXY_") or k in (env or {})}
-        cmd = [sys.executable, "-m", "specproxy.cli", "serve", "--upstream", upstream, "--port", "0",
+        cmd = [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
                "--db", str(db), "--scrape-interval", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, env=full_env, cwd=ROOT)
         self.port = int(wait_until(self._ready_port, 30, 0.02, "specproxy serve to listen"))

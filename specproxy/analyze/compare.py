@@ -1,0 +1,215 @@
+"""``specproxy compare A B``: an A/B verdict that survives noise and restarts.
+
+Why: the same config varies 15-19% run to run, and two restarts of one config can give
+non-overlapping intervals. So every ratio B/A comes with a 95% interval and a verdict (faster,
+slower, or not distinguishable when the interval contains 1); requests are grouped by server
+instance, and when an arm spans several instances the interval is computed over instances. An arm
+that ran in one instance only is flagged: an A/B inside one server instance is confounded with it.
+
+Streamed and non-streamed turns are never compared with each other: TTFT, decode speed and whole
+turn are over streamed turns in both arms (a non-streamed "TTFT" is its whole response time), and
+non-streamed turns get their own whole-response row when both arms have some. Aggregate throughput
+(delivered tokens over busy time) means the same for both kinds and is over all turns.
+
+An arm is a label (``X-Specproxy-Label`` or ``--label`` at serve time) or a time window written
+``@START..END`` (ISO 8601, UTC unless a zone is given; either end may be empty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
+from specproxy.store.dataset import Turns, load_turns, parse_time
+from specproxy.store.queries import Connection
+from specproxy.errors import ConfigError
+from specproxy.analyze.stats import (
+    CONFOUNDED_WARNING,
+    bootstrap_ratio,
+    instance_warning,
+    negative_control,
+    plural,
+)
+
+__all__ = ["Arm", "compare", "negative_control_report", "parse_arm", "render_compare"]
+
+# (key, column, label, higher is better): over streamed turns in both arms
+METRICS = (
+    ("decode_tps", "decode_tps", "per-stream decode speed (tok/s)", True),
+    ("ttft_s", "ttft_s", "TTFT, streamed (s)", False),
+    ("total_s", "total_s", "whole turn, streamed (s)", False),
+)
+# over non-streamed turns in both arms, when both have some
+NON_STREAMED_METRIC = ("total_s_non_streamed", "total_s", "whole response, non-streamed (s)", False)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str | None = None
+    since: float | None = None
+    until: float | None = None
+
+
+def parse_arm(spec: str) -> Arm:
+    """``NAME`` is a label; ``@START..END`` is a time window."""
+    if not spec.startswith("@"):
+        return Arm(name=spec, label=spec)
+    start, sep, end = spec[1:].partition("..")
+    if not sep:
+        raise ConfigError(f"arm {spec!r}: a time window is written @START..END (either end may be empty)")
+    return Arm(name=spec, since=parse_time(start) if start else None, until=parse_time(end) if end else None)
+
+
+# the columns a comparison reads
+COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
+                   "streamed")
+
+
+def _load(conn: Connection, arm: Arm, cache: bool = False) -> Turns:
+    turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until, columns=COMPARE_COLUMNS, cache=cache)
+    return turns.select(turns.ok) if len(turns) else turns
+
+
+def _kinds(turns: Turns) -> tuple[Turns, Turns]:
+    """The streamed turns and the non-streamed ones: two populations, never mixed in a row."""
+    streamed = turns.num["streamed"] == 1
+    return turns.select(streamed), turns.select(~streamed)
+
+
+def _instances(clusters: np.ndarray | None) -> set | None:
+    return None if clusters is None else set(clusters)
+
+
+def _clusters(turns: Turns) -> np.ndarray | None:
+    ids = turns.txt["instance_id"]
+    if not len(ids) or all(i is None for i in ids):
+        return None
+    return np.array([str(i) if i is not None else "unknown" for i in ids], dtype=object)
+
+
+def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
+    """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
+    their start and end (aggregate.py says why and how); instances as in every other row."""
+    def arm(t: Turns):
+        start = t.num["t_wall"]
+        return t.num["completion_tokens"], start, start + t.num["total_s"]
+
+    def value(t: Turns) -> float | None:
+        tokens, start, end = arm(t)
+        known = np.isfinite(tokens) & np.isfinite(start) & np.isfinite(end)
+        return busy_throughput(tokens[known], start[known], end[known])
+
+    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), seed=seed)
+    return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
+            "verdict": r.verdict, "warnings": r.warnings}
+
+
+def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int) -> dict[str, Any]:
+    key, col, label, higher = metric
+    r = bootstrap_ratio(a.num[col], b.num[col], higher_is_better=higher, clusters_a=_clusters(a),
+                        clusters_b=_clusters(b), seed=seed)
+    return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
+            "a_median": _median(a.num[col]), "b_median": _median(b.num[col]), **r.to_dict()}
+
+
+def _fit_instance_warning(warnings: list[str], ca: np.ndarray | None, cb: np.ndarray | None) -> list[str]:
+    """A row's warnings with the confounding one that fits the arms' instances (the aggregate row
+    says "inside one instance" whenever an arm ran in one), each once."""
+    fitting = instance_warning(_instances(ca), _instances(cb))
+    fitted = (fitting if w == CONFOUNDED_WARNING else w for w in warnings)
+    return list(dict.fromkeys(w for w in fitted if w))
+
+
+def _kind_counts(streamed: Turns, whole: Turns, arm: str) -> dict[str, int]:
+    return {f"streamed_{arm}": len(streamed), f"non_streamed_{arm}": len(whole)}
+
+
+def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
+    ta, tb = _load(conn, a, cache), _load(conn, b, cache)
+    if not len(ta) or not len(tb):
+        empty = a.name if not len(ta) else b.name
+        raise ConfigError(f"arm {empty!r} has no completed turns in this database")
+    ca, cb = _clusters(ta), _clusters(tb)
+    (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
+    rows = [_ratio_row(metric, sa, sb, "streamed", seed) for metric in METRICS]
+    if len(na) and len(nb):
+        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, "non_streamed", seed))
+    agg = _aggregate_ratio(ta, tb, seed)
+    rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
+                 "higher_is_better": True,
+                 "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
+                 "ci_high": agg["ci_high"], "verdict": agg["verdict"],
+                 "warnings": _fit_instance_warning(agg["warnings"], ca, cb),
+                 "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
+                 "instances_b": None if cb is None else len(set(cb))})
+    return {"a": a.name, "b": b.name, "n_a": len(ta), "n_b": len(tb),
+            **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
+            "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
+            "rows": rows}
+
+
+def _control_row(metric: tuple, turns: Turns, population: str, seed: int) -> dict[str, Any]:
+    key, col, label, higher = metric
+    r = negative_control(turns.num[col], _clusters(turns), seed=seed)
+    return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
+            "a_median": None, "b_median": None, **r.to_dict()}
+
+
+def negative_control_report(conn: Connection, a: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
+    """A against A: the arm split into random halves (by instance when it has several), within each
+    kind: the stream rows split the streamed turns, the non-streamed row the non-streamed ones, so a
+    half is never streamed turns against non-streamed ones."""
+    ta = _load(conn, a, cache)
+    if not len(ta):
+        raise ConfigError(f"arm {a.name!r} has no completed turns in this database")
+    ca = _clusters(ta)
+    streamed, whole = _kinds(ta)
+    rows = [_control_row(metric, streamed, "streamed", seed) for metric in METRICS]
+    if len(whole) >= 2:  # a half each
+        rows.append(_control_row(NON_STREAMED_METRIC, whole, "non_streamed", seed))
+    return {"a": a.name, "b": f"{a.name} (other half)", "n_a": len(ta), "n_b": len(ta), "negative_control": True,
+            **_kind_counts(streamed, whole, "a"),
+            "instances_a": None if ca is None else len(set(ca)), "instances_b": None, "rows": rows}
+
+
+def _median(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else None
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _arm_text(r: dict[str, Any], arm: str, instance: str = "instance") -> str:
+    """"16 turns: 8 streamed, 8 non-streamed; 2 instances" (the kinds only when there is a non-streamed one)."""
+    n, whole = r[f"n_{arm}"], r.get(f"non_streamed_{arm}") or 0
+    kinds = f": {r[f'streamed_{arm}']} streamed, {whole} non-streamed;" if whole else ","
+    return f"{plural(n, 'turn')}{kinds} {plural(r[f'instances_{arm}'], instance)}"
+
+
+def render_compare(r: dict[str, Any]) -> str:
+    lines = []
+    if r.get("negative_control"):
+        within = " within each kind" if r.get("non_streamed_a") else ""
+        lines.append(f"negative control: {r['a']} split into two random halves{within} "
+                     f"({_arm_text(r, 'a', 'server instance')}). Every row should be 'not distinguishable'.")
+    else:
+        lines.append(f"compare B={r['b']} ({_arm_text(r, 'b')}) against A={r['a']} ({_arm_text(r, 'a')})")
+    lines.append(f"  {'figure':34} {'A':>10} {'B':>10} {'B/A':>7}  {'95% CI':>16}  verdict")
+    warnings: list[str] = []
+    for row in r["rows"]:
+        ci = f"[{_f(row['ci_low'])}, {_f(row['ci_high'])}]" if row.get("ci_low") is not None else "-"
+        verdict = row["verdict"]
+        if verdict in ("faster", "slower") and not row["higher_is_better"]:
+            verdict += f" (B's {row['metric']} is {'lower' if verdict == 'faster' else 'higher'})"
+        lines.append(f"  {row['label']:34} {_f(row['a_median'], '{:.3f}'):>10} {_f(row['b_median'], '{:.3f}'):>10} "
+                     f"{_f(row['estimate'], '{:.3f}'):>7}  {ci:>16}  {verdict}")
+        warnings.extend(row.get("warnings") or [])
+    for w in dict.fromkeys(warnings):  # once each, whichever rows gave it
+        lines.append(f"  warning: {w}")
+    return "\n".join(lines) + "\n"

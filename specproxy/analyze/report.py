@@ -1,0 +1,353 @@
+"""The report: what users actually got, as a JSON-able dict and as text.
+
+Why a dict first: ``--json`` and the text are two renderings of one computation, so they cannot
+disagree. Every figure that summarises comes with n, median, p95 and a 95% interval; every cell says
+which cell it is (concurrency bucket, prompt-length bucket); at each concurrency both per-stream and
+aggregate throughput are printed, with which one to read there.
+
+Streamed and non-streamed turns are two populations. A non-streamed reply arrives at once: its
+"TTFT" is the whole response time, it has no decode time or speed, and it is one chunk of all its
+tokens. So every stream figure (TTFT, decode speed and time, tokens per chunk, the tables' TTFT,
+per-stream speed and tokens per chunk, the per-turn MAL join) is over streamed turns only, and
+non-streamed turns get their own figures (whole response time, tokens). Figures that mean the same for
+both kinds (prompt make-up, the operating point, aggregate throughput, the server's counters) are over
+all completed turns.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from specproxy.store.dataset import Turns, busy_seconds, distinct
+from specproxy.store.queries import Connection, database_turns
+from specproxy.analyze.server_report import render_server, server_section
+from specproxy.analyze.speedup import required_decode_speedup, window_speedups
+from specproxy.analyze.stats import (
+    CONCURRENCY_BUCKETS,
+    PROMPT_BUCKETS,
+    concurrency_buckets,
+    prompt_buckets,
+    summarize,
+    which_to_read,
+)
+
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "build_report", "render_text"]
+
+ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
+WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
+
+# (report key, column, label, unit scale, format): over streamed turns
+USER_FIGURES = (
+    ("ttft_s", "ttft_s", "TTFT (s)", 1.0, "{:.3f}"),
+    ("decode_tps", "decode_tps", "decode speed, per stream (tok/s)", 1.0, "{:.1f}"),
+    ("decode_s", "decode_s", "decode time (s)", 1.0, "{:.3f}"),
+    ("total_s", "total_s", "whole turn (s)", 1.0, "{:.3f}"),
+    ("completion_tokens", "completion_tokens", "completion tokens", 1.0, "{:.0f}"),
+    ("tokens_per_chunk", "tokens_per_chunk", "tokens per chunk", 1.0, "{:.2f}"),
+    ("proxy_delay_ms", "proxy_delay_s", "proxy delay (ms)", 1000.0, "{:.3f}"),
+)
+# the same for non-streamed turns: one response, its time and its tokens (nothing streamed to time)
+NON_STREAMED_FIGURES = (
+    ("total_s", "total_s", "whole response (s)", 1.0, "{:.3f}"),
+    ("completion_tokens", "completion_tokens", "completion tokens", 1.0, "{:.0f}"),
+    ("proxy_delay_ms", "proxy_delay_s", "proxy delay (ms)", 1000.0, "{:.3f}"),
+)
+PROMPT_PARTS = ("prompt_system_tokens", "prompt_tools_tokens", "prompt_history_tokens", "prompt_new_tokens")
+
+# the columns build_report reads (with the server section): load only these
+REPORT_COLUMNS = (
+    "t_wall", "total_s", "ttft_s", "decode_s", "decode_tps", "completion_tokens", "usage_completion_tokens",
+    "tokens_per_chunk", "proxy_delay_s", "concurrency", "streamed", "prompt_tokens", *PROMPT_PARTS,
+    "outcome", "label", "tokenizer", "instance_id", "content_class",
+)
+# what the stream figures and the tables over streamed turns read
+STREAM_COLUMNS = ("t_wall", "streamed", "prompt_tokens", "content_class", *(col for _, col, *_ in USER_FIGURES))
+
+
+def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
+    return summarize(values * scale).to_dict()
+
+
+def _aggregate(turns: Turns) -> dict[str, Any]:
+    """Delivered tokens / the time at least one of these turns was in flight (wall clock).
+
+    Over streamed and non-streamed turns alike: a non-streamed turn keeps the server busy and its
+    tokens are delivered as surely as a streamed one's, only at once. Leaving it out would drop its
+    tokens but not the time it overlapped streamed turns, and understate what the card put out.
+    """
+    start = turns.num["t_wall"]
+    end = start + turns.num["total_s"]
+    tokens = turns.num["completion_tokens"]
+    known = np.isfinite(tokens)
+    busy = busy_seconds(start[known], end[known])
+    if not known.any() or busy <= 0:
+        return {"n": int(known.sum()), "tokens": None, "busy_s": None, "tps": None}
+    total = float(np.sum(tokens[known]))
+    return {"n": int(known.sum()), "tokens": total, "busy_s": busy, "tps": total / busy}
+
+
+def _streamed(turns: Turns) -> np.ndarray:
+    """Which turns were streamed (the stream figures are theirs alone)."""
+    return turns.num["streamed"] == 1
+
+
+def build_report(turns: Turns, *, source: str = "", conn: Connection | None = None,
+                 window: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything ``specproxy report`` says, as plain data.
+
+    ``window``: the label/since/until that selected ``turns`` (said back, and when it selects nothing
+    the report says how many turns the database holds instead of "no turns recorded yet").
+    """
+    n_all = len(turns)
+    outcomes: dict[str, int] = {}
+    for o, count in Counter(turns.txt["outcome"].tolist()).items():
+        outcomes[str(o)] = outcomes.get(str(o), 0) + count
+    ok = turns.select(turns.ok) if n_all else turns
+    report: dict[str, Any] = {
+        "source": source,
+        "turns": n_all,
+        "outcomes": outcomes,
+        "first_t_wall": float(np.min(turns.num["t_wall"])) if n_all else None,
+        "last_t_wall": float(np.max(turns.num["t_wall"])) if n_all else None,
+        "tokenizers": sorted({str(t) for t in distinct(turns.txt["tokenizer"]) if t}),
+        "labels": sorted({str(t) for t in distinct(turns.txt["label"]) if t}),
+        "window": {k: (window or {}).get(k) for k in ("label", "since", "until")},
+        # looked up only when the window selects nothing: None otherwise
+        "database_turns": database_turns(conn) if conn is not None and not n_all else None,
+    }
+    is_streamed = _streamed(ok)
+    streamed = ok if is_streamed.all() else ok.select(is_streamed, columns=STREAM_COLUMNS)
+    whole = ok.select(~is_streamed, columns=("t_wall", *(col for _, col, *_ in NON_STREAMED_FIGURES)))
+    # completed turns of each kind: "user" is over the first, "non_streamed" over the second
+    report["completed_turns"] = {"streamed": len(streamed), "non_streamed": len(whole)}
+    report["user"] = {key: _summary(streamed.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
+    report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
+    report["usage_vs_delivered"] = _usage_gap(ok)
+    report["prompt"] = _prompt(ok)
+    report["by_concurrency"] = _by_concurrency(ok)
+    report["by_prompt_length"] = _by_prompt_length(streamed)
+    report["by_content_class"] = _by_content_class(streamed)
+    report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
+    report["whole_turn"] = _whole_turn(ok)
+    if conn is not None:
+        report["server"] = server_section(conn, ok, span=turns)
+    return report
+
+
+def _usage_gap(ok: Turns) -> dict[str, Any]:
+    """Our delivered count beside the server's own usage count, where both exist."""
+    ours, theirs = ok.num["completion_tokens"], ok.num["usage_completion_tokens"]
+    both = np.isfinite(ours) & np.isfinite(theirs)
+    diff = theirs[both] - ours[both]
+    return {
+        "n": int(both.sum()),
+        "delivered_tokens": float(ours[both].sum()) if both.any() else None,
+        "usage_tokens": float(theirs[both].sum()) if both.any() else None,
+        "median_usage_minus_delivered": float(np.median(diff)) if both.any() else None,
+    }
+
+
+def _prompt(ok: Turns) -> dict[str, Any]:
+    total = ok.num["prompt_tokens"]
+    out: dict[str, Any] = {"prompt_tokens": _summary(total)}
+    med_total = out["prompt_tokens"]["median"]
+    for part in PROMPT_PARTS:
+        s = _summary(ok.num[part])
+        s["share_of_median_prompt"] = (s["median"] / med_total) if s["median"] is not None and med_total else None
+        out[part] = s
+    return out
+
+
+def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
+           columns: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One row per non-empty cell: which cell it is, then n, TTFT and per-stream speed over the cell's
+    streamed turns, plus ``extra(cell)`` over all its turns (``cell`` has ``columns`` besides those)."""
+    rows = []
+    for b in np.unique(index[index >= 0]):
+        cell = turns.select(index == b, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
+        streamed = _streamed(cell)
+        rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
+                     "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})
+    return rows
+
+
+def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
+    """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) and which
+    figure to read over all its turns, as concurrency counts every turn in flight."""
+    return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
+                  lambda cell: {"aggregate": _aggregate(cell),
+                                "read": which_to_read(float(np.median(cell.num["concurrency"])))},
+                  columns=("total_s", "completion_tokens", "concurrency"))
+
+
+def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
+    return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(streamed.num["prompt_tokens"]),
+                  lambda cell: {})
+
+
+CONTENT_CLASSES = ("prose", "code", "tool_call")
+
+
+def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
+    """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class.
+    Over streamed turns: a non-streamed reply is one chunk of all its tokens, not an acceptance length."""
+    classes = streamed.txt["content_class"]
+    index = np.full(len(streamed), -1)
+    for i, name in enumerate(CONTENT_CLASSES):
+        index[classes == name] = i
+    return _cells(streamed, "content_class", CONTENT_CLASSES, index,
+                  lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])},
+                  columns=("tokens_per_chunk",))
+
+
+def _whole_turn(ok: Turns) -> dict[str, Any]:
+    """The speedup a user would feel for engine decode speedups, from this traffic (streamed turns).
+
+    TTFT held (prefill does not get faster when decoding does), in the before-a-change form, over the
+    window's summed TTFT and decode time: the exact ratio of all users' turn time before and after.
+    """
+    streamed = _streamed(ok)
+    w = window_speedups(ok.num["ttft_s"][streamed], ok.num["decode_s"][streamed], speedups=ENGINE_SPEEDUPS)
+    n = w.n
+    return {
+        "n": n,
+        "mean_ttft_s": w.ttft_s / n if n and w.ttft_s is not None else None,
+        "mean_decode_s": w.decode_s / n if n and w.decode_s is not None else None,
+        "ttft_share": w.ttft_share,
+        "max_speedup": w.max_speedup if w.max_speedup is None or np.isfinite(w.max_speedup) else None,
+        "speedups": {f"{s:g}": v for s, v in w.speedups.items()},
+        # the inverse: the engine decode speedup a wanted whole-turn speedup needs (None: unreachable)
+        "needed_decode_speedup": {f"{t:g}": (required_decode_speedup(w.ttft_s, w.decode_s, t) if n else None)
+                                  for t in WANTED_TURN_SPEEDUPS},
+    }
+
+
+# --- text -------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _ci(s: dict[str, Any], fmt: str) -> str:
+    if s.get("ci_low") is None:
+        return "-"
+    return f"[{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]"
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _empty(r: dict[str, Any]) -> str:
+    """Why there is nothing to report: an empty database, or a window that selects none of its turns."""
+    db = r.get("database_turns")
+    if not db or not db["n"]:
+        return "no turns recorded yet: point a client at the proxy's /v1 and chat"
+    w = r.get("window") or {}
+    parts = [f"label {w['label']}" if w.get("label") is not None else "",
+             f"since {_utc(w['since'])} UTC" if w.get("since") is not None else "",
+             f"until {_utc(w['until'])} UTC" if w.get("until") is not None else ""]
+    where = ", ".join(p for p in parts if p)
+    span = f" ({_utc(db['first_t_wall'])} to {_utc(db['last_t_wall'])} UTC)" if db["first_t_wall"] is not None else ""
+    return (f"no turns in this window{f' ({where})' if where else ''}; "
+            f"the database holds {db['n']} turn{'s' if db['n'] != 1 else ''}{span}")
+
+
+def _figure_rows(summaries: dict[str, Any], figures: tuple) -> list[str]:
+    lines = [f"  {'figure':36} {'n':>6} {'median':>10} {'p95':>10}  95% CI"]
+    for key, _, label, _, fmt in figures:
+        s = summaries[key]
+        lines.append(f"  {label:36} {s['n']:>6} {_fmt(s['median'], fmt):>10} {_fmt(s['p95'], fmt):>10}  {_ci(s, fmt)}")
+    return lines
+
+
+def render_text(r: dict[str, Any]) -> str:
+    lines: list[str] = []
+    when = f", {_utc(r['first_t_wall'])} to {_utc(r['last_t_wall'])} UTC" if r["first_t_wall"] is not None else ""
+    outcomes = ", ".join(f"{v} {k}" for k, v in sorted(r["outcomes"].items())) or "none"
+    lines.append(f"specproxy report: {r['source']}: {r['turns']} turns ({outcomes}){when}")
+    if not r["turns"]:  # no tokenizer line: with no turns there is nothing to say which tokenizer counted
+        lines.append(_empty(r))
+        return "\n".join(lines) + "\n"
+    tok = ", ".join(r["tokenizers"]) or "none (token counts missing: start serve with --tokenizer)"
+    lines.append(f"tokenizer: {tok}" + (f"; labels: {', '.join(r['labels'])}" if r["labels"] else ""))
+    kinds = r["completed_turns"]
+    lines.append("")
+    lines.append(f"What users got ({kinds['streamed']} streamed turns that completed; 95% CI of the median)")
+    lines.extend(_figure_rows(r["user"], USER_FIGURES))
+    gap = r["usage_vs_delivered"]
+    if gap["n"]:
+        lines.append(
+            f"  server usage.completion_tokens minus delivered tokens: median {_fmt(gap['median_usage_minus_delivered'], '{:+.0f}')}"
+            f" over {gap['n']} turns{', streamed or not' if kinds['non_streamed'] else ''}"
+            " (the server may count tokens the client never saw, e.g. an end-of-turn token)"
+        )
+    if kinds["non_streamed"]:
+        lines.append("")
+        lines.append(f"Non-streamed turns ({kinds['non_streamed']} that completed: the reply arrives whole, "
+                     "so no TTFT, decode speed or tokens per chunk; not in the figures above)")
+        lines.extend(_figure_rows(r["non_streamed"], NON_STREAMED_FIGURES))
+    p = r["prompt"]
+    lines.append("")
+    lines.append("Prompt make-up (median tokens per turn; share of the median prompt)")
+    lines.append(f"  prompt_tokens {_fmt(p['prompt_tokens']['median'], '{:.0f}')} "
+                 f"(p95 {_fmt(p['prompt_tokens']['p95'], '{:.0f}')}, n {p['prompt_tokens']['n']})")
+    for part, name in zip(PROMPT_PARTS, ("system", "tools", "history", "new message")):
+        s = p[part]
+        share = s["share_of_median_prompt"]
+        lines.append(f"  {name:12} {_fmt(s['median'], '{:.0f}'):>8}  {_fmt(share * 100 if share is not None else None, '{:.0f}'):>3}%")
+    sys_med, tools_med = p["prompt_system_tokens"]["median"], p["prompt_tools_tokens"]["median"]
+    if sys_med or tools_med:
+        lines.append(f"  -> the client injects {_fmt(sys_med, '{:.0f}')} tokens of system prompt and "
+                     f"{_fmt(tools_med, '{:.0f}')} tokens of tool definitions every turn")
+    lines.append("")
+    op = r["operating_point"]["concurrency"]
+    lines.append(f"By concurrency (operating point: median {_fmt(op['median'], '{:.0f}')}, p95 {_fmt(op['p95'], '{:.0f}')}"
+                 " in flight through the proxy; not the server's configured maximum)")
+    mixed = bool(kinds["non_streamed"])
+    if mixed:
+        lines.append("  n, per-stream speed and TTFT: streamed turns; aggregate: all turns, streamed or not (n all)")
+    lines.append(f"  {'concurrency':>11} {'n':>6} {'per-stream tok/s [95% CI]':>30} {'aggregate tok/s':>16}"
+                 + (f" {'n all':>6}" if mixed else "") + f" {'TTFT p50 s':>11}  read")
+    for row in r["by_concurrency"]:
+        ps = row["per_stream_tps"]
+        per = f"{_fmt(ps['median'], '{:.1f}')} {_ci(ps, '{:.1f}')}"
+        lines.append(f"  {row['concurrency']:>11} {row['n']:>6} {per:>30} {_fmt(row['aggregate']['tps'], '{:.1f}'):>16}"
+                     + (f" {row['aggregate']['n']:>6}" if mixed else "")
+                     + f" {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}  {row['read']}")
+    if r["by_prompt_length"]:
+        lines.append("")
+        lines.append("By prompt length (streamed turns)")
+        lines.append(f"  {'prompt tokens':>13} {'n':>6} {'TTFT p50 s':>11} {'per-stream tok/s':>17}")
+        for row in r["by_prompt_length"]:
+            lines.append(f"  {row['prompt_tokens']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
+                         f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}")
+    if r.get("by_content_class"):
+        lines.append("")
+        lines.append("By content class (streamed turns; speculative decoding accepts more of code than of prose)")
+        lines.append(f"  {'class':>13} {'n':>6} {'TTFT p50 s':>11} {'per-stream tok/s':>17} {'tokens/chunk':>13}")
+        for row in r["by_content_class"]:
+            lines.append(f"  {row['content_class']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
+                         f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}"
+                         f" {_fmt(row['tokens_per_chunk']['median'], '{:.2f}'):>13}")
+    w = r["whole_turn"]
+    lines.append("")
+    if w["n"] and w["ttft_share"] is not None:
+        lines.append(f"Whole-turn speedup a user would feel ({w['n']} streamed turns: mean TTFT {w['mean_ttft_s']:.3f} s"
+                     f" + decode {w['mean_decode_s']:.3f} s; TTFT is {w['ttft_share'] * 100:.0f}% of the users' time)")
+        lines.append("  " + "   ".join(f"engine decode {s}x -> {v:.2f}x" for s, v in w["speedups"].items()))
+        ceiling = f"; no decode speedup can beat {w['max_speedup']:.2f}x" if w["max_speedup"] else ""
+        lines.append(f"  (TTFT held: prefill does not get faster when decoding does{ceiling})")
+        lines.append("  to make whole turns faster by: " + "   ".join(
+            f"{t}x needs decode {v:.2f}x" if v is not None else f"{t}x is unreachable by decode alone"
+            for t, v in w["needed_decode_speedup"].items()))
+    else:
+        lines.append("Whole-turn speedup: no streamed turns with both TTFT and decode time yet")
+    if "server" in r:
+        lines.extend(render_server(r["server"]))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,686 @@
+"""The statistics core: summaries, A/B ratios, negative controls, throughput, "which cell".
+
+Why: on inference hardware one config varies 15-19% from run to run, and two restarts of the
+same config can give non-overlapping intervals (METRICS.md, "Honest statistics"). A bare median,
+or an A/B that ignores which server instance served a request, gives confident numbers that are
+wrong. Here every figure has n and an interval, and an A/B verdict is "faster", "slower" or
+"not distinguishable", never more than the data carry; a comparison that cannot get an interval
+says "no interval (why)", since "not distinguishable" would claim a comparison never made.
+The request-level path runs ``ratio_batch`` (many comparisons at once) so that its calibration
+is simulated on the code compare runs: tests/unit/test_aa_calibration.py, table in
+docs/statistics.md (including the shapes where it misses 3-7%: bimodal mixes). Numbers below are from the seeded
+simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
+
+* CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
+  between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
+  assumption (latencies are skewed), no random numbers, one sort: O(n log n). Uninterpolated,
+  the coverage jumps with n (96.5% at n=15); interpolated it is ~95% at every n (94-95.5%
+  measured for n = 6..200). Below 6 values no pair of order statistics covers 95%: the
+  interval is then None, not a made-up one.
+* Ratios (``bootstrap_ratio``): each arm's bootstrap distribution of log(stat) gives a
+  variance; the interval is exp(log(stat_b / stat_a) +- q * se), on the log scale because
+  ratios are. Unit per arm: requests when it ran in one instance (or has no labels); whole
+  instances when it ran in several (one-stage cluster bootstrap; resampling requests inside the
+  drawn instances as well would count within-instance noise twice). With instances, the
+  variance gets the k/(k-1) correction and q is Student t with Welch-Satterthwaite df from
+  (instances - 1) per arm: a plain cluster-bootstrap percentile interval says "distinguishable"
+  in 34% of A/A tests with 2 instances per arm and 14% with 4, this one 2-5%. At request level,
+  the mean gets exactly Welch (n/(n-1), df n-1; a z interval gave 7-12% false positives at n
+  5-15); a median or p95 uses the normal quantile, because the bootstrap variance of a quantile
+  runs high at small n, which offsets it (4.4-5.5% false positives for n = 5..60).
+  A bootstrap quantile never materialises resamples: the order statistics of a resample are the
+  sorted data at the order statistics of uniform indices, which are Beta distributed:
+  O(n_boot) per arm after a sort. Instances: O(n_boot * k * log n).
+* An arm in one instance cannot show restart-to-restart variance. If the other arm ran in
+  several, the lone instance borrows their between-instance variance (assumes the same spread in
+  both arms: 5% A/A false positives, 1 vs 4 instances). If each arm ran in its own single
+  instance, the instance effect is unmeasured: the verdict is "not distinguishable" whatever
+  the request-level interval says, and the warnings say why. Both arms in the same single
+  instance: a valid comparison for that instance only, with a warning.
+* Arms sharing instances (interleaved A/B) are resampled independently: conservative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
+    "negative_control", "ND",
+    "Throughput", "aggregate_throughput", "aggregate_throughput_interval",
+    "CONCURRENCY_BUCKETS", "concurrency_bucket", "PROMPT_BUCKETS", "prompt_bucket",
+    "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING",
+    "instance_warning", "plural",
+]
+
+CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
+SEPARATE_INSTANCES_WARNING = (
+    "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
+    "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
+    "several instances (restarts)")
+MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (A/A FP 8-30%)
+STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
+_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps
+_T_GRID_MIN_DF = 4.0  # t quantiles for df below this are computed exactly
+ND = "not distinguishable"
+
+
+# ----------------------------------------------------------------------------- input cleaning
+
+def _floats(values: Iterable[Any] | None) -> np.ndarray:
+    """Values as float64; None and NaN become NaN (the caller drops them); inf is an error."""
+    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values or []),
+                     dtype=float).reshape(-1)
+    if np.isinf(arr).any():
+        raise ValueError("infinite value: a missing figure must be None/NaN, not inf")
+    return arr
+
+
+def _clean(values: Iterable[Any] | None) -> np.ndarray:
+    arr = _floats(values)
+    return arr[~np.isnan(arr)]
+
+
+def _clean_labelled(values, labels) -> tuple[np.ndarray, np.ndarray | None, list]:
+    """Drop missing values with their labels; labels become codes 0..k-1 (third: originals).
+
+    A None label is one more instance (unknown, but not the same as a known one)."""
+    arr = _floats(values)
+    keep = ~np.isnan(arr)
+    if labels is None:
+        return arr[keep], None, []
+    labels = list(labels)
+    if len(labels) != arr.size:
+        raise ValueError(f"{len(labels)} cluster labels for {arr.size} values")
+    codes: dict[Any, int] = {}
+    kept = [codes.setdefault(l, len(codes)) for l, k in zip(labels, keep) if k]
+    used, lab = np.unique(np.asarray(kept, dtype=np.int64), return_inverse=True)
+    originals = list(codes)
+    return arr[keep], lab.reshape(-1).astype(np.int64), [originals[i] for i in used]
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, (float, np.floating)) and math.isnan(v))
+
+
+def _check_level(level: float) -> None:
+    if not 0.5 < level < 1:
+        raise ValueError(f"level must be in (0.5, 1), got {level}")
+
+
+# ----------------------------------------------------------------------------- Summary
+
+@dataclass(frozen=True)
+class Summary:
+    """n, median, mean, p95 and the 95% CI of the median. With n = 0 every figure is None."""
+    n: int
+    median: float | None
+    mean: float | None
+    p95: float | None
+    ci_low: float | None
+    ci_high: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
+    """Interpolated order-statistic CI of the median; (None, None) when n < 6 (at 95%).
+
+    gamma_d = P(d <= B <= n-d), B ~ Bin(n, 1/2), is the exact coverage of [X(d), X(n-d+1)] for any
+    continuous distribution. Take the largest d with gamma_d >= level and move each end towards
+    the next order statistic by lambda = (n-d)I / (d + (n-2d)I), I = (gamma_d - level) /
+    (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986).
+    """
+    _check_level(level)
+    x = np.sort(_clean(values))
+    n = x.size
+    if n < 2:
+        return None, None
+    j = np.arange(n // 2 + 1)  # P(B <= j), B ~ Bin(n, 1/2), from the log pmf: no underflow
+    cdf = np.cumsum(np.exp(n * math.log(0.5) + np.concatenate(
+        ([0.0], np.cumsum(np.log((n - j) / (j + 1.0)))))))
+    d = np.arange(1, n // 2 + 1)
+    gamma = 1.0 - 2.0 * cdf[d - 1]
+    ok = np.nonzero(gamma >= level)[0]
+    if ok.size == 0:
+        return None, None
+    d_best = int(d[ok[-1]])
+    g_d = float(gamma[ok[-1]])
+    g_next = float(1.0 - 2.0 * cdf[d_best]) if d_best < n // 2 else 0.0
+    i = (g_d - level) / (g_d - g_next) if g_d > g_next else 0.0
+    lam = (n - d_best) * i / (d_best + (n - 2 * d_best) * i) if i > 0 else 0.0
+    lo = _between(x[d_best - 1], x[d_best], lam)
+    hi = _between(x[n - d_best], x[n - d_best - 1], lam)
+    return float(lo), float(hi)
+
+
+def _between(a: float, b: float, lam: float) -> float:
+    """``a`` moved towards ``b`` by ``lam``, never outside [a, b] (rounding could step past b,
+    and an interval end past the median it brackets is a wrong answer, however small)."""
+    v = (1 - lam) * a + lam * b
+    return min(max(v, min(a, b)), max(a, b))
+
+
+def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.95) -> Summary:
+    """Summary of one metric. None/NaN are dropped (missing is missing, never 0).
+
+    ``seed`` is accepted for API stability and unused: the order-statistic interval is exact
+    and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
+    small n it is close to the maximum). O(n log n): one sort.
+    """
+    x = np.sort(_clean(values))
+    if x.size == 0:
+        _check_level(level)
+        return Summary(0, None, None, None, None, None)
+    lo, hi = median_ci(x, level)
+    return Summary(int(x.size), float(np.median(x)), float(x.mean()),
+                   float(np.percentile(x, 95)), lo, hi)
+
+
+# ----------------------------------------------------------------------------- distributions
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h
+
+
+def _t_ppf(p: float, df: float) -> float:
+    """Quantile of Student's t for p > 1/2 (bisection on the exact CDF); normal when df = inf."""
+    if not math.isfinite(df) or df > 1e7:
+        return NormalDist().inv_cdf(p)
+    tail = 1.0 - p
+    sf = lambda t: 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))  # noqa: E731
+    lo, hi = 0.0, 2.0
+    while sf(hi) > tail:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sf(mid) > tail else (lo, mid)
+        if hi - lo < 1e-12 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+# ----------------------------------------------------------------------------- bootstrap engines
+
+def _stat(x: np.ndarray, stat: str) -> float:
+    q = STATS[stat]
+    return float(x.mean()) if q is None else float(np.quantile(x, q))
+
+
+def _boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
+    """Bootstrap replicates of stat over requests, for a batch of arms of equal size.
+
+    ``x_sorted``: (arms, n), each row sorted. Returns (arms, n_boot). For a quantile: a
+    resample is x_sorted[I_1..I_n] with I uniform, so its r-th order statistic is
+    x_sorted[floor(n * U_(r))], U_(r) ~ Beta(r, n-r+1); the next one is
+    U_(r) + (1-U_(r)) * Beta(1, n-r). Exact, and O(n_boot) per arm however large n is.
+    """
+    m, n = x_sorted.shape
+    q = STATS[stat]
+    if q is None:
+        rows = max(1, _CHUNK // n)
+        return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
+                                         for s in range(0, n_boot, rows)]) for x in x_sorted])
+    h = (n - 1) * q
+    r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
+    frac = h - (r - 1)
+    u = rng.beta(r, n - r + 1, (m, n_boot))
+    pick = lambda v: np.take_along_axis(  # noqa: E731
+        x_sorted, np.minimum((v * n).astype(np.int64), n - 1), axis=1)
+    out = pick(u)
+    if frac > 0 and r < n:
+        out = out + frac * (pick(u + (1.0 - u) * rng.beta(1, n - r, (m, n_boot))) - out)
+    return out
+
+
+def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
+    """Replicates of the pooled stat when whole instances are resampled with replacement."""
+    q = STATS[stat]
+    if q is None:
+        return _boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+    # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
+    # first i sorted values is sum_j copies_j * (values of instance j among them), found with
+    # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
+    order = np.argsort(x, kind="stable")
+    xs, n = x[order], x.size
+    by_inst = np.argsort(lab[order], kind="stable")  # positions grouped by instance, increasing
+    keys = lab[order][by_inst] * (n + 1) + by_inst
+    first = np.searchsorted(keys, np.arange(k) * (n + 1))
+    total = counts @ np.bincount(lab, minlength=k)
+    h = (total - 1) * q
+    r = np.floor(h).astype(np.int64)
+
+    def at_rank(rank: np.ndarray) -> np.ndarray:  # smallest i with pooled count of xs[:i] > rank
+        lo, hi = np.ones(n_boot, np.int64), np.full(n_boot, n, np.int64)
+        while (lo < hi).any():
+            mid = (lo + hi) // 2
+            below = np.searchsorted(keys, np.arange(k) * (n + 1) + mid[:, None]) - first
+            above = (below * counts).sum(1) > rank
+            lo, hi = np.where(above, lo, mid + 1), np.where(above, mid, hi)
+        return xs[lo - 1]
+
+    v1 = at_rank(r)
+    return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
+
+
+def _boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
+                         rng) -> np.ndarray:
+    """Replicates of sum(num) / sum(den) when whole instances are resampled with replacement
+    (a mean is num = values, den = 1; aggregate throughput is tokens over busy shares)."""
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (counts @ np.bincount(lab, weights=num, minlength=k)) / (
+            counts @ np.bincount(lab, weights=den, minlength=k))
+
+
+def _log_var(reps: np.ndarray) -> np.ndarray:
+    """Variance of log(replicates) per row; NaN where a replicate is 0 (no log scale there)."""
+    reps = np.atleast_2d(reps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.var(np.log(reps), axis=1, ddof=1)
+    return np.where((reps > 0).all(axis=1), v, np.nan)
+
+
+def _request_component(x_sorted: np.ndarray, stat: str, n_boot: int, rng
+                       ) -> tuple[np.ndarray, float]:
+    """(variance of log stat, df) per arm for a batch of request-level arms (see the module
+    docstring): the mean gets exactly Welch (n/(n-1), df n-1); a quantile the normal quantile."""
+    n = x_sorted.shape[1]
+    v = _log_var(_boot_requests(x_sorted, stat, n_boot, rng))
+    return (v * n / (n - 1), n - 1.0) if stat == "mean" else (v, math.inf)
+
+
+def _combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: float,
+             higher_is_better: bool, forced: bool = False):
+    """The one rule from per-arm log variances to an interval and a verdict, for a batch.
+
+    ``est``: B/A per comparison; ``parts``: (variance, df) of each independent component.
+    The quantile is Student t with Welch-Satterthwaite df (normal when every df is infinite).
+    Returns lo, hi, df, verdict (object array; None where a variance is NaN: no interval).
+    ``forced``: the verdict cannot be faster/slower (the instance effect is unmeasured).
+    """
+    est = np.asarray(est, dtype=float)
+    var = sum(np.broadcast_to(np.asarray(v, float), est.shape) for v, _ in parts)
+    denom = sum(np.asarray(v, float) ** 2 / df for v, df in parts if math.isfinite(df))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df = np.where(np.asarray(denom) > 0, var * var / denom, math.inf)
+    half = _t_quantiles(1.0 - (1.0 - level) / 2.0, df) * np.sqrt(var)
+    lo, hi = est * np.exp(-half), est * np.exp(half)
+    verdict = np.full(est.shape, ND, dtype=object)
+    if not forced:
+        out = (lo > 1.0) | (hi < 1.0)
+        verdict[out] = np.where((lo[out] > 1.0) == higher_is_better, "faster", "slower")
+    verdict[np.isnan(var)] = None
+    return lo, hi, df, verdict
+
+
+@functools.lru_cache(maxsize=8)
+def _t_grid(p: float) -> tuple[np.ndarray, np.ndarray]:
+    inv_df = np.linspace(0.0, 1.0 / _T_GRID_MIN_DF, 401)
+    return inv_df, np.array([_t_ppf(p, 1.0 / x if x > 0 else math.inf) for x in inv_df])
+
+
+def _t_quantiles(p: float, df: np.ndarray) -> np.ndarray:
+    """``_t_ppf`` for an array of df: interpolated in 1/df (smooth there; error < 1e-5) for
+    df >= _T_GRID_MIN_DF, exact below. One function for the batch and the single comparison,
+    so both give the same numbers."""
+    df = np.asarray(df, dtype=float)
+    inv_df, q = _t_grid(p)
+    with np.errstate(divide="ignore"):
+        out = np.interp(1.0 / df, inv_df, q)
+    small = df < _T_GRID_MIN_DF
+    if small.any():
+        out[small] = [_t_ppf(p, d) for d in df[small]]
+    return out
+
+
+def ratio_batch(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool, stat: str = "median",
+                n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
+    """``bootstrap_ratio`` at request level for many comparisons at once: a (m, n_a), b (m, n_b)
+    hold complete rows of values > 0. Returns arrays estimate, ci_low, ci_high, verdict (None
+    where a bootstrap stat was 0). bootstrap_ratio calls this with m = 1, so simulations of
+    its calibration run this same code, and with the same seed give the same numbers."""
+    rng = np.random.default_rng(seed)
+    xa, xb = np.sort(np.atleast_2d(a), axis=1), np.sort(np.atleast_2d(b), axis=1)
+    est = _stat_rows(xb, stat) / _stat_rows(xa, stat)
+    parts = [_request_component(xa, stat, n_boot, rng), _request_component(xb, stat, n_boot, rng)]
+    lo, hi, df, verdict = _combine(est, parts, level, higher_is_better)
+    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
+            "var_a": parts[0][0], "var_b": parts[1][0]}
+
+
+def _stat_rows(x_sorted: np.ndarray, stat: str) -> np.ndarray:
+    q = STATS[stat]
+    return x_sorted.mean(axis=1) if q is None else np.quantile(x_sorted, q, axis=1)
+
+
+# ----------------------------------------------------------------------------- Ratio
+
+@dataclass(frozen=True)
+class Ratio:
+    """stat(b) / stat(a) with its interval; the verdict describes b (new) against a (baseline)."""
+    estimate: float | None
+    ci_low: float | None
+    ci_high: float | None
+    verdict: str  # "faster" | "slower" | "not distinguishable" | "no interval (why)"
+    n_a: int
+    n_b: int
+    instances_a: int | None  # distinct cluster labels, None when no labels were given
+    instances_b: int | None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    stat: str = "median"
+    level: float = 0.95
+    method: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def no_interval(why: str) -> str:
+    """The verdict of a row that cannot get an interval: saying "not distinguishable" there
+    would claim a comparison that was never made."""
+    return f"no interval ({why})"
+
+
+def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
+                    clusters_a: Sequence[Any] | None = None,
+                    clusters_b: Sequence[Any] | None = None,
+                    n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> Ratio:
+    """Ratio stat(b)/stat(a) with a ``level`` interval and a verdict (see module docstring).
+
+    ``higher_is_better``: True for speeds/throughput (b faster when the ratio is > 1), False for
+    times such as ttft_s or total_s (b faster when the ratio is < 1). ``clusters_*``: the server
+    instance id of each value. Values must be >= 0 (times, speeds, tokens).
+    """
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
+    if n_boot < 200:
+        raise ValueError("n_boot must be >= 200")
+    _check_level(level)
+    xa, la, ua = _clean_labelled(a, clusters_a)
+    xb, lb, ub = _clean_labelled(b, clusters_b)
+    if (xa < 0).any() or (xb < 0).any():
+        raise ValueError("bootstrap_ratio needs non-negative values (times, speeds, tokens)")
+    ka = None if la is None else len(ua)
+    kb = None if lb is None else len(ub)
+    warnings: list[str] = []
+
+    def result(est=None, lo=None, hi=None, verdict=ND, method=""):
+        return Ratio(est, lo, hi, verdict, int(xa.size), int(xb.size), ka, kb, warnings,
+                     stat, level, method)
+
+    warnings += [f"no data in arm {name}" for name, x in (("a", xa), ("b", xb)) if not x.size]
+    if warnings:
+        return result(verdict=no_interval(warnings[0]))
+    sa, sb = _stat(np.sort(xa), stat), _stat(np.sort(xb), stat)
+    if sa <= 0 or sb <= 0:
+        warnings.append(f"{stat} is 0 in an arm: the ratio is undefined")
+        return result(verdict=no_interval(f"{stat} is 0 in an arm"))
+    est = sb / sa
+    for name, x in (("a", xa), ("b", xb)):
+        if x.size < MIN_REQUESTS:
+            warnings.append(f"arm {name} has {x.size} values (< {MIN_REQUESTS}): no interval")
+        elif stat == "p95" and x.size < 100:
+            warnings.append(f"arm {name}: fewer than 5 values above its {stat}; "
+                            "the interval is unreliable")
+    if any(x.size < MIN_REQUESTS for x in (xa, xb)):
+        return result(est, verdict=no_interval(f"fewer than {MIN_REQUESTS} values in an arm"))
+    if (clusters_a is None) != (clusters_b is None):
+        name = "a" if clusters_a is None else "b"
+        warnings.append(f"arm {name} has no instance labels: its restart-to-restart variance "
+                        "is not in the interval")
+    rng = np.random.default_rng(seed)
+    comps = {}  # arm -> (variance of log stat, df, unit)
+    for name, x, lab, k in (("a", xa, la, ka), ("b", xb, lb, kb)):
+        if k is not None and k >= 2:
+            v = _log_var(_boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
+            comps[name] = (v, k - 1.0, f"{k} instances")
+        else:  # the same draws as ratio_batch, so its simulations speak for this path
+            v, df = _request_component(np.sort(x)[None, :], stat, n_boot, rng)
+            comps[name] = (v, df, "requests")
+    parts, forced = _instance_parts(comps, ka, kb, ua, ub, warnings)
+    lo, hi, df, verdict = _combine(np.array([est]), parts, level, higher_is_better, forced)
+    if verdict[0] is None:
+        warnings.append(f"a bootstrap {stat} was 0: no interval")
+        return result(est, verdict=no_interval(f"a bootstrap {stat} was 0"))
+    method = (f"log-{stat} bootstrap SE over a: {comps['a'][2]}, b: {comps['b'][2]}; "
+              + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
+    return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
+
+
+def _instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: list,
+                    warnings: list[str]) -> tuple[list, bool]:
+    """The variance components of a comparison given where each arm ran, and whether the
+    verdict is forced to "not distinguishable" (each arm in its own single instance).
+
+    Shared by every ratio row (per-request stats and aggregate throughput), so all rows treat
+    server instances by the same rule (module docstring)."""
+    single_a, single_b = ka == 1, kb == 1
+    confound = instance_warning(None if ka is None else ua, None if kb is None else ub)
+    if confound:
+        warnings.append(confound)
+    forced = confound == SEPARATE_INSTANCES_WARNING
+    parts = [comps["a"][:2], comps["b"][:2]]
+    if (single_a and (kb or 0) >= 2) or (single_b and (ka or 0) >= 2):
+        one, many = ("a", "b") if single_a else ("b", "a")
+        k_many = ka if many == "a" else kb
+        v_many, df_many, _ = comps[many]
+        # the lone instance carries a whole instance effect: ~k * (variance of the pooled stat)
+        parts = [(comps[one][0], comps[one][1]), ((k_many + 1) * v_many, df_many)]
+        warnings.append(f"arm {one} ran in one instance: its instance-to-instance variance is "
+                        f"borrowed from arm {many}'s {k_many} instances (assumes equal spread)")
+    return parts, forced
+
+
+def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[Any] | None) -> str | None:
+    """The one warning on how the arms' server instances confound an A/B; None when they do not.
+
+    ``instances_*``: the distinct instances an arm ran in, None when it has no instance labels.
+    Both arms in the same single instance: a valid comparison for that instance only. Each in a
+    different single instance: the instance effect is unmeasured (the precise warning; saying
+    "inside one instance" beside it would contradict it). One arm in one instance and the other in
+    several: None here, as ``bootstrap_ratio`` borrows the other arm's between-instance variance
+    and says so. One arm in one instance, the other unlabelled: confounded as far as is known.
+    """
+    a = None if instances_a is None else set(instances_a)
+    b = None if instances_b is None else set(instances_b)
+    single_a, single_b = a is not None and len(a) == 1, b is not None and len(b) == 1
+    if single_a and single_b:
+        return CONFOUNDED_WARNING if a == b else SEPARATE_INSTANCES_WARNING
+    if (single_a and b is None) or (single_b and a is None):
+        return CONFOUNDED_WARNING
+    return None
+
+
+def plural(n: int | None, noun: str) -> str:
+    """"1 instance", "2 instances", "? instances" (unknown)."""
+    if n is None:
+        return f"? {noun}s"
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int = 0,
+                     stat: str = "median", n_boot: int = 2000, level: float = 0.95) -> Ratio:
+    """A against A: split one arm into random halves and compare them with bootstrap_ratio.
+
+    With several instances the split is by instance (whole instances to each half), else by
+    request. Should be "not distinguishable" about ``level`` of the time; when it is not, the
+    instrument or the assumption of independent requests is broken.
+    """
+    x, lab, uniq = _clean_labelled(values, clusters)
+    rng = np.random.default_rng(seed)
+    k = len(uniq)
+    if k >= 2:
+        perm = rng.permutation(k)
+        in_a = np.isin(lab, perm[: k // 2])
+    else:
+        in_a = np.zeros(x.size, dtype=bool)
+        in_a[rng.permutation(x.size)[: x.size // 2]] = True
+    ca, cb = (None, None) if lab is None else (lab[in_a], lab[~in_a])
+    return bootstrap_ratio(x[in_a], x[~in_a], higher_is_better=True, stat=stat, clusters_a=ca,
+                           clusters_b=cb, n_boot=n_boot, seed=int(rng.integers(2**32)),
+                           level=level)
+
+
+# ----------------------------------------------------------------------------- throughput
+
+def _rows(tokens, starts, ends) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    t, s, e = _floats(tokens), _floats(starts), _floats(ends)
+    if not t.size == s.size == e.size:
+        raise ValueError("tokens, starts and ends must have the same length")
+    keep = ~(np.isnan(t) | np.isnan(s) | np.isnan(e))  # an incomplete row is dropped whole
+    t, s, e = t[keep], s[keep], e[keep]
+    if (e < s).any() or (t < 0).any():
+        raise ValueError("a request ends before it starts, or has negative tokens")
+    return t, s, e
+
+
+def aggregate_throughput(tokens, starts, ends) -> float | None:
+    """Total completion_tokens / (max(end) - min(start)) over the requests given (METRICS.md).
+
+    Rows with any field missing are dropped whole. None when there is no data or no elapsed
+    time. Read it at high concurrency; at low concurrency the gaps between requests dominate.
+    """
+    t, s, e = _rows(tokens, starts, ends)
+    if t.size == 0 or e.max() - s.min() <= 0:
+        return None
+    return float(t.sum() / (e.max() - s.min()))
+
+
+@dataclass(frozen=True)
+class Throughput:
+    value: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+    window_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def aggregate_throughput_interval(tokens, starts, ends, *, n_boot: int = 2000, seed: int = 0,
+                                  level: float = 0.95) -> Throughput:
+    """Aggregate throughput with a percentile-bootstrap interval over requests.
+
+    Not used by ``compare`` (aggregate.aggregate_ratio is): with the window fixed, only token
+    counts vary, so fixed-length outputs give an interval of zero width.
+
+    Limits: the window is held fixed and requests are resampled as if independent, so the
+    interval only says how much the figure depends on which requests (how long their outputs)
+    fell in the window. It does not include run-to-run or restart-to-restart variance (15-19%
+    on some hardware): for that, measure several windows/instances and compare them with
+    ``bootstrap_ratio`` over per-window values.
+    """
+    _check_level(level)
+    t, s, e = _rows(tokens, starts, ends)
+    if t.size == 0 or e.max() - s.min() <= 0:
+        return Throughput(None, None, None, int(t.size), None)
+    window = float(e.max() - s.min())
+    rng = np.random.default_rng(seed)
+    n = t.size
+    rows = max(1, _CHUNK // n)
+    totals = np.concatenate([t[rng.integers(0, n, (min(rows, n_boot - i), n))].sum(1)
+                             for i in range(0, n_boot, rows)])
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(totals / window, [alpha, 1.0 - alpha])
+    return Throughput(float(t.sum() / window), float(lo), float(hi), int(n), window)
+
+
+# ----------------------------------------------------------------------------- which cell
+
+CONCURRENCY_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
+_CONC_EDGES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_BUCKETS = ("<1k", "1k-4k", "4k-16k", "16k-64k", "64k+")
+_PROMPT_EDGES = (1024, 4096, 16384, 65536)  # 1k = 1024 tokens, as context sizes are quoted
+PER_STREAM_MAX_CONCURRENCY = 4
+
+
+def concurrency_bucket(c: float | None) -> str | None:
+    """Bucket label for ``concurrency`` (requests in flight, this one included, so >= 1).
+
+    Powers of two, as concurrency is swept. A non-integer (a median) goes to the bucket whose
+    range contains it when rounded up: 2.5 -> "3-4". None -> None.
+    """
+    if _missing(c):
+        return None
+    if c < 1:
+        raise ValueError(f"concurrency counts the request itself, so it is >= 1; got {c}")
+    for label, edge in zip(CONCURRENCY_BUCKETS, _CONC_EDGES):
+        if c <= edge:
+            return label
+    return CONCURRENCY_BUCKETS[-1]
+
+
+def prompt_bucket(tokens: float | None) -> str | None:
+    """Bucket label for ``prompt_tokens``: <1k, 1k-4k, 4k-16k, 16k-64k, 64k+ (1k = 1024)."""
+    if _missing(tokens):
+        return None
+    if tokens < 0:
+        raise ValueError(f"prompt tokens must be >= 0, got {tokens}")
+    for label, edge in zip(PROMPT_BUCKETS, _PROMPT_EDGES):
+        if tokens < edge:
+            return label
+    return PROMPT_BUCKETS[-1]
+
+
+def concurrency_buckets(c: np.ndarray) -> np.ndarray:
+    """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
+    (-1 where the value is missing). Reports over a million turns cannot afford a Python loop."""
+    c = np.asarray(c, dtype=float)
+    idx = np.searchsorted(np.asarray(_CONC_EDGES, dtype=float), c, side="left")
+    return np.where(np.isfinite(c), idx, -1)
+
+
+def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
+    """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing)."""
+    t = np.asarray(tokens, dtype=float)
+    idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
+    return np.where(np.isfinite(t), idx, -1)
+
+
+def which_to_read(concurrency_median: float | None) -> str | None:
+    """"per-stream" when the median concurrency is <= 4, else "aggregate"; None without data.
+
+    Threshold 4: a single user's chat client plus an agent or two sits at 1-4; there the wall
+    clock of an aggregate figure is mostly gaps between requests (the field note's 0.91x that
+    was really 1.42x per stream), and what a user feels is per-stream speed. Above it the card is
+    shared and total output matters. Use the median of ``concurrency``, never a configured max.
+    """
+    if _missing(concurrency_median):
+        return None
+    return "per-stream" if concurrency_median <= PER_STREAM_MAX_CONCURRENCY else "aggregate"

@@ -1,0 +1,351 @@
+"""The command line: parse, call, print. Every user error is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import functools
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from specproxy import __version__
+from specproxy.config import CADENCE_POLL_MODES, Config, load_config
+from specproxy.errors import SpecproxyError
+
+log = logging.getLogger("specproxy")
+
+
+def _friendly(fn):
+    """Turn SpecproxyError into one clear line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SpecproxyError as exc:
+            click.echo(f"specproxy: error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="specproxy")
+def main() -> None:
+    """Measure what users of an LLM inference server actually get.
+
+    Run `specproxy serve --upstream URL`, point a chat client's base URL at the proxy's /v1, chat,
+    then `specproxy report`. `specproxy demo` does all of it against a built-in scripted server.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _shown(value: Any) -> str:
+    """A default as a user would type it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+_DEFAULTS = Config()
+
+
+def _setting(flag: str, key: str, help: str, **kwargs: Any):
+    """The option that sets Config ``key``; not given, the config file's, SPECPROXY_<KEY>'s or the default
+    value holds. The default in the help is read from Config, so help and code cannot differ."""
+    return click.option(flag, key, default=None, help=f"{help} [default: {_shown(getattr(_DEFAULTS, key))}]",
+                        **kwargs)
+
+
+db_option = _setting("--db", "db", "SQLite database file")
+
+# Config keys with no serve flag, each with the reason; the test suite checks that every other key has one.
+CONFIG_ONLY: dict[str, str] = {}
+
+
+@main.command()
+@click.option("--upstream", "upstream",
+              help="Base URL of the inference server, e.g. http://127.0.0.1:8000 "
+                   "[required unless set in the --config file or SPECPROXY_UPSTREAM]")
+@_setting("--host", "host", "Address to listen on")
+@_setting("--port", "port", "Port to listen on", type=int)
+@db_option
+@_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
+@_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
+@_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
+@_setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
+@_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
+@_setting("--idle-timeout", "idle_timeout_s",
+          "Seconds without upstream bytes before giving up; no total deadline", type=float)
+@_setting("--header-timeout", "header_timeout_s",
+          "Seconds a client may take to send its request headers, and the longest pause inside a request "
+          "body (408); also how long an idle kept-alive connection stays open", type=float)
+@_setting("--queue-size", "queue_size",
+          "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
+          type=int)
+@_setting("--metrics-path", "metrics_path", "The upstream's Prometheus endpoint")
+@_setting("--scrape-interval", "scrape_interval_s", "Seconds between polls of the upstream's metrics; 0 = off",
+          type=float)
+@_setting("--scrape-retention-days", "scrape_retention_days",
+          "Days of polled metrics kept in the database (turns are kept); 0 = all", type=float)
+@_setting("--cadence-poll", "cadence_poll",
+          "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
+          "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
+@_friendly
+def serve(config_path: str | None, **flags: Any) -> None:
+    """Run the measuring proxy in front of an inference server."""
+    from specproxy.serve.service import Service, install_uvloop
+
+    from specproxy.wire import upstream
+
+    if upstream.RELAY_SETTING_ERROR:
+        raise SpecproxyError(upstream.RELAY_SETTING_ERROR)
+    cfg = load_config(config_path, overrides=flags)
+    service = Service.from_config(cfg)
+    install_uvloop()
+
+    def ready(svc: Service) -> None:
+        from specproxy.wire import cadence_poll
+        from specproxy.measure import texts
+        from specproxy.measure import tokens
+        from specproxy.serve.lane import lane_enabled
+
+        relay = {
+            "thread": "the relay thread (C)",
+            "loop": "C on the event loop (SPECPROXY_RELAY=loop: more CPU)",
+            "python": "pure Python (specproxy.wire._relayc not built or SPECPROXY_RELAY=python: more CPU)",
+        }[upstream.RELAY_MODE]
+        scans = "C" if texts.c_scans() else (
+            "pure Python (specproxy.frames._scanc not built or SPECPROXY_SCAN=python: more CPU)")
+        front = "the lane, aiohttp's server for the rest" if lane_enabled() else (
+            "aiohttp's server (SPECPROXY_LANE=off: more CPU)")
+        counting = tokens.describe(svc.tokenizer)
+        quota = svc.cadence.quota if svc.cadence is not None else None
+        poll = cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD, quota)
+        click.echo(
+            f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream} (client /v1/chat/completions -> "
+            f"{cfg.forwards_to('/v1/chat/completions')}; /chat/completions -> {cfg.forwards_to('/chat/completions')}); "
+            f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
+            f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
+            f"requests read by {front}; relay {relay}; "
+            f"cadence poll {poll}; measuring scans {scans}\n"
+            f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
+            err=True,
+        )
+
+    try:
+        asyncio.run(service.run_forever(ready))
+    except OSError as exc:
+        raise SpecproxyError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
+
+
+def _db_path(db: str | None) -> str:
+    return db or load_config(overrides={}).db
+
+
+def _open(db: str | None):
+    """The database for reading: every way it can be the wrong file is one line (store.open_existing)."""
+    from specproxy.store.db import open_existing
+
+    return open_existing(_db_path(db))
+
+
+def _echo(result: dict, render, as_json: bool) -> None:
+    if as_json:
+        click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        click.echo(render(result), nl=False)
+
+
+def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
+            cache: bool = True) -> dict:
+    from specproxy.store.dataset import load_turns, parse_time
+    from specproxy.analyze.report import REPORT_COLUMNS, build_report
+
+    window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
+    with _open(db) as conn:
+        turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
+        return build_report(turns, source=_db_path(db), conn=conn, window=window)
+
+
+window_options = [
+    click.option("--label", default=None, help="Only turns with this label"),
+    click.option("--since", default=None, help="Only turns at or after this time (ISO 8601 UTC or epoch s)"),
+    click.option("--until", default=None, help="Only turns before this time (ISO 8601 UTC or epoch s)"),
+]
+
+
+cache_option = click.option(
+    "--cache/--no-cache", default=True, show_default=True,
+    help="Read the turns through the columnar cache beside the database (DB.cache/, checked against the "
+         "database on every run, rebuilt when it does not match); --no-cache reads SQLite only")
+
+
+def _window(fn):
+    for opt in reversed(window_options):
+        fn = opt(fn)
+    return fn
+
+
+@main.command()
+@db_option
+@_window
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@cache_option
+@_friendly
+def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
+           cache: bool) -> None:
+    """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
+    from specproxy.analyze.report import render_text
+
+    _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
+
+
+@main.command()
+@db_option
+@_window
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default="-",
+              help="File to write [default: stdout]")
+@_friendly
+def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
+    """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names."""
+    from specproxy.record import FIELD_NAMES
+    from specproxy.store.dataset import parse_time, where_clause
+    from specproxy.store.queries import turn_rows
+
+    where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
+    with _open(db) as conn:
+        out = sys.stdout if output == "-" else open(output, "w", newline="")
+        try:
+            rows = turn_rows(conn, FIELD_NAMES, where, params)
+            if fmt == "csv":
+                writer = csv.writer(out)
+                writer.writerow(FIELD_NAMES)
+                writer.writerows(rows)
+            else:
+                for row in rows:
+                    out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+
+
+@main.command("compare")
+@click.argument("arm_a")
+@click.argument("arm_b", required=False)
+@db_option
+@click.option("--negative-control", is_flag=True,
+              help="Compare A against itself (random halves, by instance when it has several)")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
+@cache_option
+@_friendly
+def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, as_json: bool,
+                cache: bool) -> None:
+    """Ratio B/A with 95% intervals and a verdict: faster, slower or not distinguishable.
+
+    An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
+    (ISO 8601, UTC unless a zone is given), e.g. @2026-11-29T08:00..2026-11-29T09:00.
+    """
+    from specproxy.analyze.compare import compare, negative_control_report, parse_arm, render_compare
+
+    if not negative_control and arm_b is None:
+        raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
+    with _open(db) as conn:
+        if negative_control:
+            r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache)
+        else:
+            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
+    _echo(r, render_compare, as_json)
+
+
+@main.command()
+@db_option
+@click.option("--before", required=True, help="Delete rows from before this time (ISO 8601 UTC or epoch s)")
+@click.option("--turns", "with_turns", is_flag=True,
+              help="Also delete the turns from before it (the measurements themselves: they are gone for good)")
+@click.option("--vacuum", is_flag=True,
+              help="Then rewrite the file to give the freed space back to the disk (needs that much free space "
+                   "again, and blocks a running serve's writes meanwhile); without it the space is reused by new rows")
+@_friendly
+def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
+    """Delete the server scrapes (and with --turns, the turns) stored before a time; print how many.
+
+    serve deletes scrapes older than scrape_retention_days on its own; this is for doing it by hand,
+    or for turns, which nothing deletes otherwise. Safe beside a running serve: it deletes in short
+    transactions.
+    """
+    import time
+
+    from specproxy.store import queries
+    from specproxy.store.dataset import parse_time
+    from specproxy.store.db import open_existing
+    from specproxy.store.retention import delete_scrapes, delete_turns
+
+    cutoff = parse_time(before)
+    assert cutoff is not None  # --before is required
+    if cutoff > time.time():
+        raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
+    path = _db_path(db)
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    scrapes = turns = counters = 0
+    with open_existing(path, readonly=False) as conn:
+        while n := delete_scrapes(conn, cutoff):  # chunk by chunk: each a short transaction
+            scrapes += n
+        while with_turns:
+            n, joins = delete_turns(conn, cutoff)
+            if not n:
+                break
+            turns, counters = turns + n, counters + joins
+        if vacuum:
+            queries.vacuum(conn)
+    deleted = f"{scrapes} scrapes" + (f", {turns} turns and their {counters} counter joins" if with_turns else "")
+    click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {path}")
+    if vacuum:
+        click.echo(f"vacuumed: {size / 1e6:.1f} MB -> {Path(path).stat().st_size / 1e6:.1f} MB")
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@main.command()
+@click.option("--db", default=None, help="Database for the demo's turns [default: a new temporary file]")
+@click.option("--turns", type=int, default=8, show_default=True, help="Turns per client at each concurrency")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@_friendly
+def demo(db: str | None, turns: int, as_json: bool) -> None:
+    """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
+    from specproxy.app.demo import run_demo
+    from specproxy.analyze.report import render_text
+    from specproxy.serve.service import install_uvloop
+
+    if turns < 1:
+        raise SpecproxyError("--turns must be at least 1")
+    path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
+    install_uvloop()
+    asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True)))
+    r = _report(str(path))
+    _echo(r, render_text, as_json)
+    if not as_json:
+        click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
+
+
+if __name__ == "__main__":
+    main()

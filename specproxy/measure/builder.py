@@ -1,0 +1,350 @@
+"""``RecordBuilder``: turns the bytes of one turn, stamped as they crossed the sockets, into a Record.
+
+Why it is shaped this way: the forwarding path may only append (``on_bytes`` is three list appends);
+everything that costs CPU (SSE decoding, JSON parsing, decompression, tokenizing) happens in ``build``,
+which runs once per turn in a worker thread after the last byte was forwarded. Events are timed by the
+read that completed them, so deferring the parse loses no precision.
+
+What a response delivered (text per choice and kind, and when) is read by ``texts.py``: a fast path
+for the common stream shape, proved equal to the obviously-correct reference.
+
+When the proxy relays HTTP/1.1 chunked framing verbatim (``on_headers(..., chunked=True)``), the reads
+hold framed bytes; ``build`` removes the framing first (``chunked.dechunk_reads``, one payload per
+read, so read times stay aligned), then undoes a Content-Encoding, then parses.
+
+Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at most once) ->
+``on_bytes`` (any number) -> exactly one of ``finish`` or ``fail`` -> ``build`` (once).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from operator import sub
+
+import orjson
+
+from specproxy.measure import texts as texts_mod
+from specproxy.frames.chunked import dechunk_reads, join_whole_frames
+from specproxy.measure.content import classify
+from specproxy.measure.openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
+from specproxy.record import Record, new_turn_id
+from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
+from specproxy.measure.tokens import Tokenizer, count_with_first
+
+__all__ = ["RecordBuilder", "is_measured"]
+
+
+class RecordBuilder:
+    """Collects one turn on the forwarding path; ``build`` makes the Record off it."""
+
+    __slots__ = (
+        "_ended",
+        "body",
+        "chunked",
+        "concurrency",
+        "content_encoding",
+        "content_type",
+        "error",
+        "id",
+        "instance_id",
+        "label",
+        "method",
+        "outcome",
+        "path",
+        "relayed",
+        "read_times",
+        "request_encoding",
+        "reads",
+        "status",
+        "store_text",
+        "t_done",
+        "t_request",
+        "t_upstream_headers",
+        "t_wall",
+        "write_times",
+    )
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        path: str,
+        body: bytes,
+        t_wall: float,
+        t_request: float,
+        concurrency: int = 1,
+        label: str | None = None,
+        instance_id: str | None = None,
+        store_text: bool = False,
+        request_encoding: str = "",
+    ) -> None:
+        self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
+        self.method = method
+        self.path = path
+        self.body = body
+        self.t_wall = t_wall
+        self.t_request = t_request
+        self.concurrency = concurrency
+        self.label = label
+        self.instance_id = instance_id
+        self.store_text = store_text
+        self.request_encoding = request_encoding
+        self.status: int | None = None
+        self.content_type = ""
+        self.content_encoding = ""
+        self.chunked = False
+        self.t_upstream_headers: float | None = None
+        self.reads: list[bytes] = []
+        self.read_times: list[float] = []
+        self.write_times: list[float] = []
+        self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
+        self.t_done: float | None = None
+        self.outcome: str | None = None
+        self.error: str | None = None
+        self._ended = False
+
+    # --- the forwarding path: cheap, no parsing --------------------------------------------------
+
+    def on_headers(
+        self, t: float, status: int, content_type: str, content_encoding: str = "", *, chunked: bool = False
+    ) -> None:
+        """``chunked``: the reads will hold the response's HTTP/1.1 chunked framing as relayed verbatim."""
+        assert self.t_upstream_headers is None, "on_headers called twice"
+        self.t_upstream_headers = t
+        self.status = status
+        self.content_type = content_type
+        self.content_encoding = content_encoding
+        self.chunked = chunked
+
+    def on_bytes(self, data: bytes, t_read: float, t_written: float) -> None:
+        self.reads.append(data)
+        self.read_times.append(t_read)
+        self.write_times.append(t_written)
+
+    def relayed_by_thread(self, turn) -> None:
+        """The relay thread relayed the rest of the body: its reads (after those already appended) are in
+        ``turn``, and become Python objects in ``take_relayed``, in the measuring thread, not on the loop."""
+        self.relayed = turn
+
+    def take_relayed(self) -> None:
+        """Append the reads the relay thread kept (once; nothing when it relayed none). Off the loop."""
+        turn, self.relayed = self.relayed, None
+        if turn is not None:
+            turn.take(self.reads, self.read_times, self.write_times)
+
+    def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
+        """The response ended (normally, or with an outcome the proxy observed)."""
+        assert not self._ended, "a turn ends once: finish xor fail"
+        self._ended = True
+        self.t_done = t_done
+        self.outcome = outcome
+        self.error = error
+
+    def fail(self, t_done: float, outcome: str, status: int | None, error: str) -> None:
+        """No response came from the upstream (the client got an error from specproxy itself)."""
+        assert not self._ended, "a turn ends once: finish xor fail"
+        self._ended = True
+        self.t_done = t_done
+        self.outcome = outcome
+        self.status = status
+        self.error = error
+
+    # --- off the forwarding path: parse, count, derive ------------------------------------------
+
+    def build(self, tokenizer: Tokenizer | None) -> Record:
+        """Make the Record. CPU work: call from a worker thread, once, after finish/fail."""
+        return self._build(tokenizer, fast=True)
+
+    def _build(self, tokenizer: Tokenizer | None, *, fast: bool) -> Record:
+        """``fast=False`` parses a stream with the reference path only (for differential tests)."""
+        assert self._ended, "build before finish/fail"
+        self.take_relayed()
+        request = _read_request(_inflate(self.body, self.request_encoding))
+        streamed = self.content_type.startswith("text/event-stream")
+        framing_error = None
+        joined = None
+        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.c_scans():
+            joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
+        if joined is not None:
+            buf, ends, _ = joined
+            texts = stream_texts_joined(buf, ends, self.read_times)
+            response_bytes = len(buf)
+        else:
+            payload = self.reads
+            if self.chunked:
+                payload = dechunk_reads(self.reads)
+                if payload.error is not None:
+                    framing_error = f"malformed chunked framing: {payload.error}"
+            response_bytes = sum(map(len, payload))
+            reads = self._decoded_reads(payload)
+            if streamed:
+                texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
+            else:
+                texts = body_texts(reads, self.read_times)
+        outcome = self.outcome or "ok"
+        if outcome == "client_abort" and texts.saw_done:
+            outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
+        if outcome == "ok" and self.status is not None and self.status >= 400:
+            outcome = "upstream_error"
+        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error)
+
+    def _decoded_reads(self, reads: list[bytes]) -> list[bytes]:
+        """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""
+        enc = self.content_encoding.lower()
+        if enc not in ("gzip", "deflate", "x-gzip"):
+            return reads
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header, auto-detected
+        out: list[bytes] = []
+        try:
+            for data in reads:
+                out.append(inflater.decompress(data))
+        except zlib.error:
+            out.extend(b"" for _ in range(len(reads) - len(out)))
+        return out
+
+    def _record(
+        self,
+        request: _Request,
+        texts: Texts,
+        streamed: bool,
+        outcome: str,
+        tok: Tokenizer | None,
+        response_bytes: int,
+        framing_error: str | None,
+    ) -> Record:
+        t_req = self.t_request
+        counts = _count_completion(texts, tok) if tok is not None else None
+        prompt = None
+        if tok is not None and request.parts is not None:
+            try:
+                prompt = tok.count_prompt(request.parts)
+            except Exception:
+                prompt = None
+        usage = texts.usage or {}
+        ttft = texts.t_first - t_req if texts.t_first is not None else None
+        decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
+        completion = counts["completion"] if counts else None
+        if counts is None and tok is not None and not texts.texts and self.status is not None and self.status < 400:
+            completion = 0  # a tokenizer and a successful answer with no text: truly zero tokens
+        decode_tps = None
+        if counts and decode and decode > 0:
+            decode_tps = (counts["completion"] - counts["first"]) / decode
+        delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read
+        response_text = None
+        if self.store_text and texts.texts:
+            response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
+        return Record(
+            id=self.id,
+            t_wall=self.t_wall,
+            method=self.method,
+            path=self.path,
+            status=self.status,
+            outcome=outcome,
+            error=self.error
+            or framing_error
+            or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None),
+            streamed=streamed,
+            model=request.model,
+            label=self.label,
+            instance_id=self.instance_id,
+            request_parsed=request.parsed,
+            concurrency=self.concurrency,
+            t_request=t_req,
+            t_upstream_headers=self.t_upstream_headers,
+            t_first_token=texts.t_first,
+            t_last_token=texts.t_last,
+            t_done=self.t_done,
+            ttft_s=ttft,
+            decode_s=decode,
+            total_s=self.t_done - t_req if self.t_done is not None else None,
+            completion_tokens=completion,
+            content_tokens=counts["content"] if counts else None,
+            reasoning_tokens=counts["reasoning"] if counts else None,
+            tool_args_tokens=counts["tool_args"] if counts else None,
+            content_class=_content_class(texts),
+            first_chunk_tokens=counts["first"] if counts else None,
+            usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
+            tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
+            decode_tps=decode_tps,
+            prompt_tokens=prompt.total if prompt else None,
+            prompt_system_tokens=prompt.system if prompt else None,
+            prompt_tools_tokens=prompt.tools if prompt else None,
+            prompt_history_tokens=prompt.history if prompt else None,
+            prompt_new_tokens=prompt.new if prompt else None,
+            proxy_delay_s=_median_sorted(delays) if delays else None,
+            request_bytes=len(self.body),
+            response_bytes=response_bytes,
+            saw_done=texts.saw_done,
+            finish_reason=texts.finish_reason,
+            server_timings=orjson.dumps(texts.timings).decode() if texts.timings else None,
+            tokenizer=tok.name if tok is not None else None,
+            prompt_text=self.body.decode("utf-8", "replace") if self.store_text else None,
+            response_text=response_text,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    parsed: bool
+    model: str | None = None
+    parts: PromptParts | None = None
+
+
+def _inflate(body: bytes, encoding: str) -> bytes:
+    """A gzip/deflate request body, decoded for reading (it was forwarded as sent)."""
+    if encoding.strip().lower() not in ("gzip", "x-gzip", "deflate") or not body:
+        return body
+    try:
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        out = inflater.decompress(body, 64 * 1024 * 1024)  # bounded: a zip bomb is not our business
+        return out if not inflater.unconsumed_tail else b""
+    except zlib.error:
+        return b""
+
+
+def _read_request(body: bytes) -> _Request:
+    try:
+        obj = parse_json(body)
+        parts = split_prompt(obj)
+    except (ValueError, TypeError, RecursionError):
+        return _Request(parsed=False)
+    model = obj.get("model")
+    return _Request(parsed=True, model=model if isinstance(model, str) else None, parts=parts)
+
+
+def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:
+    """Encode each (choice, kind) text once; map tokens to the first chunk by character offsets."""
+    if not texts.texts:
+        return None
+    out = {"content": 0, "reasoning": 0, "tool_args": 0, "first": 0}
+    for key, text in texts.texts.items():
+        n, first = count_with_first(tok, text, texts.first_lens.get(key, 0))
+        out[key[1]] += n
+        out["first"] += first
+    out["completion"] = out["content"] + out["reasoning"] + out["tool_args"]
+    return out
+
+
+def _content_class(texts: Texts) -> str | None:
+    by_kind: dict[str, str] = {}
+    for (_, kind), text in texts.texts.items():
+        by_kind[kind] = by_kind.get(kind, "") + text
+    return classify(by_kind.get("content", ""), by_kind.get("tool_args", ""))
+
+
+def _median_sorted(values: list[float]) -> float:
+    """``statistics.median`` of an already sorted, non-empty list, without its per-call overhead."""
+    mid = len(values) // 2
+    return values[mid] if len(values) & 1 else (values[mid - 1] + values[mid]) / 2
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def is_measured(method: str, path: str) -> bool:
+    """Only generation endpoints are measured; everything else is forwarded and not recorded."""
+    return method == "POST" and path in MEASURED_PATHS

@@ -1,0 +1,421 @@
+"""The lane: the common request, read from the client's socket and forwarded without aiohttp's server.
+
+Why: most of what the event loop spends on a streamed turn is per request, not per chunk (the relay thread
+carries the body), and at a server's real pace (a few new turns per decode step) each request finds the
+loop's caches cold. aiohttp's server handles a request in several layers (its protocol, a task, the
+request and writer objects, a URL, a header dict, the response's bookkeeping); on this 2-core VM, 256
+keep-alive connections sending a turn every 1-3 s cost the loop ~170-220 µs of CPU per request through
+aiohttp with a trivial handler, ~80 µs through a bare protocol (``/tmp`` experiment, schedstat of the
+server's threads, two runs each). In ``scripts/bench_overhead.py`` at C = 256 the lane took the event
+loop from 3.6 to 2.5 µs of CPU per relayed chunk (interleaved runs with ``SPECPROXY_LANE=off``).
+
+What it takes: a request that is plainly well-formed and whole. HTTP/1.1; a method from a short list; an
+origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no dot segments, no
+``//``); header lines of token names and values without control characters (a tab aside); none of
+Transfer-Encoding, Expect, Upgrade; one Host; no single-valued header twice (aiohttp's list and RFC
+9110's); Content-Length, if any, of digits, within ``max_body_bytes``; the head under aiohttp's
+limits. It waits for the body (it is usually in the same read) and forwards the request with
+``Proxy.forward``, as aiohttp's handler does.
+
+Anything else it declines: from that request on, the connection is aiohttp's, which reads the request
+from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always
+did. So every defence of ``proxy.py`` still applies; the lane refuses nothing itself but a body that
+stalls (408, as aiohttp's path answers it) and a request over ``max_concurrent`` (503, the same check).
+``SPECPROXY_LANE=off`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
+
+A connection's requests are served one at a time, in order (pipelined ones wait in the buffer; reading
+pauses when too much waits). A client that hangs up cancels its exchange, which ``Proxy.forward``
+records as ``client_abort``. An idle connection closes ``header_timeout_s`` after its last response
+(aiohttp's keep-alive timeout, set to the same); the first request's head deadline is ``service.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from aiohttp import http_parser as _aiohttp_parser
+
+from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal
+from specproxy.wire.relay_thread import no_delay
+
+if TYPE_CHECKING:
+    from specproxy.serve.proxy import Proxy
+
+__all__ = ["Lane", "Lanes", "lane_enabled", "read_head", "refusal_bytes"]
+
+log = logging.getLogger("specproxy.serve.lane")
+
+MAX_LINE_BYTES = 8190  # aiohttp's request-line limit; every line the lane takes is within it
+MAX_FIELDS = 100  # aiohttp refuses more than 128 header lines
+PIPELINED_BYTES = 1 << 20  # stop reading while this much waits behind the exchange in progress
+
+_METHODS = frozenset((b"GET", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS", b"HEAD"))
+_REQUEST_LINE = re.compile(rb"([A-Z]{3,7}) (/[A-Za-z0-9\-._~!$&'()*+,;=:@/?]*) HTTP/1\.1\r\n")
+_FIELD_LINES = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
+_DECLINED = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
+# header fields a request may have once (RFC 9110); aiohttp's parser refuses a second one of those it lists
+_SINGLETONS = frozenset(
+    {b"content-length", b"content-location", b"content-range", b"content-type", b"etag", b"host",
+     b"max-forwards", b"server", b"transfer-encoding", b"user-agent"}
+    | {h.encode() for h in getattr(_aiohttp_parser, "SINGLETON_HEADERS", ())}
+)
+_LABEL = LABEL_HEADER.lower().encode()
+
+
+def lane_enabled() -> bool:
+    return os.environ.get("SPECPROXY_LANE", "on").lower() not in ("off", "0", "no")
+
+
+def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] | None:
+    """The request whose head is ``buf[:end]`` (``end``: where its blank line starts), and where its body
+    starts and ends in ``buf``; None when the lane declines it (see the module's docstring)."""
+    if end + 4 > MAX_HEADER_BYTES:
+        return None
+    m = _REQUEST_LINE.match(buf)
+    if m is None or m.end() > end + 2 or m.end() > MAX_LINE_BYTES:
+        return None
+    method, target = m.groups()
+    if method not in _METHODS or b"//" in target or b"/." in target:
+        return None
+    start = m.end()
+    raw: list[tuple[bytes, bytes]] = []
+    length = 0
+    connection: list[bytes] = []
+    label = None
+    encoding = ""
+    seen_encoding = False
+    once: set[bytes] = set()
+    if start < end:
+        if _FIELD_LINES.fullmatch(buf, start, end + 2) is None:
+            return None
+        lines = buf[start:end].split(b"\r\n")
+        if len(lines) > MAX_FIELDS:
+            return None
+        for line in lines:
+            if len(line) > MAX_LINE_BYTES:
+                return None
+            name, _, value = line.partition(b":")
+            value = value.strip(b" \t")
+            raw.append((name, value))
+            low = name.lower()
+            if low in _SINGLETONS:
+                if low in once:
+                    return None
+                once.add(low)
+            if low == b"content-length":
+                if not value.isdigit() or len(value) > 15:
+                    return None
+                length = int(value)
+            elif low == b"connection":
+                connection.append(value)
+            elif low == _LABEL:  # the first one, as aiohttp's headers.get(), decoded as it decodes values
+                if label is None:
+                    label = value.decode("utf-8", "surrogateescape")
+            elif low == b"content-encoding":
+                if not seen_encoding:
+                    seen_encoding = True
+                    encoding = value.decode("utf-8", "surrogateescape")
+            elif low in _DECLINED:
+                return None
+    if length > max_body or b"host" not in once:  # HTTP/1.1 requires Host (aiohttp refuses a request without)
+        return None
+    keep_alive = True
+    for value in connection:
+        if any(token.strip().lower() == b"close" for token in value.split(b",")):
+            keep_alive = False
+    req = Incoming(
+        method=method.decode(),
+        path=target.partition(b"?")[0].decode(),
+        target=target,
+        http11=True,
+        keep_alive=keep_alive,
+        raw_headers=raw,
+        connection=connection,
+        label=label,
+        content_encoding=encoding,
+    )
+    return req, end + 4, end + 4 + length
+
+
+def _may_become_head(buf: bytes) -> bool:
+    """Whether the start of a head may still become one the lane takes: a line ends in a bare LF, or a
+    complete request line is not one the lane reads, and the lane declines at once (aiohttp answers)."""
+    nl = buf.find(b"\n")
+    if nl < 0:
+        return len(buf) <= MAX_LINE_BYTES
+    if buf.count(b"\n") != buf.count(b"\r\n"):
+        return False
+    return _REQUEST_LINE.match(buf) is not None
+
+
+def refusal_bytes(refusal: Refusal, keep_alive: bool) -> bytes:
+    """A whole HTTP/1.1 response for ``refusal``: what ``Refusal.as_response`` sends through aiohttp."""
+    body = refusal.body()
+    try:
+        reason = HTTPStatus(refusal.status).phrase.encode()
+    except ValueError:
+        reason = b"Error"
+    close = b"" if keep_alive and not refusal.close else b"Connection: close\r\n"
+    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        refusal.status, reason, len(body), close, body)
+
+
+class Lanes:
+    """The lane's open connections and counts, for the service's state line and its shutdown."""
+
+    def __init__(self) -> None:
+        self.open: set[Lane] = set()
+        self.requests = 0  # requests the lane forwarded
+        self.handed_over = 0  # connections the lane gave to aiohttp's server
+        self.closing = False
+
+    async def shutdown(self, timeout: float) -> None:
+        """Close idle connections now, busy ones after their exchange; past ``timeout``, cut them."""
+        self.closing = True
+        tasks = []
+        for lane in list(self.open):
+            if lane._task is None:
+                lane.close()
+            else:
+                tasks.append(lane._task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for lane in list(self.open):
+            if lane._task is not None:  # still busy: cut (the idle ones are closing, their last bytes flushed)
+                lane.abort()
+
+
+class Lane(asyncio.Protocol):
+    """One client connection, until it is handed over to aiohttp's server (``inner``), if ever.
+
+    It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
+
+    __slots__ = ("_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
+                 "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
+                 "transport")
+
+    def __init__(self, proxy: Proxy, lanes: Lanes, fallback: Callable[[], asyncio.Protocol], timeout: float) -> None:
+        self._proxy = proxy
+        self._lanes = lanes
+        self._fallback = fallback
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._inner: asyncio.Protocol | None = None
+        self._parts: list[bytes] = []  # what has come and not been taken, in order
+        self._size = 0
+        self._pending: tuple[Incoming, int, int] | None = None  # a head read, its body still coming
+        self._task: asyncio.Task | None = None  # the exchange in progress
+        self._keep = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._reading_paused = False
+        self._writing_paused = False
+        self._drain: asyncio.Future | None = None
+
+    # --- asyncio callbacks ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._lanes.open.add(self)
+        no_delay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        inner = self._inner
+        if inner is not None:
+            inner.data_received(data)
+            return
+        self._parts.append(data)
+        self._size += len(data)
+        if self._task is None:
+            self._take()
+        elif self._size > PIPELINED_BYTES and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        if self._inner is not None:
+            return self._inner.eof_received()
+        return None  # as aiohttp's server: the connection closes (and an exchange in progress ends)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._lanes.open.discard(self)
+        self._cancel_timer()
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+            return
+        if self._task is not None:
+            self._task.cancel()  # Proxy.forward records the turn as the client's abort
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._inner is not None:
+            self._inner.resume_writing()
+        self._wake_drain()
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def _joined(self) -> bytes:
+        parts = self._parts
+        if len(parts) > 1:
+            parts[:] = [b"".join(parts)]
+        return parts[0] if parts else b""
+
+    def _take(self) -> None:
+        """Start the next exchange if its request is all here; hand the connection over if it is not one
+        the lane takes. Called with no exchange in progress."""
+        pending = self._pending
+        if pending is None:
+            buf = self._joined()
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if self._size > MAX_HEADER_BYTES or not _may_become_head(buf):
+                    self._hand_over()
+                return
+            pending = read_head(buf, end, self._proxy.cfg.max_body_bytes)
+            if pending is None:
+                self._hand_over()
+                return
+            self._pending = pending
+        req, start, need = pending
+        if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
+            self._set_deadline()
+            return
+        buf = self._joined()
+        body = buf[start:need]
+        rest = buf[need:]
+        self._parts = [rest] if rest else []
+        self._size = len(rest)
+        self._pending = None
+        self._lanes.requests += 1
+        self._task = self._loop.create_task(self._serve(req, body))
+
+    async def _serve(self, req: Incoming, body: bytes) -> None:
+        proxy = self._proxy
+        self._keep = req.keep_alive
+        try:
+            if proxy.in_flight >= proxy.cfg.max_concurrent:
+                proxy.rejected_busy += 1
+                self._refuse(proxy.busy(), req.keep_alive)
+            else:
+                proxy.in_flight += 1
+                try:
+                    refusal = await proxy.forward(req, body, self)
+                finally:
+                    proxy.in_flight -= 1
+                if refusal is not None:
+                    self._refuse(refusal, req.keep_alive)
+        except asyncio.CancelledError:
+            return  # the client hung up: the connection is gone
+        except Exception as exc:  # a bug of ours (forward recorded the turn): this connection is done
+            log.error("the lane's exchange failed: %s", type(exc).__name__)
+            self.abort()
+            return
+        finally:
+            self._task = None
+        self._next()
+
+    def _next(self) -> None:
+        """After an exchange: close, or wait for the next request (it may be here already)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not self._keep or self._lanes.closing:
+            transport.close()
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        self._set_deadline()
+        if self._size:
+            self._take()
+
+    def _refuse(self, refusal: Refusal, keep_alive: bool) -> None:
+        keep = keep_alive and not refusal.close
+        self._keep = self._keep and keep
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(refusal_bytes(refusal, keep))
+
+    def _hand_over(self) -> None:
+        """From this request on, the connection is aiohttp's: it gets every byte not taken yet."""
+        self._lanes.handed_over += 1
+        self._lanes.open.discard(self)
+        self._cancel_timer()
+        inner = self._inner = self._fallback()
+        inner.connection_made(self.transport)
+        if self._writing_paused:
+            inner.pause_writing()
+        data = self._joined()
+        self._parts = []
+        self._size = 0
+        if data:
+            inner.data_received(data)
+
+    # --- proxy.Client -----------------------------------------------------------------------------------
+
+    async def start(self, status: int, head: bytes, keep_alive: bool) -> None:
+        self._keep = keep_alive
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(head)
+
+    async def drain(self) -> None:
+        if not self._writing_paused or self.transport is None:
+            return
+        self._drain = self._loop.create_future()
+        try:
+            await self._drain
+        finally:
+            self._drain = None
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # --- the deadline: one timer, re-armed only when it fires early -------------------------------------
+
+    def _set_deadline(self) -> None:
+        self._deadline = self._loop.time() + self._timeout
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._on_deadline)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        transport = self.transport
+        if transport is None or self._inner is not None or self._task is not None:
+            return  # an exchange in progress has no deadline of ours
+        left = self._deadline - self._loop.time()
+        if left > 0:
+            self._timer = self._loop.call_at(self._deadline, self._on_deadline)
+            return
+        if self._pending is not None:  # a head read, its body stalled
+            self._proxy.rejected_bad += 1
+            refusal = Refusal(408, "request_timeout", f"request body stalled for {self._timeout:g} s", True)
+            transport.write(refusal_bytes(refusal, False))
+        transport.close()  # idle for the keep-alive timeout, or a body that stalled

@@ -1,0 +1,142 @@
+"""The measuring worker: one thread that turns finished turns into Records while the relay is quiet.
+
+Why a policy and not a plain thread pool: measuring is Python, and the relay is Python on the same
+interpreter lock. Inference servers send in bursts (one chunk per stream per decoding step, all
+streams at once), so a worker that builds whenever a turn ends competes with the relay exactly when
+a burst is being forwarded, and every chunk of the burst waits longer. This worker takes what has
+queued, waits for a gap in the relay's reads (``QUIET_S`` without one), and builds then, looking
+again before each turn of the batch (a burst that began during a build goes first). Under
+traffic that never pauses it waits at most ``MAX_DEFER_S`` per batch and builds the batch anyway, so
+measuring keeps up (a batch is every turn that ended meanwhile) and records arrive at most that much
+later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
+up. Results go back to the event loop once per batch of at most ``MAX_BATCH``, not once per turn.
+
+Batches are gathered: after the first turn of a batch arrives the worker waits, and then takes every
+turn that queued meanwhile, until one of: ``MAX_BATCH`` turns are waiting; a turn ended with no other
+in flight (nothing more is coming soon: a lone chat's turn is measured at once); ``GATHER_S`` passed;
+``stop``. Many builds in a row run with warm caches, the interpreter lock changes hands once per batch
+instead of once per turn, the loop gets one callback per batch and the writer one burst; a submit wakes
+the worker only to end a gathering. At C = 256 gathering for 0.1 s cut the measuring thread's CPU per
+relayed chunk by about a quarter and the writer's by half (``scripts/bench_overhead.py``, interleaved
+A/B; added p99 within the runs' spread). Under steady traffic a record reaches the store up to
+``GATHER_S`` later; a lone turn's, at once.
+
+Tried and not kept (2026-11-30, ``--rounds 1 --no-nginx`` pairs against 0.1 s): longer gathers, 0.4 s
+with batches of 32 or of 16. At C = 64 (a turn ending every ~30 ms, ~3 a batch) the measuring thread
+took 2.3 instead of 3.9–4.7 µs per chunk in a first set of pairs, 1.6–2.3 against 2.3–3.1 in a second,
+2.3 against 2.3 in a third (batches of 16). At C = 256 the process's CPU stayed within the pairs'
+spread, and p99 per chunk was worse: added p99 higher in 3 pairs of 4 with batches of 32, specproxy's
+p99 higher in 4 of 4 with 16 (3.0–3.7 ms against 1.8–3.3). Likely cause: longer runs of builds hold the
+interpreter lock while a turn's head and first chunks, written by the event loop, wait for it.
+
+``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
+the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
+(the default) the bodies' reads do not need the interpreter lock at all, so a build no longer delays
+them; the wait still keeps builds off the loop's per-turn work in a burst of new turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from specproxy.measure.builder import RecordBuilder
+from specproxy.record import Record
+from specproxy.measure.tokens import Tokenizer
+
+__all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker"]
+
+clock = time.perf_counter
+
+QUIET_S = 0.001  # a gap this long in the relay's reads is a moment to measure
+MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a batch
+# how often to look for that gap: each look takes the interpreter lock from the relay in mid-burst, so
+# seldom (bench_overhead at C=256, 5 rounds: looking every 1 ms cost 26.9 µs per chunk and 1.9 ms added
+# p99, every 4 ms 23.7 µs and 0.6 ms)
+POLL_S = 0.004
+MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
+GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
+
+Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
+
+
+class MeasuringWorker:
+    def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
+                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._gather_s = GATHER_S if gather_s is None else gather_s
+        self._gathered = threading.Event()  # ends a gathering: a full batch, nothing more in flight, stop
+        self._activity = activity
+        self._loop = loop
+        self._done = done
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="specproxy-measure", daemon=True)
+        self._thread.start()
+        self.batches = 0
+        self.deferred_s = 0.0  # time spent waiting for the relay to pause
+
+    def submit(self, builder: RecordBuilder, *, more_in_flight: bool) -> None:
+        """From the event loop: never blocks (an in-memory queue). ``more_in_flight``: other turns are
+        still running, so more may end soon and join this one's batch."""
+        queue = self._queue
+        queue.put(builder)
+        if (not more_in_flight or queue.qsize() >= MAX_BATCH) and not self._gathered.is_set():
+            self._gathered.set()
+
+    def stop(self) -> None:
+        """Build what is queued, then end the thread. Blocks: call from a thread, not the loop."""
+        self._gathered.set()
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is not None and self._gather_s > 0 and self._queue.qsize() < MAX_BATCH:
+                self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+            self._gathered.clear()  # before taking the batch: a later end of gathering is for the next
+            batch = []
+            if first is None:
+                stopping = True
+            else:
+                batch.append(first)
+            while len(batch) < MAX_BATCH:  # what has queued meanwhile, up to a batch
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            if not batch:
+                continue
+            behind = stopping or self._queue.qsize() >= MAX_BATCH  # then build now, do not wait
+            deadline = clock() + MAX_DEFER_S
+            results = []
+            for builder in batch:
+                if not behind:  # before each build: a burst that began meanwhile goes first
+                    self._wait_for_quiet(deadline)
+                try:
+                    results.append((builder, builder.build(self.tokenizer), None))
+                except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
+                    results.append((builder, None, exc))
+            self.batches += 1
+            try:
+                self._loop.call_soon_threadsafe(self._done, results)
+            except RuntimeError:  # the loop is closed: nobody is left to take the records
+                return
+
+    def _wait_for_quiet(self, deadline: float) -> None:
+        t0 = clock()
+        while True:
+            now = clock()
+            since = now - self._activity()
+            if since >= QUIET_S or now >= deadline:
+                break
+            time.sleep(min(max(QUIET_S - since, POLL_S), deadline - now))
+        self.deferred_s += clock() - t0

@@ -1,0 +1,333 @@
+"""Running the proxy as a service: tokenizer, writer thread, proxy, listening socket, clean shutdown.
+
+Why apart from ``proxy.py``: the handler is the hot path and knows nothing of processes, signals or
+files; this module owns their lifecycle so that ``serve``, ``demo`` and the tests start the very same
+thing. On SIGTERM/SIGINT it stops accepting, lets in-flight streams finish (bounded), measures what
+is pending and drains the writer's queue before exiting. On SIGUSR1 it logs one line of its state
+(tasks, connections, file descriptors, queue, counters): the soak test reads leaks from it.
+
+The listening socket is opened here rather than by aiohttp's ``TCPSite`` so that every connection
+gets a header deadline: a client that has not finished its first request's headers within
+``header_timeout_s`` of connecting is disconnected (slowloris). Later requests on a kept-alive
+connection are bounded by aiohttp's keep-alive timer, which ``proxy.py`` sets to the same value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
+from specproxy.config import Config
+from specproxy.errors import SpecproxyError
+from specproxy.serve.lane import Lane, Lanes, lane_enabled
+from specproxy.serve.watch import ServerWatch
+from specproxy.serve.proxy import Proxy
+from specproxy.record import Record
+from specproxy.store.db import Writer
+from specproxy.measure.tokens import Tokenizer, load_tokenizer
+
+__all__ = ["Service", "install_uvloop"]
+
+log = logging.getLogger("specproxy")
+
+# How long start-up waits to connect to the upstream for its one check (at most connect_timeout_s): the
+# scraper's own timeout, which the first scrape already waits for, so the check adds no delay of its own.
+START_CHECK_TIMEOUT_S = 2.0
+
+
+def settle_heap() -> int:
+    """Collect once, then freeze every object start-up made; returns how many are frozen.
+
+    Why: Python's full (oldest-generation) collection walks every object the collector tracks, and
+    start-up (aiohttp, the tokenizer, the store, their imports) leaves ~54,000 of them. Under load a full
+    collection comes about once a minute, on the event loop's thread, and stalls it for the whole walk: at
+    256 streams on a 2-core VM, 20-23 ms (``gc.callbacks`` timing under ``scripts/bench_overhead.py``).
+    Every turn that starts meanwhile waits, and the request time the proxy stamps is late by as much.
+    Frozen (``gc.freeze``), start-up's objects are never walked again and the same collection took
+    2.7 ms. What start-up left as garbage is collected first."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class _HeadDeadline(asyncio.Protocol):
+    """Wraps the per-connection protocol (the lane, or aiohttp's); closes the connection when the first
+    request's headers (up to the blank line that ends them) have not all arrived within ``timeout`` of
+    connecting.
+
+    It looks at incoming bytes only until that blank line, then only forwards. Requests never pass
+    through here (the lane or aiohttp parses them); responses never do (they go straight to the
+    transport)."""
+
+    __slots__ = ("_handle", "_inner", "_on_expire", "_tail", "_timeout", "_transport")
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float, on_expire: Callable[[], None]) -> None:
+        self._inner = inner
+        self._timeout = timeout
+        self._on_expire = on_expire
+        self._handle: asyncio.TimerHandle | None = None
+        self._tail = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._handle = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        self._inner.connection_made(transport)
+
+    def _expire(self) -> None:
+        self._handle = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._on_expire()
+            self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self._handle is not None:
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:
+                self._handle.cancel()
+                self._handle = None
+                self._tail = b""
+            else:
+                self._tail = seen[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._transport = None
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Bind (not yet listen on) every address ``host`` resolves to, as asyncio's ``create_server`` would;
+    a SpecproxyError when one cannot be bound (a port in use), with nothing left open."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise SpecproxyError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
+def install_uvloop() -> bool:
+    """Use uvloop when it is installed (it is a dependency on Linux and macOS)."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+@dataclass
+class Service:
+    """The running proxy. ``await start()``, then ``await stop()``; ``port`` is the bound port."""
+
+    cfg: Config
+    tokenizer: Tokenizer | None = None
+    extra_sinks: list[Callable[[Record], object]] = field(default_factory=list)
+    writer: Writer | None = None
+    proxy: Proxy | None = None
+    watch: ServerWatch | None = None
+    port: int = 0
+    header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
+    lanes: Lanes = field(default_factory=Lanes)
+    cadence: CadenceGate | None = None
+    _runner: web.ServerRunner | None = None
+    _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
+    _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Service:
+        """Bind the port, then load what can fail (tokenizer, database), so that errors come at start-up
+        and a port in use is said before the database file (and its -wal, -shm) is created."""
+        cfg.upstream_url  # noqa: B018 - raises ConfigError without an upstream
+        sockets = bind_listeners(cfg.host, cfg.port)
+        try:
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size,
+                                                                  scrape_retention_days=cfg.scrape_retention_days),
+                       _sockets=sockets)
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
+
+    def _sink(self, record: Record) -> None:
+        if self.writer is not None:
+            self.writer.put(record)
+        for sink in self.extra_sinks:
+            try:
+                sink(record)
+            except Exception as exc:  # a broken observer must not cost the record
+                log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
+
+    async def start(self) -> int:
+        # a measuring worker thread holding the GIL must not delay the forwarding loop for long
+        sys.setswitchinterval(0.001)
+        self.watch = ServerWatch(self.cfg, self.writer)
+        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
+                           instance_id=lambda: self.watch.instance_id if self.watch else None)
+        self.proxy.on_turn_end = self.watch.turn_ended
+        await self.proxy.start()
+        # side by side, so that start-up waits for the slower of the two, never their sum
+        await asyncio.gather(self.watch.start(), self._check_upstream())
+        mode = self.cfg.cadence_poll
+        quota = await asyncio.to_thread(cpu_quota) if mode == "auto" else None  # files: not on the loop
+        self.cadence = CadenceGate(mode, quota=quota)
+        self.cadence.start()
+        self._runner = web.ServerRunner(self.proxy.make_server(), shutdown_timeout=30.0)
+        await self._runner.setup()
+        server = self._runner.server  # aiohttp's protocol factory
+        assert server is not None
+        timeout = self.cfg.header_timeout_s
+
+        def expired() -> None:
+            self.header_timeouts += 1
+
+        proxy, lanes = self.proxy, self.lanes
+        if lane_enabled():  # the common request without aiohttp's server; any other goes on to it (lane.py)
+            def protocol() -> asyncio.Protocol:
+                return _HeadDeadline(Lane(proxy, lanes, server, timeout), timeout, expired)
+        else:
+            def protocol() -> asyncio.Protocol:
+                return _HeadDeadline(server(), timeout, expired)
+
+        sockets, self._sockets = self._sockets or bind_listeners(self.cfg.host, self.cfg.port), []
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            self._listeners.append(await loop.create_server(protocol, sock=sock, backlog=1024))
+        self.port = sockets[0].getsockname()[1]
+        return self.port
+
+    async def _check_upstream(self) -> None:
+        """Connect to the upstream once before serving, so that a server that is down, or a mistyped URL,
+        is said at start-up rather than by the first client's 502. Only a warning: the server may well be
+        starting up too, and requests are forwarded (and answered 502/504) the same either way."""
+        assert self.proxy is not None
+        why = await self.proxy.probe_upstream(START_CHECK_TIMEOUT_S)
+        if why is not None:
+            log.warning("upstream %s is not answering (%s): serving anyway; requests will get %d until it does",
+                        self.cfg.upstream, why, 504 if why.timeout else 502)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def open_connections(self) -> int:
+        """Client connections open now: the lane's and aiohttp's server's."""
+        server = self._runner.server if self._runner is not None else None
+        return (len(server.connections) if server is not None else 0) + len(self.lanes.open)
+
+    def state(self) -> dict[str, int | float]:
+        """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
+        p, w = self.proxy, self.writer
+        server = self._runner.server if self._runner is not None else None
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = -1
+        pool = p._pool if p else None
+        return {
+            "tasks": len(asyncio.all_tasks()),
+            "connections": self.open_connections(),
+            "lane_requests": self.lanes.requests,  # forwarded by the lane, without aiohttp's server
+            "handed_over": self.lanes.handed_over,  # connections the lane gave to aiohttp's server
+            "upstream_idle": len(pool.idle) if pool is not None else 0,  # kept-alive upstream connections
+            "fds": fds,
+            "in_flight": p.in_flight if p else 0,
+            "pending_measure": p._pending_builds if p else 0,
+            "measure_errors": p.measure_errors if p else 0,
+            "measure_dropped": p.measure_dropped if p else 0,
+            "rejected_busy": p.rejected_busy if p else 0,
+            "rejected_bad": p.rejected_bad if p else 0,
+            "header_timeouts": self.header_timeouts,
+            "queued": w.pending if w else 0,
+            "written": w.written if w else 0,
+            "dropped": w.dropped if w else 0,
+            "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
+            **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
+        }
+
+    def log_state(self) -> None:
+        log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state().items()))
+
+    async def stop(self) -> None:
+        """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
+        for listener in self._listeners:
+            listener.close()  # no new connections; open ones finish their current request
+        for sock in self._sockets:  # bound, never served: start() failed or never ran
+            sock.close()
+        self._sockets = []
+        lanes = self.lanes.shutdown(30.0)  # as aiohttp's, below: in-flight exchanges get that long
+        if self._runner is not None:
+            await asyncio.gather(self._runner.cleanup(), lanes)
+            self._runner = None
+        else:
+            await lanes
+        if self.cadence is not None:
+            await asyncio.to_thread(self.cadence.stop)
+            self.cadence = None
+        if self.proxy is not None:
+            await self.proxy.close()
+        for listener in self._listeners:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(listener.wait_closed(), 5)
+        self._listeners = []
+        if self.watch is not None:
+            await self.watch.stop()
+            self.watch = None
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.close)
+
+    async def run_forever(self, ready: Callable[[Service], None] | None = None) -> None:
+        # handlers first: a SIGTERM that arrives the moment we say we are ready must drain, not kill
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        with suppress(NotImplementedError, RuntimeError, AttributeError):
+            loop.add_signal_handler(signal.SIGUSR1, self.log_state)
+        try:
+            await self.start()
+        except BaseException:  # close what start-up opened: the writer's database, the bound port
+            await self.stop()
+            raise
+        settle_heap()  # here, not in start(): a process that starts services again and again (tests) keeps its GC
+        if ready is not None:
+            ready(self)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

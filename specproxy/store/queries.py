@@ -1,0 +1,50 @@
+"""The read-side queries that analysis and the CLI ask of a database: every SQL string lives in the store.
+
+Why here: the analysis works on columns and samples, not on SQL, so that a schema change is made in one
+package and a reader finds every query of the database beside its schema. A table that an older
+database lacks reads as empty (the caller says what is missing), never as an error.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+Connection = sqlite3.Connection
+
+
+def database_turns(conn: Connection) -> dict[str, Any]:
+    """How many turns the whole database holds, and the wall time of the first and last."""
+    n, first, last = conn.execute("SELECT count(*), min(t_wall), max(t_wall) FROM turns").fetchone()
+    return {"n": int(n), "first_t_wall": first, "last_t_wall": last}
+
+
+def scrape_rows(conn: Connection, t0: float, t1: float, fields: Sequence[str]) -> list[tuple]:
+    """Stored scrapes with wall time in [t0, t1], oldest first: ``(t_wall, instance_id, server_kind,
+    error, *fields)`` each."""
+    try:
+        return conn.execute(
+            f"SELECT t_wall, instance_id, server_kind, error, {', '.join(fields)} FROM scrapes "
+            "WHERE t_wall >= ? AND t_wall <= ? ORDER BY t_wall", (t0, t1)).fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def lone_turn_mal(conn: Connection) -> list[tuple[int, float | None]]:
+    """Each stored lone-turn counter delta as ``(turn rowid, MAL)``, in the order the deltas were stored."""
+    try:
+        return conn.execute("SELECT t.rowid, c.mal FROM turn_counters c JOIN turns t ON t.id = c.turn_id "
+                            "ORDER BY c.rowid").fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def turn_rows(conn: Connection, fields: Sequence[str], where: str, params: Sequence[Any]) -> Iterator[tuple]:
+    """The turns a ``dataset.where_clause`` selects, oldest first, as tuples of ``fields``."""
+    return conn.execute(f"SELECT {', '.join(fields)} FROM turns{where} ORDER BY t_wall", params)
+
+
+def vacuum(conn: Connection) -> None:
+    """Give the space of deleted rows back to the file system."""
+    conn.execute("VACUUM")

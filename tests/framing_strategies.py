@@ -1,0 +1,31 @@
+"""Hypothesis strategies for chunked bodies, shared by the framing tests of the C relay and its thread."""
+
+from hypothesis import strategies as st
+
+# a chunk-size line: hex size (sometimes malformed), optional extension, CRLF or a lone LF
+size_line = st.one_of(
+    st.builds(lambda n, upper, ext, lf: (b"%X" if upper else b"%x") % n + ext + (b"\n" if lf else b"\r\n"),
+              st.integers(0, 400), st.booleans(), st.sampled_from([b"", b";a=b", b" ; x", b"\t"]), st.booleans()),
+    st.sampled_from([b"zz\r\n", b"\r\n", b"0x10\r\n", b" \r\n", b"1_0\r\n", b"  a  \r\n", b"-1\r\n",
+                     b"1234567890abcdef0\r\n", b"000000000000000a\r\n"]),  # 17 and 16 digits: both refused
+)
+
+
+@st.composite
+def chunked_bodies(draw) -> bytes:
+    """Mostly well-formed chunked bodies, with now and then a malformed size, a bad CRLF or a long line."""
+    out = []
+    for _ in range(draw(st.integers(0, 8))):
+        line = draw(size_line)
+        out.append(line)
+        try:
+            n = max(0, min(int(line.split(b";")[0].strip(b" \t\r\n"), 16), 400))
+        except ValueError:
+            n = 3
+        out.append(draw(st.binary(min_size=n, max_size=n)))
+        out.append(draw(st.sampled_from([b"\r\n"] * 6 + [b"\n\r", b"xx"])))
+    out.append(b"0\r\n" + b"".join(draw(st.lists(st.sampled_from([b"T: 1\r\n", b"Long: " + b"v" * 5000 + b"\r\n"]),
+                                                 max_size=2))) + b"\r\n")
+    if draw(st.booleans()):
+        out.insert(0, b"f" * draw(st.integers(1, 5000)))  # an overlong or garbled first line
+    return b"".join(out) + draw(st.binary(max_size=10))

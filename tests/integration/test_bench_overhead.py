@@ -1,0 +1,87 @@
+"""``scripts/bench_overhead.py``, the benchmark issue 7 is judged by: its arithmetic, and a short real run.
+
+The verdicts it prints decide whether a target is met, so the ratios are checked against hand-worked
+rounds (each ratio is taken within its round, then the median over rounds: a round where nginx was slow
+must not flatter specproxy in another round). The run is the real thing at a tiny scale: the
+orchestrator starts its own upstream, load generator and ``specproxy serve`` on 127.0.0.1, measures
+one window per path and writes its raw numbers; nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from overhead_tables import render_polls, render_targets, summarize  # noqa: E402
+
+
+def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
+    return {
+        "conns": 256, "path": path, "round": rnd, "chunks_per_s": cps, "cpu_us_per_chunk": cpu,
+        "sched_us_per_chunk": cpu, "proxy_cpu_util": 0.1, "load_cpu_util": 0.1, "errors": 0, "turns": 10,
+        "lat_us": {"p50": p50, "p99": p99, "p99.9": p99},
+    }
+
+
+def test_ratios_are_taken_within_each_round_and_the_verdicts_follow_the_targets():
+    runs = []
+    # specproxy/nginx per round: 12/8 = 1.5, 15/10 = 1.5, 14/8 = 1.75 -> median 1.5 (met: <= 1.5);
+    # the ratio of the medians would be 14/8 = 1.75
+    for rnd, (ng, sp) in enumerate([(8.0, 12.0), (10.0, 15.0), (8.0, 14.0)]):
+        runs.append(_run("direct", rnd, cps=12800, cpu=None, p50=1000, p99=1400))
+        runs.append(_run("nginx", rnd, cps=12800, cpu=ng, p50=1300, p99=1700))
+        runs.append(_run("specproxy", rnd, cps=12672 if rnd == 2 else 12800, cpu=sp, p50=1400, p99=2400 + 100 * rnd))
+    s = summarize(runs, [256], ["direct", "nginx", "specproxy"])
+    sp = s[(256, "specproxy")]
+    assert sp["cpu_x_nginx"] == (1.5, 1.5, 1.75)
+    assert sp["added_p99"] == (1100, 1000, 1200)  # each round's p99 minus direct's in that round
+    assert sp["x_direct"] == (1.0, 0.99, 1.0)
+    verdicts = {line.split(" | ")[0].lstrip("| "): line.rsplit(" | ", 1)[1].rstrip(" |")
+                for line in render_targets(s, [256]).splitlines()[2:]}
+    assert verdicts["C=256: CPU per chunk ≤ 1.5× nginx (schedstat)"] == "met"
+    assert verdicts["C=256: added p99 per chunk ≤ 1000 µs"] == "**not met**"
+    assert verdicts["C=256: chunks/s ≥ 0.99× direct"] == "met"
+
+    # just over the line: per round 15.5/10, 11.6/8, 16/10 -> median 1.55
+    runs = [r for rnd, (ng, sp_) in enumerate([(10.0, 15.5), (8.0, 11.6), (10.0, 16.0)])
+            for r in (_run("direct", rnd, cps=12800, cpu=None, p50=1000, p99=1400),
+                      _run("nginx", rnd, cps=12800, cpu=ng, p50=1300, p99=1700),
+                      _run("specproxy", rnd, cps=12800, cpu=sp_, p50=1400, p99=1900))]
+    s = summarize(runs, [256], ["direct", "nginx", "specproxy"])
+    assert s[(256, "specproxy")]["sched_x_nginx"][0] == 1.55
+    lines = render_targets(s, [256]).splitlines()
+    assert [ln for ln in lines if "(schedstat)" in ln][0].endswith("| **not met** |")
+    assert [ln for ln in lines if "added p99" in ln][0].endswith("| met |")
+
+
+def test_a_short_run_measures_every_path(tmp_path):
+    out = tmp_path / "runs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
+         "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["path"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"direct", "specproxy"}
+    for r in runs.values():
+        assert r["chunks"] > 0 and r["errors"] == 0, r
+        assert 0 < r["lat_us"]["p50"] <= r["lat_us"]["p99"]
+    sp = runs["specproxy"]
+    assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
+    assert "| 4 | specproxy |" in proc.stdout
+    poll = json.loads(out.read_text())["meta"]["cadence_poll"]["4"]  # from specproxy's state line
+    assert poll["poll_windows"] >= poll["poll_hits"] >= 0 and poll["cores"] >= 0, poll
+    assert "specproxy's cadence poll (its state line" in proc.stdout
+
+
+def test_the_cadence_poll_line_says_windows_catches_and_cores():
+    line = render_polls({1: {"poll_windows": 1000, "poll_hits": 970, "poll_s": 4.1, "cores": 0.0412},
+                         256: {"poll_windows": 0, "poll_hits": 0, "poll_s": 0.0, "cores": 0.0}})
+    assert "C = 1: 1,000 windows, 97% caught their token, 4,100 µs polled per window; C = 256: none." in line

@@ -1,0 +1,220 @@
+"""The proxy is transparent and honest when things go wrong: real openai SDK through it, 502s,
+truncations, clients hanging up after [DONE], hop-by-hop headers, labels, unparsable bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from rawpeers import SSE_HEAD, chunk, read_request, wait_closed
+from specproxy.app.fake_upstream import Script, pieces_of
+
+pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a thing up.",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+@pytest.fixture
+def stack(make_stack, tiktoken_tok):
+    return make_stack(tiktoken_tok)
+
+
+def _sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="sk-test-not-a-secret", max_retries=0, timeout=30)
+
+
+def test_openai_sdk_same_results_through_the_proxy(stack, tiktoken_tok):
+    stack.upstream.script = Script(pieces=pieces_of("Proxies should be invisible.", tiktoken_tok),
+                                   reasoning_pieces=pieces_of("Think first.", tiktoken_tok), interval_s=0.001)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say it."}]
+    results = {}
+    for name, base in (("direct", stack.upstream.url), ("proxy", stack.url)):
+        client = _sdk(base)
+        full = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        stream = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = [c.model_dump() for c in stream]
+        results[name] = (full.model_dump(), chunks)
+    assert results["direct"] == results["proxy"]
+    stack.settle()
+    recs = [r for r in stack.records]
+    assert len(recs) == 2  # only the proxied turns are recorded
+    streamed = next(r for r in recs if r.streamed)
+    assert streamed.outcome == "ok"  # the SDK hangs up after [DONE]; the turn still counts as complete
+    assert streamed.completion_tokens == tiktoken_tok.count("Proxies should be invisible.") + tiktoken_tok.count("Think first.")
+    assert streamed.reasoning_tokens == tiktoken_tok.count("Think first.")
+    assert streamed.prompt_system_tokens == tiktoken_tok.count("You are terse.")
+    assert streamed.prompt_tools_tokens > 0 and streamed.prompt_new_tokens == tiktoken_tok.count("Say it.")
+
+
+def test_unreachable_upstream_gives_502_json(make_stack):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # bound, never listening: connections are refused
+        stack = make_stack(upstream=f"http://127.0.0.1:{dead}")
+
+        async def go():
+            async with aiohttp.ClientSession() as c:
+                t0 = time.monotonic()
+                async with c.post(stack.url + "/v1/chat/completions", data=b'{"messages": []}') as r:
+                    return r.status, await r.json(), time.monotonic() - t0
+
+        status, body, elapsed = stack.run(go())
+    assert status == 502 and elapsed < 5
+    assert body["error"]["type"] == "upstream_unreachable"
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.outcome == "upstream_unreachable" and rec.status == 502
+    assert rec.completion_tokens is None  # nothing measured is not zero
+
+
+async def _die_mid_stream(reader, writer):
+    await read_request(reader)
+    writer.write(SSE_HEAD + chunk(b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'))
+    await writer.drain()
+    writer.transport.abort()  # reset, no terminating chunk
+
+
+def test_upstream_death_mid_stream_aborts_the_client(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, raw_script=_die_mid_stream)
+
+    async def go():
+        got = bytearray()
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions", json={"stream": True, "messages": []}) as r:
+                try:
+                    async for data in r.content.iter_any():
+                        got.extend(data)
+                except aiohttp.ClientPayloadError:
+                    return bytes(got), "truncated"
+        return bytes(got), "complete"
+
+    got, how = stack.run(go())
+    assert how == "truncated", "the client must see the truncation"
+    assert b"[DONE]" not in got  # nothing invented
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.outcome == "upstream_truncated"
+    assert rec.completion_tokens == 1 and rec.saw_done is False
+
+
+async def _done_then_hold(reader, writer):
+    await read_request(reader)
+    writer.write(SSE_HEAD + chunk(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
+                 + chunk(b"data: [DONE]\n\n"))
+    await writer.drain()
+    # keep the stream open (no final chunk) until the proxy lets go of us
+    writer.peer_closed_after = await wait_closed(reader, 10)
+
+
+def test_client_hanging_up_after_done_is_a_complete_turn_and_frees_the_upstream(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, raw_script=_done_then_hold)
+
+    async def go():
+        r, w = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        body = b'{"stream": true, "messages": [{"role": "user", "content": "x"}]}'
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await w.drain()
+        seen = b""
+        while b"[DONE]" not in seen:
+            seen += await asyncio.wait_for(r.read(4096), 10)
+        w.close()  # like the openai SDK: gone the moment it reads [DONE]
+        await asyncio.sleep(0)
+
+    stack.run(go())
+    stack.settle()
+    deadline = time.monotonic() + 5
+    while not stack.records and time.monotonic() < deadline:
+        stack.settle()
+    (rec,) = stack.records
+    assert rec.outcome == "ok" and rec.saw_done is True and rec.completion_tokens == 1
+
+
+def test_hop_by_hop_headers_and_label(stack):
+    stack.upstream.script = Script()
+
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions?x=1", data=b'{"messages":[]}', headers={
+                "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "1", "Keep-Alive": "timeout=5",
+                "X-Specproxy-Label": "arm-b", "X-End-To-End": "kept", "Authorization": "Bearer sk-canary",
+                "Content-Type": "application/json"}) as r:
+                return r.status, await r.read()
+
+    status, _ = stack.run(go())
+    assert status == 200
+    sent = stack.upstream.sent[-1]
+    got = {k.lower(): v for k, v in sent.request_headers.items()}
+    assert got["x-end-to-end"] == "kept" and got["authorization"] == "Bearer sk-canary"
+    assert "x-drop-me" not in got and "keep-alive" not in got and "x-specproxy-label" not in got
+    assert got["host"] == f"127.0.0.1:{stack.upstream.port}"
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.label == "arm-b"
+    assert rec.prompt_text is None and rec.response_text is None  # text only with the opt-in
+
+
+@pytest.mark.parametrize("body", [b'{"messages": [', b"\xff\xfe not json", b'{"model": NaN}'])
+def test_unparsable_body_is_forwarded_unchanged_and_marked(stack, body):
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                return r.status
+
+    assert stack.run(go()) == 200
+    assert stack.upstream.sent[-1].request_body == body
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.request_parsed is False and rec.prompt_tokens is None
+
+
+def test_upstream_4xx_passes_verbatim_and_is_recorded(stack):
+    stack.upstream.script = Script(status=429, error_body=b'{"error": {"message": "slow down"}}')
+
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions", json={"messages": []}) as r:
+                return r.status, await r.read()
+
+    assert stack.run(go()) == (429, b'{"error": {"message": "slow down"}}')
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.outcome == "upstream_error" and rec.status == 429
+
+
+def test_other_paths_are_forwarded_not_recorded(stack):
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.get(stack.url + "/v1/models") as r:
+                return r.status, await r.json()
+
+    status, body = stack.run(go())
+    assert status == 200 and body["data"][0]["id"] == "fake-model"
+    stack.settle()
+    assert stack.records == []
+
+
+def test_store_text_opt_in(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, store_text=True)
+    stack.upstream.script = Script(pieces=["Kept", " text"])
+
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions",
+                              json={"stream": True, "messages": [{"role": "user", "content": "secret plan"}]}) as r:
+                return await r.read()
+
+    stack.run(go())
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.response_text == "Kept text" and "secret plan" in rec.prompt_text
+    assert orjson.loads(rec.prompt_text)["messages"][0]["content"] == "secret plan"

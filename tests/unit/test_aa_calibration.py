@@ -1,0 +1,202 @@
+"""Every `compare` row held to its promise by simulation: in A/A pairs (both arms from one
+process) a row says "faster" or "slower" 3-7% of the time, and its interval covers the true
+ratio (1) 93-97% of the time, for every turn shape and arm size.
+
+The rows run the code compare runs: ``stats.ratio_batch`` is bootstrap_ratio's request-level
+path (test_batch_is_the_single_comparison pins that), ``aggregate.aggregate_batch`` is
+aggregate_ratio's turn-level path. Coverage of a true ratio other than 1 needs no second
+simulation: every interval is scale-equivariant (B scaled by c gives the A/A interval times c,
+pinned below), so coverage at a pure speed-up equals the A/A coverage.
+
+Run with -s to see the table (docs/statistics.md holds a copy). Cells a method cannot meet are
+strict xfails with the measured reason: visible in every run, and a fix turns them into passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from specproxy.analyze.aggregate import aggregate_batch, aggregate_ratio
+from specproxy.analyze.stats import ND, bootstrap_ratio, ratio_batch
+
+PAIRS = 1000
+SHAPES = ("lognormal", "fixed", "bimodal")
+SIZES = (8, 15, 60)
+ROWS = ("decode_tps", "ttft_s", "total_s", "aggregate c=1", "aggregate c=4")
+
+
+def _ln(median: float, cv: float, size, rng) -> np.ndarray:
+    return median * rng.lognormal(0.0, math.sqrt(math.log(1 + cv * cv)), size)
+
+
+def turns(shape: str, size, rng) -> dict[str, np.ndarray]:
+    """Turns of one arm: completion tokens, TTFT, decode speed and whole turn time.
+
+    lognormal: outputs ~300 tokens (CV 40%), TTFT 0.5 s (30%), decode 50 tok/s (15%).
+    fixed: every output 256 tokens (benchmarks), durations noisy as above.
+    bimodal: 70% short turns (60 tokens, cached prompt: TTFT 0.2 s, 55 tok/s) and 30% long ones
+    (900 tokens, TTFT 2.5 s, 40 tok/s): modes an order of magnitude apart.
+    """
+    if shape == "bimodal":
+        long = rng.random(size) < 0.3
+        tokens = np.where(long, np.round(_ln(900, 0.3, size, rng)), np.round(_ln(60, 0.3, size, rng)))
+        ttft = np.where(long, _ln(2.5, 0.3, size, rng), _ln(0.2, 0.3, size, rng))
+        tps = np.where(long, _ln(40, 0.15, size, rng), _ln(55, 0.15, size, rng))
+    else:
+        tokens = (np.maximum(1, np.round(_ln(300, 0.4, size, rng))) if shape == "lognormal"
+                  else np.full(size, 256.0))
+        ttft, tps = _ln(0.5, 0.3, size, rng), _ln(50, 0.15, size, rng)
+    return {"completion_tokens": tokens, "ttft_s": ttft, "decode_tps": tps,
+            "total_s": ttft + tokens / tps}
+
+
+def timeline(total_s: np.ndarray, clients: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end of each turn when ``clients`` closed-loop clients send turns back to back,
+    with an exponential think time (mean 0.5 s) between a turn's end and that client's next."""
+    m, n = total_s.shape
+    per = -(-n // clients)
+    busy = np.zeros((m, per * clients))
+    busy[:, :n] = total_s + rng.exponential(0.5, (m, n))
+    steps = busy.reshape(m, per, clients)
+    start = np.cumsum(steps, axis=1) - steps + rng.uniform(0.0, 0.2, (m, 1, clients))
+    start = start.reshape(m, per * clients)[:, :n]
+    return start, start + total_s
+
+
+def simulate(shape: str, n: int, seed: int) -> dict[str, dict[str, float]]:
+    rng = np.random.default_rng(seed)
+    a, b = turns(shape, (PAIRS, n), rng), turns(shape, (PAIRS, n), rng)
+    out = {}
+    for row, higher in (("decode_tps", True), ("ttft_s", False), ("total_s", False)):
+        r = ratio_batch(a[row], b[row], higher_is_better=higher, seed=seed)
+        out[row] = _rates(r)
+    for clients in (1, 4):
+        sa, ea = timeline(a["total_s"], clients, rng)
+        sb, eb = timeline(b["total_s"], clients, rng)
+        r = aggregate_batch(a["completion_tokens"], sa, ea, b["completion_tokens"], sb, eb)
+        out[f"aggregate c={clients}"] = _rates(r)
+    return out
+
+
+def _rates(r: dict[str, np.ndarray]) -> dict[str, float]:
+    assert all(v is not None for v in r["verdict"])  # every simulated arm gets an interval
+    called = np.isin(r["verdict"], ["faster", "slower"])
+    covered = (r["ci_low"] <= 1.0) & (1.0 <= r["ci_high"])
+    return {"false": float(called.mean()), "coverage": float(covered.mean())}
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[tuple[str, str, int], dict[str, float]]:
+    cells = {}
+    for i, shape in enumerate(SHAPES):
+        for j, n in enumerate(SIZES):
+            for row, rates in simulate(shape, n, seed=100 + 10 * i + j).items():
+                cells[(row, shape, n)] = rates
+    lines = [f"A/A calibration, {PAIRS} pairs per cell: false verdict % / coverage of the true ratio %",
+             f"{'row':15}" + "".join(f"{f'{s} n={n}':>17}" for s in SHAPES for n in SIZES)]
+    for row in ROWS:
+        lines.append(f"{row:15}" + "".join(
+            f"{cells[(row, s, n)]['false'] * 100:>9.1f} /{cells[(row, s, n)]['coverage'] * 100:>5.1f}"
+            for s in SHAPES for n in SIZES))
+    print("\n" + "\n".join(lines))
+    return cells
+
+
+# Cells the current methods do NOT meet (measured with the seeds above; docs/statistics.md).
+# Open work: each is a strict xfail, so it is reported on every run and a fix shows as XPASS.
+_BIMODAL_MEDIAN = ("the median of a 70/30 mix with modes 10x apart sits in the short mode's upper "
+                   "tail; at n = 8 it jumps to the long mode (P ~ 0.2) more than the bootstrap SE "
+                   "allows, at n = 60 the SE grows with the estimate (rare jumps): {}")
+_SHARES_C4 = ("at concurrency 4 the shares of overlapping turns are negatively correlated (a long "
+              "turn shrinks its neighbours' shares), the per-turn jackknife treats them as independent: "
+              "too wide, {}")
+_BIMODAL_AGG = ("ratio of sums with 30% long turns: a sample of 8 has no long turn with P = 0.06 per "
+                "arm, and then its interval is narrow and its estimate extreme; the jackknife sees a "
+                "long turn's leverage, not a mode the sample lacks: {}")
+KNOWN = {
+    ("decode_tps", "lognormal", 15): "binomial noise at 1000 pairs (2.9%, ~3 SD; 5.1% at other seeds)",
+    ("ttft_s", "bimodal", 8): _BIMODAL_MEDIAN.format("8.1% false verdicts"),
+    ("total_s", "bimodal", 8): _BIMODAL_MEDIAN.format("7.9% false verdicts"),
+    ("ttft_s", "bimodal", 60): _BIMODAL_MEDIAN.format("0.7% (conservative)"),
+    ("total_s", "bimodal", 60): _BIMODAL_MEDIAN.format("0.2% (conservative)"),
+    ("aggregate c=1", "bimodal", 8): _BIMODAL_AGG.format("12.3% false verdicts"),
+    **{("aggregate c=4", "bimodal", n): ("at concurrency 4 with 30% long turns the interval is too narrow "
+                                          f"({rate} false verdicts): the long turns' leverage and the "
+                                          "correlated shares do not cancel")
+       for n, rate in ((8, "8.2%"), (15, "7.1%"), (60, "7.5%"))},
+    **{("aggregate c=4", shape, n): _SHARES_C4.format(f"{rate} false verdicts")
+       for shape, n, rate in (("lognormal", 8, "0.4%"), ("lognormal", 15, "0.9%"), ("lognormal", 60, "1.9%"),
+                              ("fixed", 8, "0.2%"), ("fixed", 15, "0.3%"), ("fixed", 60, "1.2%"))},
+}
+
+
+@pytest.mark.parametrize("row, shape, n", [
+    pytest.param(row, shape, n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[(row, shape, n)])]
+                 if (row, shape, n) in KNOWN else [])
+    for row in ROWS for shape in SHAPES for n in SIZES])
+def test_row_keeps_its_promise(table, row, shape, n):
+    rates = table[(row, shape, n)]
+    assert 0.03 <= rates["false"] <= 0.07, f"false verdict rate {rates['false']:.3f}"
+    assert 0.93 <= rates["coverage"] <= 0.97, f"coverage {rates['coverage']:.3f}"
+
+
+def test_batch_is_the_single_comparison():
+    rng = np.random.default_rng(5)
+    x, y = turns("lognormal", (2, 15), rng)["total_s"]
+    one = bootstrap_ratio(x, y, higher_is_better=False, seed=9)
+    batch = ratio_batch(x[None], y[None], higher_is_better=False, seed=9)
+    assert (one.estimate, one.ci_low, one.ci_high, one.verdict) == (
+        batch["estimate"][0], batch["ci_low"][0], batch["ci_high"][0], batch["verdict"][0])
+    t = turns("fixed", (2, 15), rng)
+    s, e = timeline(t["total_s"], 4, rng)
+    agg = aggregate_ratio((t["completion_tokens"][0], s[0], e[0]), (t["completion_tokens"][1], s[1], e[1]))
+    batch = aggregate_batch(t["completion_tokens"][0], s[0], e[0], t["completion_tokens"][1], s[1], e[1])
+    assert agg.verdict == batch["verdict"][0]
+    assert (agg.estimate, agg.ci_low, agg.ci_high) == pytest.approx(
+        (batch["estimate"][0], batch["ci_low"][0], batch["ci_high"][0]), rel=1e-12)
+
+
+def test_intervals_are_scale_equivariant():
+    """B 20% faster (speeds x1.2, times /1.2): the interval is the A/A one moved by exactly that
+    factor, so coverage of the true ratio equals the A/A coverage in the table."""
+    rng = np.random.default_rng(6)
+    a, b = turns("bimodal", (50, 15), rng), turns("bimodal", (50, 15), rng)
+    for row, c in (("decode_tps", 1.2), ("total_s", 1 / 1.2)):
+        r0 = ratio_batch(a[row], b[row], higher_is_better=True, seed=1)
+        r1 = ratio_batch(a[row], c * b[row], higher_is_better=True, seed=1)
+        np.testing.assert_allclose(r1["ci_low"], c * r0["ci_low"], rtol=1e-9)
+        np.testing.assert_allclose(r1["ci_high"], c * r0["ci_high"], rtol=1e-9)
+    s, e = timeline(b["total_s"], 4, rng)
+    s0, e0 = timeline(a["total_s"], 4, rng)
+    r0 = aggregate_batch(a["completion_tokens"], s0, e0, b["completion_tokens"], s, e)
+    r1 = aggregate_batch(a["completion_tokens"], s0, e0, b["completion_tokens"], s / 1.2, e / 1.2)
+    np.testing.assert_allclose(r1["ci_low"], 1.2 * r0["ci_low"], rtol=1e-9)
+
+
+def test_fixed_length_outputs_get_a_width():
+    """The A/A pair of issue #19: every turn 256 tokens. Over tokens alone the interval had no
+    width and said "slower" at 0.983 [0.983, 0.983]; over whole turns it has a width."""
+    rng = np.random.default_rng(7)
+    t = turns("fixed", (2, 60), rng)
+    s, e = timeline(t["total_s"], 1, rng)
+    r = aggregate_ratio((t["completion_tokens"][0], s[0], e[0]), (t["completion_tokens"][1], s[1], e[1]))
+    assert r.ci_high / r.ci_low > 1.05 and r.ci_low <= 1.0 <= r.ci_high and r.verdict == ND
+
+
+def test_one_long_turn_does_not_make_a_difference():
+    """Arm a: seven short turns (~46 tok/s) and one long one (30 tok/s); arm b: eight short ones
+    (it missed the long mode). B/A is 1.34, but it rests on one turn: leaving it out moves a's
+    aggregate by as much. The delta method's SE saw only that turn's throughput deviation and
+    called "faster" (1.34 [1.05, 1.71]); the jackknife's interval contains 1."""
+    rng = np.random.default_rng(8)
+    short_s = 1.3 * rng.lognormal(0.0, 0.02, 15)
+    tokens_a = np.r_[np.full(7, 60.0), 900.0]
+    dur_a = np.r_[short_s[:7], 30.0]
+    tokens_b, dur_b = np.full(8, 60.0), short_s[7:]
+    arm = lambda tok, dur: (tok, np.cumsum(dur) - dur, np.cumsum(dur))  # noqa: E731  back to back
+    r = aggregate_ratio(arm(tokens_a, dur_a), arm(tokens_b, dur_b))
+    assert r.estimate == pytest.approx(1.34, abs=0.01)
+    assert r.ci_low < 1.0 < r.ci_high and r.verdict == ND

@@ -1,0 +1,222 @@
+"""dechunk_reads against an independent oracle: random framings, extensions, trailers, read splits,
+truncation and malformed framing. The oracle knows, byte by byte, which framed bytes are payload.
+Reads of one whole frame each (the shape read all at once) are also checked against the state
+machine alone, unchanged and with every kind of change that takes them out of that shape."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specproxy.frames import chunked as chunked_mod
+from specproxy.frames.chunked import Dechunked, _stepwise, dechunk_reads, join_whole_frames
+from readsplit import split
+
+
+def frame(payload: bytes, sizes: list[int], exts: list[bytes], trailers: list[bytes], upper: bool):
+    """Framed bytes and a per-byte mask (True = payload byte)."""
+    out, mask = bytearray(), []
+    pos, i = 0, 0
+    while pos < len(payload):
+        n = max(1, sizes[i % len(sizes)]) if sizes else len(payload)
+        data = payload[pos : pos + n]
+        head = (f"{len(data):X}" if upper else f"{len(data):x}").encode() + exts[i % len(exts)] + b"\r\n"
+        out += head
+        mask += [False] * len(head)
+        out += data
+        mask += [True] * len(data)
+        out += b"\r\n"
+        mask += [False, False]
+        pos += len(data)
+        i += 1
+    last = b"0" + (exts[0] if exts else b"") + b"\r\n" + b"".join(t + b"\r\n" for t in trailers) + b"\r\n"
+    out += last
+    mask += [False] * len(last)
+    return bytes(out), mask
+
+
+def oracle(reads: list[bytes], mask: list[bool]) -> list[bytes]:
+    out, pos = [], 0
+    for r in reads:
+        out.append(bytes(b for b, m in zip(r, mask[pos : pos + len(r)]) if m))
+        pos += len(r)
+    return out
+
+
+exts = st.lists(st.sampled_from([b"", b";a=b", b" ; name", b';q="x;y"', b";x=1;y=2"]), min_size=1, max_size=3)
+trailers = st.lists(st.sampled_from([b"X-Checksum: abc", b"Server-Timing: total;dur=12", b"Foo:"]), max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.binary(max_size=300), sizes=st.lists(st.integers(1, 40), max_size=5), exts=exts,
+       trailers=trailers, upper=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=15))
+def test_random_framings_and_splits(payload, sizes, exts, trailers, upper, cuts):
+    framed, mask = frame(payload, sizes, exts, trailers, upper)
+    reads = split(framed, cuts)
+    got = dechunk_reads(reads)
+    assert list(got) == oracle(reads, mask)
+    assert got.error is None and got.complete
+    assert b"".join(got) == payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=200), sizes=st.lists(st.integers(1, 30), max_size=4), exts=exts,
+       cut=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_truncated_stream_returns_what_arrived(payload, sizes, exts, cut, cuts):
+    framed, mask = frame(payload, sizes, exts, [], False)
+    cut %= len(framed)  # strictly shorter than the whole body
+    reads = split(framed[:cut], cuts)
+    got = dechunk_reads(reads)
+    assert list(got) == oracle(reads, mask[:cut])
+    assert got.error is None and not got.complete
+
+
+def test_one_byte_reads():
+    framed, mask = frame(b"data: hello\n\n" * 3, [5, 7], [b";e=1"], [b"T: v"], False)
+    reads = [framed[i : i + 1] for i in range(len(framed))]
+    got = dechunk_reads(reads)
+    assert len(got) == len(reads) and list(got) == oracle(reads, mask) and got.complete
+
+
+def test_framing_only_reads_give_empty_payload():
+    got = dechunk_reads([b"5\r\n", b"hello", b"\r\n", b"0\r\n\r\n"])
+    assert list(got) == [b"", b"hello", b"", b""] and got.complete and got.error is None
+
+
+def test_lone_lf_is_tolerated():
+    got = dechunk_reads([b"3\nabc\n0\n\n"])
+    assert list(got) == [b"abc"] and got.complete and got.error is None
+
+
+def test_malformed_size_stops_decoding():
+    got = dechunk_reads([b"3\r\nabc\r\n", b"zz\r\nmore\r\n", b"4\r\nlate\r\n"])
+    assert list(got) == [b"abc", b"", b""]
+    assert got.error and "chunk-size" in got.error and not got.complete
+
+
+def test_hex_prefix_and_signs_are_malformed():
+    for bad in (b"0x3\r\nabc\r\n0\r\n\r\n", b"+3\r\nabc\r\n0\r\n\r\n", b"\r\nabc\r\n", b"1_0\r\n"):
+        got = dechunk_reads([bad])
+        assert got.error is not None and list(got) == [b""]
+
+
+def test_missing_crlf_after_data():
+    got = dechunk_reads([b"3\r\nabcX\r\n0\r\n\r\n"])
+    assert list(got) == [b"abc"] and got.error and "CRLF" in got.error
+
+
+def test_bytes_after_the_last_chunk():
+    got = dechunk_reads([b"1\r\na\r\n0\r\n\r\n", b"junk"])
+    assert list(got) == [b"a", b""] and got.error and "after the last chunk" in got.error
+    got = dechunk_reads([b"1\r\na\r\n0\r\n\r\njunk"])
+    assert list(got) == [b"a"] and got.error
+
+
+def test_endless_size_line_is_malformed():
+    got = dechunk_reads([b"1" * 40_000, b"2" * 40_000, b"\r\n"])
+    assert got.error and list(got) == [b"", b"", b""]
+
+
+def test_empty_input():
+    got = dechunk_reads([])
+    assert list(got) == [] and got.error is None and not got.complete
+
+
+# one whole frame per read is the shape the fast path takes; each change below leaves it, some into
+# framing that is still fine, some into malformed framing: the result must be the state machine's
+def _frames(payloads: list[bytes], upper: bool) -> list[bytes]:
+    return [(b"%X" if upper else b"%x") % len(p) + b"\r\n" + p + b"\r\n" for p in payloads] + [b"0\r\n\r\n"]
+
+
+CHANGES = [
+    lambda r: r[:-2] + b"\n",  # a lone LF after the data (tolerated)
+    lambda r: r.replace(b"\r\n", b"\n", 1),  # a lone LF after the size (tolerated)
+    lambda r: r.replace(b"\r\n", b";x=1\r\n", 1),  # an extension
+    lambda r: b"00" + r,  # leading zeros
+    lambda r: b"+" + r, lambda r: b" " + r, lambda r: b"0x" + r,  # not hex
+    lambda r: r[:-2] + b"X\r\n",  # more data than the size says
+    lambda r: r[:-3] + b"\r\n",  # less
+    lambda r: r[:-2],  # no CRLF after the data
+    lambda r: r[:-2] + b"ab", lambda r: r[:-2] + b"\n\n",  # other bytes in its place
+    lambda r: r[r.index(b"\r\n") :],  # no size
+    lambda r: b"0\r\n\r\n",  # the last chunk in the middle
+    lambda r: b"",  # an empty read
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=12), upper=st.booleans(),
+       where=st.integers(0, 100), change=st.integers(0, len(CHANGES) + 2))
+def test_whole_frame_reads_equal_the_state_machine(payloads, upper, where, change):
+    reads = _frames(payloads, upper)
+    k = where % len(reads)
+    if change < len(CHANGES):
+        reads[k] = CHANGES[change](reads[k])
+    elif change == len(CHANGES) and k + 1 < len(reads):
+        reads[k : k + 2] = [reads[k] + reads[k + 1]]  # two frames in one read
+    elif change == len(CHANGES) + 1:
+        cut = where % (len(reads[k]) + 1)
+        reads[k : k + 1] = [reads[k][:cut], reads[k][cut:]]  # a frame across two reads
+    got, expected = dechunk_reads(reads), _stepwise(reads, Dechunked())
+    assert list(got) == list(expected) and (got.error, got.complete) == (expected.error, expected.complete)
+    if change >= len(CHANGES) + 2:
+        assert list(got) == payloads + [b""] and got.complete and got.error is None
+
+
+def test_an_endless_size_line_in_whole_frames_is_malformed():
+    reads = [b"0" * 70_000 + b"5\r\nhello\r\n", b"0\r\n\r\n"]
+    got = dechunk_reads(reads)
+    assert got.error and "64 KiB" in got.error and list(got) == [b"", b""]
+
+
+def _joined(reads: list[bytes]):
+    """What join_whole_frames must give when it reads ``reads``: the state machine's payloads joined."""
+    expected = _stepwise(reads, Dechunked())
+    ends, total = [], 0
+    for p in expected:
+        total += len(p)
+        ends.append(total)
+    return expected, (b"".join(expected), ends, expected.complete)
+
+
+needs_scanc = pytest.mark.skipif(chunked_mod._scanc is None, reason="specproxy.frames._scanc is not built")
+
+
+@needs_scanc
+@settings(max_examples=400, deadline=None)
+@given(payloads=st.lists(st.binary(min_size=1, max_size=40), max_size=12), upper=st.booleans(),
+       where=st.integers(0, 100), change=st.integers(0, len(CHANGES) + 3), truncated=st.booleans())
+def test_joined_whole_frames_equal_the_state_machine(payloads, upper, where, change, truncated):
+    """The C join reads whole frames (several to a read too) and the end, and refuses anything else."""
+    reads = _frames(payloads, upper)
+    if truncated:
+        reads.pop()  # the stream was cut after a whole frame: not complete, nothing wrong
+    k = where % max(1, len(reads))
+    if reads and change < len(CHANGES):
+        reads[k] = CHANGES[change](reads[k])
+    elif change == len(CHANGES) and k + 1 < len(reads):
+        reads[k : k + 2] = [reads[k] + reads[k + 1]]  # two frames in one read: still joined in C
+    elif reads and change == len(CHANGES) + 1:
+        cut = where % (len(reads[k]) + 1)
+        reads[k : k + 1] = [reads[k][:cut], reads[k][cut:]]  # a frame across two reads (or an empty read)
+    expected, as_joined = _joined(reads)
+    got = join_whole_frames(reads)
+    if got is not None:
+        assert got == as_joined and expected.error is None
+    if change >= len(CHANGES) + 2 or (change == len(CHANGES)):
+        assert got == as_joined  # the shapes it exists for are never left to the state machine
+        assert got[0] == b"".join(payloads) and got[2] == (not truncated)
+
+
+@needs_scanc
+def test_join_refuses_what_only_the_state_machine_reads():
+    ok = [b"5\r\nhello\r\n", b"3\r\nabc\r\n2\r\nde\r\n", b"0\r\n\r\n"]
+    assert join_whole_frames(ok) == (b"helloabcde", [5, 10, 10], True)
+    assert join_whole_frames([]) == (b"", [], False)
+    for reads in ([b"5;x=1\r\nhello\r\n"], [b"5\nhello\r\n"], [b"5\r\nhel", b"lo\r\n"], [b"0\r\nX-T: 1\r\n\r\n"],
+                  [b"0\r\n", b"\r\n"], [b"0\r\n\r\n", b"1\r\nx\r\n"], [b"1\r\nx\r\n0\r\n\r\nz"], [b"0" * 16 + b"1\r\nx\r\n"], [bytearray(b"1\r\nx\r\n")]):
+        assert join_whole_frames(reads) is None, reads
+    assert join_whole_frames([b"0" * 14 + b"1\r\nx\r\n"]) == (b"x", [1], False)
+    with pytest.raises(TypeError):
+        join_whole_frames((b"1\r\nx\r\n",))

@@ -1,0 +1,312 @@
+"""The columnar cache never changes a number: reports from it equal reports from SQLite, on the same
+real database, through appends, deletions, replaced files, schema changes, hand edits, corrupted
+or half-written cache files and cache locations that cannot be written."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from specproxy.store import column_cache
+from specproxy.analyze.compare import Arm, compare, negative_control_report
+from specproxy.store.dataset import TEXT, load_turns
+from specproxy.serve.watch import INSERT_TURN_COUNTERS
+from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
+from specproxy.store.db import Writer, connect
+from specproxy.app.fake_upstream import make_record
+
+
+def write_turns(path: Path, n: int, *, seed: int, t0: float = 1_790_000_000.0) -> list[str]:
+    """n varied turns through the store's own writer: labels, instances, outcomes, NULLs, equal and
+    out-of-order wall times, content classes; and counter deltas for some of them. Their ids."""
+    rng = random.Random(seed)
+    w = Writer(path)
+    ids = []
+    for i in range(n):
+        ok = rng.random() > 0.1
+        rec = make_record(
+            seed=rng.random(),
+            t_wall=t0 + (i // 3) * 7.0 + (rng.random() * 50 if rng.random() < 0.1 else 0.0),  # ties, disorder
+            label=rng.choice(["old", "new", None]),
+            instance_id=rng.choice(["inst-a", "inst-b", None]),
+            concurrency=rng.choice([1, 1, 2, 4, 9, 40]),
+            content_class=rng.choice(["prose", "code", "tool_call", None]),
+            outcome="ok" if ok else rng.choice(["client_abort", "upstream_error"]),
+            decode_tps=rng.uniform(20, 90) if rng.random() > 0.05 else None,
+            usage_completion_tokens=rng.randint(50, 800) if rng.random() > 0.3 else None,
+            prompt_tokens=rng.choice([500, 3000, 9000, 40000]),
+            tokens_per_chunk=rng.choice([1.0, 1.7, 2.4]),
+            streamed=rng.random() > 0.1,
+        )
+        ids.append(rec.id)
+        w.put(rec)
+        if rec.concurrency == 1 and rng.random() < 0.5:
+            w.put((INSERT_TURN_COUNTERS, (rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
+                                          rng.choice([2.5, 0.0, None]), 0.75)))
+    w.close()
+    return ids
+
+
+def report_json(db: Path, cache: bool, **window) -> str:
+    conn = connect(db, readonly=True)
+    try:
+        turns = load_turns(conn, columns=REPORT_COLUMNS, cache=cache, **window)
+        r = build_report(turns, source="db", conn=conn)
+    finally:
+        conn.close()
+    return orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() + render_text(r)
+
+
+WINDOWS = [{}, {"label": "old"}, {"label": "new"}, {"since": 1_790_000_700.0}, {"until": 1_790_000_300.0},
+           {"label": "new", "since": 1_790_000_100.0, "until": 1_790_000_900.5}, {"label": "nobody"}]
+
+
+def assert_same(db: Path, expect: str | None = None) -> str:
+    """Every window: the cached report equals the SQLite one. Returns what the cache did first."""
+    status = None
+    for window in WINDOWS:
+        plain = report_json(db, False, **window)
+        cached = report_json(db, True, **window)
+        status = status or column_cache.last_status
+        assert cached == plain, (window, column_cache.last_status)
+    if expect is not None:
+        assert status == expect
+    return status
+
+
+def assert_turns_equal(db: Path) -> None:
+    """Column by column, with every column and the rowids: not just the figures that come out."""
+    cols = [c for c in load_turns(db).num] + [c for c in TEXT if c != "id"]
+    cols = [c for c in cols if c != "rowid"]
+    a = load_turns(db, columns=cols)
+    b = load_turns(db, columns=cols, cache=True)
+    assert column_cache.last_status in ("hit", "append", "build")
+    assert set(a.num) == set(b.num) and set(a.txt) == set(b.txt)
+    for k in a.num:
+        assert a.num[k].dtype == b.num[k].dtype and np.array_equal(a.num[k], b.num[k], equal_nan=True), k
+    for k in a.txt:
+        assert a.txt[k].tolist() == b.txt[k].tolist(), k
+
+
+@pytest.fixture
+def db(tmp_path) -> Path:
+    path = tmp_path / "turns.db"
+    write_turns(path, 400, seed=1)
+    return path
+
+
+def test_cached_report_equals_sqlite_report_cold_and_warm(db):
+    assert not column_cache.cache_dir(db).exists()
+    assert_same(db, expect="build")
+    assert (column_cache.cache_dir(db) / "manifest.json").exists()
+    assert_same(db, expect="hit")
+    assert_turns_equal(db)
+
+
+def test_appended_turns_are_read_incrementally(db):
+    assert_same(db, expect="build")
+    write_turns(db, 150, seed=2, t0=1_790_000_500.0)  # overlapping times: the order must still agree
+    assert_same(db, expect="append")
+    assert_same(db, expect="hit")
+    for seed in range(3, 3 + column_cache.MAX_SEGMENTS + 1):  # more segments than kept: merged
+        write_turns(db, 5, seed=seed, t0=1_790_002_000.0 + seed)
+        assert_same(db, expect="append")
+    assert len(json.loads((column_cache.cache_dir(db) / "manifest.json").read_text())["segments"]) <= column_cache.MAX_SEGMENTS
+    assert len([p for p in column_cache.cache_dir(db).iterdir() if p.name.startswith("seg-")]) <= column_cache.MAX_SEGMENTS + 2
+    assert_same(db, expect="hit")
+    assert_turns_equal(db)
+
+
+def _sql(db: Path, *statements: str) -> None:
+    conn = sqlite3.connect(db)
+    for s in statements:
+        conn.execute(s)
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("edit", [
+    "DELETE FROM turns WHERE rowid % 7 = 3",  # pruning old rows
+    "DELETE FROM turns WHERE rowid = (SELECT max(rowid) FROM turns)",  # the newest row
+    "DELETE FROM turns WHERE rowid = (SELECT min(rowid) FROM turns)",  # the oldest row
+    "UPDATE turns SET label = 'new' WHERE label = 'old' AND rowid % 2 = 0",  # relabelled by hand
+    "UPDATE turns SET t_wall = t_wall + 0.000002 WHERE rowid = 200",  # two microseconds
+    "UPDATE turns SET ttft_s = NULL",  # every row of another column
+])
+def test_deleted_or_edited_rows_rebuild(db, edit):
+    assert_same(db, expect="build")
+    _sql(db, edit)
+    assert_same(db, expect="build")
+    assert_same(db, expect="hit")
+
+
+def test_newest_row_replaced_in_its_rowid_rebuilds(db):
+    """The newest row deleted and another inserted: SQLite hands out the same rowid again, and the
+    count and the maximum rowid are as before."""
+    assert_same(db, expect="build")
+    (last,) = sqlite3.connect(db).execute("SELECT max(rowid) FROM turns").fetchone()
+    _sql(db, "DELETE FROM turns WHERE rowid = (SELECT max(rowid) FROM turns)")
+    w = Writer(db)
+    w.put(make_record(t_wall=1_790_000_000.5, label="old", ttft_s=9.0))
+    w.close()
+    assert sqlite3.connect(db).execute("SELECT max(rowid) FROM turns").fetchone() == (last,)
+    assert_same(db, expect="build")
+
+
+def test_turn_rewritten_by_insert_or_replace(db):
+    """The store's INSERT OR REPLACE of an id that exists: a delete and an insert at a new rowid."""
+    assert_same(db, expect="build")
+    (tid,) = sqlite3.connect(db).execute("SELECT id FROM turns WHERE rowid = 10").fetchone()
+    w = Writer(db)
+    w.put(make_record(id=tid, t_wall=1_790_000_001.0, label="new", decode_tps=1.0))
+    w.close()
+    assert_same(db, expect="build")
+
+
+def test_replaced_database_file_rebuilds(db, tmp_path):
+    assert_same(db, expect="build")
+    other = tmp_path / "other.db"
+    write_turns(other, 400, seed=9)
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    os.replace(other, db)
+    assert_same(db, expect="build")
+    # and a copy written over the same file (same inode): the rows tell
+    third = tmp_path / "third.db"
+    write_turns(third, 400, seed=10)
+    shutil.copyfile(third, db)
+    assert_same(db, expect="build")
+
+
+def test_schema_change_rebuilds(db, monkeypatch):
+    from specproxy.store import db as store
+
+    assert_same(db, expect="build")
+    _sql(db, "ALTER TABLE turns ADD COLUMN extra REAL")
+    assert_same(db, expect="build")
+    _sql(db, "CREATE INDEX idx_turns_outcome ON turns(outcome)")
+    assert_same(db, expect="build")
+    # a migration this version knows (one it does not know is refused: test_cli_db.py)
+    monkeypatch.setattr(store, "MIGRATIONS", [*store.MIGRATIONS, ("999_future", lambda db: None)])
+    _sql(db, "INSERT INTO _migrations VALUES ('999_future', 0)")
+    assert_same(db, expect="build")
+
+
+def _segment_files(db: Path) -> list[Path]:
+    return sorted(p for p in column_cache.cache_dir(db).glob("seg-*/*.npy"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "empty", "manifest", "segment_dir"])
+def test_damaged_cache_rebuilds(db, damage):
+    assert_same(db, expect="build")
+    cdir = column_cache.cache_dir(db)
+    target = next(p for p in _segment_files(db) if p.name == "decode_tps.npy")
+    if damage == "truncate":
+        data = target.read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-3] ^= 0x40
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        target.unlink()
+    elif damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "manifest":
+        (cdir / "manifest.json").write_text('{"key": {"format": 1}, "segm')
+    elif damage == "segment_dir":
+        shutil.rmtree(target.parent)
+    assert_same(db, expect="build")
+    assert_same(db, expect="hit")
+
+
+def test_crashed_writer_leaves_nothing_that_counts(db, monkeypatch):
+    """A writer that dies half-way (here: while saving a column) leaves a tmp- directory and the
+    old manifest; readers go on as if it had never started."""
+    assert_same(db, expect="build")
+    write_turns(db, 50, seed=5)
+    calls = {"n": 0}
+    real = column_cache._save
+
+    def dying(path, arr):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # the process is killed mid-write
+        return real(path, arr)
+
+    monkeypatch.setattr(column_cache, "_save", dying)
+    with pytest.raises(KeyboardInterrupt):
+        report_json(db, True)
+    monkeypatch.undo()
+    # the kill happened inside a tmp- directory (removed on the way out here; a SIGKILL would leave it)
+    (column_cache.cache_dir(db) / "tmp-123-abc").mkdir()
+    (column_cache.cache_dir(db) / "tmp-123-abc" / "t_wall.npy").write_bytes(b"\x93NUMPY half")
+    assert_same(db, expect="append")
+    assert_same(db, expect="hit")
+
+
+def test_unwritable_cache_location_still_reports(db, monkeypatch):
+    column_cache.cache_dir(db).write_text("not a directory")  # mkdir fails: no cache, no error
+    assert_same(db, expect="build (not saved)")
+    assert column_cache.cache_dir(db).read_text() == "not a directory"
+
+
+def test_read_only_directory_still_reports(db, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    assert_same(db, expect="build")
+    write_turns(db, 20, seed=6)
+    monkeypatch.setattr(column_cache, "_write_segment", refuse)
+    assert_same(db, expect="append (not saved)")
+    monkeypatch.undo()
+    assert_same(db, expect="append")
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_directory_for_real(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    db = d / "turns.db"
+    write_turns(db, 100, seed=7)
+    _sql(db, "PRAGMA wal_checkpoint(TRUNCATE)", "PRAGMA journal_mode=DELETE")
+    d.chmod(0o555)
+    try:
+        assert report_json(db, True) == report_json(db, False)
+        assert not column_cache.cache_dir(db).exists()
+    finally:
+        d.chmod(0o755)
+
+
+def test_empty_and_foreign_databases(tmp_path):
+    db = tmp_path / "empty.db"
+    Writer(db).close()
+    assert_same(db)
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE x (a)").connection.commit()
+    with pytest.raises(Exception, match="not a specproxy database"):
+        load_turns(other, cache=True, columns=REPORT_COLUMNS)
+
+
+def test_compare_from_the_cache_equals_sqlite(db):
+    write_turns(db, 300, seed=8, t0=1_790_010_000.0)
+    for cache in (True, True):
+        conn = connect(db, readonly=True)
+        try:
+            a, b = Arm("old", label="old"), Arm("new", label="new")
+            got = (compare(conn, a, b, seed=3, cache=cache), negative_control_report(conn, a, seed=3, cache=cache),
+                   compare(conn, Arm("@", until=1_790_001_000.0), Arm("@@", since=1_790_010_000.0), cache=cache))
+            want = (compare(conn, a, b, seed=3), negative_control_report(conn, a, seed=3),
+                    compare(conn, Arm("@", until=1_790_001_000.0), Arm("@@", since=1_790_010_000.0)))
+        finally:
+            conn.close()
+        assert orjson.dumps(got, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -1,0 +1,506 @@
+"""The fast stream parse gives exactly the reference's result (a differential test).
+
+``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, runs of chunks read by
+a template of a plain content chunk, inline reading of the common chunk shape); ``_build(fast=False)``
+uses the reference (the SSE decoder and ``read_chunk`` per event). On random streams of many shapes,
+split at random read boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal
+Texts and Records; ``template_stream`` makes streams of mostly one chunk shape, so that runs are long
+and meet every kind of body and deviation. The last tests check that the fast path does not parse,
+derive templates or look at events more than it needs to (what only its speed would show).
+"""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specproxy.measure import texts as texts_mod
+from specproxy.frames.chunked import dechunk_reads
+from specproxy.measure.builder import RecordBuilder
+from readsplit import split
+
+
+texts = st.lists(st.one_of(
+    st.sampled_from(list("ab ,.\"\\/\n\t\x01\x7f{}:[]é日本🚀\u2028\xa0") + ["content", "[DONE]", "\\n", "\\u00e9"]),
+    st.characters(blacklist_categories=("Cs",))), max_size=8).map("".join)
+HEAD = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":['
+
+
+def dumps(obj, style: int) -> bytes:
+    if style == 0:
+        return orjson.dumps(obj)
+    if style == 1:
+        return json.dumps(obj).encode()  # ", " and ": " separators, \\u escapes for non-ASCII
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@st.composite
+def content_event(draw, style, t_send):
+    text = draw(texts)
+    choice = {"index": draw(st.sampled_from([0, 0, 0, 1, None, True, "x"])), "delta": {"content": text},
+              "logprobs": None, "finish_reason": None}
+    if draw(st.booleans()):
+        del choice["index"]
+    obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
+           "choices": [choice]}
+    if t_send:
+        obj["t_send"] = draw(st.integers(0, 2**63 - 1))
+    # digits that vary from chunk to chunk after the content, where a Record reads them (the choice's
+    # index) or does not (a signature string, a number, an over-long number that parses as a float)
+    tail = draw(st.sampled_from(["", "", "", "index_after", "sig", "big", "created"]))
+    if tail == "index_after":
+        choice["index"] = choice.pop("index", 0)  # moved after the delta, into the template's suffix
+        choice["index"] = draw(st.sampled_from([0, 0, 1, 2, 10]))
+    elif tail == "sig":
+        obj["sig"] = f"s{draw(st.integers(0, 10**6))}x"
+    elif tail == "big":
+        obj["n"] = draw(st.integers(10**18, 2**64 - 1))
+    elif tail == "created":
+        obj["created"] = draw(st.integers(1, 10**10))
+    out = dumps(obj, style)
+    if tail == "big" and draw(st.booleans()):  # longer than 64 bits (orjson reads it as a float)
+        out = out.replace(b'"n":', b'"n":9', 1).replace(b'"n": ', b'"n": 9', 1)
+    if t_send and draw(st.integers(0, 9)) == 0:  # a leading zero: not JSON, a bad event either way
+        out = out.replace(b'"t_send":', b'"t_send":0', 1).replace(b'"t_send": ', b'"t_send": 0', 1)
+    return out
+
+
+RAW = [
+    b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}',
+    b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}',
+    b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"{\\"a\\": 1}"}}]}}]}',
+    b'{"choices":[{"index":0,"delta":{"reasoning_content":"hmm, "}}]}',
+    b'{"choices":[{"index":0,"delta":{"reasoning":"think"}}]}',
+    b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"end"},"finish_reason":"length"}]}',
+    b'{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":7,"total_tokens":17}}',
+    b'{"choices":[{"index":0,"delta":{"content":"x"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}',
+    b'{"choices":[{"index":0,"delta":{}}],"timings":{"predicted_n":7,"predicted_ms":70.5}}',
+    b'{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}',
+    b'{"choices":[{"index":0,"text":"completion text"}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"a","content":"b"}}]}',
+    b'{"model":"content","x":{"content":"hi"},"choices":[{"index":0,"delta":{"content":"hi"}}]}',
+    b'{"x":{"abc\\"content":"hi"},"choices":[{"index":0,"delta":{"con\\u0074ent":"hi"}}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"raw\x01ctl"}}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"bad \xff\xfe utf8"}}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"\xe6\x97"}}]}',
+    b'{"choices":[{"index":0,"delta":{"content":null}}]}',
+    b'{"choices":"nope"}', b'[1,2]', b'"str"', b'null', b'{"choices":[null, 3]}',
+    b'not json{', b'', b'[DONE]', b' [DONE] ', b'\xc2\xa0[DONE]', b'[DONE]x',
+]
+
+
+@st.composite
+def stream(draw):
+    style = draw(st.integers(0, 2))
+    t_send = draw(st.booleans())
+    events: list[bytes] = []
+    for _ in range(draw(st.integers(0, 25))):
+        if draw(st.integers(0, 3)):
+            events.append(draw(content_event(style, t_send)))
+        else:
+            events.append(draw(st.sampled_from(RAW)))
+    if draw(st.booleans()):
+        events.append(b"[DONE]")
+    nl = draw(st.sampled_from([b"\n"] * 6 + [b"\r\n", b"\r"]))
+    out = bytearray()
+    for ev in events:
+        shape = draw(st.integers(0, 20))
+        if shape == 0:
+            out += b": ping" + nl
+        elif shape == 1:
+            out += b"event: message" + nl
+        elif shape == 2 and len(ev) > 2:
+            cut = len(ev) // 2
+            out += b"data: " + ev[:cut] + nl + b"data: " + ev[cut:] + nl + nl  # multi-line data
+            continue
+        elif shape == 3:
+            out += b"data:" + ev + nl + nl  # no space after the colon
+            continue
+        elif shape == 4:
+            out += nl  # an extra blank line
+        elif shape == 5:
+            out += b"id: 7" + nl
+        out += b"data: " + ev + nl + nl
+    data = bytes(out)
+    if data and draw(st.integers(0, 4)) == 0:
+        data = data[: draw(st.integers(0, len(data) - 1))]  # a truncated stream
+    return data
+
+
+def frame(payload: bytes, sizes: list[int]) -> bytes:
+    out, pos, i = bytearray(), 0, 0
+    while pos < len(payload):
+        n = sizes[i % len(sizes)]
+        data = payload[pos : pos + n]
+        out += b"%x" % len(data) + (b";e=1" if i % 3 == 1 else b"") + b"\r\n" + data + b"\r\n"
+        pos += len(data)
+        i += 1
+    return bytes(out) + b"0\r\nX-T: 1\r\n\r\n"
+
+
+def builder(reads: list[bytes], chunked: bool) -> RecordBuilder:
+    body = b'{"model":"m","stream":true,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}'
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5)
+    b.on_headers(0.6, 200, "text/event-stream", chunked=chunked)
+    for i, r in enumerate(reads):
+        b.on_bytes(r, 1.0 + i, 1.0 + i + 0.001 * (i % 3))
+    b.finish(2.0 + len(reads))
+    return b
+
+
+@pytest.mark.usefixtures("each_scan")
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=stream(), cuts=st.lists(st.integers(0, 100_000), max_size=30), chunked=st.booleans(),
+       sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4), framed_cut=st.integers(0, 10))
+def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, framed_cut):
+    wire = frame(data, sizes) if chunked else data
+    if chunked and framed_cut == 0:
+        wire = wire[: len(wire) // 2]  # truncated inside the framing
+    reads = split(wire, cuts, empty_reads=True)
+    b = builder(reads, chunked)
+    payload = b.reads if not chunked else dechunk_reads(reads)
+    fast = texts_mod.stream_texts(list(payload), b.read_times)
+    ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
+    assert fast == ref
+    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+
+
+# content written in place of the placeholder, byte for byte: raw text the template path decodes joined
+# (some of it not UTF-8, split characters included), escapes it parses one by one, and bodies that
+# are no JSON string (raw quotes and control characters, a bad escape, a closing quote escaped away)
+BODIES = [b" hello", b"", b"x", b" w0rd", "é".encode(), "日本".encode(), "🚀".encode(), b"\x7f", "\x85".encode(),
+          "\u2028".encode(), "\uffff".encode(), "\xa0".encode(), b"\xe6\x97", b"\xa5", b"\xff", b"\xed\xa0\x80",
+          b"\xc0\xa2", b"\\n", b'\\"', b"\\\\", b"\\u00e9", b"\\ud83d\\ude80", b"\\/", b" a\\tb", b"\\ud800",
+          b"\\q", b"\\u12", b"a\\", b"\x01", b"\t", b'a"b', b'x","role":"user', b'"', b"p"]
+PLACEHOLDER = "PLACEHOLDER"
+NUMBER = 987654321987654321
+
+
+@st.composite
+def template_stream(draw):
+    """Events that mostly share one chunk shape (so the fast path reads them in runs) with deviations:
+    another index or digit count, digits no template allows, other chunks, and bodies of every kind."""
+    style = draw(st.integers(0, 2))
+    index_first = draw(st.booleans())
+    varying = draw(st.sampled_from(["", "t_send", "sig", "created"]))
+    digits = draw(st.integers(1, 19))
+
+    def event(body: bytes, index: int, ndigits: int) -> bytes:
+        choice = {"delta": {"content": PLACEHOLDER}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, **choice} if index_first else {**choice, "index": index}
+        obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
+               "choices": [choice]}
+        if varying == "sig":
+            obj["sig"] = f"s{NUMBER}"
+        elif varying:
+            obj[varying] = NUMBER
+        number = b"%d" % draw(st.integers(10 ** (ndigits - 1) if ndigits > 1 else 0, 10**ndigits - 1))
+        if draw(st.integers(0, 20)) == 0:  # not a number the template allows, of the same length or not
+            number = draw(st.sampled_from([b"0" + number, b"0" + number[1:], b"-" + number[1:], b"x" + number[1:]]))
+        return dumps(obj, style).replace(b"%d" % NUMBER, number).replace(PLACEHOLDER.encode(), body)
+
+    events = [b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}']
+    for _ in range(draw(st.integers(0, 90))):
+        kind = draw(st.integers(0, 40))
+        if kind == 0:
+            events.append(draw(st.sampled_from(RAW)))
+        elif kind == 1:
+            events.append(event(draw(st.sampled_from(BODIES)), draw(st.sampled_from([1, 2])), digits))
+        elif kind == 2:
+            events.append(event(draw(st.sampled_from(BODIES)), 0, draw(st.integers(1, 19))))
+        else:
+            body = draw(st.sampled_from(BODIES[:8] if kind > 12 else BODIES))
+            events.append(event(body, 0, digits))
+    events += draw(st.sampled_from([[], [RAW[5], b"[DONE]"], [RAW[6], RAW[7], b"[DONE]"]]))
+    data = b"".join(b"data: " + ev + b"\n\n" for ev in events)
+    if draw(st.integers(0, 20)) == 0:
+        data += b": ping\n\n"  # the reference decides (found after the fast path read most of the stream)
+    if draw(st.integers(0, 6)) == 0:
+        data = data[: draw(st.integers(0, len(data)))]  # a truncated stream
+    return data
+
+
+def per_event(data: bytes) -> list[bytes]:
+    """The events of ``data``, each with its blank line, and what follows the last one."""
+    *events, tail = data.split(b"\n\n")
+    return [ev + b"\n\n" for ev in events] + ([tail] if tail else [])
+
+
+def one_frame_per_event(data: bytes, upper: bool) -> list[bytes]:
+    """What an engine writes: a chunked frame per event, then the last chunk."""
+    size = b"%X" if upper else b"%x"
+    return [size % len(p) + b"\r\n" + p + b"\r\n" for p in per_event(data)] + [b"0\r\n\r\n"]
+
+
+@pytest.mark.usefixtures("each_scan")
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=template_stream(), framing=st.integers(0, 3), cuts=st.lists(st.integers(0, 100_000), max_size=20))
+def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
+    if framing == 0:
+        reads = split(data, cuts)
+    elif framing == 1:
+        reads = per_event(data)
+    else:
+        reads = one_frame_per_event(data, framing == 3)
+    b = builder(reads, framing >= 2)
+    payload = b.reads if framing < 2 else dechunk_reads(reads)
+    fast = texts_mod.stream_texts(list(payload), b.read_times)
+    assert fast == texts_mod.stream_texts_reference(list(payload), b.read_times)
+    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_template_stream_is_fast_and_equal(tiktoken_tok):
+    """The common shape: a template is derived once and matches the following content chunks."""
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    reads = [head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n']
+    words = ["Hello", " wörld", " 日本", " 🚀", " \\n", " x\\\"y", "\xa0", " end"]
+    for w in words * 5:
+        reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
+    reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    b = builder(reads, False)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
+    assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
+    assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
+    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_odd_shapes_fall_back_to_the_reference():
+    for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
+                 b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
+        assert texts_mod._stream_texts_fast([data], [1.0]) is None, data
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
+    events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
+    framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
+    reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
+    chunked = builder(reads, True)
+    plain = builder(list(dechunk_reads(reads)), False)
+    a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
+    assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
+    fields = [f for f in a.__dataclass_fields__ if f != "id"]
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    assert a.error is None and a.saw_done and a.chunks == 20
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
+    reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
+    rec = builder(reads, True).build(tiktoken_tok)
+    assert rec.error and "malformed chunked framing" in rec.error
+
+
+def _counting_loads(monkeypatch) -> list:
+    calls: list = []
+    real = orjson.loads
+
+    def loads(data):
+        calls.append(data)
+        return real(data)
+
+    monkeypatch.setattr(orjson, "loads", loads)
+    return calls
+
+
+def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    return [head + b'"delta":{"content":" w%d"},"finish_reason":null}],%b:%b}\n\n' % (i, field, v)
+            for i, v in enumerate(values)]
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
+    """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
+    reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
+    reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
+    b = builder(reads, False)
+    calls = _counting_loads(monkeypatch)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    parsed = len(calls)
+    assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
+    assert fast.chunks == 59 and fast.bad_events == 1
+    assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
+
+
+@pytest.mark.usefixtures("each_scan")
+def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
+    """A choice index after the delta decides which text the content belongs to: every event is parsed."""
+    head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
+    reads = [head % (i, i % 3) for i in range(30)]
+    b = builder(reads, False)
+    calls = _counting_loads(monkeypatch)
+    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    assert len(calls) >= 30
+    assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
+    assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
+
+
+# --- what the fast path does not do: parse, derive, or look at an event more than it needs to --------
+
+
+class _Watch:
+    """Counts what ``_stream_texts_fast`` does: chunk parses (not those of escaped bodies, as strings),
+    template derivations, and the windows of events its runs read."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.loads = _counting_loads(monkeypatch)
+        self.parses = 0
+        self.derivations = 0
+        self.windows: list[tuple[int, int]] = []
+        derive, run = texts_mod._content_template, texts_mod._Template.run
+
+        def counted_derive(*args):
+            self.derivations += 1
+            return derive(*args)
+
+        def recorded_run(tmpl, segs, i, j, buf, pos):
+            self.windows.append((i, j))
+            return run(tmpl, segs, i, j, buf, pos)
+
+        monkeypatch.setattr(texts_mod, "_content_template", counted_derive)
+        monkeypatch.setattr(texts_mod._Template, "run", recorded_run)
+        self.c_runs: list[int] = []  # the C path: events each template_run call read
+        if texts_mod._scanc is not None:
+            scanc, runs = texts_mod._scanc, self.c_runs
+
+            class _Recorded:
+                join_frames = staticmethod(scanc.join_frames)
+
+                @staticmethod
+                def template_run(*args):
+                    out = scanc.template_run(*args)
+                    runs.append(out[0])
+                    return out
+
+            monkeypatch.setattr(texts_mod, "_scanc", _Recorded)
+
+    def read(self, reads: list[bytes]):
+        times = [float(i) for i in range(len(reads))]
+        fast = texts_mod._stream_texts_fast(reads, times)
+        self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
+        assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
+        return fast
+
+
+CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+         b'"choices":[{"index":%d,"delta":{"content":"%b"},"finish_reason":null}]}\n\n')
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+CLOSING = [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+           b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300}}\n\n', b"data: [DONE]\n\n"]
+
+
+def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
+    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it.
+    In C the run is one call; the closing chunks each cost a call that reads none."""
+    words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
+    reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
+    watch = _Watch(monkeypatch)
+    monkeypatch.setattr(texts_mod, "_WINDOWS", (4, 16))
+    fast = watch.read(reads)
+    assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
+    if each_scan == "python":
+        assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
+        assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
+    else:
+        assert watch.c_runs == [len(words) - 1, 0, 0, 0] and not watch.windows
+    assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
+
+
+@pytest.mark.usefixtures("python_scan")
+def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
+    """The first chunk of a window after a full one is not known to be the template's: another
+    choice's chunk there starts no run of the first one's."""
+    words = [b" w%d" % i for i in range(300)]
+    reads = [ROLE, *(CHUNK % (int(k == 258), w) for k, w in enumerate(words, 1)), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
+
+
+@pytest.mark.usefixtures("python_scan")
+def test_shapes_taking_turns_cost_little(monkeypatch):
+    """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
+    (only a run long enough refills them), runs start with small windows, other shapes start none."""
+    reads = [CHUNK % (i % 2, b" w%d" % i) for i in range(200)]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert sorted(fast.texts) == [(0, "content"), (1, "content")]
+    assert watch.derivations <= 4
+    assert len(watch.windows) <= 100  # only events of the template's shape start a run
+    assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
+
+
+@pytest.mark.usefixtures("each_scan")
+@pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
+def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
+    reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
+    times = [float(i) for i in range(len(reads))]
+    fast = texts_mod._stream_texts_fast(reads, times)
+    assert fast == texts_mod.stream_texts_reference(reads, times)
+    texts = sum(map(bool, contents))
+    assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
+
+
+def _string(body: bytes) -> str | None:
+    """What the reference reads from a content string written ``body``, or None: not a string."""
+    try:
+        value = orjson.loads('"' + body.decode("utf-8", "replace") + '"')
+    except ValueError:
+        return None
+    return value
+
+
+@settings(max_examples=1000, deadline=None)
+@given(bodies=st.lists(st.lists(st.sampled_from([b"a", b"\\", b'"', b",", b"]", b"1", b"n", b"u00e9", b"ud800", b"\xff",
+                                                 b"\x01", b"\xe6\x97", "é".encode()]), max_size=6).map(b"".join),
+                       min_size=1, max_size=5))
+def test_escaped_bodies_read_each_as_its_own_string(bodies):
+    values = list(map(_string, bodies))
+    ok = (values + [None]).index(None)
+    assert texts_mod._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
+
+
+@pytest.mark.usefixtures("python_scan")
+@pytest.mark.parametrize(("bodies", "bad"), [
+    ([b'a","b'], 1),  # an unescaped quote: two strings in the array for one body
+    ([b"x\\", b",1", b"y\\"], 2),  # backslashes that escape the quote after their body
+    ([b"C:\\\\", b'\\"q\\"'], 0),  # escaped backslashes and quotes: one JSON string each
+])
+def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
+    """Bodies with escapes are parsed as the strings of one JSON array only when each is one string;
+    then that costs one parse, not one per body."""
+    words = [b" w%d" % i for i in range(20)]
+    reads = [ROLE, *(CHUNK % (0, w) for w in words[:10] + bodies + words[10:]), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.bad_events == bad
+    if not bad:
+        assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
+
+
+@pytest.mark.usefixtures("each_scan")
+@pytest.mark.parametrize("chunk", [
+    # the first contents are escaped: the template is cut around the escaped string
+    lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
+    # a key ending in "content" whose quote is escaped, with the first contents' value, before the delta
+    lambda i, w: b'data: {"a\\"content":"x","choices":[{"index":0,"delta":{"content":"%b"}}]}\n\n' % (w if i > 2 else b"x"),
+    # a duplicate key: the last one is the content
+    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"a","content":"%b"}}]}\n\n' % w,
+    # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
+    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"%b"}}],"sig":"s0123"}\n\n' % w,
+])
+def test_templates_are_found_where_they_are_safe(monkeypatch, chunk):
+    reads = [ROLE, *(chunk(i, b" w%d" % i) for i in range(60)), *CLOSING]
+    watch = _Watch(monkeypatch)
+    fast = watch.read(reads)
+    assert fast.chunks == 60
+    assert watch.parses <= 8

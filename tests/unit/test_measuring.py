@@ -1,0 +1,290 @@
+"""The measuring worker's policy: gather turns into batches, build in the relay's gaps, never wait more than
+MAX_DEFER_S per batch, stop waiting when turns queue faster than that, hand every turn back (measured or
+with its error)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specproxy.measure.builder import RecordBuilder
+from specproxy.serve.measuring import MAX_BATCH, MAX_DEFER_S, MeasuringWorker
+
+SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+
+
+def _turn(n: int) -> RecordBuilder:
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b'{"model":"m%d","messages":[]}' % n,
+                      t_wall=time.time(), t_request=1.0)
+    b.on_headers(1.1, 200, "text/event-stream")
+    b.on_bytes(SSE, 1.2, 1.2)
+    b.finish(1.3)
+    return b
+
+
+class _Broken(RecordBuilder):
+    __slots__ = ()
+
+    def build(self, tokenizer):
+        raise ValueError("nobody foresaw this")
+
+
+class _Held(MeasuringWorker):
+    """A worker whose thread starts working only once every turn was submitted: "at once" for certain
+    (a worker that wakes between two submits would make two batches of them, on a loaded machine)."""
+
+    def __init__(self, *args) -> None:
+        self.held = threading.Event()
+        super().__init__(*args)
+
+    def _run(self) -> None:
+        self.held.wait(30)
+        super()._run()
+
+
+def _run(n: int, activity, *, broken: int | None = None, first: type | None = None) -> tuple[list, MeasuringWorker]:
+    """Submit n turns at once; wait (bounded) until all came back on the loop."""
+    got: list = []
+    done = asyncio.Event()
+
+    def on_done(results):
+        got.extend(results)
+        if len(got) == n:
+            done.set()
+
+    async def go():
+        worker = _Held(None, activity, asyncio.get_running_loop(), on_done)
+        for i in range(n):
+            b = _turn(i)
+            if i == broken:
+                b.__class__ = _Broken
+            if i == 0 and first is not None:
+                b.__class__ = first
+            worker.submit(b, more_in_flight=i < n - 1)
+        worker.held.set()
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    worker = asyncio.run(go())
+    return got, worker
+
+
+def test_a_quiet_relay_is_measured_at_once():
+    got, worker = _run(5, lambda: 0.0)  # the last read was long ago
+    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+    assert worker.deferred_s < MAX_DEFER_S
+
+
+def test_a_busy_relay_defers_each_batch_at_most_max_defer():
+    got, worker = _run(3, time.perf_counter)  # a read "just now", always: never a gap
+    assert len(got) == 3 and all(exc is None for _, _, exc in got)
+    assert worker.deferred_s >= MAX_DEFER_S * 0.9 * worker.batches  # it did wait for a gap...
+    assert worker.deferred_s <= (MAX_DEFER_S + 0.05) * worker.batches  # ...and no longer than allowed
+
+
+def test_a_burst_that_begins_during_a_build_goes_before_the_next_build():
+    busy_until = [0.0]
+    took = [0.0]
+
+    class _Waking(RecordBuilder):  # the relay starts a 5 ms burst as this turn's build ends
+        __slots__ = ()
+
+        def build(self, tokenizer):
+            t0 = time.perf_counter()
+            built = super().build(tokenizer)  # however long a loaded CPU makes this, the burst follows it
+            busy_until[0] = time.perf_counter() + 0.005
+            took[0] = busy_until[0] - 0.005 - t0
+            return built
+
+    def activity() -> float:
+        now = time.perf_counter()
+        return now if now < busy_until[0] else 0.0
+
+    got, worker = _run(2, activity, first=_Waking)
+    assert len(got) == 2 and worker.batches == 1
+    # it waited out the burst, within the batch's cap (which a build slowed by a loaded CPU eats into)
+    waited_at_least = min(0.004, MAX_DEFER_S - took[0] - 0.001)
+    assert waited_at_least <= worker.deferred_s <= MAX_DEFER_S + 0.05
+
+
+def test_a_backlog_is_built_without_waiting():
+    n = 20 * MAX_BATCH
+    got, worker = _run(n, time.perf_counter)
+    assert len(got) == n
+    # waiting for a gap before every batch would take batches * MAX_DEFER_S; only the last few may wait
+    assert worker.batches >= n // MAX_BATCH
+    assert worker.deferred_s <= 4 * MAX_DEFER_S
+
+
+def test_a_failing_build_comes_back_as_its_error():
+    got, _ = _run(4, lambda: 0.0, broken=2)
+    errors = [(b, exc) for b, rec, exc in got if exc is not None]
+    assert len(got) == 4 and len(errors) == 1
+    assert isinstance(errors[0][1], ValueError) and errors[0][0].body.startswith(b'{"model":"m2"')
+
+
+@pytest.mark.parametrize("n", [1, MAX_BATCH + 3])
+def test_stop_builds_what_is_queued(n):
+    got: list = []
+
+    async def go():
+        worker = MeasuringWorker(None, time.perf_counter, asyncio.get_running_loop(), got.extend)
+        for i in range(n):
+            worker.submit(_turn(i), more_in_flight=True)
+        # the worker schedules its results before it ends, so they run before this task resumes
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert len(got) == n
+
+
+@pytest.mark.parametrize(("delays", "median"), [([0.003, 0.001, 0.010], 0.003), ([0.003, 0.001, 0.002, 0.010], 0.0025)])
+def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median):
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b"{}", t_wall=time.time(), t_request=1.0)
+    b.on_headers(1.1, 200, "text/event-stream")
+    for i, d in enumerate(delays):
+        b.on_bytes(SSE if i == 0 else b"", 2.0 + i, 2.0 + i + d)
+    b.finish(9.0)
+    assert b.build(None).proxy_delay_s == pytest.approx(median)
+
+
+def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together():
+    """The first turn does not start a build at once: the turns that end within the gather window join
+    it, and the loop gets them in one callback."""
+    calls: list[int] = []
+    got: list = []
+    done = asyncio.Event()
+
+    def on_done(results):
+        calls.append(len(results))
+        got.extend(results)
+        if len(got) == 5:
+            done.set()
+
+    async def go():
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), on_done, gather_s=2.0)
+        for i in range(5):  # spread over ~40 ms, well inside the window; the last ends with none in flight
+            worker.submit(_turn(i), more_in_flight=i < 4)
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    worker = asyncio.run(go())
+    assert calls == [5] and worker.batches == 1
+    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+
+
+def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
+    """A lone chat's turn: nothing else is running, so nothing is coming to join its batch; it is built
+    at once, not after the window (120 s here: the bounded wait below would fail first)."""
+    got: list = []
+
+    async def go():
+        built = asyncio.Event()
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
+                                 lambda results: (got.extend(results), built.set()), gather_s=120.0)
+        worker.submit(_turn(0), more_in_flight=True)  # another turn still runs: this one waits for it
+        worker.submit(_turn(1), more_in_flight=False)  # the last one ended: build both now
+        await asyncio.wait_for(built.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+        return worker
+
+    worker = asyncio.run(go())
+    assert [r.model for _, r, _ in got] == ["m0", "m1"] and worker.batches == 1
+
+
+def test_a_full_batch_ends_the_gathering():
+    """Under traffic that keeps turns in flight, a batch is built once ``MAX_BATCH`` turns wait, not after
+    the window (120 s here)."""
+    calls: list[int] = []
+
+    async def go():
+        built = asyncio.Event()
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
+                                 lambda results: (calls.append(len(results)), built.set()), gather_s=120.0)
+        for i in range(MAX_BATCH):
+            worker.submit(_turn(i), more_in_flight=True)
+        await asyncio.wait_for(built.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert calls[0] == MAX_BATCH
+
+
+def test_stop_does_not_wait_out_a_gathering_batch():
+    got: list = []
+
+    async def go():
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), got.extend, gather_s=120.0)
+        worker.submit(_turn(0), more_in_flight=True)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(worker.stop)
+        return time.perf_counter() - t0
+
+    took = asyncio.run(go())
+    assert len(got) == 1 and got[0][1].model == "m0"
+    assert took < 30  # the window is 120 s: stop cut it short
+
+
+
+def test_turn_ids_are_unique_within_a_process_and_across_a_fork():
+    import os
+    import re
+
+    from specproxy.record import new_turn_id
+
+    ids = [new_turn_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    assert _turn(0).id != _turn(1).id
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, as its parent's next ones would be
+        try:
+            os.write(w, ",".join(new_turn_id() for _ in range(3)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child = f.read().split(",")
+    os.waitpid(pid, 0)
+    parent = [new_turn_id() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent) and not set(child) & set(ids)
+    assert child[0][:16] != parent[0][:16]  # a fresh random part, not a copy of the parent's
+
+
+def test_through_the_proxy_a_turn_waits_for_those_in_flight_and_the_last_ends_the_gathering(make_stack, monkeypatch):
+    """The policy end to end, with ``Proxy`` saying what is in flight: a short turn that ends while a long
+    one streams is not built alone; the long one, ending with none other in flight, ends the gathering
+    (a 120 s window here: the bounded wait would fail first), and both are built in one batch."""
+    import aiohttp
+
+    from specproxy.serve import measuring
+    from specproxy.app.fake_upstream import Script
+
+    monkeypatch.setattr(measuring, "GATHER_S", 120.0)
+    stack = make_stack()
+    stack.upstream.script = lambda req: Script(
+        pieces=["a", " b", " c"] * (20 if req.get("model") == "long" else 1), interval_s=0.02)
+
+    async def turns():
+        async with aiohttp.ClientSession() as c:
+            async def one(model):
+                async with c.post(stack.url + "/v1/chat/completions", json={
+                        "model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    return await r.read()
+
+            long = asyncio.ensure_future(one("long"))  # 60 chunks, 20 ms apart
+            await one("short")  # 3 chunks: it ends while the long one streams
+            await long
+
+    stack.run(turns())
+    deadline = time.monotonic() + 30
+    while len(stack.records) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(r.model for r in stack.records) == ["long", "short"]
+    assert stack.service.proxy._measurer.batches == 1

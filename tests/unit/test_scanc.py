@@ -1,0 +1,119 @@
+"""specproxy.frames._scanc, the measuring's per-chunk scans in C, read by their own contracts.
+
+The streams it reads are checked against the reference in test_measure_fast.py (every test there that
+says ``each_scan`` runs with the C scans and without) and the join against the state machine in
+test_chunked.py. Here: that CI builds it, and that ``template_run`` takes exactly the content strings
+orjson reads (the reference parses each event with orjson), reading them as orjson does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specproxy.measure import texts
+
+_scanc = texts._scanc
+pytestmark = pytest.mark.skipif(_scanc is None, reason="specproxy.frames._scanc is not built")
+
+PREFIX, HEAD, CLOSING = b'data: {"choices":[{"delta":{"content":"', b'"}}],"t":', b"}"
+
+
+def test_scanc_is_built_where_required():
+    """CI sets SPECPROXY_REQUIRE_RELAYC=1 (it requires both C modules): a silent fallback fails here."""
+    if os.environ.get("SPECPROXY_REQUIRE_RELAYC") != "1":
+        pytest.skip("SPECPROXY_REQUIRE_RELAYC is not set")
+    assert _scanc is not None
+
+
+def _orjson_string(body: bytes) -> str | None:
+    try:
+        value = orjson.loads(b'"' + body + b'"')
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+pieces = st.sampled_from([
+    b"a", b" ", b'"', b"\\", b"\\n", b"\\t", b"\\/", b"\\b", b"\\f", b"\\r", b'\\"', b"\\\\", b"\\x", b"\\u",
+    b"\\u00e9", b"\\u00E9", b"\\u0000", b"\\ud83d", b"\\ude80", b"\\ud83d\\ude80", b"\\uDBFF\\uDFFF", b"\\uzzzz", b"\\uE000",
+    b"\x01", b"\x1f", b"\x7f", "é".encode(), "日".encode(), "🚀".encode(), b"\xe6\x97", b"\xa5", b"\xff", b"\xc0\xaf",
+    b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x8f\xbf\xbf", b"\xef\xbf\xbf", b"\xf4\x8f\xbf\xbf",
+])
+bodies = st.one_of(st.lists(pieces, max_size=8).map(b"".join),
+                   st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(body=bodies)
+def test_a_body_is_taken_exactly_when_orjson_reads_it(body):
+    event = PREFIX + body + HEAD + b"17" + CLOSING + b"\n\n"
+    count, size, text, nonempty, text_size = _scanc.template_run(event, 0, PREFIX, HEAD, 2, CLOSING)
+    expected = _orjson_string(body)
+    if expected is None:
+        assert (count, size, text, nonempty, text_size) == (0, 0, "", 0, 0)
+    else:
+        assert (count, size, text) == (1, len(event), expected)
+        assert (nonempty, text_size) == ((1, len(event)) if body else (0, 0))
+
+
+@pytest.mark.parametrize("body", [b"\\ud83d\\ude80", b"\\ud83d\\uE000", b"\\ud83d\\uDBFF", b"\\ud83d\\u0041", b"\\ude80\\ud83d",
+                                  b"\\ud83d", b"\\ud83dx", b"\\uDBFF\\uDFFF", b"\\uD800\\uDC00", b"\\u0000", b"\\uFFFF"])
+def test_surrogate_escapes_are_read_as_orjson_reads_them(body):
+    test_a_body_is_taken_exactly_when_orjson_reads_it.hypothesis.inner_test(body=body)
+
+
+@settings(max_examples=500, deadline=None)
+@given(events=st.lists(st.tuples(bodies, st.sampled_from([b"17", b"99", b"07", b"1", b"x7", b"170"])),
+                       min_size=1, max_size=6), tail=st.sampled_from([b"", b"data: [DONE]\n\n", b"data: x"]))
+def test_a_run_stops_at_the_first_event_that_is_not_the_templates(events, tail):
+    buf = b"".join(PREFIX + body + HEAD + digits + CLOSING + b"\n\n" for body, digits in events) + tail
+    count, size, text, nonempty, text_size = _scanc.template_run(buf, 0, PREFIX, HEAD, 2, CLOSING)
+    ok = 0
+    for body, digits in events:  # two digits, no leading zero, and a string orjson reads
+        if len(digits) != 2 or not digits.isdigit() or digits[0] == 48 or _orjson_string(body) is None:
+            break
+        ok += 1
+    lens = [len(PREFIX + b + HEAD + d + CLOSING) + 2 for b, d in events[:ok]]
+    with_text = [i for i, (b, _) in enumerate(events[:ok]) if b]
+    assert count == ok and size == sum(lens)
+    assert text == "".join(_orjson_string(b) for b, _ in events[:ok])
+    assert nonempty == len(with_text)
+    assert text_size == (sum(lens[: with_text[-1] + 1]) if with_text else 0)
+
+
+def test_a_run_starts_where_it_is_told_and_needs_its_blank_line():
+    event = PREFIX + b"hi" + HEAD + b"12" + CLOSING
+    buf = b"data: [DONE]\n\n" + event + b"\n\n" + event + b"\n" + event
+    assert _scanc.template_run(buf, 14, PREFIX, HEAD, 2, CLOSING) == (1, len(event) + 2, "hi", 1, len(event) + 2)
+    assert _scanc.template_run(buf, 0, PREFIX, HEAD, 2, CLOSING)[0] == 0
+    assert _scanc.template_run(event, 0, PREFIX, HEAD, 2, CLOSING)[0] == 0  # a tail: no blank line after it
+    no_digits = PREFIX + b"x" + HEAD + CLOSING + b"\n\n"
+    assert _scanc.template_run(no_digits, 0, PREFIX, HEAD + CLOSING, 0, b"")[:3] == (1, len(no_digits), "x")
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    with pytest.raises(TypeError):
+        _scanc.template_run("str", 0, PREFIX, HEAD, 2, CLOSING)
+    with pytest.raises(TypeError):
+        _scanc.template_run(b"", 0, PREFIX, HEAD, 2)
+    with pytest.raises(ValueError):
+        _scanc.template_run(b"abc", 4, PREFIX, HEAD, 2, CLOSING)
+    with pytest.raises(ValueError):
+        _scanc.template_run(b"abc", 0, b"", HEAD, 2, CLOSING)
+    with pytest.raises(TypeError):
+        _scanc.join_frames(b"1\r\nx\r\n")
+
+
+@pytest.mark.parametrize(("env", "use_c"), [("python", False), ("", True)])
+def test_specproxy_scan_python_forces_the_python_scans(env, use_c):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from specproxy.measure import texts; print(texts.USE_C)"],
+                         env={**os.environ, "SPECPROXY_SCAN": env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(use_c)
