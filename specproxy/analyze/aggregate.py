@@ -21,10 +21,12 @@ with a t quantile of n - 1 df per arm (Welch-Satterthwaite across the arms), as 
 treated in ``stats``. The delta method (linearised ratio) gave the same on smooth shapes but an
 interval several times too narrow with a bimodal mix of short and long turns (21% A/A false
 verdicts at 8 turns per arm; ``_share_component``). Deterministic, O(n log n), vectorised over many arms
-for the calibration simulation (tests/unit/test_aa_calibration.py). It treats shares as independent
-across turns, which overlapping turns are not exactly: at concurrency 4 the interval is too
-wide (docs/statistics.md). Busy periods (runs of overlapping turns) as the unit would remove
-that, but closed-loop clients keep the server busy without a gap, so there are 1-4 of them.
+for the calibration simulation (tests/unit/test_aa_calibration.py). At concurrency > 1 most of the
+variance is not turn-to-turn but the mean concurrency (how unevenly the clients finish), which
+the jackknife sees only through the last turns' shares: too wide on smooth shapes, too narrow
+with a bimodal mix (docs/statistics.md). Busy periods (runs of overlapping turns) as the unit
+fail because closed-loop clients keep the server busy without a gap (1-4 of them); replaying the
+schedule needs the clients, which are not recorded, and lanes inferred from the data mix them.
 
 Server instances follow the same rule as every other row (``stats._instance_parts``): an arm
 in several instances resamples whole instances (sum of tokens over sum of shares per
