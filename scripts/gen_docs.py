@@ -37,7 +37,8 @@ def config_example() -> str:
         env = f"SPECPROXY_{f.name.upper()}"
         out.append(f"# environment: {env}")
         if default is None:
-            example = {"upstream": "http://127.0.0.1:8000", "label": "config-a"}.get(f.name, "hf:/path/to/tokenizer-dir")
+            example = {"upstream": "http://127.0.0.1:8000", "label": "config-a",
+                       "admin_token": "a-long-random-secret"}.get(f.name, "hf:/path/to/tokenizer-dir")
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

@@ -72,6 +72,11 @@ class Config:
     CPU wake-up (tens of µs on a VM), at the cost of at most a tenth of one core. ``auto`` polls only while
     the machine has a core idle, so that it never takes CPU from a server on the same machine, and never
     under a CPU quota (a container's limit)."""
+    admin_token: str | None = None
+    """Secret for the reserved ``/_specproxy/`` paths (live page, events, ``/_specproxy/metrics``), sent as
+    ``Authorization: Bearer TOKEN`` (or ``?token=TOKEN`` for a browser). Unset, those paths answer only
+    clients on loopback while the proxy listens on loopback; listening on any other address, every request
+    there needs it (401 without, and always 401 when it is unset). Never logged, never stored."""
 
     @property
     def upstream_url(self) -> URL:
@@ -150,6 +155,8 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("scrape_interval_s must be >= 0")
     if cfg.scrape_retention_days < 0:
         raise ConfigError("scrape_retention_days must be >= 0 (0 keeps every scrape)")
+    if cfg.admin_token is not None and len(cfg.admin_token) < 16:
+        raise ConfigError("admin_token must be at least 16 characters (e.g. the output of `openssl rand -hex 16`)")
     if cfg.cadence_poll not in CADENCE_POLL_MODES:
         raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
     return cfg
