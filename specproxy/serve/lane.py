@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import http_parser as _aiohttp_parser
 
+from specproxy.serve.admin import PREFIX
 from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal
 from specproxy.wire.relay_thread import no_delay
 
@@ -66,6 +67,7 @@ _SINGLETONS = frozenset(
     | {h.encode() for h in getattr(_aiohttp_parser, "SINGLETON_HEADERS", ())}
 )
 _LABEL = LABEL_HEADER.lower().encode()
+_RESERVED = PREFIX.encode()
 
 
 def lane_enabled() -> bool:
@@ -81,8 +83,8 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
     if m is None or m.end() > end + 2 or m.end() > MAX_LINE_BYTES:
         return None
     method, target = m.groups()
-    if method not in _METHODS or b"//" in target or b"/." in target:
-        return None
+    if method not in _METHODS or b"//" in target or b"/." in target or target.startswith(_RESERVED):
+        return None  # (the reserved prefix: specproxy's own pages, answered behind aiohttp's server)
     start = m.end()
     raw: list[tuple[bytes, bytes]] = []
     length = 0

@@ -35,7 +35,7 @@ import logging
 import re
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
@@ -47,6 +47,7 @@ from yarl import URL
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
+from specproxy.serve.admin import reserved
 from specproxy.serve.measuring import MeasuringWorker
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.tokens import Tokenizer
@@ -196,6 +197,7 @@ class Proxy:
         self.turns_started = 0
         self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
         self.on_turn_end: Callable[[str, float, float, bool], object] | None = None
+        self.admin: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]] | None = None  # admin.Admin.handle
         self.measure_dropped = 0
         self.measure_errors = 0
         self.rejected_busy = 0
@@ -262,6 +264,8 @@ class Proxy:
         if refused is not None:
             self.rejected_bad += 1
             return refused.as_response()
+        if reserved(request.rel_url.path):  # specproxy's own pages: never forwarded (admin.py)
+            return await self.admin(request) if self.admin is not None else _not_here()
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
             return self.busy().as_response()
@@ -596,6 +600,10 @@ class _RelayedResponse(web.StreamResponse):
             transport.write(self._head_bytes)
         writer.output_size += len(self._head_bytes)  # so aiohttp never appends an error page to it
         return writer
+
+
+def _not_here() -> web.Response:
+    return _error_response(404, "not_found", "nothing here (specproxy's reserved prefix)").as_response()
 
 
 def _latin(value: bytes | None) -> str:

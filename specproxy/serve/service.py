@@ -30,7 +30,9 @@ from aiohttp import web
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
+from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.lane import Lane, Lanes, lane_enabled
+from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
@@ -163,6 +165,9 @@ class Service:
     header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
     lanes: Lanes = field(default_factory=Lanes)
     cadence: CadenceGate | None = None
+    pages: Pages | None = None  # the live page's pictures, composed in from above (view.live); None: no page
+    metrics: OwnMetrics | None = None
+    admin: Admin | None = None
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
@@ -186,6 +191,8 @@ class Service:
     def _sink(self, record: Record) -> None:
         if self.writer is not None:
             self.writer.put(record)
+        if self.metrics is not None:
+            self.metrics.record(record)
         for sink in self.extra_sinks:
             try:
                 sink(record)
@@ -199,6 +206,13 @@ class Service:
         self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
+        self.metrics = OwnMetrics(self._metric_state)
+        writer = self.writer
+        self.admin = Admin(self.cfg, self.metrics, lambda: writer.commits if writer is not None else 0, self.pages)
+        self.proxy.admin = self.admin.handle
+        if not is_loopback(self.cfg.host) and self.cfg.admin_token is None:
+            log.warning("listening on %s without admin_token: the live page and /_specproxy/metrics answer 401 "
+                        "to every client (set admin_token to reach them)", self.cfg.host)
         await self.proxy.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
@@ -279,6 +293,21 @@ class Service:
             **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
         }
 
+    def _metric_state(self) -> dict[str, float]:
+        """What /_specproxy/metrics reads of the running service at each scrape."""
+        p, w = self.proxy, self.writer
+        return {
+            "in_flight": p.in_flight if p else 0,
+            "measured_in_flight": p.measured_in_flight if p else 0,
+            "queued": w.pending if w else 0,
+            "dropped": w.dropped if w else 0,
+            "measure_dropped": p.measure_dropped if p else 0,
+            "measure_errors": p.measure_errors if p else 0,
+            "scrape_failures": self.watch.failures if self.watch else 0,
+            "rejected_busy": p.rejected_busy if p else 0,
+            "rejected_bad": p.rejected_bad if p else 0,
+        }
+
     def log_state(self) -> None:
         log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state().items()))
 
@@ -289,6 +318,8 @@ class Service:
         for sock in self._sockets:  # bound, never served: start() failed or never ran
             sock.close()
         self._sockets = []
+        if self.admin is not None:
+            self.admin.close()  # live viewers' event streams end now rather than hold up the shutdown
         lanes = self.lanes.shutdown(30.0)  # as aiohttp's, below: in-flight exchanges get that long
         if self._runner is not None:
             await asyncio.gather(self._runner.cleanup(), lanes)

@@ -285,6 +285,7 @@ class Writer:
         self.retention = ScrapeRetention(scrape_retention_days)
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
+        self.commits = 0
         self.dropped = 0
         self.retries = 0
         self.bad_rows = 0
@@ -371,6 +372,7 @@ class Writer:
                 self._rollback()
                 self._write_one_by_one([record_row(r) for r in records], other)
             self.written += len(records)
+            self.commits += 1  # the live page redraws when this moves (turns or scrapes landed)
             return True
         except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
             self.last_error = str(exc)

@@ -1,0 +1,208 @@
+"""The reserved prefix ``/_specproxy/``: specproxy's own pages, answered by the proxy, never forwarded.
+
+Why in the proxy's own port rather than a second one: one address to open, and nothing more to expose.
+Both fronts keep the prefix from the upstream: the lane declines a request under it (``lane.py``),
+and aiohttp's handler (``Proxy.handle``) sends it here before anything is forwarded.
+
+Routes: ``/_specproxy/`` the live page, ``/_specproxy/events`` its server-sent events,
+``/_specproxy/metrics`` Prometheus text. The page's pictures come from above this layer (``Pages``,
+composed in by ``view.live``): serve does not import the analysis.
+
+Who may read them (``allowed``): with ``admin_token`` set, a request that presents it (``Authorization:
+Bearer`` or ``?token=``); without, only a loopback client of a proxy that listens on loopback. Anything
+else gets 401.
+
+Why the events cannot slow traffic or grow memory: a viewer has no queue. Each wakes twice a second,
+and when the store has committed something since its last message it is sent the newest picture,
+rendered once for every viewer (off the loop, at most once per ``MIN_RENDER_S``). A viewer that does
+not read for ``WRITE_TIMEOUT_S`` is disconnected; at most ``MAX_VIEWERS`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import posixpath
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from specproxy.config import Config
+from specproxy.serve.own_metrics import CONTENT_TYPE, OwnMetrics
+
+__all__ = ["PREFIX", "Admin", "Pages", "allowed", "is_loopback", "reserved"]
+
+log = logging.getLogger("specproxy.serve.admin")
+
+PREFIX = "/_specproxy"
+MAX_VIEWERS = 16
+TICK_S = 0.5
+MIN_RENDER_S = 1.0
+WRITE_TIMEOUT_S = 10.0
+KEEPALIVE_S = 15.0
+
+
+def reserved(path: str) -> bool:
+    """Whether a (decoded) request path is under the prefix, dot segments resolved."""
+    if path == PREFIX or path.startswith(PREFIX + "/"):
+        return True
+    if "/." in path or "//" in path:
+        norm = posixpath.normpath(path)
+        return norm == PREFIX or norm.startswith(PREFIX + "/")
+    return False
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0].strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def allowed(listen_host: str, peer: str | None, token: str | None, presented: str | None) -> bool:
+    """May this request read the reserved pages? See the module's docstring."""
+    if token is not None:
+        return presented is not None and hmac.compare_digest(presented.encode(), token.encode())
+    return is_loopback(listen_host) and is_loopback(peer)
+
+
+class Pages(Protocol):
+    """The live page's pictures (``view.live.LivePages``). Both methods block: called in a thread."""
+
+    def document(self, token: str | None) -> str:
+        """The whole page, its first picture included."""
+
+    def fragment(self) -> str:
+        """The newest picture: what replaces the page's content on each event."""
+
+
+class Admin:
+    """Answers every request under the prefix (aiohttp's handler hands them here)."""
+
+    def __init__(self, cfg: Config, metrics: OwnMetrics, version: Callable[[], Any],
+                 pages: Pages | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.pages = pages
+        self._version = version  # changes when the store committed something: a new picture to send
+        self.viewers = 0
+        self._closing = asyncio.Event()
+        self._picture: tuple[Any, str] | None = None
+        self._rendering: asyncio.Task | None = None
+        self._rendered_at = 0.0
+
+    def close(self) -> None:
+        """End every event stream (before the server shuts down: they would hold it up)."""
+        self._closing.set()
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        presented = _presented(request)
+        if not allowed(self.cfg.host, peer[0] if peer else None, self.cfg.admin_token, presented):
+            why = ("send the admin_token" if self.cfg.admin_token is not None else
+                   "set admin_token to reach it from here (only loopback clients of a loopback proxy may without)")
+            return _json(401, {"error": {"message": f"specproxy: {PREFIX}/ needs a token: {why}",
+                                         "type": "unauthorized", "code": 401}},
+                         {"WWW-Authenticate": 'Bearer realm="specproxy"'})
+        if request.method not in ("GET", "HEAD"):
+            return _json(405, {"error": {"message": "specproxy: only GET here", "type": "method_not_allowed",
+                                         "code": 405}}, {"Allow": "GET, HEAD"})
+        route = posixpath.normpath(request.rel_url.path)[len(PREFIX):].strip("/")
+        if route == "metrics":
+            return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE,
+                                                                          "Cache-Control": "no-store"})
+        if route in ("", "events") and self.pages is None:
+            return _json(404, {"error": {"message": "specproxy: no live page in this process",
+                                         "type": "not_found", "code": 404}})
+        if route == "":
+            body = await asyncio.to_thread(self.pages.document, presented)
+            return web.Response(text=body, content_type="text/html",
+                                headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
+        if route == "events":
+            return await self._events(request)
+        return _json(404, {"error": {"message": f"specproxy: nothing at {PREFIX}/{route}", "type": "not_found",
+                                     "code": 404}})
+
+    async def _events(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self.viewers >= MAX_VIEWERS:
+            return _json(503, {"error": {"message": f"specproxy: more than {MAX_VIEWERS} live viewers",
+                                         "type": "busy", "code": 503}})
+        self.viewers += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"})
+        try:
+            await resp.prepare(request)
+            await self._send(resp, b": specproxy live\n\n")
+            sent, quiet = None, time.monotonic()
+            while not self._closing.is_set():
+                version = self._version()
+                if version != sent:
+                    shown, picture = await self._picture_for(version)
+                    if self._closing.is_set():
+                        break
+                    await self._send(resp, b"data: " + orjson.dumps({"html": picture}) + b"\n\n")
+                    sent, quiet = shown, time.monotonic()
+                elif time.monotonic() - quiet > KEEPALIVE_S:  # a comment keeps intermediaries from timing out
+                    await self._send(resp, b": keep-alive\n\n")
+                    quiet = time.monotonic()
+                try:
+                    await asyncio.wait_for(self._closing.wait(), TICK_S)
+                except TimeoutError:
+                    pass
+        except (TimeoutError, ConnectionError):
+            pass  # the viewer stopped reading or left
+        finally:
+            self.viewers -= 1
+        return resp
+
+    async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            await resp.write(data)
+
+    async def _picture_for(self, version: Any) -> tuple[Any, str]:
+        """The newest picture, and the version it shows: rendered once for every viewer, in a thread."""
+        if self._picture is None or self._picture[0] != version:
+            if self._rendering is None:
+                self._rendering = asyncio.get_running_loop().create_task(self._render())
+            await asyncio.shield(self._rendering)
+        assert self._picture is not None
+        return self._picture
+
+    async def _render(self) -> None:
+        try:
+            wait = self._rendered_at + MIN_RENDER_S - time.monotonic()
+            if wait > 0:  # at most one rendering per MIN_RENDER_S under busy traffic; the newest is drawn
+                await asyncio.sleep(wait)
+            version = self._version()
+            assert self.pages is not None
+            try:
+                html = await asyncio.to_thread(self.pages.fragment)
+            except Exception as exc:  # a bug in drawing must not end the viewers' streams
+                log.error("drawing the live page failed: %s", type(exc).__name__)
+                html = f'<p class="error">specproxy could not draw this picture ({type(exc).__name__})</p>'
+            self._picture = (version, html)
+            self._rendered_at = time.monotonic()
+        finally:
+            self._rendering = None
+
+
+def _presented(request: web.BaseRequest) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.rel_url.query.get("token")
+
+
+def _json(status: int, body: dict, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers={"Cache-Control": "no-store", **(headers or {})})

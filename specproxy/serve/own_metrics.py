@@ -1,0 +1,200 @@
+"""specproxy's own metrics, for Prometheus at ``/_specproxy/metrics``.
+
+Why a collector of our own rather than prometheus_client's Histogram objects: a record arrives on the
+event loop (the measuring worker hands its batch there), and each observation must cost next to nothing
+there; here it is a bisect and two additions, no lock, and a turn's output chunks are added to the
+per-chunk histogram at once rather than one call per chunk. prometheus_client formats the page.
+
+Names follow the OpenTelemetry GenAI semantic conventions as a Prometheus exporter writes them (dots to
+underscores, the unit as a suffix) where one exists; figures the conventions do not define are
+``specproxy_*``. The conventions' ``time_to_first_chunk`` and ``time_per_output_chunk`` are per chunk;
+the per-token figures (time per output token, per-stream decode speed, tokens per chunk) sit beside
+them under their own names, never in their place (docs/operations.md lists every name).
+
+Labels are the model the request named, the API (from the path) and the outcome: never text, never a
+header. A client chooses the model string, so it is cut to ``MODEL_CHARS`` and at most ``MAX_MODELS``
+distinct ones get their own series; the rest share ``"other"`` (the series cannot grow without bound).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from specproxy.record import Record
+
+__all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_MODELS = 32
+MODEL_CHARS = 64
+OTHER_MODEL = "other"
+
+APIS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
+        "/v1/completions": "text_completion", "/completions": "text_completion"}
+LABELS = ("gen_ai_request_model", "gen_ai_operation_name", "outcome")
+
+# bucket bounds: the conventions' advice where they give it, finer at the low end for per-chunk times
+DURATION_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+FIRST_CHUNK_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+PER_CHUNK_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5)
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+SPEED_TPS = (1, 2, 5, 10, 15, 20, 30, 40, 50, 60, 80, 100, 150, 200, 300, 500, 1000)
+PER_CHUNK_TOKENS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+PROMPT_PARTS = (("system", "prompt_system_tokens"), ("tools", "prompt_tools_tokens"),
+                ("history", "prompt_history_tokens"), ("new", "prompt_new_tokens"))
+
+
+class _Histogram:
+    """Cumulative-at-scrape bucket counts per label values."""
+
+    __slots__ = ("bounds", "doc", "extra", "name", "series")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], extra: tuple[str, ...] = ()) -> None:
+        self.name, self.doc, self.bounds, self.extra = name, doc, bounds, extra
+        self.series: dict[tuple[str, ...], list] = {}
+
+    def add(self, key: tuple[str, ...], value: float, count: int = 1, total: float | None = None) -> None:
+        """``count`` observations of ``value`` (their sum ``total`` when it is known exactly)."""
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
+        s[0][bisect_left(self.bounds, value)] += count  # le: a value equal to a bound is in its bucket
+        s[1] += value * count if total is None else total
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=(*LABELS, *self.extra))
+        for key, (counts, total) in self.series.items():
+            running, buckets = 0, []
+            for bound, c in zip((*map(_le, self.bounds), "+Inf"), counts):
+                running += c
+                buckets.append((bound, running))
+            fam.add_metric(list(key), buckets, total)
+        return fam
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class OwnMetrics:
+    """Fed one record at a time (``record``, on the loop); read by ``exposition`` (Prometheus text).
+
+    ``state``: the live counts read at scrape time (in flight, dropped, scrape failures...), so that
+    nothing is counted twice and the forwarding path does no extra work for them."""
+
+    def __init__(self, state: Callable[[], dict[str, float]] = dict) -> None:
+        self._state = state
+        self._models: set[str] = set()
+        self.turns: dict[tuple[str, ...], int] = {}
+        self.tokens: dict[tuple[str, ...], float] = {}
+        h = _Histogram
+        self.duration = h("gen_ai_client_operation_duration_seconds",
+                          "GenAI operation duration: request read to response end, every outcome", DURATION_S)
+        self.token_usage = h("gen_ai_client_token_usage",
+                             "Tokens per turn, counted with the model's tokenizer: input = the prompt as the "
+                             "server sees it, output = delivered tokens", TOKENS, ("gen_ai_token_type",))
+        self.first_chunk = h("gen_ai_client_operation_time_to_first_chunk_seconds",
+                             "Streamed turns: request read to the first chunk carrying output text", FIRST_CHUNK_S)
+        self.per_chunk = h("gen_ai_client_operation_time_per_output_chunk_seconds",
+                           "Streamed turns: time between consecutive text-carrying chunks after the first; _sum "
+                           "and _count exact, each turn's gaps bucketed at its mean gap", PER_CHUNK_S)
+        self.per_token = h("specproxy_time_per_output_token_seconds",
+                           "Streamed turns: 1 / per-stream decode speed (tokens after the first chunk over "
+                           "decode time), one observation per turn", PER_CHUNK_S)
+        self.decode_time = h("specproxy_decode_duration_seconds",
+                             "Streamed turns: first to last text-carrying chunk", DURATION_S)
+        self.decode_speed = h("specproxy_decode_speed_tokens_per_second",
+                              "Streamed turns: per-stream decode speed", SPEED_TPS)
+        self.tokens_per_chunk = h("specproxy_tokens_per_chunk",
+                                  "Streamed turns: delivered tokens / text-carrying chunks", PER_CHUNK_TOKENS)
+        self.prompt_parts = h("specproxy_prompt_part_tokens",
+                              "Prompt make-up per turn: system, tools, history, new", TOKENS, ("part",))
+        self.histograms = (self.duration, self.token_usage, self.first_chunk, self.per_chunk, self.per_token,
+                           self.decode_time, self.decode_speed, self.tokens_per_chunk, self.prompt_parts)
+
+    def _model(self, model: str | None) -> str:
+        m = (model or "")[:MODEL_CHARS]
+        if m in self._models:
+            return m
+        if len(self._models) < MAX_MODELS:
+            self._models.add(m)
+            return m
+        return OTHER_MODEL
+
+    def record(self, r: Record) -> None:
+        """One turn, as it goes to the store (the sink's call, on the loop)."""
+        key = (self._model(r.model), APIS.get(r.path, "other"), r.outcome)
+        self.turns[key] = self.turns.get(key, 0) + 1
+        if r.completion_tokens is not None:
+            self.tokens[key] = self.tokens.get(key, 0) + r.completion_tokens
+            self.token_usage.add((*key, "output"), r.completion_tokens)
+        if r.prompt_tokens is not None:
+            self.token_usage.add((*key, "input"), r.prompt_tokens)
+        if r.total_s is not None:
+            self.duration.add(key, r.total_s)
+        for part, field in PROMPT_PARTS:
+            v = getattr(r, field)
+            if v is not None:
+                self.prompt_parts.add((*key, part), v)
+        if not r.streamed:
+            return
+        if r.ttft_s is not None:
+            self.first_chunk.add(key, r.ttft_s)
+        if r.decode_s is not None:
+            self.decode_time.add(key, r.decode_s)
+            if r.chunks is not None and r.chunks > 1:  # the gaps between chunks sum to decode_s exactly
+                self.per_chunk.add(key, r.decode_s / (r.chunks - 1), r.chunks - 1, r.decode_s)
+        if r.decode_tps:
+            self.decode_speed.add(key, r.decode_tps)
+            self.per_token.add(key, 1.0 / r.decode_tps)
+        if r.tokens_per_chunk is not None:
+            self.tokens_per_chunk.add(key, r.tokens_per_chunk)
+
+    def collect(self) -> Iterator[Metric]:
+        turns = CounterMetricFamily("specproxy_turns", "Measured turns, by outcome (the store's rows)",
+                                    labels=LABELS)
+        for key, n in self.turns.items():
+            turns.add_metric(list(key), n)
+        yield turns
+        tokens = CounterMetricFamily("specproxy_delivered_tokens", "Output tokens delivered to clients",
+                                     labels=LABELS)
+        for key, n in self.tokens.items():
+            tokens.add_metric(list(key), n)
+        yield tokens
+        for h in self.histograms:
+            yield h.family()
+        yield from _state_families(self._state())
+
+    def exposition(self) -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return generate_latest(registry)
+
+
+# (state key, name, help, kind)
+STATE = (
+    ("in_flight", "specproxy_requests_in_flight", "Requests being forwarded now", "gauge"),
+    ("measured_in_flight", "specproxy_measured_requests_in_flight",
+     "Generation requests in flight (the operating point the upstream sees)", "gauge"),
+    ("queued", "specproxy_store_queue_records", "Records waiting for the database writer", "gauge"),
+    ("dropped", "specproxy_dropped_records_store", "Records dropped because the writer's queue was full", "counter"),
+    ("measure_dropped", "specproxy_dropped_records_measure",
+     "Turns forwarded but not measured (too many waiting to be measured)", "counter"),
+    ("measure_errors", "specproxy_measure_errors", "Turns whose measuring failed (recorded unmeasured)", "counter"),
+    ("scrape_failures", "specproxy_scrape_failures", "Failed polls of the upstream's metrics", "counter"),
+    ("rejected_busy", "specproxy_rejected_busy", "Requests answered 503 over max_concurrent", "counter"),
+    ("rejected_bad", "specproxy_rejected_bad", "Malformed, ambiguous, too large or too slow requests", "counter"),
+)
+
+
+def _state_families(state: dict[str, float]) -> Iterable[Metric]:
+    for key, name, doc, kind in STATE:
+        if key in state:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield cls(name, doc, value=state[key])

@@ -1,0 +1,131 @@
+"""The reserved prefix /_specproxy/: answered by the proxy on both fronts, never forwarded; its metrics
+parse with prometheus_client's own parser and count what the database holds; a token guards it."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specproxy.app.fake_upstream import Script, pieces_of
+from specproxy.serve.admin import allowed
+
+pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
+
+TOKEN = "a-token-for-the-tests-0123"
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """One request on a fresh connection, the whole response until the proxy closes or it is complete."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return out
+            out += data
+            head, sep, body = out.partition(b"\r\n\r\n")
+            if sep and b"content-length:" in head.lower():
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(body) >= length:
+                    return out
+
+
+def _get(url: str, path: str, headers: str = "") -> tuple[int, bytes]:
+    resp = _raw(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n".encode())
+    head, _, body = resp.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+def _chat(stack, tok, n: int, model: str = "m") -> None:
+    stack.upstream.script = Script(pieces=pieces_of("One two three four five six.", tok), interval_s=0.001)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0, timeout=30)
+    for i in range(n):
+        stream = client.chat.completions.create(model=model, stream=True, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count {i}."}])
+        for _ in stream:
+            pass
+
+
+def _samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_metrics_parse_and_count_what_the_database_holds(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok)
+    _chat(stack, tiktoken_tok, 3)
+    stack.settle()
+    stack.run(stack.service.proxy.drain_measurements())
+    stack.service.writer.close()  # flushes every queued record to the file
+    with sqlite3.connect(stack.cfg.db) as conn:
+        rows = conn.execute("SELECT outcome, count(*), sum(completion_tokens), sum(chunks) FROM turns "
+                            "GROUP BY outcome").fetchall()
+    status, body = _get(stack.url, "/_specproxy/metrics")
+    assert status == 200
+    s = _samples(body.decode())
+    turns = {x.labels["outcome"]: x.value for x in s["specproxy_turns_total"]}
+    assert turns == {o: n for o, n, _, _ in rows} == {"ok": 3}
+    labels = s["specproxy_turns_total"][0].labels
+    assert set(labels) == {"gen_ai_request_model", "gen_ai_operation_name", "outcome"}
+    assert labels["gen_ai_request_model"] == "m" and labels["gen_ai_operation_name"] == "chat"
+    assert sum(x.value for x in s["specproxy_delivered_tokens_total"]) == rows[0][2]
+    assert s["gen_ai_client_operation_duration_seconds_count"][0].value == 3
+    assert s["gen_ai_client_operation_time_to_first_chunk_seconds_count"][0].value == 3
+    # per chunk: one observation per text-carrying chunk after the first, as the convention says
+    assert s["gen_ai_client_operation_time_per_output_chunk_seconds_count"][0].value == rows[0][3] - 3
+    assert s["specproxy_time_per_output_token_seconds_count"][0].value == 3  # per turn, under its own name
+    usage = {x.labels["gen_ai_token_type"]: x.value for x in s["gen_ai_client_token_usage_sum"]}
+    assert usage["output"] == rows[0][2] and usage["input"] > 0
+    parts = {x.labels["part"] for x in s["specproxy_prompt_part_tokens_count"]}
+    assert parts == {"system", "tools", "history", "new"}
+    assert s["specproxy_requests_in_flight"][0].value == 0
+    assert s["specproxy_dropped_records_store_total"][0].value == 0
+    assert "Be brief" not in body.decode() and "sk-test" not in body.decode()  # never text, never keys
+
+
+def test_the_reserved_prefix_never_reaches_the_upstream(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok)
+    for path in ("/_specproxy/v1/chat/completions", "/_specproxy", "/%5Fspecproxy/v1/chat/completions",
+                 "/v1/../_specproxy/v1/chat/completions", "/_specproxy/nothing"):
+        status, body = _get(stack.url, path)
+        assert status == 404, (path, status, body)  # ours: no live page in this process, or no such route
+        assert b"specproxy" in body
+    post = _raw(stack.url, b"POST /_specproxy/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                           b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert post.startswith(b"HTTP/1.1 405")
+    assert stack.upstream.sent == []  # not one of them was forwarded
+    _chat(stack, tiktoken_tok, 1)  # and the proxy still forwards everything else
+    assert len(stack.upstream.sent) == 1
+
+
+def test_a_configured_token_is_needed(make_stack, tiktoken_tok):
+    stack = make_stack(tiktoken_tok, admin_token=TOKEN)
+    assert _get(stack.url, "/_specproxy/metrics")[0] == 401
+    assert _get(stack.url, "/_specproxy/metrics", "Authorization: Bearer wrong-token-wrong-token\r\n")[0] == 401
+    assert _get(stack.url, "/_specproxy/metrics", f"Authorization: Bearer {TOKEN}\r\n")[0] == 200
+    assert _get(stack.url, f"/_specproxy/metrics?token={TOKEN}")[0] == 200
+    assert stack.upstream.sent == []
+
+
+def test_who_may_read_without_a_token():
+    # loopback clients of a loopback proxy only; any other client, or a proxy listening beyond loopback: 401
+    assert allowed("127.0.0.1", "127.0.0.1", None, None)
+    assert allowed("localhost", "::1", None, None)
+    assert allowed("::1", "::ffff:127.0.0.1", None, None)
+    assert not allowed("127.0.0.1", "10.1.2.3", None, None)
+    assert not allowed("0.0.0.0", "127.0.0.1", None, None)
+    assert not allowed("", "127.0.0.1", None, None)  # every address
+    assert not allowed("0.0.0.0", "192.168.1.9", None, None)
+    assert not allowed("0.0.0.0", "192.168.1.9", TOKEN, None)
+    assert not allowed("0.0.0.0", "192.168.1.9", TOKEN, TOKEN + "x")
+    assert allowed("0.0.0.0", "192.168.1.9", TOKEN, TOKEN)
+    assert not allowed("127.0.0.1", "127.0.0.1", TOKEN, None)  # a configured token is needed by everyone
