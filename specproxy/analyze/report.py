@@ -35,7 +35,7 @@ from specproxy.analyze.stats import (
     which_to_read,
 )
 
-__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "build_report", "render_text"]
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
 WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -72,7 +72,7 @@ def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
     return summarize(values * scale).to_dict()
 
 
-def _aggregate(turns: Turns) -> dict[str, Any]:
+def aggregate_throughput(turns: Turns) -> dict[str, Any]:
     """Delivered tokens / the time at least one of these turns was in flight (wall clock).
 
     Over streamed and non-streamed turns alike: a non-streamed turn keeps the server busy and its
@@ -90,7 +90,7 @@ def _aggregate(turns: Turns) -> dict[str, Any]:
     return {"n": int(known.sum()), "tokens": total, "busy_s": busy, "tps": total / busy}
 
 
-def _streamed(turns: Turns) -> np.ndarray:
+def streamed_mask(turns: Turns) -> np.ndarray:
     """Which turns were streamed (the stream figures are theirs alone)."""
     return turns.num["streamed"] == 1
 
@@ -119,7 +119,7 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
         # looked up only when the window selects nothing: None otherwise
         "database_turns": database_turns(conn) if conn is not None and not n_all else None,
     }
-    is_streamed = _streamed(ok)
+    is_streamed = streamed_mask(ok)
     streamed = ok if is_streamed.all() else ok.select(is_streamed, columns=STREAM_COLUMNS)
     whole = ok.select(~is_streamed, columns=("t_wall", *(col for _, col, *_ in NON_STREAMED_FIGURES)))
     # completed turns of each kind: "user" is over the first, "non_streamed" over the second
@@ -169,7 +169,7 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
     rows = []
     for b in np.unique(index[index >= 0]):
         cell = turns.select(index == b, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
-        streamed = _streamed(cell)
+        streamed = streamed_mask(cell)
         rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
                      "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})
     return rows
@@ -179,7 +179,7 @@ def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
     """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) and which
     figure to read over all its turns, as concurrency counts every turn in flight."""
     return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
-                  lambda cell: {"aggregate": _aggregate(cell),
+                  lambda cell: {"aggregate": aggregate_throughput(cell),
                                 "read": which_to_read(float(np.median(cell.num["concurrency"])))},
                   columns=("total_s", "completion_tokens", "concurrency"))
 
@@ -210,7 +210,7 @@ def _whole_turn(ok: Turns) -> dict[str, Any]:
     TTFT held (prefill does not get faster when decoding does), in the before-a-change form, over the
     window's summed TTFT and decode time: the exact ratio of all users' turn time before and after.
     """
-    streamed = _streamed(ok)
+    streamed = streamed_mask(ok)
     w = window_speedups(ok.num["ttft_s"][streamed], ok.num["decode_s"][streamed], speedups=ENGINE_SPEEDUPS)
     n = w.n
     return {

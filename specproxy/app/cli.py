@@ -116,8 +116,11 @@ def serve(config_path: str | None, **flags: Any) -> None:
 
     if upstream.RELAY_SETTING_ERROR:
         raise SpecproxyError(upstream.RELAY_SETTING_ERROR)
+    from specproxy.view.live import LivePages
+
     cfg = load_config(config_path, overrides=flags)
     service = Service.from_config(cfg)
+    service.pages = LivePages(cfg.db)  # the live page at /_specproxy/, drawn from the database it writes
     install_uvloop()
 
     def ready(svc: Service) -> None:
@@ -145,7 +148,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; "
             f"cadence poll {poll}; measuring scans {scans}\n"
-            f"point your client's base URL at {svc.url}/v1; Ctrl-C to stop",
+            f"point your client's base URL at {svc.url}/v1; live page {svc.url}/_specproxy/, Prometheus "
+            f"{svc.url}/_specproxy/metrics{' (admin_token needed)' if cfg.admin_token else ''}; Ctrl-C to stop",
             err=True,
         )
 
@@ -207,14 +211,33 @@ def _window(fn):
 @db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the report's pictures to this file: one self-contained HTML page (opens offline)")
 @cache_option
 @_friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-           cache: bool) -> None:
+           html_file: str | None, cache: bool) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
     from specproxy.analyze.report import render_text
 
-    _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
+    if html_file is None:
+        _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
+        return
+    from specproxy.store.dataset import parse_time
+    from specproxy.view.html import document
+    from specproxy.view.snapshot import snapshot
+
+    with _open(db) as conn:
+        snap = snapshot(conn, source=_db_path(db), label=label, since=parse_time(since), until=parse_time(until),
+                        cache=cache)
+    try:
+        Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {_db_path(db)}"),
+                                   encoding="utf-8")
+    except OSError as exc:
+        raise SpecproxyError(f"cannot write {html_file}: {exc.strerror or exc}") from None
+    _echo(snap["report"], render_text, as_json)
+    if not as_json:
+        click.echo(f"pictures written to {html_file}", err=True)
 
 
 @main.command()

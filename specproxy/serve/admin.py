@@ -80,7 +80,7 @@ def allowed(listen_host: str, peer: str | None, token: str | None, presented: st
 class Pages(Protocol):
     """The live page's pictures (``view.live.LivePages``). Both methods block: called in a thread."""
 
-    def document(self, token: str | None) -> str:
+    def document(self) -> str:
         """The whole page, its first picture included."""
 
     def fragment(self) -> str:
@@ -126,7 +126,7 @@ class Admin:
             return _json(404, {"error": {"message": "specproxy: no live page in this process",
                                          "type": "not_found", "code": 404}})
         if route == "":
-            body = await asyncio.to_thread(self.pages.document, presented)
+            body = await asyncio.to_thread(self.pages.document)
             return web.Response(text=body, content_type="text/html",
                                 headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
         if route == "events":

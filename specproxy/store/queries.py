@@ -45,6 +45,14 @@ def turn_rows(conn: Connection, fields: Sequence[str], where: str, params: Seque
     return conn.execute(f"SELECT {', '.join(fields)} FROM turns{where} ORDER BY t_wall", params)
 
 
+def recent_turns(conn: Connection, fields: Sequence[str], where: str, params: Sequence[Any],
+                 limit: int) -> list[tuple]:
+    """The newest ``limit`` turns a ``dataset.where_clause`` selects, oldest of them first."""
+    rows = conn.execute(f"SELECT {', '.join(fields)} FROM turns{where} ORDER BY t_wall DESC, rowid DESC LIMIT ?",
+                        (*params, limit)).fetchall()
+    return rows[::-1]
+
+
 def vacuum(conn: Connection) -> None:
     """Give the space of deleted rows back to the file system."""
     conn.execute("VACUUM")

@@ -1,0 +1,291 @@
+"""The pictures as HTML with inline SVG, drawn on the server: one self-contained document.
+
+Why no charting library: a few bar and line charts need no more than SVG rectangles and polylines, and
+a page drawn here opens from a file with the network off (``report --html``) and needs nothing but
+text on each live update (the events carry the redrawn content). No script or style is fetched.
+
+Every figure printed carries ``data-figure`` (its path in ``report --json``) and ``data-value`` (the
+exact number), so a reader, or a test, can check the page against the JSON report.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from html import escape
+from typing import Any
+
+import orjson
+
+__all__ = ["document", "fragment"]
+
+W, H = 560, 170  # a chart's size; margins inside it
+ML, MR, MT, MB = 46, 12, 18, 26
+PARTS = (("prompt_system_tokens", "system", "#8c6bb1"), ("prompt_tools_tokens", "tools", "#dd8452"),
+         ("prompt_history_tokens", "history", "#937860"), ("prompt_new_tokens", "new", "#55a868"))
+TTFT_COLOR, DECODE_COLOR, REST_COLOR = "#c44e52", "#4c72b0", "#b0b0b0"
+USER_FIGURES = (("ttft_s", "TTFT (s)", "{:.3f}"), ("decode_tps", "decode speed, per stream (tok/s)", "{:.1f}"),
+                ("decode_s", "decode time (s)", "{:.3f}"), ("total_s", "whole turn (s)", "{:.3f}"),
+                ("completion_tokens", "completion tokens", "{:.0f}"), ("tokens_per_chunk", "tokens per chunk", "{:.2f}"),
+                ("proxy_delay_ms", "proxy delay (ms)", "{:.3f}"))
+DIST_TITLES = {"ttft_s": ("TTFT (s)", "{:.3f}"), "decode_tps": ("decode speed per stream (tok/s)", "{:.0f}"),
+               "tokens_per_chunk": ("tokens per chunk", "{:.2f}")}
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.2em;color:#222;background:#fcfcfc}
+h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
+.grid{display:flex;flex-wrap:wrap;gap:1.2em}.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em}
+table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right}th{font-weight:600}td:first-child,th:first-child{text-align:left}
+svg text{font:11px system-ui,sans-serif;fill:#444}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
+.muted{color:#777}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
+.legend i{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
+"""
+
+SCRIPT = """
+document.addEventListener('click', function (e) {
+  var t = e.target.closest ? e.target.closest('.turn') : null;
+  if (!t) return;
+  var pre = document.getElementById('record');
+  pre.textContent = JSON.stringify(JSON.parse(t.getAttribute('data-record')), null, 2);
+  pre.setAttribute('data-turn-id', t.getAttribute('data-turn-id'));
+});
+"""
+
+LIVE_SCRIPT = """
+(function () {
+  var token = new URLSearchParams(location.search).get('token');
+  var url = '/_specproxy/events' + (token ? '?token=' + encodeURIComponent(token) : '');
+  var status = document.getElementById('status'), updates = 0;
+  var es = new EventSource(url);
+  es.onmessage = function (e) {
+    document.getElementById('content').innerHTML = JSON.parse(e.data).html;
+    updates += 1;
+    document.body.setAttribute('data-updates', String(updates));
+    status.textContent = 'live: updated ' + new Date().toLocaleTimeString();
+  };
+  es.onerror = function () { status.textContent = 'not connected: retrying'; };
+})();
+"""
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+
+
+def _fig(path: str, v: Any, fmt: str) -> str:
+    """A figure as a table cell that says where it comes from in ``report --json``."""
+    value = "" if v is None else repr(float(v))
+    return f'<td data-figure="{escape(path)}" data-value="{value}">{_f(v, fmt)}</td>'
+
+
+def _utc(t: float | None) -> str:
+    return "-" if t is None else datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _svg(body: str, title: str, w: int = W, h: int = H, cls: str = "") -> str:
+    return (f'<svg class="{cls}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+            f'aria-label="{escape(title)}"><text x="{ML}" y="12" font-weight="600">{escape(title)}</text>{body}</svg>')
+
+
+def _axes(x_lo: str, x_hi: str, y_hi: str, w: int = W, h: int = H) -> str:
+    return (f'<line x1="{ML}" y1="{h - MB}" x2="{w - MR}" y2="{h - MB}" stroke="#999"/>'
+            f'<line x1="{ML}" y1="{MT}" x2="{ML}" y2="{h - MB}" stroke="#999"/>'
+            f'<text x="{ML}" y="{h - 8}">{escape(x_lo)}</text>'
+            f'<text x="{w - MR}" y="{h - 8}" text-anchor="end">{escape(x_hi)}</text>'
+            f'<text x="{ML - 4}" y="{MT + 8}" text-anchor="end">{escape(y_hi)}</text>')
+
+
+# --- sections -----------------------------------------------------------------------------------------
+
+
+def _header(r: dict[str, Any]) -> str:
+    outcomes = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["outcomes"].items())) or "none"
+    labels = f"; labels {escape(', '.join(r['labels']))}" if r.get("labels") else ""
+    return (f'<p><b data-figure="turns" data-value="{r["turns"]}">{r["turns"]}</b> turns ({outcomes}), '
+            f'{_utc(r["first_t_wall"])} to {_utc(r["last_t_wall"])} UTC; tokenizer '
+            f'{escape(", ".join(r["tokenizers"]) or "none")}{labels}</p>')
+
+
+def _figures(r: dict[str, Any]) -> str:
+    kinds = r["completed_turns"]
+    rows = "".join(
+        f'<tr><td>{label}</td>{_fig(f"user.{key}.n", r["user"][key]["n"], "{:.0f}")}'
+        f'{_fig(f"user.{key}.median", r["user"][key]["median"], fmt)}{_fig(f"user.{key}.p95", r["user"][key]["p95"], fmt)}'
+        f'<td>[{_f(r["user"][key]["ci_low"], fmt)}, {_f(r["user"][key]["ci_high"], fmt)}]</td></tr>'
+        for key, label, fmt in USER_FIGURES)
+    apart = f"; {kinds['non_streamed']} non-streamed apart" if kinds["non_streamed"] else ""
+    return (f'<h2>What users got ({kinds["streamed"]} streamed turns that completed{apart})</h2>'
+            f'<table class="card"><tr><th>figure</th><th>n</th><th>median</th><th>p95</th><th>95% CI of the median</th></tr>'
+            f'{rows}</table>')
+
+
+def _turns(recent: list[dict[str, Any]]) -> str:
+    """Each recent turn: TTFT then decode (then the rest of the turn) as one bar, its prompt make-up beside."""
+    if not recent:
+        return '<h2>Recent turns</h2><p class="muted">none yet</p>'
+    row_h, gap, left, bar_w, part_w = 12, 3, 8, 330, 190
+    h = MT + len(recent) * (row_h + gap) + 8
+    t_max = max((t["total_s"] or 0.0) for t in recent) or 1.0
+    p_max = max((t["prompt_tokens"] or 0) for t in recent) or 1
+    out = []
+    for i, t in enumerate(recent):
+        y = MT + i * (row_h + gap)
+        ttft, decode, total = t["ttft_s"] or 0.0, t["decode_s"] or 0.0, t["total_s"] or 0.0
+        rest = max(total - ttft - decode, 0.0)
+        x, rects = left, []
+        for width, color, kind in ((ttft, TTFT_COLOR, "ttft"), (decode, DECODE_COLOR, "decode"), (rest, REST_COLOR, "rest")):
+            px = width / t_max * bar_w
+            if px > 0:
+                rects.append(f'<rect class="{kind}" x="{x:.1f}" y="{y}" width="{px:.1f}" height="{row_h}" fill="{color}"/>')
+            x += px
+        x = left + bar_w + 20
+        for field, _, color in PARTS:
+            px = (t[field] or 0) / p_max * part_w
+            if px > 0:
+                rects.append(f'<rect x="{x:.1f}" y="{y}" width="{px:.1f}" height="{row_h}" fill="{color}"/>')
+            x += px
+        title = (f'{t["outcome"]}: TTFT {_f(t["ttft_s"])} s, decode {_f(t["decode_s"])} s, total {_f(t["total_s"])} s; '
+                 f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
+        record = escape(orjson.dumps(t).decode(), quote=True)
+        outline = "" if t["outcome"] == "ok" else f'<rect x="2" y="{y}" width="4" height="{row_h}" fill="#000"/>'
+        out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}" '
+                   f'data-record="{record}"><title>{escape(title)}</title>{outline}{"".join(rects)}</g>')
+    legend = ('<p class="legend"><i style="background:%s"></i>TTFT<i style="background:%s"></i>decode'
+              '<i style="background:%s"></i>rest of the turn &nbsp; prompt:' % (TTFT_COLOR, DECODE_COLOR, REST_COLOR)
+              + "".join(f'<i style="background:{c}"></i>{n}' for _, n, c in PARTS)
+              + f' &nbsp; <span class="muted">(longest turn {t_max:.2f} s, largest prompt {p_max:.0f} tokens;'
+                ' click a turn for its record)</span></p>')
+    svg = _svg("".join(out), f"The newest {len(recent)} turns, oldest first", w=left + bar_w + 20 + part_w + 10, h=h,
+               cls="turns")
+    return f'<h2>Recent turns</h2><div class="card">{svg}{legend}</div>'
+
+
+def _histogram(key: str, d: dict[str, Any], summary: dict[str, Any] | None) -> str:
+    title, fmt = DIST_TITLES[key]
+    if not d["n"]:
+        return _svg('<text x="60" y="80">no streamed turns</text>', title, cls=f"dist dist-{key}")
+    edges, counts = d["edges"], d["counts"]
+    top = max(counts) or 1
+    pw, ph = W - ML - MR, H - MT - MB
+    bw = pw / len(counts)
+    bars = "".join(f'<rect x="{ML + i * bw:.1f}" y="{H - MB - c / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
+                   f'height="{c / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{c}</title></rect>'
+                   for i, c in enumerate(counts) if c)
+    marks = ""
+    if summary is not None and summary.get("median") is not None and edges[-1] > edges[0]:
+        for name, color in (("median", "#000"), ("p95", TTFT_COLOR)):
+            v = summary[name]
+            if v is not None:
+                x = ML + (v - edges[0]) / (edges[-1] - edges[0]) * pw
+                marks += (f'<line x1="{x:.1f}" y1="{MT}" x2="{x:.1f}" y2="{H - MB}" stroke="{color}" stroke-dasharray="3 2"/>'
+                          f'<text x="{x + 3:.1f}" y="{MT + 10}" fill="{color}">{name} {_f(v, fmt)}</text>')
+    body = bars + marks + _axes(_f(edges[0], fmt), _f(edges[-1], fmt), str(top))
+    return _svg(body, f"{title}: {d['n']} streamed turns", cls=f"dist dist-{key}")
+
+
+def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
+    title = f"Operating point: turns by how many were in flight (median {_f(op['median'], '{:.0f}')})"
+    if not c["n"]:
+        return _svg('<text x="60" y="80">no completed turns</text>', title, cls="dist dist-concurrency")
+    values, counts = c["values"], c["counts"]
+    top, hi = max(counts), max(values)
+    pw, ph = W - ML - MR, H - MT - MB
+    bw = pw / hi
+    bars = "".join(f'<rect x="{ML + (v - 1) * bw:.1f}" y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
+                   f'height="{n / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{v} in flight: {n} turns</title></rect>'
+                   for v, n in zip(values, counts))
+    return _svg(bars + _axes("1", str(hi), str(top)), title, cls="dist dist-concurrency")
+
+
+def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y1: float, color: str, dash: str = "") -> str:
+    pw, ph = W - ML - MR, H - MT - MB
+    xs = x1 - x0 or 1.0
+    pts = " ".join(f"{ML + (x - x0) / xs * pw:.1f},{H - MB - y / y1 * ph:.1f}" for x, y in points)
+    extra = f' stroke-dasharray="{dash}"' if dash else ""
+    return f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"{extra}/>'
+
+
+def _timeline(rows: list[dict[str, Any]]) -> str:
+    title = "Per-stream decode speed (median) and aggregate throughput over time, tok/s"
+    per = [(r["t_wall"], r["per_stream_tps"]) for r in rows if r["per_stream_tps"] is not None]
+    agg = [(r["t_wall"], r["aggregate_tps"]) for r in rows if r["aggregate_tps"] is not None]
+    if not per and not agg:
+        return _svg('<text x="60" y="80">no completed turns</text>', title, cls="timeline")
+    x0, x1 = rows[0]["t_wall"], rows[-1]["t_wall"]
+    top = max(v for _, v in per + agg) * 1.1 or 1.0
+    body = (_polyline(agg, x0, x1, top, DECODE_COLOR) + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3")
+            + _axes(_utc(x0)[11:], _utc(x1)[11:], f"{top:.0f}")
+            + f'<text x="{W // 2}" y="{H - 8}" text-anchor="middle"><tspan fill="{DECODE_COLOR}">aggregate</tspan> '
+              f'<tspan fill="{TTFT_COLOR}">per stream</tspan></text>')
+    return _svg(body, title, cls="timeline")
+
+
+def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
+    title = "Whole-turn speedup users would feel, by engine decode speedup (TTFT held)"
+    points = [(s, v) for s, v in curve["points"] if v is not None]
+    if not points:
+        return _svg('<text x="60" y="80">no streamed turns with TTFT and decode time</text>', title, cls="speedup")
+    ceiling = curve["max_speedup"]
+    finite = ceiling is not None and math.isfinite(ceiling)
+    top = max(max(v for _, v in points), ceiling if finite and ceiling < 2 * points[-1][1] else 0) * 1.08
+    x0, x1 = points[0][0], points[-1][0]
+    body = _polyline(points, x0, x1, top, DECODE_COLOR) + _polyline([(x0, x0), (x1, x1)], x0, x1, top, "#ccc", "2 3")
+    if finite and ceiling <= top:
+        body += _polyline([(x0, ceiling), (x1, ceiling)], x0, x1, top, TTFT_COLOR, "5 3")
+        body += f'<text x="{W - MR}" y="{H - MB - ceiling / top * (H - MT - MB) - 4:.1f}" text-anchor="end">ceiling {ceiling:.2f}x</text>'
+    body += _axes(f"decode {x0:g}x", f"{x1:g}x", f"{top:.2f}x")
+    cells = "".join(f'<tr><td>engine decode {s}x</td>{_fig(f"whole_turn.speedups.{s}", v, "{:.2f}")}</tr>'
+                    for s, v in w["speedups"].items())
+    share = w.get("ttft_share")
+    table = (f'<table><tr><th>decode speedup</th><th>whole turn</th></tr>{cells}'
+             f'<tr><td>ceiling (decode infinitely fast)</td>{_fig("whole_turn.max_speedup", w["max_speedup"], "{:.2f}")}</tr>'
+             f'<tr><td>TTFT share of users\' time</td>{_fig("whole_turn.ttft_share", share, "{:.3f}")}</tr></table>')
+    return f'<div>{_svg(body, title, cls="speedup")}{table}</div>'
+
+
+def _server(s: dict[str, Any] | None) -> str:
+    if not s or not s.get("scrapes"):
+        return '<h2>Server\'s own counters</h2><p class="muted">none scraped for this window</p>'
+    w = s.get("window")
+    head = (f'<h2>Server\'s own counters ({escape(str(s.get("server_kind")))}; {s["scrapes"]} scrapes, '
+            f'{s.get("scrape_failures", 0)} failed)</h2>')
+    if not w:
+        return head + '<p class="muted">not enough scrapes for a window yet</p>'
+    bars = [("generated", "server.window.generated_tps", w["generated_tps"]),
+            ("accepted drafts", "server.window.accepted_draft_tps", w["accepted_draft_tps"]),
+            ("delivered", "server.window.delivered_tps", w["delivered_tps"])]
+    top = max((v for _, _, v in bars if v), default=0.0) or 1.0
+    body = "".join(f'<text x="{ML}" y="{MT + 14 + i * 34}">{name}</text>'
+                   f'<rect x="{ML + 100}" y="{MT + 4 + i * 34}" width="{(v or 0) / top * (W - ML - MR - 170):.1f}" '
+                   f'height="14" fill="{DECODE_COLOR}"/><text x="{W - MR}" y="{MT + 15 + i * 34}" '
+                   f'text-anchor="end">{_f(v, "{:.1f}")} tok/s</text>' for i, (name, _, v) in enumerate(bars))
+    table = "".join(f'<tr><td>{name} tok/s</td>{_fig(path, v, "{:.1f}")}</tr>' for name, path, v in bars)
+    table += (f'<tr><td>MAL ({escape(str(w["mal_source"] or "no counters"))})</td>{_fig("server.window.mal", w["mal"], "{:.2f}")}</tr>'
+              f'<tr><td>forward passes/s</td>{_fig("server.window.forward_passes_per_s", w["forward_passes_per_s"], "{:.1f}")}</tr>')
+    chart = _svg(body, f"over {w['seconds']:.1f} s", h=130, cls="server")
+    return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
+
+
+def fragment(snap: dict[str, Any]) -> str:
+    """The content of the page: what each live event replaces."""
+    r, p = snap["report"], snap["pictures"]
+    if not r["turns"]:
+        return _header(r) + '<p class="muted">no turns in this window yet: point a client at the proxy\'s /v1</p>'
+    dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
+    return (_header(r) + _figures(r) + _turns(snap["recent"])
+            + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
+            + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
+            + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'
+            + _server(r.get("server")))
+
+
+def document(snap: dict[str, Any], *, live: bool, title: str) -> str:
+    """The whole page: styles and script inline, nothing fetched (the live page's events excepted)."""
+    status = ('<p id="status" class="muted">live: connecting</p>' if live
+              else f'<p class="muted">specproxy report, written {_utc(datetime.now(timezone.utc).timestamp())} UTC</p>')
+    script = SCRIPT + (LIVE_SCRIPT if live else "")
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
+            f'<body data-updates="0"><h1>{escape(title)}</h1>{status}<div id="content">{fragment(snap)}</div>'
+            f'<h2>Record of the turn clicked</h2><pre id="record" class="muted">click a turn above</pre>'
+            f'<script>{script}</script></body></html>')

@@ -1,0 +1,33 @@
+"""What one picture of the database shows: the report, the numbers behind its charts, the newest turns.
+
+Why one function for the live page and ``report --html``: both draw the same window the same way, and
+every figure comes from ``analyze`` (``build_report``, ``pictures``), read from the database as
+``specproxy report`` reads it; nothing here computes a figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specproxy.analyze.pictures import pictures
+from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.record import FIELD_NAMES
+from specproxy.store.dataset import load_turns, where_clause
+from specproxy.store.queries import Connection, recent_turns
+
+__all__ = ["RECENT_TURNS", "RECORD_FIELDS", "snapshot"]
+
+RECENT_TURNS = 40
+# a turn's record as the page shows it when clicked: every field but the stored texts (opt-in, and a
+# page is easily shared)
+RECORD_FIELDS = tuple(f for f in FIELD_NAMES if f not in ("prompt_text", "response_text"))
+
+
+def snapshot(conn: Connection, *, source: str, label: str | None = None, since: float | None = None,
+             until: float | None = None, cache: bool = False, recent: int = RECENT_TURNS) -> dict[str, Any]:
+    window = {"label": label, "since": since, "until": until}
+    turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
+    report = build_report(turns, source=source, conn=conn, window=window)
+    where, params = where_clause(**window)
+    rows = recent_turns(conn, RECORD_FIELDS, where, params, recent)
+    return {"report": report, "pictures": pictures(turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}
