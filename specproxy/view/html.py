@@ -4,7 +4,7 @@ Why no charting library: a few bar and line charts need no more than SVG rectang
 a page drawn here opens from a file with the network off (``report --html``) and needs nothing but
 text on each live update (the events carry the redrawn content). No script or style is fetched.
 
-Every figure printed carries ``data-figure`` (its path in ``report --json``) and ``data-value`` (the
+Every figure printed carries ``data-figure`` (its path in ``report --json``, keys joined by ``/``) and ``data-value`` (the
 exact number), so a reader, or a test, can check the page against the JSON report.
 """
 
@@ -109,8 +109,8 @@ def _header(r: dict[str, Any]) -> str:
 def _figures(r: dict[str, Any]) -> str:
     kinds = r["completed_turns"]
     rows = "".join(
-        f'<tr><td>{label}</td>{_fig(f"user.{key}.n", r["user"][key]["n"], "{:.0f}")}'
-        f'{_fig(f"user.{key}.median", r["user"][key]["median"], fmt)}{_fig(f"user.{key}.p95", r["user"][key]["p95"], fmt)}'
+        f'<tr><td>{label}</td>{_fig(f"user/{key}/n", r["user"][key]["n"], "{:.0f}")}'
+        f'{_fig(f"user/{key}/median", r["user"][key]["median"], fmt)}{_fig(f"user/{key}/p95", r["user"][key]["p95"], fmt)}'
         f'<td>[{_f(r["user"][key]["ci_low"], fmt)}, {_f(r["user"][key]["ci_high"], fmt)}]</td></tr>'
         for key, label, fmt in USER_FIGURES)
     apart = f"; {kinds['non_streamed']} non-streamed apart" if kinds["non_streamed"] else ""
@@ -148,8 +148,9 @@ def _turns(recent: list[dict[str, Any]]) -> str:
                  f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
         record = escape(orjson.dumps(t).decode(), quote=True)
         outline = "" if t["outcome"] == "ok" else f'<rect x="2" y="{y}" width="4" height="{row_h}" fill="#000"/>'
+        hit = f'<rect x="0" y="{y}" width="{left + bar_w + 20 + part_w}" height="{row_h}" fill="transparent"/>'
         out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}" '
-                   f'data-record="{record}"><title>{escape(title)}</title>{outline}{"".join(rects)}</g>')
+                   f'data-record="{record}"><title>{escape(title)}</title>{hit}{outline}{"".join(rects)}</g>')
     legend = ('<p class="legend"><i style="background:%s"></i>TTFT<i style="background:%s"></i>decode'
               '<i style="background:%s"></i>rest of the turn &nbsp; prompt:' % (TTFT_COLOR, DECODE_COLOR, REST_COLOR)
               + "".join(f'<i style="background:{c}"></i>{n}' for _, n, c in PARTS)
@@ -234,12 +235,12 @@ def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
         body += _polyline([(x0, ceiling), (x1, ceiling)], x0, x1, top, TTFT_COLOR, "5 3")
         body += f'<text x="{W - MR}" y="{H - MB - ceiling / top * (H - MT - MB) - 4:.1f}" text-anchor="end">ceiling {ceiling:.2f}x</text>'
     body += _axes(f"decode {x0:g}x", f"{x1:g}x", f"{top:.2f}x")
-    cells = "".join(f'<tr><td>engine decode {s}x</td>{_fig(f"whole_turn.speedups.{s}", v, "{:.2f}")}</tr>'
+    cells = "".join(f'<tr><td>engine decode {s}x</td>{_fig(f"whole_turn/speedups/{s}", v, "{:.2f}")}</tr>'
                     for s, v in w["speedups"].items())
     share = w.get("ttft_share")
     table = (f'<table><tr><th>decode speedup</th><th>whole turn</th></tr>{cells}'
-             f'<tr><td>ceiling (decode infinitely fast)</td>{_fig("whole_turn.max_speedup", w["max_speedup"], "{:.2f}")}</tr>'
-             f'<tr><td>TTFT share of users\' time</td>{_fig("whole_turn.ttft_share", share, "{:.3f}")}</tr></table>')
+             f'<tr><td>ceiling (decode infinitely fast)</td>{_fig("whole_turn/max_speedup", w["max_speedup"], "{:.2f}")}</tr>'
+             f'<tr><td>TTFT share of users\' time</td>{_fig("whole_turn/ttft_share", share, "{:.3f}")}</tr></table>')
     return f'<div>{_svg(body, title, cls="speedup")}{table}</div>'
 
 
@@ -251,17 +252,17 @@ def _server(s: dict[str, Any] | None) -> str:
             f'{s.get("scrape_failures", 0)} failed)</h2>')
     if not w:
         return head + '<p class="muted">not enough scrapes for a window yet</p>'
-    bars = [("generated", "server.window.generated_tps", w["generated_tps"]),
-            ("accepted drafts", "server.window.accepted_draft_tps", w["accepted_draft_tps"]),
-            ("delivered", "server.window.delivered_tps", w["delivered_tps"])]
+    bars = [("generated", "server/window/generated_tps", w["generated_tps"]),
+            ("accepted drafts", "server/window/accepted_draft_tps", w["accepted_draft_tps"]),
+            ("delivered", "server/window/delivered_tps", w["delivered_tps"])]
     top = max((v for _, _, v in bars if v), default=0.0) or 1.0
     body = "".join(f'<text x="{ML}" y="{MT + 14 + i * 34}">{name}</text>'
                    f'<rect x="{ML + 100}" y="{MT + 4 + i * 34}" width="{(v or 0) / top * (W - ML - MR - 170):.1f}" '
                    f'height="14" fill="{DECODE_COLOR}"/><text x="{W - MR}" y="{MT + 15 + i * 34}" '
                    f'text-anchor="end">{_f(v, "{:.1f}")} tok/s</text>' for i, (name, _, v) in enumerate(bars))
     table = "".join(f'<tr><td>{name} tok/s</td>{_fig(path, v, "{:.1f}")}</tr>' for name, path, v in bars)
-    table += (f'<tr><td>MAL ({escape(str(w["mal_source"] or "no counters"))})</td>{_fig("server.window.mal", w["mal"], "{:.2f}")}</tr>'
-              f'<tr><td>forward passes/s</td>{_fig("server.window.forward_passes_per_s", w["forward_passes_per_s"], "{:.1f}")}</tr>')
+    table += (f'<tr><td>MAL ({escape(str(w["mal_source"] or "no counters"))})</td>{_fig("server/window/mal", w["mal"], "{:.2f}")}</tr>'
+              f'<tr><td>forward passes/s</td>{_fig("server/window/forward_passes_per_s", w["forward_passes_per_s"], "{:.1f}")}</tr>')
     chart = _svg(body, f"over {w['seconds']:.1f} s", h=130, cls="server")
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
