@@ -120,8 +120,8 @@ class Admin:
                                          "code": 405}}, {"Allow": "GET, HEAD"})
         route = posixpath.normpath(request.rel_url.path)[len(PREFIX):].strip("/")
         if route == "metrics":
-            return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE,
-                                                                          "Cache-Control": "no-store"})
+            body = await asyncio.to_thread(self.metrics.exposition)  # formatting grows with the series
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
         if route in ("", "events") and self.pages is None:
             return _json(404, {"error": {"message": "specproxy: no live page in this process",
                                          "type": "not_found", "code": 404}})

@@ -69,7 +69,7 @@ class _Histogram:
 
     def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=(*LABELS, *self.extra))
-        for key, (counts, total) in self.series.items():
+        for key, (counts, total) in list(self.series.items()):  # a copy: records may land meanwhile
             running, buckets = 0, []
             for bound, c in zip((*map(_le, self.bounds), "+Inf"), counts):
                 running += c
@@ -159,12 +159,12 @@ class OwnMetrics:
     def collect(self) -> Iterator[Metric]:
         turns = CounterMetricFamily("specproxy_turns", "Measured turns, by outcome (the store's rows)",
                                     labels=LABELS)
-        for key, n in self.turns.items():
+        for key, n in list(self.turns.items()):
             turns.add_metric(list(key), n)
         yield turns
         tokens = CounterMetricFamily("specproxy_delivered_tokens", "Output tokens delivered to clients",
                                      labels=LABELS)
-        for key, n in self.tokens.items():
+        for key, n in list(self.tokens.items()):
             tokens.add_metric(list(key), n)
         yield tokens
         for h in self.histograms:
@@ -172,6 +172,8 @@ class OwnMetrics:
         yield from _state_families(self._state())
 
     def exposition(self) -> bytes:
+        """The Prometheus page. Safe in a thread while ``record`` runs on the loop: it reads copies (a scrape
+        may see a turn in one family and not yet in the next, as with any live exporter)."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         return generate_latest(registry)
