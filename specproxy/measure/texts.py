@@ -75,6 +75,13 @@ class Texts:
     saw_done: bool | None = None
     bad_events: int = 0
 
+    def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
+        """The first event carrying output text arrived, completed by the read timed ``t``: the one
+        place ``t_first`` is set (TTFT is ``t_first - t_request``, in ``RecordBuilder._record``).
+        ``first_lens``: that event's characters per (choice, kind), so tokens map to the first chunk."""
+        self.t_first = t
+        self.first_lens = first_lens
+
     def add(self, delta_texts: dict[tuple[int, str], str], t: float) -> None:
         if not delta_texts:
             return
@@ -82,8 +89,7 @@ class Texts:
             self.texts[key] = self.texts.get(key, "") + text
         self.chunks += 1
         if self.t_first is None:
-            self.t_first = t
-            self.first_lens = {k: len(v) for k, v in self.texts.items()}
+            self.first_text(t, {k: len(v) for k, v in self.texts.items()})
         self.t_last = t
 
 
@@ -417,15 +423,13 @@ class _Gather:
     joined once at the end; the common chunk shape read inline, any other by ``read_chunk``; and the
     template derived from a plain content chunk (``tmpl``, at most ``derive`` more derivations)."""
 
-    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "first_lens", "parts", "t_first", "t_last", "tmpl")
+    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "parts", "t_last", "tmpl")
 
     def __init__(self) -> None:
-        self.acc = Texts(saw_done=False)  # usage, timings, finish_reason, saw_done, bad_events
+        self.acc = Texts(saw_done=False)  # t_first, usage, timings, finish_reason, saw_done, bad_events
         self.parts: dict[tuple[int, str], list[str]] = {}
         self.chunks = 0
-        self.t_first: float | None = None
         self.t_last: float | None = None
-        self.first_lens: dict[tuple[int, str], int] = {}
         self.cur_idx: object = _UNSET  # the choice index of the last inline content, and its list in parts
         self.cur: list[str] = []
         self.tmpl: _Template | None = None
@@ -477,9 +481,8 @@ class _Gather:
                                 self.cur_idx, self.cur = idx, lst
                             self.cur.append(content)
                             self.chunks += 1
-                            if self.t_first is None:
-                                self.t_first = t
-                                self.first_lens = {(idx, "content"): len(content)}
+                            if acc.t_first is None:
+                                acc.first_text(t, {(idx, "content"): len(content)})
                             self.t_last = t
                             if self.derive and not fr:
                                 self.derive -= 1
@@ -497,9 +500,8 @@ class _Gather:
                 else:
                     lst.append(text)
             self.chunks += 1
-            if self.t_first is None:
-                self.t_first = t
-                self.first_lens = {k: len(v) for k, v in dt.items()}
+            if acc.t_first is None:
+                acc.first_text(t, {k: len(v) for k, v in dt.items()})
             self.t_last = t
         _take_accounting(acc, delta)
         return True
@@ -507,9 +509,7 @@ class _Gather:
     def texts(self) -> Texts:
         out = self.acc
         out.texts = {key: "".join(lst) for key, lst in self.parts.items()}
-        out.first_lens = self.first_lens
         out.chunks = self.chunks
-        out.t_first = self.t_first
         out.t_last = self.t_last
         return out
 
