@@ -27,6 +27,7 @@ import orjson
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.content import classify
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
@@ -219,8 +220,8 @@ class RecordBuilder:
         if tok is not None and request.parts is not None:
             try:
                 prompt = tok.count_prompt(request.parts)
-            except Exception:
-                prompt = None
+            except Exception as exc:  # the prompt's figures are null; the turn keeps the rest
+                FAILURES.note("counting the prompt failed, its figures null", exc)
         usage = texts.usage or {}
         ttft = texts.t_first - t_req if texts.t_first is not None else None
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None

@@ -56,6 +56,7 @@ import orjson
 
 from specproxy.measure.count_memo import CountMemo
 from specproxy.errors import TokenizerError
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.prompt_pieces import PieceCounter
 from specproxy.measure.template_inputs import content_style, date_inputs, server_messages
@@ -376,26 +377,32 @@ class HFTokenizer:
             no_tools = self._render([*parts.system, *conversation], None, True, date) if tools else total
             no_system = self._render(conversation, None, True, date) if parts.system else no_tools
             history = self._render(list(parts.history), None, False, date) if parts.history else 0
-            preamble = self._render_empty(date)
-        except Exception:
+            preamble = self._render_empty(date) if parts.history else 0
+        except Exception as exc:
+            FAILURES.note("a chat template render failed, the prompt's parts counted as plain text", exc)
             plain = _plain_counts(self, parts)
             residual = max(total - plain.total, 0)  # template overhead: injected like a system prompt
             return PromptCounts(total, plain.system + residual, plain.tools, plain.history, plain.new)
         tools_n = max(total - no_tools, 0)
         system_n = max(no_tools - no_system, 0)
         new_n = max(no_system - history, 0)
-        history_n = max(history - preamble, 0) if parts.history else 0
+        # without the preamble's count (see _render_empty) it stays in the history's render, and so in history
+        history_n = max(history - (preamble or 0), 0) if parts.history else 0
         system_n = total - tools_n - new_n - history_n  # the preamble, and any rounding, lands here
         if system_n < 0:  # an odd template: never report a negative part
             new_n += system_n
             system_n = 0
         return PromptCounts(total, system_n, tools_n, history_n, max(new_n, 0))
 
-    def _render_empty(self, date: dict[str, str]) -> int:
+    def _render_empty(self, date: dict[str, str]) -> int | None:
+        """The tokens a template renders around no message at all (BOS, a default system header), or None
+        when that cannot be rendered: recent ``transformers`` refuse an empty conversation whatever the
+        template, and many templates raise without a user message. Not a failure of the turn: the
+        preamble then stays with the history (docs/metrics.md)."""
         try:
             return self._render([], None, False, date)
         except Exception:
-            return 0
+            return None
 
 
 def describe(tok: Tokenizer | None) -> str:

@@ -35,6 +35,7 @@ from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
 from specproxy.store.db import Writer
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 
 __all__ = ["Service", "install_uvloop"]
@@ -269,6 +270,7 @@ class Service:
             "pending_measure": p._pending_builds if p else 0,
             "measure_errors": p.measure_errors if p else 0,
             "measure_dropped": p.measure_dropped if p else 0,
+            "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
             "rejected_busy": p.rejected_busy if p else 0,
             "rejected_bad": p.rejected_bad if p else 0,
             "header_timeouts": self.header_timeouts,
