@@ -244,6 +244,16 @@ class Proxy:
         assert self._pool is not None
         return await self._pool.probe(timeout_s)
 
+    @property
+    def pending_measure(self) -> int:
+        """Finished turns handed to the measuring worker and not yet built."""
+        return self._pending_builds
+
+    @property
+    def upstream_idle(self) -> int:
+        """Kept-alive upstream connections waiting for a request."""
+        return len(self._pool.idle) if self._pool is not None else 0
+
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""
         deadline = time.monotonic() + timeout

@@ -258,16 +258,15 @@ class Service:
             fds = len(os.listdir("/proc/self/fd"))
         except OSError:
             fds = -1
-        pool = p._pool if p else None
         return {
             "tasks": len(asyncio.all_tasks()),
             "connections": self.open_connections(),
             "lane_requests": self.lanes.requests,  # forwarded by the lane, without aiohttp's server
             "handed_over": self.lanes.handed_over,  # connections the lane gave to aiohttp's server
-            "upstream_idle": len(pool.idle) if pool is not None else 0,  # kept-alive upstream connections
+            "upstream_idle": p.upstream_idle if p else 0,  # kept-alive upstream connections
             "fds": fds,
             "in_flight": p.in_flight if p else 0,
-            "pending_measure": p._pending_builds if p else 0,
+            "pending_measure": p.pending_measure if p else 0,
             "measure_errors": p.measure_errors if p else 0,
             "measure_dropped": p.measure_dropped if p else 0,
             "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
