@@ -253,7 +253,6 @@ class Service:
     def state(self) -> dict[str, int | float]:
         """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
         p, w = self.proxy, self.writer
-        server = self._runner.server if self._runner is not None else None
         try:
             fds = len(os.listdir("/proc/self/fd"))
         except OSError:
