@@ -19,8 +19,8 @@ is a ratio of sums over turns. Its log-scale variance is the jackknife's: each t
 out in turn, log((sum t - t_i) / (sum w - w_i)), var = (n - 1)/n * sum of squared deviations,
 with a t quantile of n - 1 df per arm (Welch-Satterthwaite across the arms), as the mean is
 treated in ``stats``. The delta method (linearised ratio) gave the same on smooth shapes but an
-interval several times too narrow with a bimodal mix of short and long turns (21% A/A false
-verdicts at 8 turns per arm; ``_share_component``). Deterministic, O(n log n), vectorised over many arms
+interval several times too narrow with a bimodal mix of short and long turns (docs/statistics.md;
+``_share_component``). Deterministic, O(n log n), vectorised over many arms
 for the calibration simulation (tests/unit/test_aa_calibration.py). At concurrency > 1 most of the
 variance is not turn-to-turn but the mean concurrency (how unevenly the clients finish), which
 the jackknife sees only through the last turns' shares: too wide on smooth shapes, too narrow
@@ -81,8 +81,8 @@ def _share_component(t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
 
     Why the jackknife and not the delta method: the delta method linearises the ratio, which
     is far from linear when a few long turns carry most of the tokens and time (a 70/30 mix of
-    short and long turns): the one long turn of a sample of 8 moves the ratio by ~17%, while
-    the linearised residuals see only its throughput's deviation (~5%). Leaving each turn out
+    short and long turns): the one long turn of a small sample moves the ratio several times more
+    than its throughput's deviation, which is all the linearised residuals see. Leaving each turn out
     measures that leverage; on smooth shapes both give the same interval."""
     n = t.shape[1]
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -1,22 +1,22 @@
-"""The statistics core: summaries, A/B ratios, negative controls, throughput, "which cell".
+"""The statistics core: summaries, A/B ratios, negative controls.
 
-Why: on inference hardware one config varies 15-19% from run to run, and two restarts of the
-same config can give non-overlapping intervals (METRICS.md, "Honest statistics"). A bare median,
+Why: on inference hardware one config varies a lot from run to run, and two restarts of the
+same config can give non-overlapping intervals (docs/statistics.md). A bare median,
 or an A/B that ignores which server instance served a request, gives confident numbers that are
 wrong. Here every figure has n and an interval, and an A/B verdict is "faster", "slower" or
 "not distinguishable", never more than the data carry; a comparison that cannot get an interval
 says "no interval (why)", since "not distinguishable" would claim a comparison never made.
 The request-level path runs ``ratio_batch`` (many comparisons at once) so that its calibration
 is simulated on the code compare runs: tests/unit/test_aa_calibration.py, table in
-docs/statistics.md (including the shapes where it misses 3-7%: bimodal mixes). Numbers below are from the seeded
-simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
+docs/statistics.md (including the shapes where it misses: bimodal mixes). The false-positive rates and
+coverages behind each choice below are in docs/statistics.md, "Figures behind the choices" (the seeded
+simulations of tests/unit/test_stats.py).
 
 * CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
   between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
   assumption (latencies are skewed), no random numbers, one sort: O(n log n). Uninterpolated,
-  the coverage jumps with n (96.5% at n=15); interpolated it is ~95% at every n (94-95.5%
-  measured for n = 6..200). Below 6 values no pair of order statistics covers 95%: the
-  interval is then None, not a made-up one.
+  the coverage jumps with n; interpolated it is close to the level at every n. Below 6 values
+  no pair of order statistics covers 95%: the interval is then None, not a made-up one.
 * Ratios (``bootstrap_ratio``): each arm's bootstrap distribution of log(stat) gives a
   variance; the interval is exp(log(stat_b / stat_a) +- q * se), on the log scale because
   ratios are. Unit per arm: requests when it ran in one instance (or has no labels); whole
@@ -24,16 +24,15 @@ simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
   drawn instances as well would count within-instance noise twice). With instances, the
   variance gets the k/(k-1) correction and q is Student t with Welch-Satterthwaite df from
   (instances - 1) per arm: a plain cluster-bootstrap percentile interval says "distinguishable"
-  in 34% of A/A tests with 2 instances per arm and 14% with 4, this one 2-5%. At request level,
-  the mean gets exactly Welch (n/(n-1), df n-1; a z interval gave 7-12% false positives at n
-  5-15); a median or p95 uses the normal quantile, because the bootstrap variance of a quantile
-  runs high at small n, which offsets it (4.4-5.5% false positives for n = 5..60).
+  far too often in A/A tests with few instances. At request level, the mean gets exactly Welch
+  (n/(n-1), df n-1; a z interval is too narrow at small n); a median or p95 uses the normal
+  quantile, because the bootstrap variance of a quantile runs high at small n, which offsets it.
   A bootstrap quantile never materialises resamples: the order statistics of a resample are the
   sorted data at the order statistics of uniform indices, which are Beta distributed:
   O(n_boot) per arm after a sort. Instances: O(n_boot * k * log n).
 * An arm in one instance cannot show restart-to-restart variance. If the other arm ran in
   several, the lone instance borrows their between-instance variance (assumes the same spread in
-  both arms: 5% A/A false positives, 1 vs 4 instances). If each arm ran in its own single
+  both arms). If each arm ran in its own single
   instance, the instance effect is unmeasured: the verdict is "not distinguishable" whatever
   the request-level interval says, and the warnings say why. Both arms in the same single
   instance: a valid comparison for that instance only, with a warning.
@@ -63,7 +62,7 @@ SEPARATE_INSTANCES_WARNING = (
     "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
     "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
     "several instances (restarts)")
-MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (A/A FP 8-30%)
+MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (docs/statistics.md)
 STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
 ND = "not distinguishable"
 

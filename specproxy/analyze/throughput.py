@@ -62,8 +62,7 @@ def aggregate_throughput_interval(tokens, starts, ends, *, n_boot: int = 2000, s
 
     Limits: the window is held fixed and requests are resampled as if independent, so the
     interval only says how much the figure depends on which requests (how long their outputs)
-    fell in the window. It does not include run-to-run or restart-to-restart variance (15-19%
-    on some hardware): for that, measure several windows/instances and compare them with
+    fell in the window. It does not include run-to-run or restart-to-restart variance: for that, measure several windows/instances and compare them with
     ``bootstrap_ratio`` over per-window values.
     """
     check_level(level)

@@ -2,8 +2,8 @@
 
 Two paths for a streamed response that must give identical ``Texts``. ``stream_texts_reference`` is the
 obviously-correct one (the WHATWG SSE decoder, then ``openai.read_chunk`` per event). ``stream_texts``
-is the one the measuring uses; it exists because the reference costs ~6 µs per chunk in Python and the
-proxy's whole CPU budget is ~13 µs per chunk. Its rule: no Python step per byte, and none per event for
+is the one the measuring uses; it exists because the reference alone would cost about half the proxy's
+whole CPU budget per chunk (docs/performance.md, "Design figures"). Its rule: no Python step per byte, and none per event for
 the events that make up almost all of a stream; those are read by C calls over many events at once.
 
 * Framing: the reads are joined once and split into lines with ``bytes.split`` when, and only when,
@@ -16,8 +16,8 @@ the events that make up almost all of a stream; those are read by C calls over m
   that follow is read window by window (``_Template.run``): their bodies are sliced at fixed offsets,
   the template's constant bytes joined between them and the result compared with the buffer at once,
   the bodies checked and decoded joined (bodies with escapes: parsed by orjson as one JSON array). No
-  regular expression holds a template's bytes: compiling one costs ~200 µs, more than the whole turn,
-  and the chunk id differs every turn.
+  regular expression holds a template's bytes: compiling one costs more than the whole turn, and the
+  chunk id differs every turn.
 * Every other event (the first ones, the last ones, another shape) is parsed with orjson: the common
   chunk shape (one choice whose delta holds only role/content) is read inline, any other by
   ``read_chunk``. Text is gathered in lists and joined once.
@@ -183,7 +183,7 @@ _MARK_UNSAFE = bytes.maketrans(_UNSAFE_BYTES, b"\\" * len(_UNSAFE_BYTES))
 # varying numbers, each followed by LF: no leading zero (see _varying_number)
 _NUMBERS = re.compile(rb"(?:(?:0|[1-9][0-9]*)\n)*")
 # a run is read in windows of events that double while it lasts, the first twice as long as the last
-# run, within these bounds: a usual turn's run costs one call (each costs ~3 µs), a run that breaks
+# run, within these bounds: a usual turn's run costs one call, a run that breaks
 # early costs its window once, and a shape that keeps breaking runs short (two choices taking turns)
 # costs little per run
 _WINDOWS = (4, 256)

@@ -19,8 +19,8 @@ Adapters, chosen by ``--tokenizer``:
 
 Every method here is CPU work: call it from a worker thread, never on the event loop.
 
-Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` has a budget of ~2 µs per streamed
-chunk), and both give exactly what the plain computation gives:
+Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` shares the proxy's small CPU budget
+per streamed chunk (docs/performance.md, "Design figures")), and both give exactly what the plain computation gives:
 
 * ``TiktokenTokenizer.token_ends`` does not call tiktoken's ``decode_with_offsets`` (a Python loop over
   every byte of every token). It builds, once per tokenizer, two tables over the vocabulary: how many
@@ -29,8 +29,7 @@ chunk), and both give exactly what the plain computation gives:
   tiktoken's own offset rule, the start of a token that begins inside a character being that
   character's index, so multi-byte characters split across tokens come out the same.
 * Plain prompt counts are memoised. A chat client resends the system prompt, the tool definitions and
-  the whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing
-  (a 40 KB history is ~10,000 tokens, ~1.2 ms a turn with tiktoken). The system prompt and the tools,
+  the whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing. The system prompt and the tools,
   the same for every conversation, are remembered by their exact text (a small LRU: a lookup is the
   string's hash); the conversation's messages by a 128-bit digest (``CountMemo``, bounded: it never
   holds the texts), so each is counted once, the turn it is new. The HF adapter's chat-template
@@ -187,7 +186,7 @@ class TiktokenTokenizer:
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
         self._tables: tuple[list[int], list[int]] | None = None
-        self._build_tables()  # ~0.1 s once, at load time rather than in the first turn's build
+        self._build_tables()  # once, at load time rather than in the first turn's build
 
     def count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
@@ -217,7 +216,7 @@ class TiktokenTokenizer:
 
     def count_with_first(self, text: str, first_len: int) -> tuple[int, int]:
         """As ``token_ends`` would give it, without the ends of every token: the first chunk is a few
-        tokens, a completion hundreds (measuring: ~10 µs less per turn of 100 tokens)."""
+        tokens, a completion hundreds."""
         tokens = self._enc.encode(text, disallowed_special=())
         n = len(tokens)
         if n == 0 or first_len >= len(text):
