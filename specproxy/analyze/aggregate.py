@@ -19,8 +19,8 @@ is a ratio of sums over turns. Its log-scale variance is the jackknife's: each t
 out in turn, log((sum t - t_i) / (sum w - w_i)), var = (n - 1)/n * sum of squared deviations,
 with a t quantile of n - 1 df per arm (Welch-Satterthwaite across the arms), as the mean is
 treated in ``stats``. The delta method (linearised ratio) gave the same on smooth shapes but an
-interval several times too narrow with a bimodal mix of short and long turns (21% A/A false
-verdicts at 8 turns per arm; ``_share_component``). Deterministic, O(n log n), vectorised over many arms
+interval several times too narrow with a bimodal mix of short and long turns (docs/statistics.md;
+``_share_component``). Deterministic, O(n log n), vectorised over many arms
 for the calibration simulation (tests/unit/test_aa_calibration.py). At concurrency > 1 most of the
 variance is not turn-to-turn but the mean concurrency (how unevenly the clients finish), which
 the jackknife sees only through the last turns' shares: too wide on smooth shapes, too narrow
@@ -28,7 +28,7 @@ with a bimodal mix (docs/statistics.md). Busy periods (runs of overlapping turns
 fail because closed-loop clients keep the server busy without a gap (1-4 of them); replaying the
 schedule needs the clients, which are not recorded, and lanes inferred from the data mix them.
 
-Server instances follow the same rule as every other row (``stats._instance_parts``): an arm
+Server instances follow the same rule as every other row (``stats.instance_parts``): an arm
 in several instances resamples whole instances (sum of tokens over sum of shares per
 instance); each arm in its own single instance gets no faster/slower verdict.
 """
@@ -40,8 +40,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, _boot_instance_ratio, _check_level, _clean_labelled, _combine,
-                    _instance_parts, _log_var, no_interval)
+from specproxy.analyze.arrays import check_level, clean_labelled
+from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, combine, instance_parts, log_var,
+                                     no_interval)
 
 __all__ = ["busy_shares", "busy_throughput", "aggregate_ratio", "aggregate_batch"]
 
@@ -80,8 +81,8 @@ def _share_component(t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
 
     Why the jackknife and not the delta method: the delta method linearises the ratio, which
     is far from linear when a few long turns carry most of the tokens and time (a 70/30 mix of
-    short and long turns): the one long turn of a sample of 8 moves the ratio by ~17%, while
-    the linearised residuals see only its throughput's deviation (~5%). Leaving each turn out
+    short and long turns): the one long turn of a small sample moves the ratio several times more
+    than its throughput's deviation, which is all the linearised residuals see. Leaving each turn out
     measures that leverage; on smooth shapes both give the same interval."""
     n = t.shape[1]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -100,7 +101,7 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
     wa, wb = np.atleast_2d(wa), np.atleast_2d(wb)
     with np.errstate(divide="ignore", invalid="ignore"):
         est = (tb.sum(1) / wb.sum(1)) / (ta.sum(1) / wa.sum(1))
-    lo, hi, df, verdict = _combine(est, [_share_component(ta, wa), _share_component(tb, wb)], level,
+    lo, hi, df, verdict = combine(est, [_share_component(ta, wa), _share_component(tb, wb)], level,
                                    higher_is_better=True)
     return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict}
 
@@ -110,7 +111,7 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
                     level: float = 0.95) -> Ratio:
     """B/A of aggregate throughput; ``a`` and ``b`` are (tokens, starts, ends) of each arm's
     turns (rows with a missing field are dropped). See the module docstring for the method."""
-    _check_level(level)
+    check_level(level)
     arms, warnings = {}, []
     for name, (tokens, starts, ends), clusters in (("a", a, clusters_a), ("b", b, clusters_b)):
         t, s, e = (np.asarray(v, float) for v in (tokens, starts, ends))
@@ -118,7 +119,7 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
         if (e[keep] < s[keep]).any() or (t[keep] < 0).any():
             raise ValueError("a turn ends before it starts, or has negative tokens")
         labels = None if clusters is None else np.asarray(list(clusters), dtype=object)[keep]
-        _, lab, uniq = _clean_labelled(t[keep], labels)
+        _, lab, uniq = clean_labelled(t[keep], labels)
         arms[name] = (t[keep], busy_shares(s[keep], e[keep]), lab, uniq)
     (ta, wa, la, ua), (tb, wb, lb, ub) = arms["a"], arms["b"]
     ka = None if la is None else len(ua)
@@ -146,13 +147,13 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
     for name, (t, w, lab, uniq) in arms.items():
         k = len(uniq)
         if lab is not None and k >= 2:
-            v = _log_var(_boot_instance_ratio(t, w, lab, n_boot, rng)) * k / (k - 1)
+            v = log_var(boot_instance_ratio(t, w, lab, n_boot, rng)) * k / (k - 1)
             comps[name] = (v, k - 1.0, f"{k} instances")
         else:
             v, df = _share_component(t[None, :], w[None, :])
             comps[name] = (v, df, "turns (jackknife)")
-    parts, forced = _instance_parts(comps, ka, kb, ua, ub, warnings)
-    lo, hi, df, verdict = _combine(np.array([est]), parts, level, True, forced)
+    parts, forced = instance_parts(comps, ka, kb, ua, ub, warnings)
+    lo, hi, df, verdict = combine(np.array([est]), parts, level, True, forced)
     if verdict[0] is None:
         why = "leaving one turn out left no tokens or no busy time"
         warnings.append(f"{why}: no interval")

@@ -1,6 +1,6 @@
 """``specproxy compare A B``: an A/B verdict that survives noise and restarts.
 
-Why: the same config varies 15-19% run to run, and two restarts of one config can give
+Why: the same config varies a lot from run to run (docs/statistics.md), and two restarts of one config can give
 non-overlapping intervals. So every ratio B/A comes with a 95% interval and a verdict (faster,
 slower, or not distinguishable when the interval contains 1); requests are grouped by server
 instance, and when an arm spans several instances the interval is computed over instances. An arm

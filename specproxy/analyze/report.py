@@ -26,14 +26,8 @@ from specproxy.store.dataset import Turns, busy_seconds, distinct
 from specproxy.store.queries import Connection, database_turns
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
-from specproxy.analyze.stats import (
-    CONCURRENCY_BUCKETS,
-    PROMPT_BUCKETS,
-    concurrency_buckets,
-    prompt_buckets,
-    summarize,
-    which_to_read,
-)
+from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
+from specproxy.analyze.stats import summarize
 
 __all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask"]
 

@@ -1,22 +1,22 @@
-"""The statistics core: summaries, A/B ratios, negative controls, throughput, "which cell".
+"""The statistics core: summaries, A/B ratios, negative controls.
 
-Why: on inference hardware one config varies 15-19% from run to run, and two restarts of the
-same config can give non-overlapping intervals (METRICS.md, "Honest statistics"). A bare median,
+Why: on inference hardware one config varies a lot from run to run, and two restarts of the
+same config can give non-overlapping intervals (docs/statistics.md). A bare median,
 or an A/B that ignores which server instance served a request, gives confident numbers that are
 wrong. Here every figure has n and an interval, and an A/B verdict is "faster", "slower" or
 "not distinguishable", never more than the data carry; a comparison that cannot get an interval
 says "no interval (why)", since "not distinguishable" would claim a comparison never made.
 The request-level path runs ``ratio_batch`` (many comparisons at once) so that its calibration
 is simulated on the code compare runs: tests/unit/test_aa_calibration.py, table in
-docs/statistics.md (including the shapes where it misses 3-7%: bimodal mixes). Numbers below are from the seeded
-simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
+docs/statistics.md (including the shapes where it misses: bimodal mixes). The false-positive rates and
+coverages behind each choice below are in docs/statistics.md, "Figures behind the choices" (the seeded
+simulations of tests/unit/test_stats.py).
 
 * CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
   between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
   assumption (latencies are skewed), no random numbers, one sort: O(n log n). Uninterpolated,
-  the coverage jumps with n (96.5% at n=15); interpolated it is ~95% at every n (94-95.5%
-  measured for n = 6..200). Below 6 values no pair of order statistics covers 95%: the
-  interval is then None, not a made-up one.
+  the coverage jumps with n; interpolated it is close to the level at every n. Below 6 values
+  no pair of order statistics covers 95%: the interval is then None, not a made-up one.
 * Ratios (``bootstrap_ratio``): each arm's bootstrap distribution of log(stat) gives a
   variance; the interval is exp(log(stat_b / stat_a) +- q * se), on the log scale because
   ratios are. Unit per arm: requests when it ran in one instance (or has no labels); whole
@@ -24,16 +24,15 @@ simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
   drawn instances as well would count within-instance noise twice). With instances, the
   variance gets the k/(k-1) correction and q is Student t with Welch-Satterthwaite df from
   (instances - 1) per arm: a plain cluster-bootstrap percentile interval says "distinguishable"
-  in 34% of A/A tests with 2 instances per arm and 14% with 4, this one 2-5%. At request level,
-  the mean gets exactly Welch (n/(n-1), df n-1; a z interval gave 7-12% false positives at n
-  5-15); a median or p95 uses the normal quantile, because the bootstrap variance of a quantile
-  runs high at small n, which offsets it (4.4-5.5% false positives for n = 5..60).
+  far too often in A/A tests with few instances. At request level, the mean gets exactly Welch
+  (n/(n-1), df n-1; a z interval is too narrow at small n); a median or p95 uses the normal
+  quantile, because the bootstrap variance of a quantile runs high at small n, which offsets it.
   A bootstrap quantile never materialises resamples: the order statistics of a resample are the
   sorted data at the order statistics of uniform indices, which are Beta distributed:
   O(n_boot) per arm after a sort. Instances: O(n_boot * k * log n).
 * An arm in one instance cannot show restart-to-restart variance. If the other arm ran in
   several, the lone instance borrows their between-instance variance (assumes the same spread in
-  both arms: 5% A/A false positives, 1 vs 4 instances). If each arm ran in its own single
+  both arms). If each arm ran in its own single
   instance, the instance effect is unmeasured: the verdict is "not distinguishable" whatever
   the request-level interval says, and the warnings say why. Both arms in the same single
   instance: a valid comparison for that instance only, with a warning.
@@ -42,22 +41,20 @@ simulations in tests/unit/test_stats.py (lognormal noise, 15% CV).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
+import dataclasses
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean, clean_labelled
+from specproxy.analyze.tdist import t_quantiles
+
 __all__ = [
     "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
-    "negative_control", "ND",
-    "Throughput", "aggregate_throughput", "aggregate_throughput_interval",
-    "CONCURRENCY_BUCKETS", "concurrency_bucket", "PROMPT_BUCKETS", "prompt_bucket",
-    "PER_STREAM_MAX_CONCURRENCY", "which_to_read", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING",
-    "instance_warning", "plural",
+    "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
+    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var",
 ]
 
 CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
@@ -65,54 +62,9 @@ SEPARATE_INSTANCES_WARNING = (
     "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
     "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
     "several instances (restarts)")
-MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (A/A FP 8-30%)
+MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (docs/statistics.md)
 STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
-_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps
-_T_GRID_MIN_DF = 4.0  # t quantiles for df below this are computed exactly
 ND = "not distinguishable"
-
-
-# ----------------------------------------------------------------------------- input cleaning
-
-def _floats(values: Iterable[Any] | None) -> np.ndarray:
-    """Values as float64; None and NaN become NaN (the caller drops them); inf is an error."""
-    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values or []),
-                     dtype=float).reshape(-1)
-    if np.isinf(arr).any():
-        raise ValueError("infinite value: a missing figure must be None/NaN, not inf")
-    return arr
-
-
-def _clean(values: Iterable[Any] | None) -> np.ndarray:
-    arr = _floats(values)
-    return arr[~np.isnan(arr)]
-
-
-def _clean_labelled(values, labels) -> tuple[np.ndarray, np.ndarray | None, list]:
-    """Drop missing values with their labels; labels become codes 0..k-1 (third: originals).
-
-    A None label is one more instance (unknown, but not the same as a known one)."""
-    arr = _floats(values)
-    keep = ~np.isnan(arr)
-    if labels is None:
-        return arr[keep], None, []
-    labels = list(labels)
-    if len(labels) != arr.size:
-        raise ValueError(f"{len(labels)} cluster labels for {arr.size} values")
-    codes: dict[Any, int] = {}
-    kept = [codes.setdefault(l, len(codes)) for l, k in zip(labels, keep) if k]
-    used, lab = np.unique(np.asarray(kept, dtype=np.int64), return_inverse=True)
-    originals = list(codes)
-    return arr[keep], lab.reshape(-1).astype(np.int64), [originals[i] for i in used]
-
-
-def _missing(v: Any) -> bool:
-    return v is None or (isinstance(v, (float, np.floating)) and math.isnan(v))
-
-
-def _check_level(level: float) -> None:
-    if not 0.5 < level < 1:
-        raise ValueError(f"level must be in (0.5, 1), got {level}")
 
 
 # ----------------------------------------------------------------------------- Summary
@@ -139,8 +91,8 @@ def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
     the next order statistic by lambda = (n-d)I / (d + (n-2d)I), I = (gamma_d - level) /
     (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986).
     """
-    _check_level(level)
-    x = np.sort(_clean(values))
+    check_level(level)
+    x = np.sort(clean(values))
     n = x.size
     if n < 2:
         return None, None
@@ -176,59 +128,13 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
     small n it is close to the maximum). O(n log n): one sort.
     """
-    x = np.sort(_clean(values))
+    x = np.sort(clean(values))
     if x.size == 0:
-        _check_level(level)
+        check_level(level)
         return Summary(0, None, None, None, None, None)
     lo, hi = median_ci(x, level)
     return Summary(int(x.size), float(np.median(x)), float(x.mean()),
                    float(np.percentile(x, 95)), lo, hi)
-
-
-# ----------------------------------------------------------------------------- distributions
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularised incomplete beta I_x(a, b) by its continued fraction (modified Lentz)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return front * h
-
-
-def _t_ppf(p: float, df: float) -> float:
-    """Quantile of Student's t for p > 1/2 (bisection on the exact CDF); normal when df = inf."""
-    if not math.isfinite(df) or df > 1e7:
-        return NormalDist().inv_cdf(p)
-    tail = 1.0 - p
-    sf = lambda t: 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))  # noqa: E731
-    lo, hi = 0.0, 2.0
-    while sf(hi) > tail:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if sf(mid) > tail else (lo, mid)
-        if hi - lo < 1e-12 * hi:
-            break
-    return 0.5 * (lo + hi)
 
 
 # ----------------------------------------------------------------------------- bootstrap engines
@@ -249,7 +155,7 @@ def _boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndar
     m, n = x_sorted.shape
     q = STATS[stat]
     if q is None:
-        rows = max(1, _CHUNK // n)
+        rows = max(1, BOOT_CHUNK // n)
         return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
                                          for s in range(0, n_boot, rows)]) for x in x_sorted])
     h = (n - 1) * q
@@ -268,7 +174,7 @@ def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng)
     """Replicates of the pooled stat when whole instances are resampled with replacement."""
     q = STATS[stat]
     if q is None:
-        return _boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
+        return boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
     k = int(lab.max()) + 1
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
     # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
@@ -296,7 +202,7 @@ def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng)
     return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
 
 
-def _boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
+def boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
                          rng) -> np.ndarray:
     """Replicates of sum(num) / sum(den) when whole instances are resampled with replacement
     (a mean is num = values, den = 1; aggregate throughput is tokens over busy shares)."""
@@ -307,7 +213,7 @@ def _boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_bo
             counts @ np.bincount(lab, weights=den, minlength=k))
 
 
-def _log_var(reps: np.ndarray) -> np.ndarray:
+def log_var(reps: np.ndarray) -> np.ndarray:
     """Variance of log(replicates) per row; NaN where a replicate is 0 (no log scale there)."""
     reps = np.atleast_2d(reps)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -320,11 +226,11 @@ def _request_component(x_sorted: np.ndarray, stat: str, n_boot: int, rng
     """(variance of log stat, df) per arm for a batch of request-level arms (see the module
     docstring): the mean gets exactly Welch (n/(n-1), df n-1); a quantile the normal quantile."""
     n = x_sorted.shape[1]
-    v = _log_var(_boot_requests(x_sorted, stat, n_boot, rng))
+    v = log_var(_boot_requests(x_sorted, stat, n_boot, rng))
     return (v * n / (n - 1), n - 1.0) if stat == "mean" else (v, math.inf)
 
 
-def _combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: float,
+def combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: float,
              higher_is_better: bool, forced: bool = False):
     """The one rule from per-arm log variances to an interval and a verdict, for a batch.
 
@@ -338,7 +244,7 @@ def _combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: 
     denom = sum(np.asarray(v, float) ** 2 / df for v, df in parts if math.isfinite(df))
     with np.errstate(divide="ignore", invalid="ignore"):
         df = np.where(np.asarray(denom) > 0, var * var / denom, math.inf)
-    half = _t_quantiles(1.0 - (1.0 - level) / 2.0, df) * np.sqrt(var)
+    half = t_quantiles(1.0 - (1.0 - level) / 2.0, df) * np.sqrt(var)
     lo, hi = est * np.exp(-half), est * np.exp(half)
     verdict = np.full(est.shape, ND, dtype=object)
     if not forced:
@@ -346,26 +252,6 @@ def _combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: 
         verdict[out] = np.where((lo[out] > 1.0) == higher_is_better, "faster", "slower")
     verdict[np.isnan(var)] = None
     return lo, hi, df, verdict
-
-
-@functools.lru_cache(maxsize=8)
-def _t_grid(p: float) -> tuple[np.ndarray, np.ndarray]:
-    inv_df = np.linspace(0.0, 1.0 / _T_GRID_MIN_DF, 401)
-    return inv_df, np.array([_t_ppf(p, 1.0 / x if x > 0 else math.inf) for x in inv_df])
-
-
-def _t_quantiles(p: float, df: np.ndarray) -> np.ndarray:
-    """``_t_ppf`` for an array of df: interpolated in 1/df (smooth there; error < 1e-5) for
-    df >= _T_GRID_MIN_DF, exact below. One function for the batch and the single comparison,
-    so both give the same numbers."""
-    df = np.asarray(df, dtype=float)
-    inv_df, q = _t_grid(p)
-    with np.errstate(divide="ignore"):
-        out = np.interp(1.0 / df, inv_df, q)
-    small = df < _T_GRID_MIN_DF
-    if small.any():
-        out[small] = [_t_ppf(p, d) for d in df[small]]
-    return out
 
 
 def ratio_batch(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool, stat: str = "median",
@@ -378,7 +264,7 @@ def ratio_batch(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool, stat: s
     xa, xb = np.sort(np.atleast_2d(a), axis=1), np.sort(np.atleast_2d(b), axis=1)
     est = _stat_rows(xb, stat) / _stat_rows(xa, stat)
     parts = [_request_component(xa, stat, n_boot, rng), _request_component(xb, stat, n_boot, rng)]
-    lo, hi, df, verdict = _combine(est, parts, level, higher_is_better)
+    lo, hi, df, verdict = combine(est, parts, level, higher_is_better)
     return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
             "var_a": parts[0][0], "var_b": parts[1][0]}
 
@@ -430,9 +316,9 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         raise ValueError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
     if n_boot < 200:
         raise ValueError("n_boot must be >= 200")
-    _check_level(level)
-    xa, la, ua = _clean_labelled(a, clusters_a)
-    xb, lb, ub = _clean_labelled(b, clusters_b)
+    check_level(level)
+    xa, la, ua = clean_labelled(a, clusters_a)
+    xb, lb, ub = clean_labelled(b, clusters_b)
     if (xa < 0).any() or (xb < 0).any():
         raise ValueError("bootstrap_ratio needs non-negative values (times, speeds, tokens)")
     ka = None if la is None else len(ua)
@@ -467,13 +353,13 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     comps = {}  # arm -> (variance of log stat, df, unit)
     for name, x, lab, k in (("a", xa, la, ka), ("b", xb, lb, kb)):
         if k is not None and k >= 2:
-            v = _log_var(_boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
+            v = log_var(_boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
             comps[name] = (v, k - 1.0, f"{k} instances")
         else:  # the same draws as ratio_batch, so its simulations speak for this path
             v, df = _request_component(np.sort(x)[None, :], stat, n_boot, rng)
             comps[name] = (v, df, "requests")
-    parts, forced = _instance_parts(comps, ka, kb, ua, ub, warnings)
-    lo, hi, df, verdict = _combine(np.array([est]), parts, level, higher_is_better, forced)
+    parts, forced = instance_parts(comps, ka, kb, ua, ub, warnings)
+    lo, hi, df, verdict = combine(np.array([est]), parts, level, higher_is_better, forced)
     if verdict[0] is None:
         warnings.append(f"a bootstrap {stat} was 0: no interval")
         return result(est, verdict=no_interval(f"a bootstrap {stat} was 0"))
@@ -482,7 +368,7 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
 
 
-def _instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: list,
+def instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: list,
                     warnings: list[str]) -> tuple[list, bool]:
     """The variance components of a comparison given where each arm ran, and whether the
     verdict is forced to "not distinguishable" (each arm in its own single instance).
@@ -541,7 +427,7 @@ def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int
     request. Should be "not distinguishable" about ``level`` of the time; when it is not, the
     instrument or the assumption of independent requests is broken.
     """
-    x, lab, uniq = _clean_labelled(values, clusters)
+    x, lab, uniq = clean_labelled(values, clusters)
     rng = np.random.default_rng(seed)
     k = len(uniq)
     if k >= 2:
@@ -556,131 +442,3 @@ def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int
                            level=level)
 
 
-# ----------------------------------------------------------------------------- throughput
-
-def _rows(tokens, starts, ends) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    t, s, e = _floats(tokens), _floats(starts), _floats(ends)
-    if not t.size == s.size == e.size:
-        raise ValueError("tokens, starts and ends must have the same length")
-    keep = ~(np.isnan(t) | np.isnan(s) | np.isnan(e))  # an incomplete row is dropped whole
-    t, s, e = t[keep], s[keep], e[keep]
-    if (e < s).any() or (t < 0).any():
-        raise ValueError("a request ends before it starts, or has negative tokens")
-    return t, s, e
-
-
-def aggregate_throughput(tokens, starts, ends) -> float | None:
-    """Total completion_tokens / (max(end) - min(start)) over the requests given (METRICS.md).
-
-    Rows with any field missing are dropped whole. None when there is no data or no elapsed
-    time. Read it at high concurrency; at low concurrency the gaps between requests dominate.
-    """
-    t, s, e = _rows(tokens, starts, ends)
-    if t.size == 0 or e.max() - s.min() <= 0:
-        return None
-    return float(t.sum() / (e.max() - s.min()))
-
-
-@dataclass(frozen=True)
-class Throughput:
-    value: float | None
-    ci_low: float | None
-    ci_high: float | None
-    n: int
-    window_s: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def aggregate_throughput_interval(tokens, starts, ends, *, n_boot: int = 2000, seed: int = 0,
-                                  level: float = 0.95) -> Throughput:
-    """Aggregate throughput with a percentile-bootstrap interval over requests.
-
-    Not used by ``compare`` (aggregate.aggregate_ratio is): with the window fixed, only token
-    counts vary, so fixed-length outputs give an interval of zero width.
-
-    Limits: the window is held fixed and requests are resampled as if independent, so the
-    interval only says how much the figure depends on which requests (how long their outputs)
-    fell in the window. It does not include run-to-run or restart-to-restart variance (15-19%
-    on some hardware): for that, measure several windows/instances and compare them with
-    ``bootstrap_ratio`` over per-window values.
-    """
-    _check_level(level)
-    t, s, e = _rows(tokens, starts, ends)
-    if t.size == 0 or e.max() - s.min() <= 0:
-        return Throughput(None, None, None, int(t.size), None)
-    window = float(e.max() - s.min())
-    rng = np.random.default_rng(seed)
-    n = t.size
-    rows = max(1, _CHUNK // n)
-    totals = np.concatenate([t[rng.integers(0, n, (min(rows, n_boot - i), n))].sum(1)
-                             for i in range(0, n_boot, rows)])
-    alpha = (1.0 - level) / 2.0
-    lo, hi = np.quantile(totals / window, [alpha, 1.0 - alpha])
-    return Throughput(float(t.sum() / window), float(lo), float(hi), int(n), window)
-
-
-# ----------------------------------------------------------------------------- which cell
-
-CONCURRENCY_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
-_CONC_EDGES = (1, 2, 4, 8, 16, 32, 64)
-PROMPT_BUCKETS = ("<1k", "1k-4k", "4k-16k", "16k-64k", "64k+")
-_PROMPT_EDGES = (1024, 4096, 16384, 65536)  # 1k = 1024 tokens, as context sizes are quoted
-PER_STREAM_MAX_CONCURRENCY = 4
-
-
-def concurrency_bucket(c: float | None) -> str | None:
-    """Bucket label for ``concurrency`` (requests in flight, this one included, so >= 1).
-
-    Powers of two, as concurrency is swept. A non-integer (a median) goes to the bucket whose
-    range contains it when rounded up: 2.5 -> "3-4". None -> None.
-    """
-    if _missing(c):
-        return None
-    if c < 1:
-        raise ValueError(f"concurrency counts the request itself, so it is >= 1; got {c}")
-    for label, edge in zip(CONCURRENCY_BUCKETS, _CONC_EDGES):
-        if c <= edge:
-            return label
-    return CONCURRENCY_BUCKETS[-1]
-
-
-def prompt_bucket(tokens: float | None) -> str | None:
-    """Bucket label for ``prompt_tokens``: <1k, 1k-4k, 4k-16k, 16k-64k, 64k+ (1k = 1024)."""
-    if _missing(tokens):
-        return None
-    if tokens < 0:
-        raise ValueError(f"prompt tokens must be >= 0, got {tokens}")
-    for label, edge in zip(PROMPT_BUCKETS, _PROMPT_EDGES):
-        if tokens < edge:
-            return label
-    return PROMPT_BUCKETS[-1]
-
-
-def concurrency_buckets(c: np.ndarray) -> np.ndarray:
-    """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
-    (-1 where the value is missing). Reports over a million turns cannot afford a Python loop."""
-    c = np.asarray(c, dtype=float)
-    idx = np.searchsorted(np.asarray(_CONC_EDGES, dtype=float), c, side="left")
-    return np.where(np.isfinite(c), idx, -1)
-
-
-def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
-    """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing)."""
-    t = np.asarray(tokens, dtype=float)
-    idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
-    return np.where(np.isfinite(t), idx, -1)
-
-
-def which_to_read(concurrency_median: float | None) -> str | None:
-    """"per-stream" when the median concurrency is <= 4, else "aggregate"; None without data.
-
-    Threshold 4: a single user's chat client plus an agent or two sits at 1-4; there the wall
-    clock of an aggregate figure is mostly gaps between requests (the field note's 0.91x that
-    was really 1.42x per stream), and what a user feels is per-stream speed. Above it the card is
-    shared and total output matters. Use the median of ``concurrency``, never a configured max.
-    """
-    if _missing(concurrency_median):
-        return None
-    return "per-stream" if concurrency_median <= PER_STREAM_MAX_CONCURRENCY else "aggregate"

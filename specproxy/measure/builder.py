@@ -27,6 +27,7 @@ import orjson
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.content import classify
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
@@ -219,8 +220,8 @@ class RecordBuilder:
         if tok is not None and request.parts is not None:
             try:
                 prompt = tok.count_prompt(request.parts)
-            except Exception:
-                prompt = None
+            except Exception as exc:  # the prompt's figures are null; the turn keeps the rest
+                FAILURES.note("counting the prompt failed, its figures null", exc)
         usage = texts.usage or {}
         ttft = texts.t_first - t_req if texts.t_first is not None else None
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
@@ -234,30 +235,18 @@ class RecordBuilder:
         response_text = None
         if self.store_text and texts.texts:
             response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
-        return Record(
-            id=self.id,
-            t_wall=self.t_wall,
-            method=self.method,
-            path=self.path,
-            status=self.status,
+        return self._make(
             outcome=outcome,
             error=self.error
             or framing_error
             or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None),
             streamed=streamed,
             model=request.model,
-            label=self.label,
-            instance_id=self.instance_id,
             request_parsed=request.parsed,
-            concurrency=self.concurrency,
-            t_request=t_req,
-            t_upstream_headers=self.t_upstream_headers,
             t_first_token=texts.t_first,
             t_last_token=texts.t_last,
-            t_done=self.t_done,
             ttft_s=ttft,
             decode_s=decode,
-            total_s=self.t_done - t_req if self.t_done is not None else None,
             completion_tokens=completion,
             content_tokens=counts["content"] if counts else None,
             reasoning_tokens=counts["reasoning"] if counts else None,
@@ -275,7 +264,6 @@ class RecordBuilder:
             prompt_history_tokens=prompt.history if prompt else None,
             prompt_new_tokens=prompt.new if prompt else None,
             proxy_delay_s=_median_sorted(delays) if delays else None,
-            request_bytes=len(self.body),
             response_bytes=response_bytes,
             saw_done=texts.saw_done,
             finish_reason=texts.finish_reason,
@@ -283,6 +271,35 @@ class RecordBuilder:
             tokenizer=tok.name if tok is not None else None,
             prompt_text=self.body.decode("utf-8", "replace") if self.store_text else None,
             response_text=response_text,
+        )
+
+    def unmeasured(self, error: str) -> Record:
+        """The row of a turn whose measuring failed (``build`` raised): what the forwarding path knew,
+        nothing derived, so the turn is still counted. ``error`` says where it failed, never what was sent."""
+        return self._make(
+            outcome="proxy_error",
+            error=f"{error}; forwarding outcome {self.outcome}"[:300],
+            response_bytes=sum(map(len, self.reads)),
+        )
+
+    def _make(self, **derived) -> Record:
+        """The one place a turn's Record is constructed: what the forwarding path stamped, plus
+        ``derived`` (what ``_record`` read from the bytes, or what ``unmeasured`` could say)."""
+        return Record(
+            id=self.id,
+            t_wall=self.t_wall,
+            method=self.method,
+            path=self.path,
+            status=self.status,
+            label=self.label,
+            instance_id=self.instance_id,
+            concurrency=self.concurrency,
+            t_request=self.t_request,
+            t_upstream_headers=self.t_upstream_headers,
+            t_done=self.t_done,
+            total_s=self.t_done - self.t_request if self.t_done is not None else None,
+            request_bytes=len(self.body),
+            **derived,
         )
 
 

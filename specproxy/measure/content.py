@@ -1,7 +1,7 @@
 """Which kind of output a turn delivered: code, prose or a tool call.
 
-Why: speculative decoding accepts far more of predictable output (code) than of prose (the field
-notes: +56% vs +18% on the same model), so a speedup measured on one class does not transfer to the
+Why: speculative decoding accepts far more of predictable output (code) than of prose (docs/performance.md,
+"Design figures"), so a speedup measured on one class does not transfer to the
 other, and every report cell should say which class it is. The rule is simple and deterministic, run
 once per turn in the measuring thread on text that is in memory anyway (never stored unless opted in):
 

@@ -19,7 +19,7 @@ class CountMemo:
 
     Keyed by a BLAKE2b-128 digest of the text, not the text: the memo holds ``maxsize`` digests and
     counts (~90 bytes each), never the conversations themselves, however long their messages. A
-    digest costs ~1.5 µs per KB, tokenizing ~30 (tiktoken) to ~350 (Llama-3's HF tokenizer). Least
+    digest costs a small fraction of tokenizing the same text (docs/performance.md, "Design figures"). Least
     recently used entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
     """
 

@@ -2,9 +2,8 @@
 
 Why: with a chat template, ``HFTokenizer.count_prompt`` renders the conversation four times a turn (whole,
 without tools, without system, the history alone) and each render covers everything said so far, so a
-conversation of n turns costs O(n²) tokenizing. With Llama-3's tokenizer that was ~200 ms of CPU for
-the 80th turn of a chat whose history had grown to 165 KB, ~10 ms counted by pieces
-(``scripts/bench_prompt_counts.py``).
+conversation of n turns costs O(n²) tokenizing; counted by pieces, each piece once
+(docs/performance.md, "Design figures", from ``scripts/bench_prompt_counts.py``).
 
 How: a Hugging Face tokenizer cuts its input at its added tokens (``<|eot_id|>``, ``<|im_start|>``...)
 before anything else, and normalizes, pre-tokenizes and tokenizes each piece between them on its own

@@ -2,8 +2,8 @@
 
 Two paths for a streamed response that must give identical ``Texts``. ``stream_texts_reference`` is the
 obviously-correct one (the WHATWG SSE decoder, then ``openai.read_chunk`` per event). ``stream_texts``
-is the one the measuring uses; it exists because the reference costs ~6 µs per chunk in Python and the
-proxy's whole CPU budget is ~13 µs per chunk. Its rule: no Python step per byte, and none per event for
+is the one the measuring uses; it exists because the reference alone would cost about half the proxy's
+whole CPU budget per chunk (docs/performance.md, "Design figures"). Its rule: no Python step per byte, and none per event for
 the events that make up almost all of a stream; those are read by C calls over many events at once.
 
 * Framing: the reads are joined once and split into lines with ``bytes.split`` when, and only when,
@@ -16,8 +16,8 @@ the events that make up almost all of a stream; those are read by C calls over m
   that follow is read window by window (``_Template.run``): their bodies are sliced at fixed offsets,
   the template's constant bytes joined between them and the result compared with the buffer at once,
   the bodies checked and decoded joined (bodies with escapes: parsed by orjson as one JSON array). No
-  regular expression holds a template's bytes: compiling one costs ~200 µs, more than the whole turn,
-  and the chunk id differs every turn.
+  regular expression holds a template's bytes: compiling one costs more than the whole turn, and the
+  chunk id differs every turn.
 * Every other event (the first ones, the last ones, another shape) is parsed with orjson: the common
   chunk shape (one choice whose delta holds only role/content) is read inline, any other by
   ``read_chunk``. Text is gathered in lists and joined once.
@@ -75,6 +75,13 @@ class Texts:
     saw_done: bool | None = None
     bad_events: int = 0
 
+    def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
+        """The first event carrying output text arrived, completed by the read timed ``t``: the one
+        place ``t_first`` is set (TTFT is ``t_first - t_request``, in ``RecordBuilder._record``).
+        ``first_lens``: that event's characters per (choice, kind), so tokens map to the first chunk."""
+        self.t_first = t
+        self.first_lens = first_lens
+
     def add(self, delta_texts: dict[tuple[int, str], str], t: float) -> None:
         if not delta_texts:
             return
@@ -82,8 +89,7 @@ class Texts:
             self.texts[key] = self.texts.get(key, "") + text
         self.chunks += 1
         if self.t_first is None:
-            self.t_first = t
-            self.first_lens = {k: len(v) for k, v in self.texts.items()}
+            self.first_text(t, {k: len(v) for k, v in self.texts.items()})
         self.t_last = t
 
 
@@ -177,7 +183,7 @@ _MARK_UNSAFE = bytes.maketrans(_UNSAFE_BYTES, b"\\" * len(_UNSAFE_BYTES))
 # varying numbers, each followed by LF: no leading zero (see _varying_number)
 _NUMBERS = re.compile(rb"(?:(?:0|[1-9][0-9]*)\n)*")
 # a run is read in windows of events that double while it lasts, the first twice as long as the last
-# run, within these bounds: a usual turn's run costs one call (each costs ~3 µs), a run that breaks
+# run, within these bounds: a usual turn's run costs one call, a run that breaks
 # early costs its window once, and a shape that keeps breaking runs short (two choices taking turns)
 # costs little per run
 _WINDOWS = (4, 256)
@@ -417,15 +423,13 @@ class _Gather:
     joined once at the end; the common chunk shape read inline, any other by ``read_chunk``; and the
     template derived from a plain content chunk (``tmpl``, at most ``derive`` more derivations)."""
 
-    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "first_lens", "parts", "t_first", "t_last", "tmpl")
+    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "parts", "t_last", "tmpl")
 
     def __init__(self) -> None:
-        self.acc = Texts(saw_done=False)  # usage, timings, finish_reason, saw_done, bad_events
+        self.acc = Texts(saw_done=False)  # t_first, usage, timings, finish_reason, saw_done, bad_events
         self.parts: dict[tuple[int, str], list[str]] = {}
         self.chunks = 0
-        self.t_first: float | None = None
         self.t_last: float | None = None
-        self.first_lens: dict[tuple[int, str], int] = {}
         self.cur_idx: object = _UNSET  # the choice index of the last inline content, and its list in parts
         self.cur: list[str] = []
         self.tmpl: _Template | None = None
@@ -477,9 +481,8 @@ class _Gather:
                                 self.cur_idx, self.cur = idx, lst
                             self.cur.append(content)
                             self.chunks += 1
-                            if self.t_first is None:
-                                self.t_first = t
-                                self.first_lens = {(idx, "content"): len(content)}
+                            if acc.t_first is None:
+                                acc.first_text(t, {(idx, "content"): len(content)})
                             self.t_last = t
                             if self.derive and not fr:
                                 self.derive -= 1
@@ -497,9 +500,8 @@ class _Gather:
                 else:
                     lst.append(text)
             self.chunks += 1
-            if self.t_first is None:
-                self.t_first = t
-                self.first_lens = {k: len(v) for k, v in dt.items()}
+            if acc.t_first is None:
+                acc.first_text(t, {k: len(v) for k, v in dt.items()})
             self.t_last = t
         _take_accounting(acc, delta)
         return True
@@ -507,9 +509,7 @@ class _Gather:
     def texts(self) -> Texts:
         out = self.acc
         out.texts = {key: "".join(lst) for key, lst in self.parts.items()}
-        out.first_lens = self.first_lens
         out.chunks = self.chunks
-        out.t_first = self.t_first
         out.t_last = self.t_last
         return out
 

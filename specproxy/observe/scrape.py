@@ -56,10 +56,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Pages larger than this are parsed in a worker thread. Measured with prometheus_client 0.26
-#: on this project's machine: ~16 us per line, a single-engine vLLM V1 page (470 lines, 39 KB,
-#: histograms included) takes 7.5 ms, two engines 14 ms, eight 54 ms; llama.cpp's page (~50
-#: lines) stays under 1 ms. 4 KB is about 1 ms of parsing, the most we allow on the event loop.
+#: Pages larger than this are parsed in a worker thread: about the most parsing the event loop may
+#: take at once (a llama.cpp page stays under it, a vLLM page with histograms does not; docs/performance.md,
+#: "Design figures").
 PARSE_INLINE_MAX_BYTES = 4096
 
 _START_HEADER = "Process-Start-Time-Unix"  # llama.cpp sets it on /metrics (server-context.cpp)

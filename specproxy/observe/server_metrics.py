@@ -222,8 +222,8 @@ def parse_exposition(text: str) -> Snapshot:
     error body, a truncated line). An empty page is valid Prometheus and yields an empty
     ``unknown`` snapshot.
 
-    Parsing is pure Python (prometheus_client's parser is ~90% of the cost) at ~16 us per
-    sample line, so a vLLM page with its histograms takes several milliseconds:
+    Parsing is pure Python (prometheus_client's parser is most of the cost), so a vLLM page with
+    its histograms takes milliseconds (docs/performance.md, "Design figures"):
     ``specproxy.observe.scrape.Scraper`` runs large pages in a thread.
     """
     if not isinstance(text, str):

@@ -49,7 +49,7 @@ from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
 from specproxy.serve.admin import reserved
 from specproxy.serve.measuring import MeasuringWorker
-from specproxy.record import Record, new_turn_id
+from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
 from specproxy.wire.upstream import (
     CHUNKED,
@@ -246,6 +246,16 @@ class Proxy:
         assert self._pool is not None
         return await self._pool.probe(timeout_s)
 
+    @property
+    def pending_measure(self) -> int:
+        """Finished turns handed to the measuring worker and not yet built."""
+        return self._pending_builds
+
+    @property
+    def upstream_idle(self) -> int:
+        """Kept-alive upstream connections waiting for a request."""
+        return len(self._pool.idle) if self._pool is not None else 0
+
     async def drain_measurements(self, timeout: float = 30.0) -> None:
         """Wait until every finished turn has been measured and handed to the sink."""
         deadline = time.monotonic() + timeout
@@ -437,7 +447,7 @@ class Proxy:
                 self.measure_errors += 1
                 why = f"{type(exc).__name__} ({_where(exc)})" if exc is not None else "no record"
                 log.error("measuring a turn failed: %s", why)
-                self.sink(_unmeasured(builder, f"measuring failed: {why}"))
+                self.sink(builder.unmeasured(f"measuring failed: {why}"))
             else:
                 self.sink(record)
 
@@ -620,25 +630,3 @@ def _where(exc: BaseException) -> str:
     """Where an exception was raised (file:line), for logs and records that must not quote its message."""
     frames = traceback.extract_tb(exc.__traceback__)
     return f"raised at {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised at ?"
-
-
-def _unmeasured(b: RecordBuilder, error: str) -> Record:
-    """The row of a turn whose measuring failed: what the forwarding path knew, nothing derived."""
-    return Record(
-        id=getattr(b, "id", None) or new_turn_id(),
-        t_wall=b.t_wall,
-        method=b.method,
-        path=b.path,
-        status=b.status,
-        outcome="proxy_error",
-        error=f"{error}; forwarding outcome {b.outcome}"[:300],
-        label=b.label,
-        instance_id=b.instance_id,
-        concurrency=b.concurrency,
-        t_request=b.t_request,
-        t_upstream_headers=b.t_upstream_headers,
-        t_done=b.t_done,
-        total_s=b.t_done - b.t_request if b.t_done is not None else None,
-        request_bytes=len(b.body),
-        response_bytes=sum(map(len, b.reads)),
-    )

@@ -37,6 +37,7 @@ from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
 from specproxy.store.db import Writer
+from specproxy.measure.failures import FAILURES
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 
 __all__ = ["Service", "install_uvloop"]
@@ -266,23 +267,22 @@ class Service:
     def state(self) -> dict[str, int | float]:
         """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
         p, w = self.proxy, self.writer
-        server = self._runner.server if self._runner is not None else None
         try:
             fds = len(os.listdir("/proc/self/fd"))
         except OSError:
             fds = -1
-        pool = p._pool if p else None
         return {
             "tasks": len(asyncio.all_tasks()),
             "connections": self.open_connections(),
             "lane_requests": self.lanes.requests,  # forwarded by the lane, without aiohttp's server
             "handed_over": self.lanes.handed_over,  # connections the lane gave to aiohttp's server
-            "upstream_idle": len(pool.idle) if pool is not None else 0,  # kept-alive upstream connections
+            "upstream_idle": p.upstream_idle if p else 0,  # kept-alive upstream connections
             "fds": fds,
             "in_flight": p.in_flight if p else 0,
-            "pending_measure": p._pending_builds if p else 0,
+            "pending_measure": p.pending_measure if p else 0,
             "measure_errors": p.measure_errors if p else 0,
             "measure_dropped": p.measure_dropped if p else 0,
+            "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
             "rejected_busy": p.rejected_busy if p else 0,
             "rejected_bad": p.rejected_bad if p else 0,
             "header_timeouts": self.header_timeouts,

@@ -26,6 +26,7 @@ import orjson
 
 from specproxy.config import Config
 from specproxy.observe.scrape import Scraper, ScrapeSample, delta
+from specproxy.store import rows
 from specproxy.store.db import Writer
 
 __all__ = ["ServerWatch"]
@@ -33,22 +34,6 @@ __all__ = ["ServerWatch"]
 log = logging.getLogger("specproxy.serve.watch")
 
 clock = time.perf_counter  # the proxy's clock, so scrape times and turn times compare
-
-_SCRAPE_COLUMNS = (
-    "t_wall", "t_mono", "instance_id", "server_kind", "requests_running", "requests_waiting",
-    "generation_tokens_total", "prompt_tokens_total", "spec_drafts_total", "spec_draft_tokens_total",
-    "spec_accepted_tokens_total", "spec_accept_length", "spec_accept_rate", "raw", "error",
-)
-INSERT_SCRAPE = f"INSERT INTO scrapes ({', '.join(_SCRAPE_COLUMNS)}) VALUES ({', '.join('?' * len(_SCRAPE_COLUMNS))})"
-UPSERT_INSTANCE = (
-    "INSERT INTO instances (instance_id, first_seen, last_seen, detail) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT(instance_id) DO UPDATE SET last_seen = excluded.last_seen"
-)
-INSERT_TURN_COUNTERS = (
-    "INSERT OR REPLACE INTO turn_counters (turn_id, instance_id, seconds, generated_tokens, drafts, "
-    "draft_tokens, accepted_tokens, mal, acceptance_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-
 
 class ServerWatch:
     """Polls the upstream's Prometheus endpoint every ``scrape_interval_s`` and on lone turns' ends."""
@@ -120,8 +105,7 @@ class ServerWatch:
         failures = self.scraper.failures
         sample = await self.scraper.scrape_once()
         if sample is None and self.scraper.failures > failures and self.writer is not None:
-            row = [time.time(), clock(), self.instance_id, None, *([None] * 10), self.scraper.last_error]
-            self.writer.put((INSERT_SCRAPE, tuple(row)))
+            self.writer.put(rows.failed_scrape(time.time(), clock(), self.instance_id, self.scraper.last_error))
         return sample
 
     def _store(self, sample: ScrapeSample) -> None:
@@ -131,7 +115,7 @@ class ServerWatch:
         s = sample.snapshot
         raw = orjson.dumps([[name, dict(labels), value] for name, labels, value in s.raw],
                            option=orjson.OPT_SERIALIZE_NUMPY, default=str).decode()
-        self.writer.put((INSERT_SCRAPE, (
+        self.writer.put(rows.scrape((
             sample.t_wall, sample.t_mono, sample.instance_id, s.server_kind, s.requests_running,
             s.requests_waiting, s.generation_tokens_total, s.prompt_tokens_total, s.spec_drafts_total,
             s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_accept_length,
@@ -140,7 +124,7 @@ class ServerWatch:
             self._last_instance = sample.instance_id
             inst = self.scraper.instance if self.scraper is not None else None
             detail = orjson.dumps(inst.identity() if inst is not None else {}, default=str).decode()
-            self.writer.put((UPSERT_INSTANCE, (sample.instance_id, sample.t_wall, sample.t_wall, detail)))
+            self.writer.put(rows.instance_seen(sample.instance_id, sample.t_wall, detail))
 
     # --- lone turns ---------------------------------------------------------------------------------
 
@@ -161,6 +145,6 @@ class ServerWatch:
         if d.restarted or self.writer is None:
             return
         self.joined += 1
-        self.writer.put((INSERT_TURN_COUNTERS, (
+        self.writer.put(rows.turn_counters(
             turn_id, after.instance_id, d.seconds, d.generated_tokens, d.drafts, d.draft_tokens,
-            d.accepted_tokens, d.mal, d.acceptance_rate)))
+            d.accepted_tokens, d.mal, d.acceptance_rate))

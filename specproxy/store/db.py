@@ -256,7 +256,7 @@ _raw_row = attrgetter(*FIELD_NAMES)
 _INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES ({', '.join('?' * len(FIELD_NAMES))})"
 
 
-LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind in well under 1 ms
+LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind without stalling the relay
 
 
 class Writer:
@@ -265,9 +265,9 @@ class Writer:
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
                  linger_s: float = 0.25, scrape_retention_days: float = 0.0) -> None:
         """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
-        time (one measuring batch), and a commit costs more than a row: at 64 streams (~30 turns/s) the
-        writer thread cost 1.6 µs per relayed chunk lingering 50 ms and 0.8 lingering 250 ms
-        (scripts/bench_overhead.py). A row appears in the database at most that much later; ``close``
+        time (one measuring batch), and a commit costs more than a row: lingering longer halves the
+        writer thread's CPU per relayed chunk at 64 streams (docs/performance.md, "Store and report").
+        A row appears in the database at most that much later; ``close``
         does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
         the interpreter lock longer while its rows are bound, which the relay feels as latency.
 
@@ -276,8 +276,8 @@ class Writer:
         self.path = Path(path)
         self._linger_s = linger_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
-        # SimpleQueue: a put is one C call (queue.Queue's is Python with a Condition: ~5 µs per record on
-        # the event loop); the bound is checked before each put (exact while one thread puts, as the loop does)
+        # SimpleQueue: a put is one C call (queue.Queue's is Python with a Condition, several times dearer
+        # on the event loop); the bound is checked before each put (exact while one thread puts, as the loop does)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_size = queue_size
         self._batch_size = batch_size

@@ -414,3 +414,35 @@ def test_a_turn_whose_measuring_fails_still_gets_its_row(make_stack, monkeypatch
     assert bad["error"].endswith("forwarding outcome ok")
     assert good["outcome"] == "ok"
     assert stack.service.proxy.measure_errors == 1
+
+
+def test_a_prompt_count_that_fails_is_null_and_counted(make_stack, tiktoken_tok):
+    """The tokenizer raising on a prompt costs the prompt's figures only: they are null (never 0), the
+    rest of the turn is measured, and the failure is counted (``measure_failures`` on the state line)."""
+    from specproxy.measure.failures import FAILURES
+
+    class PromptRaises:
+        name = tiktoken_tok.name
+
+        def count(self, text):
+            return tiktoken_tok.count(text)
+
+        def token_ends(self, text):
+            return tiktoken_tok.token_ends(text)
+
+        def count_prompt(self, parts):
+            raise RuntimeError("a tokenizer bug")
+
+    stack = make_stack(tokenizer=PromptRaises(), scrape_interval_s=0)
+    before = FAILURES.total()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(stack.url + CHAT, json=body) as r:
+                return r.status, await r.read()
+
+    assert stack.run(go())[0] == 200
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["prompt_tokens"] is None and rec["completion_tokens"] > 0
+    assert FAILURES.total() == before + 1

@@ -264,6 +264,9 @@ def test_serve_freezes_what_start_up_made(tmp_path, loop_thread):
     finally:
         assert proc.stop() == 0
     assert state["gc_frozen"] > 10_000, state
+    # and, idle, what is pending or failed in measuring, through the proxy's public counters
+    assert state["pending_measure"] == state["measure_failures"] == 0, state
+    assert state["upstream_idle"] <= 1, state  # at most the start-up check's connection, kept alive
 
 
 def test_settle_heap_collects_start_up_garbage_before_freezing():

