@@ -64,6 +64,16 @@ class Record:
     """HTTP method of the request."""
     path: str
     """Request path without the query string, e.g. ``/v1/chat/completions``."""
+    api: str | None = None
+    """Which API the turn spoke: ``chat`` (chat completions), ``completions``, ``messages`` (the
+    Anthropic Messages API) or ``responses`` (the OpenAI Responses API); null on rows recorded before
+    specproxy told them apart (all were chat or completions)."""
+    client: str | None = None
+    """The client, as its ``User-Agent`` request header names it (at most 200 characters), or null."""
+    session: str | None = None
+    """Which conversation the turn extends: 16 hex digits of a digest of the client, the model and the
+    conversation's first message (turns of one conversation resend it); null without a conversation. No
+    text is kept: two conversations that open with the same message are one session."""
     status: int | None
     """HTTP status the client received (502 when the upstream refused or reset the connection, 504 when it
     timed out, before answering)."""
@@ -120,7 +130,12 @@ class Record:
     """What the server's own ``usage.completion_tokens`` said (the last one sent), or null. It may
     count tokens the client never saw as text (an end-of-turn token); kept beside ours, never instead."""
     usage_prompt_tokens: int | None = None
-    """What the server's own ``usage.prompt_tokens`` said, or null."""
+    """What the server's own ``usage.prompt_tokens`` said, or null (Messages: ``input_tokens`` +
+    ``cache_read_input_tokens`` + ``cache_creation_input_tokens``; Responses: ``input_tokens``)."""
+    usage_cached_tokens: int | None = None
+    """The server's own count of prompt tokens it took from its prefix cache, or null: chat's
+    ``usage.prompt_tokens_details.cached_tokens``, Messages' ``cache_read_input_tokens``, Responses'
+    ``input_tokens_details.cached_tokens``."""
     chunks: int | None = None
     """Stream events that carried output text (1 for a non-streamed response with text)."""
     tokens_per_chunk: float | None = None

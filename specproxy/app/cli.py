@@ -210,6 +210,21 @@ def _window(fn):
 @main.command()
 @db_option
 @_window
+@click.option("--json", "as_json", is_flag=True, help="Print the audit as JSON")
+@_friendly
+def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
+    """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill."""
+    from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, render_audit
+    from specproxy.store.dataset import load_turns, parse_time
+
+    with _open(db) as conn:
+        turns = load_turns(conn, label=label, since=parse_time(since), until=parse_time(until), columns=AUDIT_COLUMNS)
+    _echo(build_audit(turns, source=_db_path(db)), render_audit, as_json)
+
+
+@main.command()
+@db_option
+@_window
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write the report's pictures to this file: one self-contained HTML page (opens offline)")

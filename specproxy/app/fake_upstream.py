@@ -5,7 +5,8 @@ proxy's arithmetic need an upstream that reports the truth of what it sent (when
 which text), so that specproxy's measurements can be checked against it. Real servers are tested in
 their own tier; this one is for exactness.
 
-The fake speaks the OpenAI chat and completions APIs, streamed and not, and can be told to do what
+The fake speaks the OpenAI chat and completions APIs, and the Anthropic Messages and OpenAI Responses
+APIs (their events in ``fake_apis.py``), streamed and not, and can be told to do what
 real servers do: a role-only first chunk, reasoning deltas, several tokens per chunk (speculative
 decoding), events split across writes (inside a UTF-8 character too) or merged into one write,
 ``: ping`` comments, CRLF line ends, usage on every chunk or only the last, llama.cpp-style
@@ -26,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from specproxy.app.fake_apis import shape_for, sse
 from specproxy.record import Record
 
 # A Llama-3-style chat template written by this project (the wire format of Llama 3 chat turns), for
@@ -79,6 +81,9 @@ class Script:
     error_body: bytes = b'{"error": {"message": "scripted error"}}'
     drafts_per_chunk: int = 0
     """For /metrics: draft tokens proposed per chunk (the accepted ones are tokens_per_chunk - 1)."""
+    error_after: int | None = None
+    """Messages and Responses streams: send the API's error event after this many text chunks and end
+    the stream there (what a real server does when it fails mid-answer)."""
 
 
 @dataclass
@@ -188,7 +193,8 @@ class FakeUpstream:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if not request.path.endswith("completions"):
+        shape = shape_for(request.path, self.model)
+        if not request.path.endswith("completions") and shape is None:
             return web.json_response({"error": {"message": f"no route {request.path}"}}, status=404)
         body = await request.read()
         sent = Sent(t_received=clock(), request_headers=dict(request.headers), request_body=body, path=request.path)
@@ -207,8 +213,8 @@ class FakeUpstream:
         self.counters["prompt"] += prompt_chars // 4
         try:
             if isinstance(req, dict) and req.get("stream"):
-                return await self._stream(request, script, sent, chat, ttft, prompt_chars // 4)
-            return await self._whole(script, sent, chat, ttft, prompt_chars // 4)
+                return await self._stream(request, script, sent, chat, ttft, prompt_chars // 4, shape)
+            return await self._whole(script, sent, chat, ttft, prompt_chars // 4, shape)
         finally:
             self.processing -= 1
 
@@ -248,7 +254,7 @@ class FakeUpstream:
                 "total_tokens": prompt_tokens + completion}
 
     async def _stream(self, request: web.Request, script: Script, sent: Sent, chat: bool, ttft: float,
-                      prompt_tokens: int) -> web.StreamResponse:
+                      prompt_tokens: int, shape=None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         nl = b"\r\n" if script.crlf else b"\n"
@@ -278,9 +284,14 @@ class FakeUpstream:
                 pending_text[0] = 0
 
         def event(obj: Any) -> bytes:
+            if shape is not None:
+                return sse(obj, nl)
             return b"data: " + (obj if isinstance(obj, bytes) else orjson.dumps(obj)) + nl + nl
 
-        if chat and script.role_chunk:
+        if shape is not None:
+            for obj in shape.start(prompt_tokens if script.usage != "none" else None):
+                await emit(event(obj))
+        elif chat and script.role_chunk:
             await emit(event(self._chunk(chat, "none", "", role=True)))
         groups = self._groups(script)
         await asyncio.sleep(ttft)
@@ -289,8 +300,17 @@ class FakeUpstream:
             if n:
                 await asyncio.sleep(script.interval_s)
             if script.ping_every and n % script.ping_every == 0:
-                await emit(b": ping" + nl + nl)
-            chunk = self._chunk(chat, kind, text)
+                await emit(event(shape.ping()) if shape is not None else b": ping" + nl + nl)
+            if shape is not None:
+                if script.error_after is not None and n == script.error_after:
+                    await emit(event(shape.error()))
+                    await resp.write_eof()
+                    return resp
+                before, chunk = shape.text(kind, text)
+                for obj in before:
+                    await emit(event(obj))
+            else:
+                chunk = self._chunk(chat, kind, text)
             delivered += k
             if script.usage == "cumulative":
                 chunk["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens)
@@ -298,6 +318,12 @@ class FakeUpstream:
             sent.chunks += 1
             sent.texts[kind] += text
             self._count(script, k)
+        if shape is not None:
+            usage = delivered + script.extra_usage_tokens if script.usage != "none" else None
+            for obj in shape.end(usage, sent.texts, prompt_tokens):
+                await emit(event(obj))
+            await resp.write_eof()
+            return resp
         final: dict[str, Any] = self._chunk(chat, "none", "")
         final["choices"][0]["finish_reason"] = "stop"
         final["choices"][0].pop("delta", None) if not chat else final["choices"][0].update(delta={})
@@ -312,12 +338,15 @@ class FakeUpstream:
         await resp.write_eof()
         return resp
 
-    async def _whole(self, script: Script, sent: Sent, chat: bool, ttft: float, prompt_tokens: int) -> web.Response:
+    async def _whole(self, script: Script, sent: Sent, chat: bool, ttft: float, prompt_tokens: int,
+                     shape=None) -> web.Response:
         await asyncio.sleep(ttft + script.interval_s * max(len(self._groups(script)) - 1, 0))
         texts = {"content": "".join(script.pieces), "reasoning": "".join(script.reasoning_pieces),
                  "tool_args": "".join(script.tool_args_pieces)}
         n = len(script.pieces) + len(script.reasoning_pieces) + len(script.tool_args_pieces)
-        if chat:
+        if shape is not None:
+            obj = shape.whole(texts, prompt_tokens, n + script.extra_usage_tokens if script.usage != "none" else None)
+        elif chat:
             message: dict[str, Any] = {"role": "assistant", "content": texts["content"] or None}
             if texts["reasoning"]:
                 message["reasoning_content"] = texts["reasoning"]
@@ -329,7 +358,7 @@ class FakeUpstream:
         else:
             obj = {"id": "cmpl-fake", "object": "text_completion", "model": self.model,
                    "choices": [{"index": 0, "text": texts["content"], "finish_reason": "stop"}]}
-        if script.usage != "none":
+        if script.usage != "none" and shape is None:
             obj["usage"] = self._usage(prompt_tokens, n + script.extra_usage_tokens)
         body = orjson.dumps(obj)
         t = clock()

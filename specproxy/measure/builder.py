@@ -20,15 +20,22 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from collections.abc import Sequence
 from operator import sub
 
 import orjson
 
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
+from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.content import classify
+<<<<<<< HEAD
 from specproxy.measure.failures import FAILURES
-from specproxy.measure.openai import MEASURED_PATHS, PromptParts, parse_json, split_prompt
+from specproxy.measure.openai import PromptParts, parse_json
+=======
+from specproxy.measure.openai import PromptParts, parse_json
+from specproxy.measure.session import client_of, session_of
+>>>>>>> api
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
 from specproxy.measure.tokens import Tokenizer, count_with_first
@@ -47,6 +54,7 @@ class RecordBuilder:
         "content_encoding",
         "content_type",
         "error",
+        "headers",
         "id",
         "instance_id",
         "label",
@@ -79,7 +87,9 @@ class RecordBuilder:
         instance_id: str | None = None,
         store_text: bool = False,
         request_encoding: str = "",
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
+        """``headers``: the request's raw headers (kept as a reference; the client is read off the loop)."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -91,6 +101,7 @@ class RecordBuilder:
         self.instance_id = instance_id
         self.store_text = store_text
         self.request_encoding = request_encoding
+        self.headers = headers
         self.status: int | None = None
         self.content_type = ""
         self.content_encoding = ""
@@ -161,10 +172,13 @@ class RecordBuilder:
         """``fast=False`` parses a stream with the reference path only (for differential tests)."""
         assert self._ended, "build before finish/fail"
         self.take_relayed()
-        request = _read_request(_inflate(self.body, self.request_encoding))
+        api = api_for(self.path) or CHAT
+        request = _read_request(_inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
+        if api.stream_reader is not None:  # another API's events: read by its reader, one by one
+            fast = False
         if fast and streamed and self.chunked and not self.content_encoding and texts_mod.c_scans():
             joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
         if joined is not None:
@@ -179,16 +193,18 @@ class RecordBuilder:
                     framing_error = f"malformed chunked framing: {payload.error}"
             response_bytes = sum(map(len, payload))
             reads = self._decoded_reads(payload)
-            if streamed:
+            if streamed and api.stream_reader is not None:
+                texts = stream_texts_reference(reads, self.read_times, api.stream_reader())
+            elif streamed:
                 texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
             else:
-                texts = body_texts(reads, self.read_times)
+                texts = body_texts(reads, self.read_times, api.read_full)
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
-        if outcome == "ok" and self.status is not None and self.status >= 400:
-            outcome = "upstream_error"
-        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error)
+        if outcome == "ok" and ((self.status is not None and self.status >= 400) or texts.error is not None):
+            outcome = "upstream_error"  # an error status, or an error event in a 200 stream
+        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error, api)
 
     def _decoded_reads(self, reads: list[bytes]) -> list[bytes]:
         """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""
@@ -213,6 +229,7 @@ class RecordBuilder:
         tok: Tokenizer | None,
         response_bytes: int,
         framing_error: str | None,
+        api: Api = CHAT,
     ) -> Record:
         t_req = self.t_request
         counts = _count_completion(texts, tok) if tok is not None else None
@@ -232,13 +249,18 @@ class RecordBuilder:
         if counts and decode and decode > 0:
             decode_tps = (counts["completion"] - counts["first"]) / decode
         delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read
+        client = client_of(self.headers)
         response_text = None
         if self.store_text and texts.texts:
             response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
         return self._make(
+            api=api.name,
+            client=client,
+            session=session_of(client, request.model, request.parts),
             outcome=outcome,
             error=self.error
             or framing_error
+            or texts.error
             or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None),
             streamed=streamed,
             model=request.model,
@@ -255,6 +277,7 @@ class RecordBuilder:
             first_chunk_tokens=counts["first"] if counts else None,
             usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
             usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            usage_cached_tokens=_cached_tokens(usage),
             chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
             tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
             decode_tps=decode_tps,
@@ -322,10 +345,10 @@ def _inflate(body: bytes, encoding: str) -> bytes:
         return b""
 
 
-def _read_request(body: bytes) -> _Request:
+def _read_request(body: bytes, api: Api) -> _Request:
     try:
         obj = parse_json(body)
-        parts = split_prompt(obj)
+        parts = api.split(obj)
     except (ValueError, TypeError, RecursionError):
         return _Request(parsed=False)
     model = obj.get("model")
@@ -362,6 +385,8 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def is_measured(method: str, path: str) -> bool:
-    """Only generation endpoints are measured; everything else is forwarded and not recorded."""
-    return method == "POST" and path in MEASURED_PATHS
+def _cached_tokens(usage: dict) -> int | None:
+    """The server's own count of prompt tokens it reused from its cache (every API's usage is read into
+    the chat shape: ``prompt_tokens_details.cached_tokens``)."""
+    details = usage.get("prompt_tokens_details")
+    return _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None

@@ -13,7 +13,6 @@ from typing import Any
 import orjson
 
 __all__ = [
-    "MEASURED_PATHS",
     "TEXT_KINDS",
     "Delta",
     "PromptParts",
@@ -22,10 +21,6 @@ __all__ = [
     "read_full_response",
     "split_prompt",
 ]
-
-# Endpoints whose turns are measured; everything else is forwarded only. Both spellings: a client whose
-# base URL has no /v1 (the server's root) calls /chat/completions, and servers such as llama-server answer it.
-MEASURED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions"})
 
 # The kinds of delivered output text. Each is counted, and each is also stored apart.
 TEXT_KINDS = ("content", "reasoning", "tool_args")
@@ -44,14 +39,18 @@ def parse_json(data: bytes | str) -> Any:
 class Delta:
     """What one stream event (or one whole non-streamed response) carried.
 
-    ``texts`` maps ``(choice_index, kind)`` to the text of that kind; ``usage`` and ``timings`` are the
-    server's own accounting when present.
+    ``texts`` maps ``(choice_index, kind)`` to the text of that kind; ``usage`` (in the chat shape:
+    ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``) and ``timings`` are
+    the server's own accounting when present. ``done``: the event that says the response is complete
+    (the other APIs' counterpart of ``[DONE]``); ``error``: an error event's type (never its message).
     """
 
     texts: dict[tuple[int, str], str] = field(default_factory=dict)
     usage: dict | None = None
     timings: dict | None = None
     finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
 
     def add(self, choice: int, kind: str, text: Any) -> None:
         if isinstance(text, str) and text:

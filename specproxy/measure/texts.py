@@ -74,6 +74,7 @@ class Texts:
     finish_reason: str | None = None
     saw_done: bool | None = None
     bad_events: int = 0
+    error: str | None = None  # an error event's type (Messages, Responses)
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one
@@ -514,8 +515,8 @@ class _Gather:
         return out
 
 
-def stream_texts_reference(reads: list[bytes], times: list[float]) -> Texts:
-    """The reference parse: the SSE decoder, then ``read_chunk`` for every event."""
+def stream_texts_reference(reads: list[bytes], times: list[float], read=read_chunk) -> Texts:
+    """The reference parse: the SSE decoder, then ``read`` (an API's event reader) for every event."""
     texts = Texts(saw_done=False)
     decoder = SSEDecoder()
     events = []
@@ -530,7 +531,7 @@ def stream_texts_reference(reads: list[bytes], times: list[float]) -> Texts:
         if not data:
             continue
         try:
-            delta = read_chunk(parse_json(data))
+            delta = read(parse_json(data))
         except (ValueError, RecursionError):
             texts.bad_events += 1
             continue
@@ -539,12 +540,13 @@ def stream_texts_reference(reads: list[bytes], times: list[float]) -> Texts:
     return texts
 
 
-def body_texts(reads: list[bytes], times: list[float]) -> Texts:
+def body_texts(reads: list[bytes], times: list[float], read=read_full_response) -> Texts:
+    """A non-streamed body, read by ``read`` (an API's body reader)."""
     texts = Texts()
     if not reads:
         return texts
     try:
-        delta = read_full_response(parse_json(b"".join(reads)))
+        delta = read(parse_json(b"".join(reads)))
     except (ValueError, RecursionError):
         return texts
     texts.add(delta.texts, times[-1])  # a non-streamed answer is usable only once it is whole
@@ -559,3 +561,7 @@ def _take_accounting(texts: Texts, delta) -> None:
         texts.timings = delta.timings
     if delta.finish_reason is not None:
         texts.finish_reason = delta.finish_reason
+    if delta.done:
+        texts.saw_done = True
+    if delta.error is not None:
+        texts.error = delta.error

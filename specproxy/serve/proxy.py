@@ -362,6 +362,7 @@ class Proxy:
                 instance_id=self.instance_id(),
                 store_text=self.cfg.store_text,
                 request_encoding=req.content_encoding,
+                headers=req.raw_headers,
             )
         try:
             return await self._relay(req, body, builder, client)

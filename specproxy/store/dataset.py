@@ -35,6 +35,7 @@ NUMERIC = (
     "tool_args_tokens",
     "usage_completion_tokens",
     "usage_prompt_tokens",
+    "usage_cached_tokens",
     "chunks",
     "tokens_per_chunk",
     "decode_tps",
@@ -47,7 +48,7 @@ NUMERIC = (
     "streamed",
     "request_parsed",
 )
-TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class")
+TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session")
 
 
 @dataclass

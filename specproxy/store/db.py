@@ -73,6 +73,13 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("004_content_class", (
         'ALTER TABLE "turns" ADD COLUMN "content_class" TEXT',
     )),
+    ("005_api_client_session", (
+        'ALTER TABLE "turns" ADD COLUMN "api" TEXT',
+        'ALTER TABLE "turns" ADD COLUMN "client" TEXT',
+        'ALTER TABLE "turns" ADD COLUMN "session" TEXT',
+        'ALTER TABLE "turns" ADD COLUMN "usage_cached_tokens" INTEGER',
+        'CREATE INDEX "idx_turns_session" ON "turns" ("session")',
+    )),
 ]
 
 
