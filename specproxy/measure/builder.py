@@ -29,13 +29,9 @@ from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.content import classify
-<<<<<<< HEAD
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, parse_json
-=======
-from specproxy.measure.openai import PromptParts, parse_json
 from specproxy.measure.session import client_of, session_of
->>>>>>> api
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
 from specproxy.measure.tokens import Tokenizer, count_with_first
