@@ -196,6 +196,7 @@ class Proxy:
         self.turns_started = 0
         self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
         self.on_turn_end: Callable[[str, float, float, bool], object] | None = None
+        self.on_built: Callable[[RecordBuilder], object] | None = None  # each measured turn, once built
         self.measure_dropped = 0
         self.measure_errors = 0
         self.rejected_busy = 0
@@ -436,6 +437,8 @@ class Proxy:
                 self.sink(_unmeasured(builder, f"measuring failed: {why}"))
             else:
                 self.sink(record)
+            if self.on_built is not None:
+                self.on_built(builder)
 
 
 class Incoming(NamedTuple):

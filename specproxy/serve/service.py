@@ -34,7 +34,9 @@ from specproxy.serve.lane import Lane, Lanes, lane_enabled
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
+from specproxy.store.captures import capture_item
 from specproxy.store.db import Writer
+from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 
 __all__ = ["Service", "install_uvloop"]
@@ -192,6 +194,12 @@ class Service:
             except Exception as exc:  # a broken observer must not cost the record
                 log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
 
+    def _capture(self, builder: RecordBuilder) -> None:
+        """``capture``: the request body as the client sent it, beside its turn (store/captures.py)."""
+        if self.writer is not None:
+            self.writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
+                                         builder.request_encoding, builder.body))
+
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
@@ -199,6 +207,8 @@ class Service:
         self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
                            instance_id=lambda: self.watch.instance_id if self.watch else None)
         self.proxy.on_turn_end = self.watch.turn_ended
+        if self.cfg.capture:
+            self.proxy.on_built = self._capture
         await self.proxy.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())

@@ -73,6 +73,12 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("004_content_class", (
         'ALTER TABLE "turns" ADD COLUMN "content_class" TEXT',
     )),
+    ("005_captures", (
+        """CREATE TABLE "captures" (
+    "turn_id" TEXT PRIMARY KEY, "t_wall" REAL, "method" TEXT, "path" TEXT, "content_encoding" TEXT, "body" BLOB
+)""",
+        'CREATE INDEX "idx_captures_t_wall" ON "captures" ("t_wall")',
+    )),
 ]
 
 
