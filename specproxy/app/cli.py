@@ -357,7 +357,9 @@ def demo(db: str | None, turns: int, as_json: bool) -> None:
         click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
 
 
-import specproxy.app.bench_cli  # noqa: E402,F401  (registers bench and roofline on main)
+from specproxy.app.bench_cli import register as _register_bench  # noqa: E402
+
+_register_bench(main, friendly=_friendly, db_option=db_option)
 
 if __name__ == "__main__":
     main()
