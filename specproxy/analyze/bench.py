@@ -75,6 +75,8 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
     else:
         unit, values = "rounds", [v for vs in by_instance.values() for v in vs]
     mean, lo, hi = mean_ci(values)
+    if lo is not None:
+        lo = max(lo, 0.0)  # a throughput is never negative: a t interval on few rounds can reach below 0
     errors: dict[str, int] = defaultdict(int)
     for r in records:
         if r.outcome != "ok":
@@ -134,20 +136,22 @@ def render_bench(s: dict[str, Any]) -> str:
                      + (f"{plural(s['warmup_per_instance'], 'warm-up request')} per instance ran first and "
                         "is not counted" if s["warmup_per_instance"] else "no warm-up requests")
                      + (f"; phase probe: {phase}" if phase else ""))
-        head = f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  " \
-               f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  over"
-        if phase == "prefill":
-            head += f"  {'prompt tok':>10}  {'prefill tok/s [95% CI]':>28}"
-        lines.append(head)
+        if phase == "prefill":  # max_tokens 1: no decode to speak of, so no decode or throughput column
+            lines.append(f"  {'concurrency':>11} {'prompt tok':>10} {'turns':>6} {'errors':>6}  "
+                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}")
+        else:
+            lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
+                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  over")
         for lv in arm["levels"]:
-            agg = lv["aggregate_tps"]
-            row = (f"  {lv['level']:>11} {lv['turns']:>6} {sum(lv['errors'].values()):>6}  "
-                   f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_agg(agg):>26}  "
-                   f"{plural(agg['n'], agg['unit'][:-1])}")
+            agg, errors_n = lv["aggregate_tps"], sum(lv["errors"].values())
             if phase == "prefill":
                 pt = lv["prompt_tokens"]["median"]
-                row += f"  {'-' if pt is None else f'{pt:.0f}':>10}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}"
-            lines.append(row)
+                lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "
+                             f"{errors_n:>6}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}")
+            else:
+                lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
+                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  "
+                             f"{_agg(agg):>26}  {plural(agg['n'], agg['unit'][:-1])}")
         errors = defaultdict(int)
         for lv in arm["levels"]:
             for k, v in lv["errors"].items():
@@ -155,9 +159,10 @@ def render_bench(s: dict[str, Any]) -> str:
         if errors:
             lines.append("  errors: " + ", ".join(f"{v} {k}" for k, v in sorted(errors.items()))
                          + " (kept in the database; not in the figures)")
-    lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
-                 "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
-                 "instances")
+    if phase != "prefill":
+        lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
+                     "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
+                     "instances")
     if phase == "prefill":
         lines.append("  prefill probe (max_tokens 1): prefill tok/s = prompt tokens / TTFT; not a decode figure")
     elif phase == "decode":

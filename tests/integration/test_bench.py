@@ -281,3 +281,24 @@ def test_roofline_beside_the_measured_forward_passes(tmp_path, upstream_thread):
     assert r["measured_tokens_per_s"] == report["user"]["decode_tps"]["median"]
     assert r["measured_passes_per_s"] == pytest.approx(r["measured_tokens_per_s"] / 2)
     assert r["share"] == pytest.approx(r["measured_passes_per_s"] / (273e9 / 4e9))
+
+
+def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
+    """prefill: max_tokens 1 at each prompt length, every prompt new (no cache hit); the output has the
+    prefill column and no decode one. decode: ignore_eos to --max-tokens."""
+    up = upstream_thread()
+    db = tmp_path / "p.db"
+    proc = specproxy("bench", "--upstream", up.url, "--phase", "prefill", "--prompt-lengths", "50,400", "--db",
+                     str(db), "--tokenizer", "tiktoken:o200k_base", "--repeats", "2", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    sent = [json.loads(s.request_body) for s in up.sent]
+    assert len(sent) == 4 and all(b["max_tokens"] == 1 and b["stream"] for b in sent)
+    assert len({b["messages"][0]["content"] for b in sent}) == 4  # a fresh first word at every send
+    # the fresh word, the prompt length asked for, and "Repeat the first word."
+    assert sorted(len(b["messages"][0]["content"].split()) for b in sent) == [55, 55, 405, 405]
+    assert "prefill tok/s [95% CI]" in proc.stdout and "per-stream tok/s" not in proc.stdout
+    proc = specproxy("bench", "--upstream", up.url, "--phase", "decode", "--max-tokens", "40", "--db", str(db),
+                     "--repeats", "1", "--warmup", "0", "--label", "dec")
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(up.sent[-1].request_body)
+    assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)

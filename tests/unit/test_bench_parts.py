@@ -112,16 +112,18 @@ def test_a_rounds_aggregate_is_its_delivered_tokens_over_its_span():
 
 def test_the_aggregate_interval_is_over_instances_when_there_are_several():
     rounds = []
-    for instance, rate in ((1, 10.0), (2, 20.0), (3, 30.0)):
+    for instance, rate in ((1, 20.0), (2, 24.0), (3, 28.0)):
         for repeat in (1, 2):  # each instance's rounds deliver `rate` tokens a second
             rounds.append(Round("a", instance, 1, repeat, records=[turn(0.0, 1.0, int(rate), decode_tps=rate)], sent=1))
     level = summarize_bench(rounds)["arms"][0]["levels"][0]
     agg = level["aggregate_tps"]
     assert (agg["unit"], agg["n"]) == ("instances", 3)
-    assert (agg["mean"], agg["ci_low"], agg["ci_high"]) == pytest.approx(mean_ci([10.0, 20.0, 30.0]))
+    assert (agg["mean"], agg["ci_low"], agg["ci_high"]) == pytest.approx(mean_ci([20.0, 24.0, 28.0]))
     one = summarize_bench([r for r in rounds if r.instance == 1])["arms"][0]["levels"][0]["aggregate_tps"]
     assert (one["unit"], one["n"]) == ("rounds", 2)
-    assert level["turns"] == level["sent"] == 6 and level["decode_tps"]["median"] == 20.0
+    assert level["turns"] == level["sent"] == 6 and level["decode_tps"]["median"] == 24.0
+    spread = [Round("a", i, 1, 1, records=[turn(0.0, 1.0, rate)], sent=1) for i, rate in ((1, 1), (2, 50))]
+    assert summarize_bench(spread)["arms"][0]["levels"][0]["aggregate_tps"]["ci_low"] == 0.0  # never below 0
 
 
 def test_the_roofline_arithmetic():
