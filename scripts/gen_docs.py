@@ -53,6 +53,17 @@ def schema_md() -> str:
     for f in fields(Record):
         doc = FIELD_DOCS.get(f.name, "").replace("|", "\\|")
         out.append(f"| `{f.name}` | `{f.type}` | {doc} |")
+    out += ["", "## The `captures` table", "",
+            "Only with `serve --capture` (opt-in): each measured request's body as the client sent it, for "
+            "`specproxy export --format replay` and `specproxy bench --from captured` ([bench.md](bench.md)). "
+            "Headers are never stored, so neither are API keys. `specproxy prune --turns` deletes a turn's "
+            "capture with it.", "",
+            "| field | type | meaning |", "| --- | --- | --- |",
+            "| `turn_id` | `str` | the turn's `id` |",
+            "| `t_wall` | `float` | the turn's `t_wall` |",
+            "| `method`, `path` | `str` | as the client sent them |",
+            "| `content_encoding` | `str` | the request's Content-Encoding (empty when none); `body` is in it |",
+            "| `body` | `bytes` | the request body, byte for byte |"]
     return "\n".join(out) + "\n"
 
 

@@ -40,6 +40,10 @@ class Config:
     """Label stamped on every turn (an A/B arm); a request's ``X-Specproxy-Label`` header overrides it."""
     store_text: bool = False
     """Store prompt and response text in the database (opt-in; off by default for privacy)."""
+    capture: bool = False
+    """Store each measured request's body, exactly as the client sent it, so that ``specproxy export
+    --format replay`` and ``specproxy bench --from captured`` can send the same requests again (opt-in;
+    off by default for privacy). Headers are never stored, so neither are API keys."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 and never reaches the upstream."""
     max_concurrent: int = 1024

@@ -49,10 +49,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean, clean_labelled
-from specproxy.analyze.tdist import t_quantiles
+from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
-    "Summary", "summarize", "median_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
+    "Summary", "summarize", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
     "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
     "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var",
 ]
@@ -135,6 +135,23 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     lo, hi = median_ci(x, level)
     return Summary(int(x.size), float(np.median(x)), float(x.mean()),
                    float(np.percentile(x, 95)), lo, hi)
+
+
+def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high): Student's t interval of the mean; the ends are None below 2 values.
+
+    For a few replicates of one figure (a benchmark's aggregate throughput per repeat or per server
+    instance), where a median's order-statistic interval needs 6 values and the replicates are
+    themselves averages over many turns, so their mean is close to normal."""
+    check_level(level)
+    x = clean(values)
+    if x.size == 0:
+        return None, None, None
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, None, None
+    half = t_ppf(0.5 + level / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, mean - half, mean + half
 
 
 # ----------------------------------------------------------------------------- bootstrap engines

@@ -86,6 +86,8 @@ CONFIG_ONLY: dict[str, str] = {
 @_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
 @_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
 @_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
+@_setting("--capture/--no-capture", "capture",
+          "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
 @_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
 @_setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
 @_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
@@ -258,16 +260,24 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 @main.command()
 @db_option
 @_window
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv", "replay"]), default="jsonl", show_default=True,
+              help="replay: the request bodies `serve --capture` stored, for `specproxy bench --from FILE`")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default="-",
               help="File to write [default: stdout]")
 @_friendly
 def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
-    """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names."""
+    """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names; or with
+    --format replay, every captured request body (docs/bench.md)."""
     from specproxy.record import FIELD_NAMES
     from specproxy.store.dataset import parse_time, where_clause
     from specproxy.store.queries import turn_rows
 
+    if fmt == "replay":
+        from specproxy.app.bench_cli import export_replay
+
+        with _open(db) as conn:
+            export_replay(conn, _db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
+        return
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
     with _open(db) as conn:
         out = sys.stdout if output == "-" else open(output, "w", newline="")
@@ -387,6 +397,10 @@ def demo(db: str | None, turns: int, as_json: bool) -> None:
     if not as_json:
         click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
 
+
+from specproxy.app.bench_cli import register as _register_bench  # noqa: E402
+
+_register_bench(main, friendly=_friendly, db_option=db_option)
 
 if __name__ == "__main__":
     main()

@@ -198,6 +198,7 @@ class Proxy:
         self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
         self.on_turn_end: Callable[[str, float, float, bool], object] | None = None
         self.admin: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]] | None = None  # admin.Admin.handle
+        self.on_built: Callable[[RecordBuilder], object] | None = None  # each measured turn, once built
         self.measure_dropped = 0
         self.measure_errors = 0
         self.rejected_busy = 0
@@ -451,6 +452,8 @@ class Proxy:
                 self.sink(builder.unmeasured(f"measuring failed: {why}"))
             else:
                 self.sink(record)
+            if self.on_built is not None:
+                self.on_built(builder)
 
 
 class Incoming(NamedTuple):

@@ -36,8 +36,10 @@ from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
+from specproxy.store.captures import capture_item
 from specproxy.store.db import Writer
 from specproxy.measure.failures import FAILURES
+from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 
 __all__ = ["Service", "install_uvloop"]
@@ -200,6 +202,12 @@ class Service:
             except Exception as exc:  # a broken observer must not cost the record
                 log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
 
+    def _capture(self, builder: RecordBuilder) -> None:
+        """``capture``: the request body as the client sent it, beside its turn (store/captures.py)."""
+        if self.writer is not None:
+            self.writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
+                                         builder.request_encoding, builder.body))
+
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
@@ -214,6 +222,8 @@ class Service:
         if not is_loopback(self.cfg.host) and self.cfg.admin_token is None:
             log.warning("listening on %s without admin_token: the live page and /_specproxy/metrics answer 401 "
                         "to every client (set admin_token to reach them)", self.cfg.host)
+        if self.cfg.capture:
+            self.proxy.on_built = self._capture
         await self.proxy.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())

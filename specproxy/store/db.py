@@ -80,6 +80,12 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
         'ALTER TABLE "turns" ADD COLUMN "usage_cached_tokens" INTEGER',
         'CREATE INDEX "idx_turns_session" ON "turns" ("session")',
     )),
+    ("006_captures", (
+        """CREATE TABLE "captures" (
+    "turn_id" TEXT PRIMARY KEY, "t_wall" REAL, "method" TEXT, "path" TEXT, "content_encoding" TEXT, "body" BLOB
+)""",
+        'CREATE INDEX "idx_captures_t_wall" ON "captures" ("t_wall")',
+    )),
 ]
 
 

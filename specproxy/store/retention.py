@@ -34,14 +34,15 @@ def delete_scrapes(conn: sqlite3.Connection, before: float, limit: int | None = 
 
 
 def delete_turns(conn: sqlite3.Connection, before: float, limit: int | None = None) -> tuple[int, int]:
-    """Delete up to ``limit`` turns with ``t_wall < before`` and their counter joins (turn_counters), in
-    one transaction; (turns, turn_counters) deleted."""
+    """Delete up to ``limit`` turns with ``t_wall < before``, their counter joins (turn_counters) and their
+    captured request bodies (captures), in one transaction; (turns, turn_counters) deleted."""
     with _transaction(conn):
         rows = conn.execute("SELECT rowid, id FROM turns WHERE t_wall < ? LIMIT ?",
                             (before, limit or PRUNE_CHUNK)).fetchall()
         changes = conn.total_changes
         conn.executemany("DELETE FROM turn_counters WHERE turn_id = ?", [(turn_id,) for _, turn_id in rows])
         counters = conn.total_changes - changes
+        conn.executemany("DELETE FROM captures WHERE turn_id = ?", [(turn_id,) for _, turn_id in rows])
         conn.executemany("DELETE FROM turns WHERE rowid = ?", [(rowid,) for rowid, _ in rows])
         return len(rows), counters
 

@@ -208,6 +208,7 @@ RELEASED_MIGRATIONS = {
     "003_turn_counters_and_scrape_errors": "feb1a0aeee70393d",
     "004_content_class": "b6b47577cdc3e566",
     "005_api_client_session": "daab89802ad097ea",
+    "006_captures": "91025f279d1da1ef",
 }
 
 

@@ -1,0 +1,170 @@
+"""A benchmark's figures: per-stream and aggregate throughput at each concurrency, with intervals.
+
+Why apart from the report: ``specproxy report`` reads the operating point a turn happened to see;
+a benchmark set it, and ran each operating point in rounds (repeats, on one or several server
+instances). So here the unit of the aggregate is the round: delivered tokens over the round's span
+(first request to last byte, on the proxy's clock), one value per round, and its interval is over
+rounds, or over server instances (each instance's mean) when the arm ran in several, because
+restart-to-restart variation is what a second instance would show. Per-stream figures are medians
+over every completed streamed turn of the level, with the median's order-statistic interval.
+Turns are the proxy's own Records: every figure was decided where it is for proxied traffic.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specproxy.analyze.stats import mean_ci, plural, summarize
+from specproxy.record import Record
+
+__all__ = ["Round", "render_bench", "summarize_bench"]
+
+
+@dataclass
+class Round:
+    """One pass of the workload at one concurrency on one server instance of one arm."""
+
+    arm: str
+    instance: int
+    level: int
+    repeat: int
+    records: list[Record] = field(default_factory=list)
+    sent: int = 0  # requests sent; each gives one Record
+    prompt_len: int | None = None  # a prefill probe's prompt length (words asked for); None otherwise
+    first_error: str | None = None  # what the first failed request of the round got
+
+
+def _vals(records: Sequence[Record], name: str) -> np.ndarray:
+    return np.array([getattr(r, name) if getattr(r, name) is not None else np.nan for r in records], dtype=float)
+
+
+def round_aggregate(rnd: Round) -> float | None:
+    """Delivered tokens of the round's completed turns over its span (first request to last end)."""
+    spans = [(r.t_request, r.t_done) for r in rnd.records if r.t_request is not None and r.t_done is not None]
+    tokens = [r.completion_tokens for r in rnd.records if r.outcome == "ok" and r.completion_tokens is not None]
+    if not spans or not tokens:
+        return None
+    span = max(end for _, end in spans) - min(start for start, _ in spans)
+    return sum(tokens) / span if span > 0 else None
+
+
+def _prefill_tps(r: Record) -> float | None:
+    """Prompt tokens over TTFT: what a max_tokens=1 probe measures (prefill plus one step)."""
+    prompt = r.prompt_tokens if r.prompt_tokens is not None else r.usage_prompt_tokens
+    if prompt is None or not r.ttft_s:
+        return None
+    return prompt / r.ttft_s
+
+
+def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
+    records = [r for rnd in rounds for r in rnd.records]
+    ok = [r for r in records if r.outcome == "ok"]
+    streamed = [r for r in ok if r.streamed]
+    by_instance: dict[int, list[float]] = defaultdict(list)
+    for rnd in rounds:
+        value = round_aggregate(rnd)
+        if value is not None:
+            by_instance[rnd.instance].append(value)
+    if len(by_instance) > 1:
+        unit, values = "instances", [float(np.mean(v)) for v in by_instance.values()]
+    else:
+        unit, values = "rounds", [v for vs in by_instance.values() for v in vs]
+    mean, lo, hi = mean_ci(values)
+    if lo is not None:
+        lo = max(lo, 0.0)  # a throughput is never negative: a t interval on few rounds can reach below 0
+    errors: dict[str, int] = defaultdict(int)
+    for r in records:
+        if r.outcome != "ok":
+            errors[r.outcome] += 1
+    out: dict[str, Any] = {
+        "level": rounds[0].level, "prompt_len": rounds[0].prompt_len, "rounds": len(rounds), "instances": len({rnd.instance for rnd in rounds}),
+        "turns": len(records), "ok": len(ok), "streamed": len(streamed), "errors": dict(errors),
+        "sent": sum(rnd.sent for rnd in rounds),
+        "decode_tps": summarize(_vals(streamed, "decode_tps")).to_dict(),
+        "ttft_s": summarize(_vals(streamed, "ttft_s")).to_dict(),
+        "total_s": summarize(_vals(ok, "total_s")).to_dict(),
+        "aggregate_tps": {"mean": mean, "ci_low": lo, "ci_high": hi, "n": len(values), "unit": unit},
+    }
+    if phase == "prefill":
+        out["prompt_tokens"] = summarize([r.prompt_tokens if r.prompt_tokens is not None else r.usage_prompt_tokens
+                                          for r in streamed]).to_dict()
+        out["prefill_tps"] = summarize([_prefill_tps(r) for r in streamed]).to_dict()
+    return out
+
+
+def summarize_bench(rounds: Sequence[Round], *, phase: str | None = None, warmup: int = 0,
+                    restarts: bool = False) -> dict[str, Any]:
+    """Per arm, per concurrency level (and per prompt length for a prefill probe): the figures above."""
+    arms: dict[str, dict[Any, list[Round]]] = {}
+    for rnd in rounds:
+        arms.setdefault(rnd.arm, {}).setdefault((rnd.level, rnd.prompt_len or 0), []).append(rnd)
+    out: dict[str, Any] = {"phase": phase, "warmup_per_instance": warmup, "restarts": restarts, "arms": []}
+    for arm, levels in arms.items():
+        out["arms"].append({
+            "arm": arm,
+            "instances": len({rnd.instance for ls in levels.values() for rnd in ls}),
+            "levels": [_level_summary(levels[level], phase) for level in sorted(levels)],
+        })
+    return out
+
+
+def _ci(s: dict[str, Any], fmt: str) -> str:
+    if s.get("median") is None:
+        return "-"
+    ci = (f" [{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]" if s.get("ci_low") is not None else "")
+    return fmt.format(s["median"]) + ci
+
+
+def _agg(a: dict[str, Any]) -> str:
+    if a["mean"] is None:
+        return "-"
+    ci = f" [{a['ci_low']:.1f}, {a['ci_high']:.1f}]" if a["ci_low"] is not None else ""
+    return f"{a['mean']:.1f}{ci}"
+
+
+def render_bench(s: dict[str, Any]) -> str:
+    lines = []
+    phase = s.get("phase")
+    for arm in s["arms"]:
+        instances = plural(arm["instances"], "server instance") + (" (restarted before each)" if s["restarts"] else "")
+        lines.append(f"bench arm {arm['arm']}: {instances}; "
+                     + (f"{plural(s['warmup_per_instance'], 'warm-up request')} per instance ran first and "
+                        "is not counted" if s["warmup_per_instance"] else "no warm-up requests")
+                     + (f"; phase probe: {phase}" if phase else ""))
+        if phase == "prefill":  # max_tokens 1: no decode to speak of, so no decode or throughput column
+            lines.append(f"  {'concurrency':>11} {'prompt tok':>10} {'turns':>6} {'errors':>6}  "
+                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}")
+        else:
+            lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
+                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  over")
+        for lv in arm["levels"]:
+            agg, errors_n = lv["aggregate_tps"], sum(lv["errors"].values())
+            if phase == "prefill":
+                pt = lv["prompt_tokens"]["median"]
+                lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "
+                             f"{errors_n:>6}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}")
+            else:
+                lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
+                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  "
+                             f"{_agg(agg):>26}  {plural(agg['n'], agg['unit'][:-1])}")
+        errors = defaultdict(int)
+        for lv in arm["levels"]:
+            for k, v in lv["errors"].items():
+                errors[k] += v
+        if errors:
+            lines.append("  errors: " + ", ".join(f"{v} {k}" for k, v in sorted(errors.items()))
+                         + " (kept in the database; not in the figures)")
+    if phase != "prefill":
+        lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
+                     "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
+                     "instances")
+    if phase == "prefill":
+        lines.append("  prefill probe (max_tokens 1): prefill tok/s = prompt tokens / TTFT; not a decode figure")
+    elif phase == "decode":
+        lines.append("  decode probe (short prompt, long output): per-stream decode speed is the figure to read")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,58 @@
+"""The memory-bandwidth ceiling of decoding, beside what was measured (``specproxy roofline``).
+
+Why: decoding one step of a dense model reads every active weight once, so a server can take at
+most bandwidth / (bytes of the active weights) forward passes a second, whatever its batch; each
+pass delivers MAL tokens to a stream (1 without speculative decoding). Put beside the measured
+forward passes per second (per-stream decode speed / MAL, as the report computes it), the ratio says
+how much of the hardware a configuration uses, and so how much any software change could still
+gain. The ceiling ignores the KV cache and activations (they add bytes per pass), so it is an upper
+bound: the real ceiling is lower, and the share measured against it is a lower bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specproxy.errors import ConfigError
+
+__all__ = ["render_roofline", "roofline"]
+
+
+def roofline(active_params: float, bits: float, bandwidth_gbs: float, *, mal: float | None = None,
+             measured_fps: float | None = None, measured_tps: float | None = None) -> dict[str, Any]:
+    """Bytes read per forward pass, the ceiling in passes/s and tokens/s (times ``mal``), and the measured
+    forward passes/s as a share of the ceiling when given."""
+    for name, value in (("--active-params", active_params), ("--bits", bits), ("--bandwidth-gbs", bandwidth_gbs)):
+        if not value > 0:
+            raise ConfigError(f"{name} must be a positive number, got {value:g}")
+    if mal is not None and not mal >= 1:
+        raise ConfigError(f"MAL must be at least 1, got {mal:g}")
+    bytes_per_pass = active_params * bits / 8.0
+    ceiling_fps = bandwidth_gbs * 1e9 / bytes_per_pass
+    out: dict[str, Any] = {
+        "active_params": active_params, "bits": bits, "bandwidth_gbs": bandwidth_gbs,
+        "bytes_per_pass": bytes_per_pass, "ceiling_passes_per_s": ceiling_fps,
+        "mal": mal, "ceiling_tokens_per_s": ceiling_fps * (mal or 1.0),
+        "measured_passes_per_s": measured_fps, "measured_tokens_per_s": measured_tps,
+        "share": measured_fps / ceiling_fps if measured_fps is not None else None,
+    }
+    return out
+
+
+def render_roofline(r: dict[str, Any]) -> str:
+    gb = r["bytes_per_pass"] / 1e9
+    lines = [
+        f"roofline: {r['active_params']:.3g} active parameters at {r['bits']:g} bits = {gb:.2f} GB read per "
+        f"forward pass; at {r['bandwidth_gbs']:g} GB/s at most {r['ceiling_passes_per_s']:.1f} forward passes/s",
+    ]
+    if r["mal"] is not None:
+        lines.append(f"  ceiling per stream: {r['ceiling_passes_per_s']:.1f} passes/s x MAL {r['mal']:.2f} = "
+                     f"{r['ceiling_tokens_per_s']:.1f} tok/s")
+    else:
+        lines.append(f"  ceiling per stream: {r['ceiling_tokens_per_s']:.1f} tok/s (one token per pass: no MAL known)")
+    if r["measured_passes_per_s"] is not None:
+        lines.append(f"  measured: {r['measured_passes_per_s']:.1f} forward passes/s = {r['share']:.0%} of the ceiling"
+                     + (f" (per-stream decode {r['measured_tokens_per_s']:.1f} tok/s)"
+                        if r["measured_tokens_per_s"] is not None else ""))
+    lines.append("  (weights only: the KV cache and activations add bytes per pass, so the true ceiling is lower)")
+    return "\n".join(lines) + "\n"

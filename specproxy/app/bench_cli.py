@@ -1,0 +1,242 @@
+"""The command line of the active side: ``bench``, ``roofline`` and ``export --format replay``.
+
+Why apart from ``cli.py``: these commands have many options of their own, and ``cli.py`` stays the
+passive proxy's. ``cli.py`` adds them to its group (``register``) with its own one-line errors and
+``--db`` option, passed in, so this module never imports ``cli`` at import time (``python -m
+specproxy.app.cli`` runs it as ``__main__``, and a second copy of it would get the commands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import click
+import orjson
+
+from specproxy.errors import ConfigError, SpecproxyError
+
+__all__ = ["export_replay", "register"]
+
+
+def export_replay(conn, db_path: str, output: str, *, label: str | None, since: float | None,
+                  until: float | None) -> int:
+    """Write every captured request body (selected by its turn's label, or its time) as a replay file."""
+    from specproxy.app.replay import replay_line
+    from specproxy.store.captures import captured_requests
+
+    out = sys.stdout.buffer if output == "-" else open(output, "wb")
+    n = 0
+    try:
+        for captured in captured_requests(conn, label=label, since=since, until=until):
+            out.write(replay_line(captured))
+            n += 1
+    finally:
+        if output == "-":
+            out.flush()
+        else:
+            out.close()
+    if not n:
+        raise ConfigError(f"{db_path}: no captured request bodies{' selected' if label or since or until else ''} "
+                          "(run `specproxy serve --capture` to store them)")
+    return n
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{what} must be whole numbers of at least 1, got {text!r}")
+    return values
+
+
+def _arms(text: str) -> tuple[str, ...]:
+    arms = tuple(a.strip() for a in text.split(","))
+    if not all(arms) or len(set(arms)) != len(arms):
+        raise ConfigError(f"--label {text!r}: one label per arm, separated by commas, each once")
+    return arms
+
+
+def _workloads(source: str | None, phase: str | None, db: str, *, prompt_lengths: str, max_tokens: int,
+               model: str | None, seed: int) -> list[tuple[int | None, list]]:
+    from specproxy.app import probes
+    from specproxy.app.replay import read_replay_file, requests_from_captures
+
+    if source is None:
+        if phase == "prefill":
+            return probes.prefill_probe(list(_ints(prompt_lengths, "--prompt-lengths")), model, seed)
+        if phase == "decode":
+            return [(None, probes.decode_probe(max_tokens, model))]
+        raise ConfigError("bench needs --from captured, --from FILE (a replay file) or --phase prefill|decode")
+    if source == "captured" or source.startswith("captured:"):
+        from specproxy.store.captures import captured_requests
+        from specproxy.store.db import open_existing
+
+        label = source.partition(":")[2] or None
+        with open_existing(db) as conn:
+            requests = requests_from_captures(captured_requests(conn, label=label))
+        if not requests:
+            raise ConfigError(f"{db}: no captured request bodies{f' labelled {label}' if label else ''} "
+                              "(run `specproxy serve --capture` first, or give --from FILE)")
+    else:
+        requests = read_replay_file(source)
+    if phase is not None:
+        fields = probes.phase_fields(phase, max_tokens)
+        requests = [r.with_fields(**fields) for r in requests]
+    return [(None, requests)]
+
+
+async def _first_model(base: str) -> str | None:
+    """The first model the server lists, for probes without --model; None when it lists none."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(trust_env=False) as session:
+            async with session.get(f"{base}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                data = await resp.json(content_type=None)
+        return str(data["data"][0]["id"])
+    except Exception:  # any failure: the probes go without a model field, which local servers accept
+        return None
+
+
+def _cli():
+    """The command line module, for its report and printing helpers (imported when a command runs)."""
+    from specproxy.app import cli
+
+    return cli
+
+
+def register(group: click.Group, *, friendly, db_option) -> None:
+    """Add ``bench`` and ``roofline`` to ``group``; ``friendly`` turns a SpecproxyError into one line."""
+
+    @group.command()
+    @click.option("--upstream", help="Base URL of the inference server [required unless set in --config or "
+                                     "SPECPROXY_UPSTREAM]")
+    @click.option("--from", "source", default=None,
+                  help="captured (the bodies `serve --capture` stored in --db; captured:LABEL for one label's), or "
+                       "a replay file (JSONL of request bodies; `export --format replay` writes one)")
+    @db_option
+    @click.option("--tokenizer", default=None, help="hf:DIR, tiktoken:ENCODING or none (token counts need one)")
+    @click.option("--concurrency", "levels", default="1", show_default=True,
+                  help="Streams in flight, one round per value: e.g. 1,4,8,32")
+    @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+                  help="Rounds at each concurrency on each server instance")
+    @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+                  help="Seconds per round, cycling through the workload [default: the workload once per round]")
+    @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+                  help="Open loop: start requests at this many per second (exponential gaps), at most --concurrency "
+                       "in flight [default: closed loop]")
+    @click.option("--label", "labels", default="bench", show_default=True,
+                  help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on)")
+    @click.option("--restart-cmd", default=None,
+                  help="Shell command that restarts the server (in the background) and returns; {arm} and "
+                       "{instance} are replaced, SPECPROXY_ARM and SPECPROXY_INSTANCE set")
+    @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+                  help="Server instances per arm (restarts), interleaved A B B A ...; needs --restart-cmd")
+    @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+                  show_default=True, help="Seconds to wait for the restart command and for the server to be ready")
+    @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+                  help="Requests sent straight to the server after each (re)start, not recorded")
+    @click.option("--phase", type=click.Choice(["prefill", "decode"]), default=None,
+                  help="A phase probe: prefill (max_tokens 1, long prompts) or decode (short prompt, long output)")
+    @click.option("--prompt-lengths", default="256,1024,4096", show_default=True,
+                  help="The prefill probe's prompt lengths in words")
+    @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                  help="The decode probe's output length")
+    @click.option("--model", default=None, help="Model name in the probes' requests [default: the server's first]")
+    @click.option("--seed", type=int, default=0, show_default=True)
+    @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON")
+    @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                  help="TOML config file (as serve's; its upstream, db and tokenizer are used)")
+    @friendly
+    def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str,
+              repeats: int, duration_s: float | None, rate: float | None, labels: str, restart_cmd: str | None,
+              instances: int, ready_timeout_s: float, warmup: int, phase: str | None, prompt_lengths: str,
+              max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None) -> None:
+        """Send requests at each concurrency through the measuring proxy; per-stream and aggregate figures.
+
+        Every turn goes through the same proxy and measuring as `serve`'s, into the same database, labelled;
+        `report` and `compare` read them. With --restart-cmd, each arm runs on --instances server
+        instances, so `compare` can give a verdict on a restart A/B. docs/bench.md says more.
+        """
+        from specproxy.analyze.bench import render_bench, summarize_bench
+        from specproxy.app.bench import BenchError, BenchPlan, BenchRun, run_bench
+        from specproxy.app.progress import make_progress
+        from specproxy.config import load_config
+        from specproxy.serve.service import install_uvloop
+
+        # the proxy bench runs: on loopback, an ephemeral port; turns labelled by the arm (a header), never text
+        # restarts make the proxy's start-up check and the scraper warn by design; bench says what matters
+        logging.getLogger("specproxy").setLevel(logging.ERROR)
+        cfg = load_config(config_path, overrides={
+            "upstream": upstream, "db": db, "tokenizer": tokenizer, "host": "127.0.0.1", "port": 0, "capture": False,
+            "store_text": False, "scrape_interval_s": 1.0, "cadence_poll": "off"})
+        base = str(cfg.upstream_url).rstrip("/")  # ConfigError without an upstream
+        arms = _arms(labels)
+        if len(arms) > 1 and restart_cmd is None:
+            raise ConfigError("several arms (--label A,B) need --restart-cmd: each arm is a server setting")
+        if instances > 1 and restart_cmd is None:
+            raise ConfigError("--instances needs --restart-cmd (an instance is a server process)")
+        if (phase is not None or source is None) and model is None:
+            model = asyncio.run(_first_model(base)) if source is None else None
+        plan = BenchPlan(
+            workloads=_workloads(source, phase, cfg.db, prompt_lengths=prompt_lengths, max_tokens=max_tokens,
+                                 model=model, seed=seed),
+            levels=_ints(levels, "--concurrency"), repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
+            instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed)
+        run = BenchRun()
+        install_uvloop()
+        error: SpecproxyError | None = None
+        try:
+            asyncio.run(run_bench(cfg, plan, run, progress=make_progress()))
+        except SpecproxyError as exc:  # what was measured is stored; summarise it, then say why it stopped
+            if isinstance(exc, BenchError) or run.rounds:
+                error = exc
+            else:
+                raise
+        summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None)
+        summary.update(database=cfg.db, labels=list(arms), instance_ids={f"{a}#{k}": v for (a, k), v in
+                                                                         run.instance_ids.items()})
+        if as_json:
+            click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+        elif run.rounds:
+            click.echo(render_bench(summary), nl=False)
+            hint = f"specproxy compare {arms[0]} {arms[1]} --db {cfg.db}" if len(arms) > 1 else \
+                f"specproxy report --label {arms[0]} --db {cfg.db}"
+            click.echo(f"the turns are in {cfg.db}, labelled {', '.join(arms)}: try `{hint}`")
+        if error is not None:
+            raise error
+
+
+    @group.command()
+    @click.option("--active-params", type=float, required=True, help="Parameters read per forward pass (e.g. 8e9)")
+    @click.option("--bits", type=float, required=True, help="Bits per weight (e.g. 4 for a 4-bit quantisation)")
+    @click.option("--bandwidth-gbs", type=float, required=True, help="Memory bandwidth in GB/s (e.g. 273)")
+    @click.option("--mal", type=float, default=None,
+                  help="Mean acceptance length (tokens per forward pass) [default: from --db's counters, else 1]")
+    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling")
+    @click.option("--label", default=None, help="Only turns with this label (with --db)")
+    @click.option("--json", "as_json", is_flag=True, help="Print as JSON")
+    @friendly
+    def roofline(active_params: float, bits: float, bandwidth_gbs: float, mal: float | None, db: str | None,
+                 label: str | None, as_json: bool) -> None:
+        """The bandwidth ceiling of decoding: bytes per forward pass, passes/s and tokens/s at most."""
+        from specproxy.analyze.roofline import render_roofline
+        from specproxy.analyze.roofline import roofline as ceiling
+
+        measured_fps = measured_tps = None
+        if db is not None:
+            report: dict[str, Any] = _cli()._report(db, label)
+            measured_tps = report["user"]["decode_tps"]["median"]
+            if measured_tps is None:
+                raise ConfigError(f"{db}: no streamed turns with a decode speed{f' labelled {label}' if label else ''} "
+                                  "(a tokenizer is needed to count tokens)")
+            if mal is None:
+                mal = ((report.get("server") or {}).get("window") or {}).get("mal")
+            measured_fps = measured_tps / (mal or 1.0)
+        _cli()._echo(ceiling(active_params, bits, bandwidth_gbs, mal=mal, measured_fps=measured_fps,
+                          measured_tps=measured_tps), render_roofline, as_json)

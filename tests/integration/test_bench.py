@@ -1,0 +1,304 @@
+"""Capture, replay and ``specproxy bench`` against the fake upstream, through the real command line.
+
+Capture -> export -> bench must send the captured bodies byte for byte (the fake records what it
+received); bench's turns are the proxy's records, labelled, with the warm-up left out; and every way
+a run can go wrong (a server that errors, a bad replay line, a restart command that fails, a server
+that never comes back) is one line on stderr, exit status 2, with what was measured before it kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from specproxy.app.fake_upstream import FakeUpstream, Script
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECPROXY = [sys.executable, "-m", "specproxy.app.cli"]
+
+BODIES = [
+    # key order, spacing and escapes as a client chose them: what must come back byte for byte
+    b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "Z\\u00fcrich \xf0\x9f\x9a\x80"}]}',
+    b'{\n  "messages": [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}],\n'
+    b'  "stream": true,  "max_tokens": 8\n}',
+    b'{"prompt":"Once upon","stream":true,"model":"m"}',
+]
+
+
+def specproxy(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*SPECPROXY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("specproxy: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def upstream_thread():
+    """A fake upstream on its own loop thread, for a bench subprocess to talk to."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ups: list[FakeUpstream] = []
+
+    def start(script=Script(pieces=["a", " b", " c"] * 4)) -> FakeUpstream:
+        up = FakeUpstream(script)
+        asyncio.run_coroutine_threadsafe(up.start(), loop).result(10)
+        ups.append(up)
+        return up
+
+    yield start
+    for up in ups:
+        asyncio.run_coroutine_threadsafe(up.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_capture_then_export_then_bench_sends_the_same_bytes(make_stack, tmp_path, upstream_thread):
+    """serve --capture stores each body as sent (a gzip one too), never a header; export --format replay
+    writes them; bench --from FILE (and --from captured) sends exactly those bytes again."""
+    stack = make_stack(None, capture=True, label="users")
+    gz = gzip.compress(BODIES[0])
+
+    async def send() -> None:
+        async with aiohttp.ClientSession() as session:
+            for body in BODIES:
+                path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+                async with session.post(stack.url + path, data=body, headers={
+                        "Authorization": "Bearer sk-secret-key-123", "Content-Type": "application/json"}) as r:
+                    await r.read()
+            async with session.post(stack.url + "/v1/chat/completions", data=gz, headers={
+                    "Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+                await r.read()
+
+    stack.run(send())
+    stack.settle()
+    stack.run(stack.service.stop())  # the writer drained: every capture is in the file
+    db = Path(stack.cfg.db)
+    conn = sqlite3.connect(db)
+    stored = conn.execute("SELECT body, content_encoding FROM captures ORDER BY t_wall").fetchall()
+    conn.close()
+    assert stored == [(b, "") for b in BODIES] + [(gz, "gzip")]
+    files = [p for p in (db, Path(f"{db}-wal")) if p.exists()]
+    assert not any(b"sk-secret-key-123" in p.read_bytes() for p in files)  # headers are never stored
+
+    replay = tmp_path / "replay.jsonl"
+    proc = specproxy("export", "--db", str(db), "--format", "replay", "-o", str(replay))
+    assert proc.returncode == 0, proc.stderr
+    assert len(replay.read_text().splitlines()) == 4
+
+    for source in (str(replay), "captured:users"):
+        up = upstream_thread()
+        out = tmp_path / f"bench-{len(source)}.db"
+        if source.startswith("captured"):
+            out.write_bytes(db.read_bytes())
+        proc = specproxy("bench", "--upstream", up.url, "--from", source, "--db", str(out), "--repeats", "1",
+                         "--warmup", "0", "--label", "replayed")
+        assert proc.returncode == 0, proc.stderr
+        # (the fake's server inflates a gzip body as it reads it: that one is compared inflated)
+        received = [(s.request_body, s.request_headers.get("Content-Encoding", "")) for s in up.sent]
+        assert received == [(b, "") for b in BODIES] + [(BODIES[0], "gzip")]
+
+
+def test_bench_records_labelled_turns_per_concurrency_without_the_warm_up(tmp_path, upstream_thread):
+    up = upstream_thread()
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(BODIES[0] + b"\n\n" + BODIES[2] + b"\n")  # a blank line is skipped
+    db = tmp_path / "b.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--concurrency", "1,3",
+                     "--repeats", "2", "--warmup", "2", "--tokenizer", "tiktoken:o200k_base", "--label", "sweep")
+    assert proc.returncode == 0, proc.stderr
+    # 2 warm-up requests straight to the server; then per repeat max(2, level) requests at each level
+    assert len(up.sent) == 2 + 2 * (2 + 3)
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT label, outcome, count(*) FROM turns GROUP BY label, outcome").fetchall()
+    conn.close()
+    assert rows == [("sweep", "ok", 10)]
+    out = proc.stdout
+    assert "2 warm-up requests per instance ran first and is not counted" in out
+    assert "per-stream tok/s [95% CI]" in out and "aggregate tok/s [95% CI]" in out
+    levels = [line.split()[0] for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert levels == ["1", "3"]
+
+
+def restart_script(tmp_path: Path, port: int, *, fail_on: int | None = None, start: bool = True) -> Path:
+    """A restart command that (re)starts a fake upstream process on ``port``: exit 3 on instance
+    ``fail_on``; with ``start=False`` it kills the server and starts none."""
+    server = tmp_path / "server.py"
+    server.write_text(textwrap.dedent(f"""
+        import asyncio, sys
+        from specproxy.app.fake_upstream import FakeUpstream, Script
+        async def main():
+            up = FakeUpstream(Script(pieces=["x"] * 6, interval_s=float(sys.argv[1])))
+            await up.start({port})
+            await asyncio.Event().wait()
+        asyncio.run(main())
+    """))
+    pid = tmp_path / "pid"
+    script = tmp_path / "restart.sh"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ -f {pid} ]; then kill "$(cat {pid})" 2>/dev/null; n=0
+          while kill -0 "$(cat {pid})" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.05; n=$((n+1)); done; rm -f {pid}; fi
+        {f'if [ "$SPECPROXY_INSTANCE" = "{fail_on}" ]; then echo "no GPU left for arm $1" >&2; exit 3; fi' if fail_on else ''}
+        {'' if start else 'exit 0'}
+        case "$1" in fast) iv=0.001;; *) iv=0.004;; esac
+        {sys.executable} {server} $iv > {tmp_path}/server.log 2>&1 &
+        echo $! > {pid}
+    """))
+    script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def restarts(tmp_path):
+    from real.server import free_port
+
+    port = free_port()
+    yield tmp_path, port
+    pid = tmp_path / "pid"
+    if pid.exists():  # the last fake this test's script started
+        import os
+        import signal
+
+        try:
+            os.kill(int(pid.read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def workload(tmp_path: Path) -> Path:
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(b"\n".join([BODIES[0]] * 6) + b"\n")
+    return work
+
+
+def test_restarts_interleave_arms_and_stamp_each_instance(restarts):
+    tmp_path, port = restarts
+    script = restart_script(tmp_path, port)
+    db = tmp_path / "r.db"
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
+                     "--db", str(db), "--tokenizer", "tiktoken:o200k_base", "--label", "slow,fast",
+                     "--restart-cmd", f"{script} {{arm}}", "--instances", "2", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    conn = sqlite3.connect(db)
+    order = [row[0] for row in conn.execute(
+        "SELECT instance_id FROM turns GROUP BY instance_id ORDER BY min(t_request)")]
+    conn.close()
+    assert [i.rsplit("-", 2)[1:] for i in order] == [["slow", "1"], ["fast", "1"], ["fast", "2"], ["slow", "2"]]
+    compare = json.loads(specproxy("compare", "slow", "fast", "--db", str(db), "--json").stdout)
+    assert compare["instances_a"] == compare["instances_b"] == 2
+
+
+def test_a_failing_restart_command_is_one_line_and_keeps_the_first_blocks(restarts):
+    tmp_path, port = restarts
+    script = restart_script(tmp_path, port, fail_on=2)
+    db = tmp_path / "r.db"
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
+                     "--db", str(db), "--label", "a,b", "--restart-cmd", f"{script} {{arm}}", "--instances", "2",
+                     "--repeats", "1")
+    one_line_error(proc, "restart command for arm b (instance 2) exited with status 3: no GPU left for arm b")
+    assert "bench arm a:" in proc.stdout and "bench arm b:" in proc.stdout  # the blocks before it, summarised
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT count(*) FROM turns").fetchone()[0] == 12  # and stored
+    conn.close()
+
+
+def test_a_server_that_never_comes_back_is_one_line(restarts):
+    tmp_path, port = restarts
+    script = restart_script(tmp_path, port, start=False)
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
+                     "--db", str(tmp_path / "r.db"), "--restart-cmd", str(script), "--ready-timeout", "1")
+    one_line_error(proc, f"the server at http://127.0.0.1:{port} was not ready within 1 s", "connection refused")
+
+
+def test_a_server_that_errors_is_one_line(tmp_path, upstream_thread):
+    up = upstream_thread(Script(status=500, error_body=b'{"error": {"message": "out of memory"}}'))
+    work = workload(tmp_path)
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "e.db"))
+    one_line_error(proc, "the warm-up request", "HTTP 500", "out of memory")
+    db = tmp_path / "e2.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--warmup", "0")
+    one_line_error(proc, "none of 6 requests succeeded", "HTTP 500")
+    conn = sqlite3.connect(db)  # the failed turns are kept, as failures
+    assert conn.execute("SELECT outcome, count(*) FROM turns GROUP BY outcome").fetchall() == [("upstream_error", 6)]
+    conn.close()
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    (b'{"model": "m"}', "line 2: not a request"),
+    (b'[1, 2]', "line 2: not a request"),
+    (b'{"messages": [', "line 2: not JSON"),
+    (b'{"path": "/v1/embeddings", "body": "{}"}', "line 2: path '/v1/embeddings' is not one specproxy measures"),
+])
+def test_a_bad_replay_line_is_one_line_naming_it(tmp_path, upstream_thread, line, needle):
+    up = upstream_thread()
+    work = tmp_path / "bad.jsonl"
+    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db"))
+    one_line_error(proc, f"{work}:2", needle.split(": ", 1)[1] if ": " in needle else needle)
+    assert up.sent == []  # nothing was sent
+
+
+def test_nothing_captured_is_one_line(tmp_path, upstream_thread, make_stack):
+    stack = make_stack(None)  # serve without --capture: a database with turns and no bodies
+    stack.run(stack.service.stop())
+    up = upstream_thread()
+    one_line_error(specproxy("export", "--db", stack.cfg.db, "--format", "replay"), "no captured request bodies")
+    one_line_error(specproxy("bench", "--upstream", up.url, "--from", "captured", "--db", stack.cfg.db),
+                   "no captured request bodies")
+
+
+def test_roofline_beside_the_measured_forward_passes(tmp_path, upstream_thread):
+    up = upstream_thread()
+    db = tmp_path / "b.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--tokenizer", "tiktoken:o200k_base", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    proc = specproxy("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273", "--mal", "2",
+                     "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    proc = specproxy("report", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert r["measured_tokens_per_s"] == report["user"]["decode_tps"]["median"]
+    assert r["measured_passes_per_s"] == pytest.approx(r["measured_tokens_per_s"] / 2)
+    assert r["share"] == pytest.approx(r["measured_passes_per_s"] / (273e9 / 4e9))
+
+
+def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
+    """prefill: max_tokens 1 at each prompt length, every prompt new (no cache hit); the output has the
+    prefill column and no decode one. decode: ignore_eos to --max-tokens."""
+    up = upstream_thread()
+    db = tmp_path / "p.db"
+    proc = specproxy("bench", "--upstream", up.url, "--phase", "prefill", "--prompt-lengths", "50,400", "--db",
+                     str(db), "--tokenizer", "tiktoken:o200k_base", "--repeats", "2", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    sent = [json.loads(s.request_body) for s in up.sent]
+    assert len(sent) == 4 and all(b["max_tokens"] == 1 and b["stream"] for b in sent)
+    assert len({b["messages"][0]["content"] for b in sent}) == 4  # a fresh first word at every send
+    # the fresh word, the prompt length asked for, and "Repeat the first word."
+    assert sorted(len(b["messages"][0]["content"].split()) for b in sent) == [55, 55, 405, 405]
+    assert "prefill tok/s [95% CI]" in proc.stdout and "per-stream tok/s" not in proc.stdout
+    proc = specproxy("bench", "--upstream", up.url, "--phase", "decode", "--max-tokens", "40", "--db", str(db),
+                     "--repeats", "1", "--warmup", "0", "--label", "dec")
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(up.sent[-1].request_body)
+    assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)

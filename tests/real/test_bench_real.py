@@ -1,0 +1,136 @@
+"""``specproxy bench`` against real llama.cpp servers: a sweep, and restart A/B and A/A verdicts.
+
+Everything runs the installed command line as a user would. The sweep goes to the session's shared
+server (the tiny reciting model). The restart tests give bench a restart command this module writes:
+a shell script that kills the server it started last (by the pid it wrote) and starts
+``llama-server`` again on one fixed 127.0.0.1 port, with speculative decoding (the looping model and
+its draft, ``--spec-type draft-simple``) or without, by arm. Each arm runs on 3 server instances,
+interleaved, so ``compare`` gets its interval over instances: spec on against off must get a verdict
+(on these tiny CPU models drafting costs as much as it saves, so the direction is not asserted, only
+that it is one), and one setting against itself must get "not distinguishable".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from real.server import free_port
+
+pytestmark = pytest.mark.real
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECPROXY = [sys.executable, "-m", "specproxy.app.cli"]
+
+
+def specproxy(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*SPECPROXY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def replay_file(path: Path, n: int, max_tokens: int, **extra) -> Path:
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}: say something."}],
+                         "max_tokens": max_tokens, "stream": True, **extra}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(llama_server, hf_tokenizer_dir,
+                                                                                  tmp_path):
+    """The README's example: a replay file at concurrency 1, 2, 4 with repeats; every level has a per-stream
+    median with its interval, an aggregate with its interval over the rounds, and the turns are in the
+    database, labelled, with none of the warm-up requests."""
+    db = tmp_path / "sweep.db"
+    work = replay_file(tmp_path / "turns.jsonl", 3, 16)
+    proc = specproxy("bench", "--upstream", llama_server.url, "--from", str(work), "--db", str(db),
+                     "--tokenizer", f"hf:{hf_tokenizer_dir}", "--concurrency", "1,2,4", "--repeats", "3",
+                     "--label", "sweep", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    levels = summary["arms"][0]["levels"]
+    assert [lv["level"] for lv in levels] == [1, 2, 4]
+    for lv in levels:
+        # every request sent is one turn in the database, failed or not (a failure is counted, not hidden)
+        assert lv["turns"] == lv["sent"] and lv["ok"] + sum(lv["errors"].values()) == lv["turns"]
+        assert lv["ok"] >= lv["turns"] - 1
+        assert lv["decode_tps"]["ci_low"] <= lv["decode_tps"]["median"] <= lv["decode_tps"]["ci_high"]
+        agg = lv["aggregate_tps"]
+        assert agg["unit"] == "rounds" and agg["n"] == 3 and agg["ci_low"] <= agg["mean"] <= agg["ci_high"]
+    # the workload (3 requests) at least once per stream, 3 rounds each; the warm-up is not a turn
+    assert [lv["turns"] for lv in levels] == [9, 9, 12]
+    report = json.loads(specproxy("report", "--db", str(db), "--label", "sweep", "--json").stdout)
+    assert report["turns"] == 30 and report["labels"] == ["sweep"]
+
+
+@pytest.fixture(scope="module")
+def restart_script(llama_server_bin, looping_model_path, draft_model_path, tmp_path_factory):
+    """A restart command for bench: ``SCRIPT ARM`` stops the server it started last and starts one for ARM
+    (``spec``: speculative decoding with the draft model; anything else: none) in the background."""
+    d = tmp_path_factory.mktemp("restarts")
+    port = free_port()
+    pidfile = d / "server.pid"
+    script = d / "restart.sh"
+    script.write_text(f"""#!/bin/sh
+if [ -f {pidfile} ]; then
+  pid=$(cat {pidfile}); kill -KILL "$pid" 2>/dev/null
+  n=0; while kill -0 "$pid" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.05; n=$((n+1)); done
+fi
+case "$1" in spec) extra="--spec-type draft-simple -md {draft_model_path}";; *) extra="";; esac
+{llama_server_bin} -m {looping_model_path} --host 127.0.0.1 --port {port} -c 1024 -t 1 -np 1 --metrics \\
+  --no-warmup $extra >> {d / "server.log"} 2>&1 &
+echo $! > {pidfile}
+""")
+    script.chmod(0o755)
+    yield script, f"http://127.0.0.1:{port}"
+    if pidfile.exists():  # the last server this script started
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def restart_bench(tmp_path: Path, restart_script, arms: str, tokenizer: Path) -> tuple[Path, dict]:
+    script, url = restart_script
+    db = tmp_path / "restarts.db"
+    work = replay_file(tmp_path / "turns.jsonl", 6, 24, ignore_eos=True)
+    t0 = time.monotonic()
+    proc = specproxy("bench", "--upstream", url, "--from", str(work), "--db", str(db), "--tokenizer",
+                     f"hf:{tokenizer}", "--concurrency", "1", "--repeats", "2", "--label", arms,
+                     "--restart-cmd", f"{script} {{arm}}", "--instances", "3", "--ready-timeout", "60", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert time.monotonic() - t0 < 120
+    a, b = arms.split(",")
+    verdicts = json.loads(specproxy("compare", a, b, "--db", str(db), "--json").stdout)
+    return db, {"summary": summary, "compare": verdicts}
+
+
+def decode_row(compare: dict) -> dict:
+    return next(row for row in compare["rows"] if row["metric"] == "decode_tps")
+
+
+def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(restart_script, hf_tokenizer_dir,
+                                                                            tmp_path):
+    db, out = restart_bench(tmp_path, restart_script, "off,spec", hf_tokenizer_dir)
+    summary, compare = out["summary"], out["compare"]
+    assert [arm["instances"] for arm in summary["arms"]] == [3, 3]
+    assert len(set(summary["instance_ids"].values())) == 6  # each block its own instance
+    assert compare["instances_a"] == compare["instances_b"] == 3
+    row = decode_row(compare)
+    assert row["ci_low"] is not None and row["verdict"] in ("faster", "slower"), row
+    # the interval is over instances: no warning that an arm ran in one
+    assert not any("one server instance" in w or "single instance" in w for w in row["warnings"]), row["warnings"]
+
+
+def test_a_restart_aa_of_one_setting_is_not_distinguishable(restart_script, hf_tokenizer_dir, tmp_path):
+    _, out = restart_bench(tmp_path, restart_script, "first,second", hf_tokenizer_dir)
+    compare = out["compare"]
+    assert compare["instances_a"] == compare["instances_b"] == 3
+    row = decode_row(compare)
+    assert row["ci_low"] is not None and row["verdict"] == "not distinguishable", row
