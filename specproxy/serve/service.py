@@ -30,7 +30,7 @@ from aiohttp import web
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
-from specproxy.serve.lane import Lane, Lanes, lane_enabled
+from specproxy.serve.lane import Lane, Lanes
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
@@ -216,7 +216,7 @@ class Service:
             self.header_timeouts += 1
 
         proxy, lanes = self.proxy, self.lanes
-        if lane_enabled():  # the common request without aiohttp's server; any other goes on to it (lane.py)
+        if self.cfg.lane:  # the common request without aiohttp's server; any other goes on to it (lane.py)
             def protocol() -> asyncio.Protocol:
                 return _HeadDeadline(Lane(proxy, lanes, server, timeout), timeout, expired)
         else:

@@ -243,10 +243,10 @@ read_once(turn *t, int closing, turn **ended)
     __atomic_store(&pump_g.last_read, &t_read, __ATOMIC_RELAXED); /* read without a lock: any recent value does */
     cadence_read(&pump_g.cad, t_read);
     const char *err = NULL;
-    ssize_t end = chunked_scan(&t->cs, at, n, &err);
-    if (end == -2) { /* as the per-read path: nothing of this read reaches the client */
+    ssize_t end = chunked_scan(&t->cs, at, n, &err, NULL, NULL);
+    if (end == -2) { /* as the Python path: nothing of this read reaches the client */
         t->framing_error = err;
-        end_turn(t, err ? O_FRAMING : O_THREAD_ERROR, err ? 0 : ENOMEM, ended);
+        end_turn(t, O_FRAMING, 0, ended);
         return 0;
     }
     size_t take = (size_t)(end >= 0 ? end : n);
@@ -301,8 +301,9 @@ on_upstream_readable(turn *t, uint32_t events, turn **ended)
    (milliseconds) before the relay's wake-up could preempt it. With a 0.1 ms slice, the shortest the kernel
    allows, it preempts at once: at C = 256 with a smooth upstream (scripts/bench_overhead.py --stream-mode
    smooth, interleaved pairs), added p99 per chunk 326-420 us against 1,192-1,512 without; CPU per chunk
-   and the batched upstream's p99 unchanged within the runs' spread. SPECPROXY_RELAY_SLICE_US sets it in
-   microseconds (0: the kernel's default). The thread's nice value is kept. */
+   and the batched upstream's p99 unchanged within the runs' spread. Config's relay_slice_us sets it in
+   microseconds (0: the kernel's default), given to Sink() and applied when the thread starts. The
+   thread's nice value is kept. */
 struct pump_sched_attr {
     uint32_t size, policy;
     uint64_t flags;
@@ -311,7 +312,7 @@ struct pump_sched_attr {
     uint64_t runtime, deadline, period;
 };
 
-static long pump_slice_us = 100; /* read from the environment where the thread is started, under the GIL */
+static long pump_slice_us; /* set by pump_start_locked, before the thread starts */
 
 static void
 pump_short_slice(void)
@@ -464,9 +465,9 @@ pump_after_fork_in_child(void)
     cadence_forget(&pump_g.cad);
 }
 
-/* start the thread once per process; call with pump_g.mu held */
+/* start the thread once per process, with a scheduler slice of slice_us; call with pump_g.mu held */
 int
-pump_start_locked(void)
+pump_start_locked(long slice_us)
 {
     if (pump_g.started)
         return 0;
@@ -486,10 +487,7 @@ pump_start_locked(void)
     pump_g.epfd = epfd;
     pump_g.wakefd = wakefd;
     pump_g.cancelled = NULL;
-    /* here, not in the thread: Python changes the environment under the GIL, which the caller holds */
-    const char *slice = getenv("SPECPROXY_RELAY_SLICE_US");
-    if (slice != NULL && *slice != '\0')
-        pump_slice_us = strtol(slice, NULL, 10);
+    pump_slice_us = slice_us;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
