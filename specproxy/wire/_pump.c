@@ -1,13 +1,12 @@
 /* _pump.c: the relay thread, no Python in it (its Python types are in _pump_py.c). Part of _relayc.
 
-Why: with the per-read path in C (_relayc.c), the event loop still paid ~4 us of user-space CPU per
-relayed chunk at 256 streams against nginx's ~1.6 (scripts/bench_overhead.py; perf): uvloop takes the
-interpreter lock twice per read (buffer and callback), makes a bytes object and calls the protocol,
-whose C path then makes float objects, appends to lists and calls three transport methods. The
-measuring thread then waits on the same lock. Here one native thread, which never takes the
-interpreter lock, relays the bodies themselves: epoll, read, find the end (_chunked.h), send, clock.
+Why: relayed on the event loop, even in C, each read costs uvloop taking the interpreter lock twice
+(buffer and callback), a bytes object, a call into the protocol, float objects, list appends and three
+transport calls, several times nginx's CPU per chunk (docs/performance.md); and the measuring thread
+waits on the same lock. Here one native thread, which never takes the interpreter lock, relays the
+bodies themselves: epoll, read, find the end (_chunked.h), send, clock.
 
-What Python hands over and gets back (upstream.UpstreamConn is the only user):
+What Python hands over and gets back (body.BodyRelay is the only user):
   Sink(loop side)  -- a queue of finished turns and an eventfd the event loop watches (one per loop).
   Turn(sink, upstream_fd, client_fd, framing)
                    -- the body of one exchange, relayed by the thread from now on: dup()s of both sockets
@@ -20,7 +19,7 @@ What Python hands over and gets back (upstream.UpstreamConn is the only user):
   error) or by Turn.cancel() from Python (the idle deadline, the client hanging up, closing); either way
   the thread touches neither socket afterwards and both dups are closed. A turn the thread ended goes to
   its sink, which wakes the loop: Sink.done() returns the turns' ids and Python calls the same edges as
-  the per-read path (_complete, _truncated, _client_gone).
+  the Python relay (_complete, _truncated, _client_gone).
 
 Backpressure: a read the client's socket does not take at once stays in the turn; the thread stops
 reading the upstream (the kernel's buffers push back on the server) until the client has taken it.

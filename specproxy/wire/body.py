@@ -100,7 +100,7 @@ class BodyRelay:
         return True
 
     def _thread_ended(self) -> None:
-        """From ``TurnSink``: the thread ended this turn; the same edges as the per-read path's."""
+        """From ``TurnSink``: the thread ended this turn; the same edges as the Python relay's."""
         turn = self._turn
         if turn is None:
             return

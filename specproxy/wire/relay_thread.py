@@ -101,7 +101,7 @@ class TurnSink:
 
 def ended_reason(outcome: tuple[str, int, str | None]) -> tuple[str, str | None]:
     """What a turn the thread ended means to ``UpstreamConn``: ("ok"|"truncated"|"client_gone", reason), in
-    the words the per-read path uses for the same event."""
+    the words the Python relay uses for the same event."""
     name, err, framing = outcome
     if name == "end":
         return "ok", None
