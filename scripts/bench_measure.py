@@ -167,14 +167,14 @@ def time_c_scans(turns: list[RecordBuilder]) -> float:
 
 
 def time_builds(turns: list[RecordBuilder], tok, fast: bool, c_scans: bool = True) -> float:
-    texts.USE_C = c_scans
+    texts.use_c_scans(c_scans)
     try:
         t0 = time.perf_counter()
         for b in turns:
             b._build(tok, fast=fast)
         return time.perf_counter() - t0
     finally:
-        texts.USE_C = True
+        texts.use_c_scans(True)
 
 
 def same_records(b: RecordBuilder, tok) -> bool:
@@ -203,11 +203,11 @@ def run(args, tmp: Path) -> None:
                        "build, Python scans": time_builds(turns, tok, True, c_scans=False)}
                 if c_scans:
                     rep["C join + stream_texts"] = time_c_scans(turns)
-                texts.USE_C = False  # the parts: the Python path's
+                texts.use_c_scans(False)  # the parts: the Python path's
                 try:
                     rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts, ""))
                 finally:
-                    texts.USE_C = True
+                    texts.use_c_scans(True)
                 rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
                 if committed is not None:
                     rep.update(time_parts(turns, committed[0].dechunk_reads, committed[1].stream_texts, vs))

@@ -17,9 +17,11 @@ from yarl import URL
 
 from specproxy.errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "Config", "load_config", "server_root"]
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "Config", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
+RELAY_MODES = ("thread", "python")
+SCAN_MODES = ("c", "python")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,23 @@ class Config:
     ``Authorization: Bearer TOKEN`` (or ``?token=TOKEN`` for a browser). Unset, those paths answer only
     clients on loopback while the proxy listens on loopback; listening on any other address, every request
     there needs it (401 without, and always 401 when it is unset). Never logged, never stored."""
+    relay: str = "thread"
+    """``thread`` or ``python``: who relays a chunked response body passed through to the client. ``thread``
+    hands it to one native thread that reads, sends and stamps it without the interpreter lock (the fast
+    path); bodies it cannot take (a TLS upstream, bytes still queued for the client), and every body with
+    ``python``, are relayed by the event loop in Python, the reference the thread is tested against.
+    Without the C extension (no compiler at install) every body is relayed in Python."""
+    relay_slice_us: int = 100
+    """The relay thread's scheduler slice in microseconds (Linux >= 6.12 honours it; older kernels ignore
+    it): a short one lets a token's read preempt Python at once instead of waiting out its slice. 0 keeps
+    the kernel's default. Applied when the thread starts (the first relayed body of the process)."""
+    lane: bool = True
+    """Read plainly well-formed requests with the proxy's own lean request reader, handing every other to
+    aiohttp's server; off sends every connection to aiohttp's server (more CPU per request; for
+    comparisons, and a way around a bug in the lane)."""
+    scan: str = "c"
+    """``c`` or ``python``: the measuring's per-chunk scans (stripping the framing, reading the stream's
+    text) in C, or in Python (more CPU, same results; the path without a compiler at install)."""
 
     @property
     def upstream_url(self) -> URL:
@@ -161,6 +180,12 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("scrape_retention_days must be >= 0 (0 keeps every scrape)")
     if cfg.admin_token is not None and len(cfg.admin_token) < 16:
         raise ConfigError("admin_token must be at least 16 characters (e.g. the output of `openssl rand -hex 16`)")
+    if cfg.relay not in RELAY_MODES:
+        raise ConfigError(f"relay must be one of {', '.join(RELAY_MODES)}, not {cfg.relay!r}")
+    if cfg.scan not in SCAN_MODES:
+        raise ConfigError(f"scan must be one of {', '.join(SCAN_MODES)}, not {cfg.scan!r}")
+    if cfg.relay_slice_us < 0:
+        raise ConfigError("relay_slice_us must be >= 0 (0 keeps the kernel's default)")
     if cfg.cadence_poll not in CADENCE_POLL_MODES:
         raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
     return cfg

@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from specproxy.config import load_config  # noqa: E402
+from specproxy.config import RELAY_MODES, load_config  # noqa: E402
 from specproxy.serve.service import Service  # noqa: E402
 from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
 from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E402
@@ -165,11 +165,18 @@ class LiveStack:
 
 
 @pytest.fixture
-def make_stack(tmp_path) -> Iterator:
+def make_stack(tmp_path, request) -> Iterator:
+    """``make(tokenizer, raw_script, **cfg)``: a LiveStack whose Config has ``cfg``, and the relay and the
+    front that ``each_relay`` / ``each_front`` pick when the test uses them (unless ``cfg`` says)."""
     stacks: list[LiveStack] = []
+    picked = {}
+    if "each_relay" in request.fixturenames:
+        picked["relay"] = request.getfixturevalue("each_relay")
+    if "each_front" in request.fixturenames:
+        picked["lane"] = request.getfixturevalue("each_front") == "lane"
 
     def make(tokenizer=None, raw_script=None, **cfg) -> LiveStack:
-        s = LiveStack(tmp_path, tokenizer, raw_script, **cfg)
+        s = LiveStack(tmp_path, tokenizer, raw_script, **{**picked, **cfg})
         stacks.append(s)
         return s
 
@@ -181,27 +188,25 @@ def make_stack(tmp_path) -> Iterator:
         s.close()
 
 
-@pytest.fixture(params=["thread", "loop", "python"])
-def each_relay(request, monkeypatch):
-    """Run a test with each relay of a chunked body (``upstream.RELAY_MODES``): the relay thread (what
-    ships), the per-read path in C on the event loop, and its pure-Python reference. Modules opt in with
-    ``pytestmark = pytest.mark.usefixtures("each_relay")``."""
-    from specproxy.wire import upstream
+@pytest.fixture(params=RELAY_MODES)
+def each_relay(request):
+    """Run a test with each relay of a chunked body (Config ``relay``): the relay thread (what ships) and
+    the Python relay on the event loop (its reference, and the path for what the thread cannot take).
+    ``make_stack`` builds its Config with the one picked. For the few end-to-end tests whose point is
+    that both relays behave alike; the rest run on the default path, and the differential tests
+    (tests/unit/test_relayc.py) hold the thread to the reference."""
+    from specproxy.wire.relay_thread import THREAD_BUILT
 
-    if request.param != "python" and upstream._relayc is None:
+    if request.param == "thread" and not THREAD_BUILT:
         pytest.skip("specproxy.wire._relayc is not built (no C compiler at install time)")
-    monkeypatch.setattr(upstream, "RELAY_C", request.param != "python")
-    monkeypatch.setattr(upstream, "RELAY_THREAD", request.param == "thread")
     return request.param
 
 
-
 @pytest.fixture(params=["lane", "aiohttp"])
-def each_front(request, monkeypatch):
-    """Run a test with each front of the proxy: the lane (``specproxy/serve/lane.py``, what ships: the common
-    request without aiohttp's server, any other handed to it) and aiohttp's server alone
-    (``SPECPROXY_LANE=off``). Modules opt in with ``pytestmark = pytest.mark.usefixtures("each_front")``."""
-    monkeypatch.setenv("SPECPROXY_LANE", "on" if request.param == "lane" else "off")
+def each_front(request):
+    """Run a test with each front of the proxy (Config ``lane``): the lane (``specproxy/serve/lane.py``,
+    what ships: the common request without aiohttp's server, any other handed to it) and aiohttp's server
+    alone. ``make_stack`` builds its Config with the one picked."""
     return request.param
 
 
@@ -211,10 +216,11 @@ def each_scan(request, monkeypatch):
     path without a compiler, kept equal to the reference)."""
     from specproxy.measure import texts
 
-    if request.param == "c" and texts._scanc is None:
+    if request.param == "c" and not texts.C_BUILT:
         pytest.skip("specproxy.frames._scanc is not built (no C compiler at install time)")
-    monkeypatch.setattr(texts, "USE_C", request.param == "c")
-    return request.param
+    texts.use_c_scans(request.param == "c")  # Config scan's switch (the proxy sets it at start)
+    yield request.param
+    texts.use_c_scans(True)
 
 
 @pytest.fixture
@@ -222,4 +228,6 @@ def python_scan(monkeypatch):
     """The Python scans only: for tests of how that path reads (its windows of events)."""
     from specproxy.measure import texts
 
-    monkeypatch.setattr(texts, "USE_C", False)
+    texts.use_c_scans(False)
+    yield
+    texts.use_c_scans(True)

@@ -4,7 +4,7 @@ import select
 import socket
 import time
 
-from specproxy.wire.upstream import _relayc as relayc
+from specproxy.wire.relay_thread import _relayc as relayc
 
 
 def wait_done(sink, timeout: float = 5.0) -> list[int]:

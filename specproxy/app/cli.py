@@ -15,7 +15,7 @@ import click
 import orjson
 
 from specproxy import __version__
-from specproxy.config import CADENCE_POLL_MODES, Config, load_config
+from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, SCAN_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -107,17 +107,21 @@ CONFIG_ONLY: dict[str, str] = {
 @_setting("--cadence-poll", "cadence_poll",
           "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
           "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
+@_setting("--relay", "relay",
+          "Who relays a chunked response body: the native relay thread, or Python on the event loop (more CPU)",
+          type=click.Choice(RELAY_MODES))
+@_setting("--relay-slice-us", "relay_slice_us",
+          "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
+@_setting("--lane/--no-lane", "lane",
+          "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
+@_setting("--scan", "scan", "The measuring's per-chunk scans in C or in Python (more CPU, same results)",
+          type=click.Choice(SCAN_MODES))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @_friendly
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""
     from specproxy.serve.service import Service, install_uvloop
-
-    from specproxy.wire import upstream
-
-    if upstream.RELAY_SETTING_ERROR:
-        raise SpecproxyError(upstream.RELAY_SETTING_ERROR)
     from specproxy.view.live import LivePages
 
     cfg = load_config(config_path, overrides=flags)
@@ -129,20 +133,20 @@ def serve(config_path: str | None, **flags: Any) -> None:
         from specproxy.wire import cadence_poll
         from specproxy.measure import texts
         from specproxy.measure import tokens
-        from specproxy.serve.lane import lane_enabled
+        from specproxy.wire.relay_thread import THREAD_BUILT
 
-        relay = {
-            "thread": "the relay thread (C)",
-            "loop": "C on the event loop (SPECPROXY_RELAY=loop: more CPU)",
-            "python": "pure Python (specproxy.wire._relayc not built or SPECPROXY_RELAY=python: more CPU)",
-        }[upstream.RELAY_MODE]
+        thread = cfg.relay == "thread" and THREAD_BUILT
+        relay = "the relay thread (C)" if thread else (
+            "Python on the event loop (relay = python: more CPU)" if THREAD_BUILT else
+            "Python on the event loop (specproxy.wire._relayc not built: more CPU)")
         scans = "C" if texts.c_scans() else (
-            "pure Python (specproxy.frames._scanc not built or SPECPROXY_SCAN=python: more CPU)")
-        front = "the lane, aiohttp's server for the rest" if lane_enabled() else (
-            "aiohttp's server (SPECPROXY_LANE=off: more CPU)")
+            "pure Python (scan = python: more CPU)" if texts.C_BUILT else
+            "pure Python (specproxy.frames._scanc not built: more CPU)")
+        front = "the lane, aiohttp's server for the rest" if cfg.lane else (
+            "aiohttp's server (lane off: more CPU)")
         counting = tokens.describe(svc.tokenizer)
         quota = svc.cadence.quota if svc.cadence is not None else None
-        poll = cadence_poll.describe(cfg.cadence_poll, upstream.RELAY_THREAD, quota)
+        poll = cadence_poll.describe(cfg.cadence_poll, thread, quota)
         click.echo(
             f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream} (client /v1/chat/completions -> "
             f"{cfg.forwards_to('/v1/chat/completions')}; /chat/completions -> {cfg.forwards_to('/chat/completions')}); "

@@ -1,111 +1,153 @@
-/* _chunked.h: where an HTTP/1.1 chunked body ends, read by read (a port of http1.ChunkedEnd.feed).
+/* _chunked.h: the native HTTP/1.1 chunked-framing parser, fed read by read (RFC 9112 7.1).
 
-Shared by _relayc.c (the per-read path on the event loop) and _pump.c (the relay thread). It touches no
-Python object and allocates with malloc, so the relay thread can run it without the interpreter lock. */
+One parser for every native path: the relay thread (wire/_pump.c) finds where a body ends with it, the
+relay's Python face of it is wire/_relayc.c's ChunkedEnd, and the measuring's join (_scanc.c) takes the
+payload out with it. frames/chunked.py's ChunkedEnd is its reference: the same rules, the same messages,
+at the same read, whatever the read boundaries (tests/unit/test_relayc.py, tests/unit/test_chunked.py).
+
+Strict, because a proxy that passes framing on verbatim must not pass on framing the client could read
+differently: every line ends with CRLF (a bare LF or a bare CR is malformed), chunk data is followed by
+CRLF (checked even when it falls in the next read), a size is 1 to 15 hex digits (no sign, no leading
+space; spaces before an extension or the CRLF are allowed), and no size or trailer line is longer than
+CHUNKED_MAX_LINE bytes, decided as soon as it is certain, whatever the read sizes. Extensions and
+trailer fields are passed over unread.
+
+It touches no Python object and never allocates, so the relay thread runs it without the interpreter lock;
+a line split across reads waits in the state's own buffer (at most CHUNKED_MAX_LINE + 1 bytes). */
 #ifndef SPECPROXY_CHUNKED_H
 #define SPECPROXY_CHUNKED_H
 
-#include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 
 #include "_hex.h"
 
-#define MAX_LINE_BYTES 4096 /* http1.MAX_LINE_BYTES: a partial size/trailer line longer is malformed */
+#define CHUNKED_MAX_LINE 4096 /* chunked.MAX_LINE_BYTES: a size or trailer line's most bytes, CRLF aside */
+#define CHUNKED_MAX_DIGITS 15
 
 typedef struct {
-    ssize_t rem;      /* bytes of the current chunk (payload and its CRLF) still to skip */
+    ssize_t rem;      /* bytes of the current chunk (payload and its CRLF) still due */
     int trailers;     /* after the last chunk: reading trailer lines */
-    ssize_t line_len; /* a size or trailer line split across reads */
-    char line[MAX_LINE_BYTES];
+    ssize_t line_len; /* a size or trailer line begun in an earlier read, in line[] */
+    char line[CHUNKED_MAX_LINE + 1];
 } chunked_state;
 
-/* -1: the body goes on; >= 0: the index in d just past the body's last byte; -2: malformed, *err says
-   why (a static string), or out of memory (*err == NULL). */
-static ssize_t
-chunked_scan(chunked_state *s, const char *d, ssize_t n, const char **err)
+static const char CHUNKED_TOO_LONG[] = "a chunk-size or trailer line over 4096 bytes";
+static const char CHUNKED_BARE_LF[] = "a chunk-size or trailer line not ended by CRLF";
+static const char CHUNKED_BARE_CR[] = "a bare CR in a chunk-size or trailer line";
+static const char CHUNKED_BAD_SIZE[] = "malformed chunk size";
+static const char CHUNKED_NO_CRLF[] = "chunk data not followed by CRLF";
+
+/* One complete line (without its LF), or NULL when it is fine; *size is its chunk size (size lines). */
+static const char *
+chunked_line(const char *line, ssize_t len, int trailers, long long *size)
 {
-    ssize_t rem = s->rem;
-    if (rem >= n) { /* the whole read is inside one chunk */
-        s->rem = rem - n;
-        return -1;
+    int cr = len > 0 && line[len - 1] == '\r';
+    if (len - cr > CHUNKED_MAX_LINE)
+        return CHUNKED_TOO_LONG;
+    if (!cr)
+        return CHUNKED_BARE_LF;
+    len--;
+    if (len > 0 && memchr(line, '\r', (size_t)len) != NULL)
+        return CHUNKED_BARE_CR;
+    if (trailers)
+        return NULL;
+    const char *semi = memchr(line, ';', (size_t)len);
+    ssize_t b = semi ? semi - line : len;
+    while (b > 0 && (line[b - 1] == ' ' || line[b - 1] == '\t'))
+        b--;
+    if (b == 0 || b > CHUNKED_MAX_DIGITS)
+        return CHUNKED_BAD_SIZE;
+    long long v = 0;
+    for (ssize_t k = 0; k < b; k++) {
+        int h = hex_value((unsigned char)line[k]);
+        if (h < 0)
+            return CHUNKED_BAD_SIZE;
+        v = v * 16 + h;
     }
-    ssize_t i = rem;
-    s->rem = 0;
-    while (i < n) {
-        const char *nl = memchr(d + i, '\n', (size_t)(n - i));
-        if (nl == NULL) {
-            ssize_t k = n - i;
-            if (s->line_len + k > MAX_LINE_BYTES) {
-                *err = "a chunk-size line too long";
-                return -2;
+    *size = v;
+    return NULL;
+}
+
+/* Feed one read d[0:n]. -1: the body goes on; >= 0: the index in d just past the body's last byte (the
+   end of the trailer section); -2: malformed, *err says why (one of the CHUNKED_* strings). With out
+   given, the payload bytes of the read are appended at out + *olen (out has room for n more bytes). */
+static ssize_t
+chunked_scan(chunked_state *s, const char *d, ssize_t n, const char **err, char *out, ssize_t *olen)
+{
+    ssize_t i = 0, rem = s->rem;
+    for (;;) {
+        if (rem) { /* in a chunk: its payload, then its CRLF */
+            ssize_t avail = n - i;
+            if (rem - 2 >= avail) { /* the rest of the read is payload: the usual case for long chunks */
+                if (out != NULL && avail > 0) {
+                    memcpy(out + *olen, d + i, (size_t)avail);
+                    *olen += avail;
+                }
+                s->rem = rem - avail;
+                return -1;
             }
+            if (out != NULL && rem > 2) {
+                memcpy(out + *olen, d + i, (size_t)(rem - 2));
+                *olen += rem - 2;
+            }
+            ssize_t crlf = i + rem - 2; /* where the CRLF starts, in d (before d when it began earlier) */
+            for (ssize_t k = crlf < i ? i : crlf; k < n && k < crlf + 2; k++) {
+                if (d[k] != (k == crlf ? '\r' : '\n')) {
+                    *err = CHUNKED_NO_CRLF;
+                    return -2;
+                }
+            }
+            if (rem > avail) {
+                s->rem = rem - avail;
+                return -1;
+            }
+            i += rem;
+            rem = 0;
+        }
+        s->rem = 0;
+        if (i >= n)
+            return -1;
+        const char *nl = memchr(d + i, '\n', (size_t)(n - i));
+        ssize_t j = nl ? nl - d : n, k = j - i;
+        if (s->line_len + k > CHUNKED_MAX_LINE + 1) { /* over the limit, CR or not */
+            *err = CHUNKED_TOO_LONG;
+            return -2;
+        }
+        if (nl == NULL) { /* the line goes on in the next read */
             memcpy(s->line + s->line_len, d + i, (size_t)k);
             s->line_len += k;
-            return -1;
-        }
-        ssize_t j = nl - d;
-        const char *line = d + i;
-        ssize_t len = j - i;
-        char *joined = NULL;
-        if (s->line_len) { /* the line began in an earlier read */
-            joined = malloc((size_t)(s->line_len + len + 1));
-            if (joined == NULL) {
-                *err = NULL;
+            if (s->line_len - (s->line[s->line_len - 1] == '\r') > CHUNKED_MAX_LINE) {
+                *err = CHUNKED_TOO_LONG;
                 return -2;
             }
-            memcpy(joined, s->line, (size_t)s->line_len);
-            memcpy(joined + s->line_len, d + i, (size_t)len);
-            len += s->line_len;
-            line = joined;
+            return -1;
+        }
+        const char *line = d + i;
+        ssize_t len = k;
+        if (s->line_len) { /* the line began in an earlier read */
+            memcpy(s->line + s->line_len, d + i, (size_t)k);
+            line = s->line;
+            len = s->line_len + k;
             s->line_len = 0;
         }
         i = j + 1;
-        if (len && line[len - 1] == '\r')
-            len--;
+        long long size = 0;
+        const char *bad = chunked_line(line, len, s->trailers, &size);
+        if (bad != NULL) {
+            *err = bad;
+            return -2;
+        }
         if (s->trailers) {
-            free(joined);
-            if (len == 0)
+            if (len == 1) /* the empty line: the body ends here */
                 return i;
             continue;
         }
-        /* size_text = line.split(b";", 1)[0].strip(b" \t"): 1 to 15 hex digits */
-        const char *semi = memchr(line, ';', (size_t)len);
-        ssize_t a = 0, b = semi ? semi - line : len;
-        while (a < b && (line[a] == ' ' || line[a] == '\t'))
-            a++;
-        while (b > a && (line[b - 1] == ' ' || line[b - 1] == '\t'))
-            b--;
-        long long size = 0;
-        int bad = (a == b || b - a > 15);
-        for (ssize_t k = a; !bad && k < b; k++) {
-            int v = hex_value((unsigned char)line[k]);
-            if (v < 0)
-                bad = 1;
-            else
-                size = size * 16 + v;
-        }
-        free(joined);
-        if (bad) {
-            *err = "malformed chunk size";
-            return -2;
-        }
-        if (size == 0) {
+        if (size == 0)
             s->trailers = 1;
-            continue;
-        }
-        ssize_t end = i + (ssize_t)size + 2; /* the payload and its CRLF */
-        if (end > n) {
-            s->rem = end - n;
-            return -1;
-        }
-        if (d[end - 2] != '\r' || d[end - 1] != '\n') {
-            *err = "chunk payload not followed by CRLF";
-            return -2;
-        }
-        i = end;
+        else
+            rem = (ssize_t)size + 2;
     }
-    return -1;
 }
 
 #endif

@@ -9,10 +9,9 @@ reference and the fallback (this module is optional at install); tests/unit/test
 that both paths give the reference's Texts and Records.
 
 join_frames(reads) -> (payload, ends, complete) | None
-    For HTTP/1.1 chunked reads in which every frame is whole within one read ("<hex>CRLF<data>CRLF",
-    no extension) and the body, if it ended, ended with "0" CRLF CRLF (no trailer) at the end of its
-    read: the payloads joined, each read's cumulative payload end (chunked.dechunk_reads aligned 1:1,
-    summed), and whether the last chunk arrived. None for anything else: the state machine decides.
+    HTTP/1.1 chunked reads through the native framing parser (_chunked.h, the relay's): the payloads
+    joined, each read's cumulative payload end (chunked.dechunk_reads aligned 1:1, summed), and whether
+    the body ended. None for malformed framing or bytes after the end: the reference says what is wrong.
 
 template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonempty, text_size)
     texts._Template.run over an SSE buffer by positions: how many events in a row from buf[pos] are
@@ -26,9 +25,8 @@ template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonem
 #include <Python.h>
 #include <string.h>
 
+#include "_chunked.h"
 #include "_hex.h"
-
-#define MAX_SIZE_DIGITS 15 /* a chunk size of more hex digits than this goes to the state machine */
 
 /* the value of four hex digits at p (a \\u escape's), or -1 */
 static inline long
@@ -60,49 +58,35 @@ join_frames(PyObject *module, PyObject *reads)
             Py_RETURN_NONE;
         total += PyBytes_GET_SIZE(item);
     }
+    chunked_state *cs = PyMem_Calloc(1, sizeof(chunked_state));
     PyObject *payload = PyBytes_FromStringAndSize(NULL, total); /* an upper bound, cut at the end */
     PyObject *ends = PyList_New(nreads);
-    if (payload == NULL || ends == NULL)
+    if (cs == NULL || payload == NULL || ends == NULL) {
+        if (cs == NULL)
+            PyErr_NoMemory();
         goto error;
+    }
     char *out = PyBytes_AS_STRING(payload);
     Py_ssize_t olen = 0;
     int ended = 0;
     for (Py_ssize_t r = 0; r < nreads; r++) {
         PyObject *item = PyList_GET_ITEM(reads, r);
-        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(item);
-        Py_ssize_t n = PyBytes_GET_SIZE(item), pos = 0;
-        while (pos < n) {
-            if (ended)
-                goto other; /* bytes after the last chunk: the state machine says what is wrong */
-            Py_ssize_t start = pos, size = 0;
-            int v;
-            while (pos < n && (v = hex_value(p[pos])) >= 0) {
-                if (pos - start == MAX_SIZE_DIGITS)
-                    goto other;
-                size = size * 16 + v;
-                pos++;
-            }
-            if (pos == start || n - pos < 2 || p[pos] != '\r' || p[pos + 1] != '\n')
-                goto other; /* no size, an extension, a lone LF, or a frame cut by the read's end */
-            pos += 2;
-            if (size == 0) {
-                if (n - pos != 2 || p[pos] != '\r' || p[pos + 1] != '\n')
-                    goto other; /* trailers, or the end cut across reads */
-                pos = n;
-                ended = 1;
-                break;
-            }
-            if (n - pos < size + 2 || p[pos + size] != '\r' || p[pos + size + 1] != '\n')
-                goto other;
-            memcpy(out + olen, p + pos, (size_t)size);
-            olen += size;
-            pos += size + 2;
+        Py_ssize_t n = PyBytes_GET_SIZE(item);
+        if (ended && n)
+            goto other; /* bytes after the last chunk: the reference says what is wrong */
+        if (!ended) {
+            const char *err = NULL;
+            ssize_t end = chunked_scan(cs, PyBytes_AS_STRING(item), n, &err, out, &olen);
+            if (end == -2 || (end >= 0 && end != n))
+                goto other; /* malformed, or bytes after the end: the reference reports it */
+            ended = end >= 0;
         }
         PyObject *end = PyLong_FromSsize_t(olen);
         if (end == NULL)
             goto error;
         PyList_SET_ITEM(ends, r, end);
     }
+    PyMem_Free(cs);
     if (olen < total && _PyBytes_Resize(&payload, olen) < 0) {
         Py_DECREF(ends);
         return NULL; /* _PyBytes_Resize freed payload */
@@ -112,10 +96,12 @@ join_frames(PyObject *module, PyObject *reads)
     Py_DECREF(ends);
     return result;
 other:
+    PyMem_Free(cs);
     Py_DECREF(payload);
     Py_DECREF(ends);
     Py_RETURN_NONE;
 error:
+    PyMem_Free(cs);
     Py_XDECREF(payload);
     Py_XDECREF(ends);
     return NULL;
@@ -309,7 +295,7 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef module_methods[] = {
     {"join_frames", (PyCFunction)join_frames, METH_O,
-     "join_frames(reads) -> (payload, ends, complete) or None: whole-frame chunked reads, dechunked."},
+     "join_frames(reads) -> (payload, ends, complete) or None: chunked reads, dechunked."},
     {"template_run", (PyCFunction)(void (*)(void))template_run, METH_FASTCALL,
      "template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonempty, text_size)."},
     {NULL, NULL, 0, NULL}};

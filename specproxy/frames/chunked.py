@@ -1,24 +1,22 @@
-"""Removing HTTP/1.1 chunked framing from reads relayed verbatim.
+"""HTTP/1.1 chunked framing in Python: the parser's reference, and the framing taken off relayed reads.
 
 Why: the proxy passes the upstream's chunked framing through to the client byte for byte (no
 re-framing on the forwarding path), so a ``RecordBuilder`` sees framed reads. Measuring needs the
 payload, and it needs it *per read*: an event is timed by the read that completed it, so the output is
 aligned 1:1 with the input (a read that carried only framing gives ``b""``).
 
-The definition is a small state machine fed read by read (``_stepwise``), because a frame's size line,
-data and CRLF can be split across reads anywhere. It is tolerant the way a measuring tool should be: a
-stream cut short yields what arrived (``complete`` is False); framing that is not HTTP/1.1 chunked (a
-bad size, missing CRLF after the data, bytes after the last chunk) stops decoding there, the remaining
-reads give ``b""`` and ``error`` says what was wrong, so the Record can say so instead of guessing.
-Chunk extensions (``;name=value``) are skipped, and trailer fields after the last chunk are read and
-ignored. A lone LF is accepted where CRLF is due (as lenient HTTP parsers do); a size line or trailer
-longer than 64 KiB is malformed.
+``ChunkedEnd`` is the one parser, fed read by read because a frame's size line, data and CRLF can be
+split across reads anywhere; the relay uses it (or its native twin, ``_chunked.h``) to find where a body
+ends and to refuse malformed framing, and ``dechunk_reads`` uses it to take the payload out. Both apply
+the same strict rules (see ``_chunked.h``): what the relay refused, measuring reports the same way. A
+stream cut short yields what arrived (``complete`` is False); malformed framing stops decoding there,
+the remaining reads give ``b""`` and ``error`` says what was wrong, so the Record can say so.
 
 Most streams are one whole frame per read (an engine writes one per token) and then the last chunk.
 That shape is checked and cut for all reads but the last at once, with ``map`` over C methods
 (``_whole_frames``): a Python step per read costs as much as the rest of measuring the chunk. Anything
-else (a read holding two frames or part of one, an extension, a lone LF) goes to the state machine
-from the start, which gives the same result for the common shape too (``tests/unit/test_chunked.py``).
+else goes to the parser from the start, which gives the same result for the common shape too
+(``tests/unit/test_chunked.py``). With ``_scanc`` built, ``join_whole_frames`` does it all natively.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from __future__ import annotations
 from itertools import repeat
 from operator import getitem
 
-__all__ = ["Dechunked", "dechunk_reads", "join_whole_frames"]
+__all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_whole_frames"]
 
 try:  # the per-chunk scans in C (setup.py; optional); texts.py takes them from here
     from specproxy.frames import _scanc
@@ -34,16 +32,101 @@ except ImportError:  # no C compiler at install: the Python paths, same results
     _scanc = None
 
 _HEX = b"0123456789abcdefABCDEF"
-_MAX_LINE = 64 * 1024
+MAX_LINE_BYTES = 4096  # a chunk-size or trailer line's most bytes, CRLF aside (_chunked.h's CHUNKED_MAX_LINE)
+_MAX_DIGITS = 15
 
-# states
-_SIZE = 0  # reading a chunk-size line (size, extensions, CRLF)
-_DATA = 1  # inside chunk data
-_DATA_CR = 2  # after chunk data: expecting CRLF
-_DATA_LF = 3  # after chunk data and its CR: expecting LF
-_TRAILER = 4  # after the last chunk: trailer field lines until an empty line
-_END = 5  # the body ended
-_BAD = 6  # malformed: nothing more is decoded
+# what is wrong, in the same words as _chunked.h
+TOO_LONG = "a chunk-size or trailer line over 4096 bytes"
+BARE_LF = "a chunk-size or trailer line not ended by CRLF"
+BARE_CR = "a bare CR in a chunk-size or trailer line"
+BAD_SIZE = "malformed chunk size"
+NO_CRLF = "chunk data not followed by CRLF"
+AFTER_END = "bytes after the last chunk"
+
+
+class FramingError(ValueError):
+    """The body's chunked framing is malformed."""
+
+
+def _line_size(line: bytes, trailers: bool) -> int:
+    """A complete line (without its LF) checked: its chunk size (0 for a trailer line), or FramingError."""
+    cr = line[-1:] == b"\r"
+    if len(line) - cr > MAX_LINE_BYTES:
+        raise FramingError(TOO_LONG)
+    if not cr:
+        raise FramingError(BARE_LF)
+    line = line[:-1]
+    if b"\r" in line:
+        raise FramingError(BARE_CR)
+    if trailers:
+        return 0
+    size = line.partition(b";")[0].rstrip(b" \t")
+    if not size or len(size) > _MAX_DIGITS or size.translate(None, _HEX):
+        raise FramingError(BAD_SIZE)
+    return int(size, 16)
+
+
+class ChunkedEnd:
+    """The chunked-framing parser's reference (``_chunked.h`` is the native one: same rules, same messages).
+
+    ``feed(data)`` returns -1 while the body goes on, else the index in ``data`` just past the body's last
+    byte (the end of the trailer section); malformed framing raises ``FramingError`` (see ``_chunked.h``
+    for the rules and why they are strict). With ``collect=True`` the payload slices are appended to
+    ``payload`` as they are passed, those before an error included."""
+
+    __slots__ = ("_line", "_trailers", "payload", "rem")
+
+    def __init__(self, collect: bool = False) -> None:
+        self.rem = 0  # bytes of the current chunk (payload and its CRLF) still due
+        self._line = b""  # a size or trailer line begun in an earlier read
+        self._trailers = False
+        self.payload: list[bytes] | None = [] if collect else None
+
+    def feed(self, data: bytes) -> int:
+        n = len(data)
+        payload = self.payload
+        i = 0
+        rem = self.rem
+        while True:
+            if rem:  # in a chunk: its payload, then its CRLF
+                avail = n - i
+                if rem - 2 >= avail:  # the rest of the read is payload
+                    if payload is not None and avail:
+                        payload.append(data[i:])
+                    self.rem = rem - avail
+                    return -1
+                if payload is not None and rem > 2:
+                    payload.append(data[i : i + rem - 2])
+                crlf = i + rem - 2  # where the CRLF starts (before this read when it began earlier)
+                lo, hi = max(i, crlf), min(n, crlf + 2)
+                if data[lo:hi] != b"\r\n"[lo - crlf : hi - crlf]:
+                    raise FramingError(NO_CRLF)
+                if rem > avail:
+                    self.rem = rem - avail
+                    return -1
+                i += rem
+                rem = 0
+            self.rem = 0
+            if i >= n:
+                return -1
+            j = data.find(b"\n", i)
+            if j < 0:  # the line goes on in the next read
+                line = self._line + data[i:]
+                if len(line) - (line[-1:] == b"\r") > MAX_LINE_BYTES:
+                    raise FramingError(TOO_LONG)
+                self._line = line
+                return -1
+            line = self._line + data[i:j] if self._line else data[i:j]
+            self._line = b""
+            i = j + 1
+            size = _line_size(line, self._trailers)
+            if self._trailers:
+                if len(line) == 1:  # the empty line: the body ends here
+                    return i
+            elif size:
+                rem = size + 2
+            else:
+                self._trailers = True
 
 
 class Dechunked(list):
@@ -66,9 +149,9 @@ def dechunk_reads(reads: list[bytes]) -> Dechunked:
 
 
 def join_whole_frames(reads: list[bytes]) -> tuple[bytes, list[int], bool] | None:
-    """``(payload, ends, complete)``: ``dechunk_reads`` joined (read i's payload ends at ``ends[i]``),
-    when the C scan is built and every frame is whole within its read with no extension or trailer
-    (``_scanc.join_frames``); otherwise None, and ``dechunk_reads`` decides."""
+    """``(payload, ends, complete)``: ``dechunk_reads`` joined (read i's payload ends at ``ends[i]``), by
+    the native parser when ``_scanc`` is built and the framing is well formed (``_scanc.join_frames``);
+    otherwise None, and ``dechunk_reads`` decides (and says what is wrong)."""
     if _scanc is None:
         return None
     return _scanc.join_frames(reads)
@@ -81,7 +164,7 @@ def _whole_frames(reads: list[bytes]) -> list[bytes] | None:
         return None
     sizes, _, rests = zip(*map(bytes.partition, reads, repeat(b"\r\n")))  # no CRLF: all size, no data
     digits = b"".join(sizes)
-    if b"" in sizes or digits.translate(None, _HEX) or len(digits) > _MAX_LINE:
+    if b"" in sizes or digits.translate(None, _HEX) or max(map(len, sizes)) > _MAX_DIGITS:
         return None  # no size, not hex (an extension, a sign, a space, a LF), or too long
     lengths = list(map(int, sizes, repeat(16)))
     payloads = list(map(getitem, rests, repeat(slice(None, -2))))
@@ -91,88 +174,28 @@ def _whole_frames(reads: list[bytes]) -> list[bytes] | None:
 
 
 def _stepwise(reads: list[bytes], out: Dechunked) -> Dechunked:
-    """The state machine: ``reads`` from the start of a frame, their payloads appended to ``out``."""
-    state = _SIZE
-    line = b""  # a size or trailer line that started in an earlier read
-    remaining = 0  # bytes of chunk data still due
+    """``reads`` from the start of a frame through the parser, their payloads appended to ``out``."""
+    parser = ChunkedEnd(collect=True)
+    payload = parser.payload
     error = None
+    ended = False
     for data in reads:
-        if state >= _END:
-            if state == _END and data:
-                state, error = _BAD, "bytes after the last chunk"
+        if ended or error is not None:
+            if ended and data and error is None:
+                error = AFTER_END
             out.append(b"")
             continue
-        n = len(data)
-        if state == _SIZE and not line:
-            # the common read: exactly one whole frame "<hex>\r\n<payload>\r\n" (no extension)
-            lf = data.find(b"\n", 0, 20)
-            if lf > 0:
-                size = data[: lf - 1] if data[lf - 1] == 13 else data[:lf]
-                if size and not size.lstrip(_HEX):
-                    end = lf + 1 + int(size, 16)
-                    if end > lf + 1 and n == end + 2 and data[end:] == b"\r\n":
-                        out.append(data[lf + 1 : end])
-                        continue
-        pieces: list[bytes] = []
-        pos = 0
-        while pos < n:
-            if state == _DATA:
-                end = pos + remaining
-                if end <= n:
-                    pieces.append(data[pos:end])
-                    pos = end
-                    remaining = 0
-                    state = _DATA_CR
-                else:
-                    pieces.append(data[pos:])
-                    remaining -= n - pos
-                    pos = n
-            elif state == _SIZE or state == _TRAILER:
-                lf = data.find(b"\n", pos)
-                if lf == -1:
-                    line += data[pos:]
-                    pos = n
-                    if len(line) > _MAX_LINE:
-                        state, error = _BAD, "a chunk-size or trailer line longer than 64 KiB"
-                    break
-                text = line + data[pos:lf] if line else data[pos:lf]
-                line = b""
-                pos = lf + 1
-                if text[-1:] == b"\r":
-                    text = text[:-1]
-                if len(text) > _MAX_LINE:
-                    state, error = _BAD, "a chunk-size or trailer line longer than 64 KiB"
-                    break
-                if state == _TRAILER:
-                    if not text:
-                        state = _END
-                        if pos < n:
-                            state, error = _BAD, "bytes after the last chunk"
-                        break
-                    continue  # a trailer field: not needed for measuring
-                size = text.split(b";", 1)[0].strip(b" \t")
-                if not size or size.lstrip(_HEX):
-                    state, error = _BAD, f"bad chunk-size line {text[:40]!r}"
-                    break
-                remaining = int(size, 16)
-                state = _DATA if remaining else _TRAILER
-            elif state == _DATA_CR:
-                byte = data[pos]
-                pos += 1
-                if byte == 13:  # CR
-                    state = _DATA_LF
-                elif byte == 10:  # a lone LF, accepted
-                    state = _SIZE
-                else:
-                    state, error = _BAD, "chunk data not followed by CRLF"
-                    break
-            else:  # _DATA_LF
-                if data[pos] != 10:
-                    state, error = _BAD, "chunk data not followed by CRLF"
-                    break
-                pos += 1
-                state = _SIZE
-        out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        try:
+            end = parser.feed(data)
+        except FramingError as exc:
+            error = str(exc)
+        else:
+            if end >= 0:
+                ended = True
+                if end < len(data):
+                    error = AFTER_END
+        out.append(payload[0] if len(payload) == 1 else b"".join(payload))
+        payload.clear()
     out.error = error
-    out.complete = state == _END
+    out.complete = ended and error is None
     return out

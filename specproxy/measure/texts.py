@@ -26,7 +26,8 @@ With ``specproxy.frames._scanc`` built (``_stream_texts_c``, what ships), the sa
 payload by positions instead of splitting it into lines, and a template's run is one C call
 (``_scanc.template_run``) that checks each event's bytes, decodes its JSON string and joins the text: no
 object per event. Events outside runs are read by the same ``_Gather`` in both paths. Without the C
-module (no compiler at install, or ``SPECPROXY_SCAN=python``) the Python fast path runs.
+module (no compiler at install, or Config ``scan = "python"``, set by ``use_c_scans`` at start) the
+Python fast path runs.
 
 ``tests/unit/test_measure_fast.py`` checks both fast paths against the reference on random streams and random
 read splits, and that they parse and look at no more than they need to; ``tests/unit/test_scanc.py`` checks
@@ -35,7 +36,6 @@ that ``template_run`` takes exactly the strings orjson reads.
 
 from __future__ import annotations
 
-import os
 import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -48,16 +48,22 @@ from specproxy.frames.chunked import _scanc  # the per-chunk scans in C; None wh
 from specproxy.measure.openai import parse_json, read_chunk, read_full_response
 from specproxy.frames.sse import SSEDecoder
 
-# SPECPROXY_SCAN=python (and tests, through this flag) run the Python paths even when the C is built
-USE_C = os.environ.get("SPECPROXY_SCAN") != "python"
+C_BUILT = _scanc is not None
+_use_c = True  # Config's scan, given by use_c_scans() when the service starts
+
+
+def use_c_scans(on: bool) -> None:
+    """Config ``scan``: the C scans (``True``, where built) or the Python ones, from now on."""
+    global _use_c
+    _use_c = on
 
 
 def c_scans() -> bool:
     """Whether measuring runs the C scans: built, and not switched off."""
-    return _scanc is not None and USE_C
+    return C_BUILT and _use_c
 
 
-__all__ = ["MAX_VARYING_DIGITS", "Texts", "body_texts", "c_scans", "stream_texts", "stream_texts_joined", "stream_texts_reference"]
+__all__ = ["C_BUILT", "MAX_VARYING_DIGITS", "Texts", "body_texts", "c_scans", "use_c_scans", "stream_texts", "stream_texts_joined", "stream_texts_reference"]
 
 
 @dataclass(slots=True)

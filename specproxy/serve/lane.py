@@ -7,7 +7,7 @@ request and writer objects, a URL, a header dict, the response's bookkeeping); o
 keep-alive connections sending a turn every 1-3 s cost the loop ~170-220 µs of CPU per request through
 aiohttp with a trivial handler, ~80 µs through a bare protocol (``/tmp`` experiment, schedstat of the
 server's threads, two runs each). In ``scripts/bench_overhead.py`` at C = 256 the lane took the event
-loop from 3.6 to 2.5 µs of CPU per relayed chunk (interleaved runs with ``SPECPROXY_LANE=off``).
+loop from 3.6 to 2.5 µs of CPU per relayed chunk (interleaved runs with the lane off).
 
 What it takes: a request that is plainly well-formed and whole. HTTP/1.1; a method from a short list; an
 origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no dot segments, no
@@ -21,7 +21,7 @@ Anything else it declines: from that request on, the connection is aiohttp's, wh
 from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always
 did. So every defence of ``proxy.py`` still applies; the lane refuses nothing itself but a body that
 stalls (408, as aiohttp's path answers it) and a request over ``max_concurrent`` (503, the same check).
-``SPECPROXY_LANE=off`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
+Config ``lane = false`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
 
 A connection's requests are served one at a time, in order (pipelined ones wait in the buffer; reading
 pauses when too much waits). A client that hangs up cancels its exchange, which ``Proxy.forward``
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 from collections.abc import Callable
 from http import HTTPStatus
@@ -48,7 +47,7 @@ from specproxy.wire.relay_thread import no_delay
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy
 
-__all__ = ["Lane", "Lanes", "lane_enabled", "read_head", "refusal_bytes"]
+__all__ = ["Lane", "Lanes", "read_head", "refusal_bytes"]
 
 log = logging.getLogger("specproxy.serve.lane")
 
@@ -68,10 +67,6 @@ _SINGLETONS = frozenset(
 )
 _LABEL = LABEL_HEADER.lower().encode()
 _RESERVED = PREFIX.encode()
-
-
-def lane_enabled() -> bool:
-    return os.environ.get("SPECPROXY_LANE", "on").lower() not in ("off", "0", "no")
 
 
 def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] | None:

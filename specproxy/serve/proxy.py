@@ -48,6 +48,7 @@ from yarl import URL
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
 from specproxy.serve.admin import reserved
+from specproxy.measure.texts import use_c_scans
 from specproxy.serve.measuring import MeasuringWorker
 from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
@@ -227,8 +228,10 @@ class Proxy:
 
     async def start(self) -> None:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
+        use_c_scans(self.cfg.scan == "c")
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
-                                         idle_timeout_s=self.cfg.idle_timeout_s)
+                                         idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
+                                         relay_slice_us=self.cfg.relay_slice_us)
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
                                          self._built)
 

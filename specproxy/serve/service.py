@@ -31,7 +31,7 @@ from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
-from specproxy.serve.lane import Lane, Lanes, lane_enabled
+from specproxy.serve.lane import Lane, Lanes
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
@@ -241,7 +241,7 @@ class Service:
             self.header_timeouts += 1
 
         proxy, lanes = self.proxy, self.lanes
-        if lane_enabled():  # the common request without aiohttp's server; any other goes on to it (lane.py)
+        if self.cfg.lane:  # the common request without aiohttp's server; any other goes on to it (lane.py)
             def protocol() -> asyncio.Protocol:
                 return _HeadDeadline(Lane(proxy, lanes, server, timeout), timeout, expired)
         else:

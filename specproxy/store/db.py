@@ -269,6 +269,7 @@ _raw_row = attrgetter(*FIELD_NAMES)
 _INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES ({', '.join('?' * len(FIELD_NAMES))})"
 
 
+_WAKE = object()  # put by close(): the writer thread wakes at once instead of at its next poll
 LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind without stalling the relay
 
 
@@ -323,6 +324,7 @@ class Writer:
     def close(self, timeout: float = 30.0) -> None:
         """Stop after writing everything queued so far (bounded by ``timeout``)."""
         self._stop.set()
+        self._queue.put(_WAKE)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._conn.close()
@@ -333,7 +335,12 @@ class Writer:
             if not pending:
                 self.retention.run_if_due(self._conn)  # here: never while a batch waits
                 try:
-                    pending.append(self._queue.get(timeout=0.1))
+                    item = self._queue.get(timeout=0.1)
+                    if item is not _WAKE:
+                        pending.append(item)
+                    elif self._stop.is_set() and self._queue.empty():
+                        return
+                    continue
                 except queue.Empty:
                     # only an empty queue ends the thread: CPython's timed SimpleQueue.get can raise Empty
                     # with records queued (its wait times out as a put lands), and returning then lost
@@ -346,9 +353,11 @@ class Writer:
                 try:
                     left = deadline - time.monotonic()
                     if left > 0 and len(pending) < LINGER_BATCH and not self._stop.is_set():
-                        pending.append(self._queue.get(timeout=left))
+                        item = self._queue.get(timeout=left)
                     else:
-                        pending.append(self._queue.get_nowait())
+                        item = self._queue.get_nowait()
+                    if item is not _WAKE:
+                        pending.append(item)
                 except queue.Empty:
                     break
             if self._write(pending):

@@ -1,13 +1,12 @@
 /* _pump.c: the relay thread, no Python in it (its Python types are in _pump_py.c). Part of _relayc.
 
-Why: with the per-read path in C (_relayc.c), the event loop still paid ~4 us of user-space CPU per
-relayed chunk at 256 streams against nginx's ~1.6 (scripts/bench_overhead.py; perf): uvloop takes the
-interpreter lock twice per read (buffer and callback), makes a bytes object and calls the protocol,
-whose C path then makes float objects, appends to lists and calls three transport methods. The
-measuring thread then waits on the same lock. Here one native thread, which never takes the
-interpreter lock, relays the bodies themselves: epoll, read, find the end (_chunked.h), send, clock.
+Why: relayed on the event loop, even in C, each read costs uvloop taking the interpreter lock twice
+(buffer and callback), a bytes object, a call into the protocol, float objects, list appends and three
+transport calls, several times nginx's CPU per chunk (docs/performance.md); and the measuring thread
+waits on the same lock. Here one native thread, which never takes the interpreter lock, relays the
+bodies themselves: epoll, read, find the end (_chunked.h), send, clock.
 
-What Python hands over and gets back (upstream.UpstreamConn is the only user):
+What Python hands over and gets back (body.BodyRelay is the only user):
   Sink(loop side)  -- a queue of finished turns and an eventfd the event loop watches (one per loop).
   Turn(sink, upstream_fd, client_fd, framing)
                    -- the body of one exchange, relayed by the thread from now on: dup()s of both sockets
@@ -20,7 +19,7 @@ What Python hands over and gets back (upstream.UpstreamConn is the only user):
   error) or by Turn.cancel() from Python (the idle deadline, the client hanging up, closing); either way
   the thread touches neither socket afterwards and both dups are closed. A turn the thread ended goes to
   its sink, which wakes the loop: Sink.done() returns the turns' ids and Python calls the same edges as
-  the per-read path (_complete, _truncated, _client_gone).
+  the Python relay (_complete, _truncated, _client_gone).
 
 Backpressure: a read the client's socket does not take at once stays in the turn; the thread stops
 reading the upstream (the kernel's buffers push back on the server) until the client has taken it.
@@ -243,10 +242,10 @@ read_once(turn *t, int closing, turn **ended)
     __atomic_store(&pump_g.last_read, &t_read, __ATOMIC_RELAXED); /* read without a lock: any recent value does */
     cadence_read(&pump_g.cad, t_read);
     const char *err = NULL;
-    ssize_t end = chunked_scan(&t->cs, at, n, &err);
-    if (end == -2) { /* as the per-read path: nothing of this read reaches the client */
+    ssize_t end = chunked_scan(&t->cs, at, n, &err, NULL, NULL);
+    if (end == -2) { /* as the Python path: nothing of this read reaches the client */
         t->framing_error = err;
-        end_turn(t, err ? O_FRAMING : O_THREAD_ERROR, err ? 0 : ENOMEM, ended);
+        end_turn(t, O_FRAMING, 0, ended);
         return 0;
     }
     size_t take = (size_t)(end >= 0 ? end : n);
@@ -301,8 +300,9 @@ on_upstream_readable(turn *t, uint32_t events, turn **ended)
    (milliseconds) before the relay's wake-up could preempt it. With a 0.1 ms slice, the shortest the kernel
    allows, it preempts at once: at C = 256 with a smooth upstream (scripts/bench_overhead.py --stream-mode
    smooth, interleaved pairs), added p99 per chunk 326-420 us against 1,192-1,512 without; CPU per chunk
-   and the batched upstream's p99 unchanged within the runs' spread. SPECPROXY_RELAY_SLICE_US sets it in
-   microseconds (0: the kernel's default). The thread's nice value is kept. */
+   and the batched upstream's p99 unchanged within the runs' spread. Config's relay_slice_us sets it in
+   microseconds (0: the kernel's default), given to Sink() and applied when the thread starts. The
+   thread's nice value is kept. */
 struct pump_sched_attr {
     uint32_t size, policy;
     uint64_t flags;
@@ -311,7 +311,7 @@ struct pump_sched_attr {
     uint64_t runtime, deadline, period;
 };
 
-static long pump_slice_us = 100; /* read from the environment where the thread is started, under the GIL */
+static long pump_slice_us; /* set by pump_start_locked, before the thread starts */
 
 static void
 pump_short_slice(void)
@@ -464,9 +464,9 @@ pump_after_fork_in_child(void)
     cadence_forget(&pump_g.cad);
 }
 
-/* start the thread once per process; call with pump_g.mu held */
+/* start the thread once per process, with a scheduler slice of slice_us; call with pump_g.mu held */
 int
-pump_start_locked(void)
+pump_start_locked(long slice_us)
 {
     if (pump_g.started)
         return 0;
@@ -486,10 +486,7 @@ pump_start_locked(void)
     pump_g.epfd = epfd;
     pump_g.wakefd = wakefd;
     pump_g.cancelled = NULL;
-    /* here, not in the thread: Python changes the environment under the GIL, which the caller holds */
-    const char *slice = getenv("SPECPROXY_RELAY_SLICE_US");
-    if (slice != NULL && *slice != '\0')
-        pump_slice_us = strtol(slice, NULL, 10);
+    pump_slice_us = slice_us;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);

@@ -52,7 +52,8 @@ typedef struct turn {
 } turn;
 
 typedef struct sink {
-    int efd;    /* eventfd: written when done goes from empty to not */
+    int efd;       /* eventfd: written when done goes from empty to not */
+    long slice_us; /* the thread's scheduler slice, if this sink's turn starts it (Sink(slice_us)) */
     turn *done; /* ended by the thread, not yet returned by Sink.done() (holds the thread's refs) */
     int refs;   /* Python's object and each turn: under g.mu */
 } sink;
@@ -82,7 +83,7 @@ PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu
 PUMP_HIDDEN void pump_turn_release(turn *t);           /* callers hold pump_g.mu */
 PUMP_HIDDEN int pump_watch(turn *t, int client, int on); /* callers hold t->mu */
 PUMP_HIDDEN void pump_unwatch(turn *t);                /* callers hold t->mu; closes the dups */
-PUMP_HIDDEN int pump_start_locked(void);               /* callers hold pump_g.mu */
+PUMP_HIDDEN int pump_start_locked(long slice_us);      /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_after_fork_in_child(void);
 
 #endif

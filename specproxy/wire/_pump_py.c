@@ -23,7 +23,9 @@ typedef struct {
 static PyObject *
 Sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (!PyArg_ParseTuple(args, ":Sink"))
+    static char *kwlist[] = {"slice_us", NULL};
+    long slice_us = 100;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|l:Sink", kwlist, &slice_us))
         return NULL;
     SinkObject *self = (SinkObject *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -40,6 +42,7 @@ Sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     k->refs = 1;
+    k->slice_us = slice_us;
     self->k = k;
     return (PyObject *)self;
 }
@@ -104,7 +107,8 @@ static PyTypeObject SinkType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy.wire._relayc.Sink",
     .tp_basicsize = sizeof(SinkObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Where the relay thread puts the turns it ended, for one event loop to collect.",
+    .tp_doc = "Sink(slice_us=100): where the relay thread puts the turns it ended, for one event loop to "
+              "collect; slice_us is the thread's scheduler slice if one of its turns starts the thread.",
     .tp_new = Sink_new,
     .tp_dealloc = (destructor)Sink_dealloc,
     .tp_methods = Sink_methods,
@@ -146,7 +150,7 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     int failed = t->cl_fd < 0, err = errno;
     if (!failed) {
         pthread_mutex_lock(&pump_g.mu);
-        failed = pump_start_locked() < 0;
+        failed = pump_start_locked(((SinkObject *)sink_obj)->k->slice_us) < 0;
         err = errno;
         pthread_mutex_unlock(&pump_g.mu);
     }

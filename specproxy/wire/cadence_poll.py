@@ -11,7 +11,7 @@ Polling spends CPU, and a proxy must not take CPU from the server it measures (a
 the same machine decodes on its cores). So ``auto``, the default, lets the thread poll only while the
 machine has a whole core idle, sampled from ``/proc/stat`` once a second (``IdleCores``), and never
 under a CPU quota (``cpu_quota``: a container's limit, which polling would spend); ``on`` lets it poll
-regardless, ``off`` never. Without the relay thread (``SPECPROXY_RELAY=loop|python``, or no C
+regardless, ``off`` never. Without the relay thread (``relay = "python"``, or no C
 compiler at install) there is nothing to poll and the setting does nothing.
 """
 

@@ -1,8 +1,7 @@
 """The event loop's side of the relay thread (``_relayc.Turn``/``Sink``, see ``_pump.c``).
 
-Why a thread: with the per-read path in C on the event loop, the loop still spent ~4 µs of user-space CPU
-per relayed chunk at 256 streams (uvloop's callbacks under the interpreter lock, objects per read),
-against ~1.6 for nginx's whole worker. Once a response's head is out and its body is a chunked stream
+Why a thread: relayed on the event loop, even in C, each read costs uvloop's callbacks under the
+interpreter lock and objects per read, several times nginx's CPU per chunk (docs/performance.md). Once a response's head is out and its body is a chunked stream
 passed through, ``UpstreamConn`` hands the body to one native thread that never takes the interpreter
 lock: it reads, finds the end, sends, stamps and keeps each read; the loop hears back once per turn.
 
@@ -23,14 +22,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specproxy.wire.upstream import UpstreamConn
 
-__all__ = ["TurnSink", "ended_reason", "last_read", "plain_socket_fd"]
+__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "TurnSink", "ended_reason", "last_read", "plain_socket_fd"]
 
 log = logging.getLogger("specproxy.relay")
 
 try:
     from specproxy.wire import _relayc
-except ImportError:  # without a compiler there is no thread: upstream.RELAY_THREAD is False
+except ImportError:  # without a compiler there is no thread: every body is relayed in Python
     _relayc = None
+
+THREAD_BUILT = _relayc is not None
+# _chunked.h's parser: the framing of a body the thread may take (Turn starts from its state)
+NativeChunkedEnd = _relayc.ChunkedEnd if _relayc is not None else None
 
 
 def last_read() -> float:
@@ -62,9 +65,9 @@ def no_delay(transport: asyncio.BaseTransport) -> None:
 class TurnSink:
     """The turns one event loop handed to the relay thread; ended ones come back through an eventfd."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, slice_us: int) -> None:
         self.loop = loop
-        self._sink = _relayc.Sink()
+        self._sink = _relayc.Sink(slice_us)  # the thread's scheduler slice, if this loop's turn starts it
         self._conns: dict[int, UpstreamConn] = {}
         self._fd = self._sink.fileno()
         loop.add_reader(self._fd, self._collect)
@@ -98,7 +101,7 @@ class TurnSink:
 
 def ended_reason(outcome: tuple[str, int, str | None]) -> tuple[str, str | None]:
     """What a turn the thread ended means to ``UpstreamConn``: ("ok"|"truncated"|"client_gone", reason), in
-    the words the per-read path uses for the same event."""
+    the words the Python relay uses for the same event."""
     name, err, framing = outcome
     if name == "end":
         return "ok", None

@@ -2,22 +2,12 @@
 
 Why not aiohttp's client here: per chunk of a stream, aiohttp's client parses the chunked framing, feeds
 a StreamReader and wakes the handler's task, which then writes through StreamResponse's own chunked
-framing: a task switch and two framing passes per chunk, measured at a quarter to a third of the relay's
-CPU (scripts/bench_overhead.py). Here the bytes of a response body are written to the client's transport
-inside ``data_received``, the moment they are read, with the upstream's framing passed through verbatim.
-The per-read work is: a clock read, finding out whether the body ended (chunk sizes are skipped over, the
-payload is never copied), the write, a clock read, and three list appends into the turn's
-``RecordBuilder``. Nothing is parsed or counted here; the measuring thread strips the framing later.
+framing: a task switch and two framing passes per chunk, a quarter to a third of the relay's CPU
+(scripts/bench_overhead.py). Here the bytes of a response body are written to the client's transport
+inside ``data_received``, the moment they are read, with the upstream's framing passed through verbatim,
+or handed to the relay thread (``body.py`` decides, and relays what the thread does not take).
 
-With ``specproxy.wire._relayc`` built (a small C extension, optional at install), the case that carries almost
-every chunk (a chunked body passed through) leaves Python: by default ``attach`` hands the body to the
-relay thread (``relay_thread.py``, ``_pump.c``), which reads, sends and stamps it without the interpreter
-lock and reports once per turn to the same edges (``_complete``, ``_truncated``, ``_client_gone``); with
-``SPECPROXY_RELAY=loop``, or when the thread cannot take a turn (TLS, bytes still queued for the client),
-``UpstreamConn`` relays each read on the loop in C (its ``data_received`` from ``_relayc.RelayBase``,
-armed by ``_fast_attach``). The Python methods here stay the reference and the fallback
-(``SPECPROXY_RELAY=python`` forces them); tests/unit/test_relayc.py, tests/integration/test_relay_thread.py and the
-``each_relay`` fixture hold the three to the same behaviour.
+This module owns the connection, the request and the response head; ``body.BodyRelay`` the body.
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
@@ -37,32 +27,21 @@ import time
 
 from yarl import URL
 
-from specproxy.wire.http1 import (
-    CHUNKED,
-    CLOSE,
-    LENGTH,
-    NO_BODY,
-    ChunkedEnd,
-    FramingError,
-    ResponseHead,
-    _Length,
-    _UntilClose,
-    parse_head,
-)
 from specproxy.errors import UpstreamError
-from specproxy.wire.relay_thread import TurnSink, ended_reason, no_delay, plain_socket_fd
+from specproxy.frames.chunked import ChunkedEnd, FramingError
+from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, PASS, BodyRelay
+from specproxy.wire.http1 import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, _Length, _UntilClose, parse_head
+from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink, no_delay
 from specproxy.wire.relay_thread import last_read as thread_last_read
-
-try:  # the per-read body path in C (see _relayc.c); the Python methods below are its reference
-    from specproxy.wire import _relayc
-except ImportError:  # built without a C compiler: the pure-Python relay, same behaviour, more CPU
-    _relayc = None
 
 __all__ = [
     "CHUNKED",
     "CLOSE",
+    "DECHUNK",
+    "ENCODE",
     "LENGTH",
     "NO_BODY",
+    "PASS",
     "ChunkedEnd",
     "FramingError",
     "ResponseHead",
@@ -77,43 +56,8 @@ clock = time.perf_counter
 POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long
 MAX_HEAD_BYTES = 65536  # a response head longer than this is refused (502)
 
-# connection states
-_IDLE, _WAIT_HEAD, _PARKED, _BODY, _DONE = range(5)
 
-# Who relays a chunked body passed through (SPECPROXY_RELAY): "thread" (the default), the relay thread
-# (relay_thread.py); "loop", the per-read path in C on the event loop; "python", its Python reference.
-# Without the C extension only "python" exists. Other bodies (length, until close, re-framed) are relayed
-# on the loop, in Python, whatever the setting.
-RELAY_MODES = ("thread", "loop", "python")
-_relay_env = os.environ.get("SPECPROXY_RELAY", "").strip().lower()
-# a setting nobody knows: ``specproxy serve`` refuses to start with this message (not an import error)
-RELAY_SETTING_ERROR = None if _relay_env in ("", *RELAY_MODES) else (
-    f"SPECPROXY_RELAY must be one of {', '.join(RELAY_MODES)}, not {_relay_env!r}")
-RELAY_MODE = "python" if _relayc is None else (_relay_env if _relay_env in RELAY_MODES else "thread")
-RELAY_C = RELAY_MODE != "python"
-RELAY_THREAD = RELAY_MODE == "thread"
-if _relayc is not None:
-    _relayc.set_framing_error(FramingError)
-    _RelayBase = _relayc.RelayBase
-else:
-
-    class _RelayBase:
-        """Stands in for ``_relayc.RelayBase`` when it is not built: never armed."""
-
-        __slots__ = ()
-
-        def _fast_attach(self, out, builder) -> None:
-            raise RuntimeError("specproxy.wire._relayc is not built")
-
-        def _fast_detach(self) -> None:
-            pass
-
-
-# how the body goes to the client
-PASS, DECHUNK, ENCODE = 0, 1, 2
-
-
-class UpstreamConn(_RelayBase, asyncio.Protocol):
+class UpstreamConn(BodyRelay, asyncio.Protocol):
     """One connection to the upstream, carrying one exchange at a time.
 
     The handler sends a request (``UpstreamPool.request``), gets the head, writes the client's response
@@ -155,9 +99,7 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         self.transport = transport
         no_delay(transport)
 
-    def _data_received_py(self, data: bytes) -> None:
-        """``data_received`` in Python; with ``_relayc`` built, its ``data_received`` runs the body's reads
-        itself once ``_fast_attach`` armed it and calls this for every other read."""
+    def data_received(self, data: bytes) -> None:
         t_read = clock()
         self.last_read = t_read
         self.pool.last_read = t_read  # the measuring worker waits for a gap in these
@@ -270,207 +212,6 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
-    # --- the body ------------------------------------------------------------------------------------
-
-    def attach(self, out: asyncio.Transport, builder, mode: int) -> None:
-        """Start forwarding the body to ``out``; reads that arrived meanwhile go first, with their times."""
-        assert self.state == _PARKED and self.head is not None
-        head = self.head
-        self.out = out
-        self.builder = builder
-        self.mode = mode
-        self.outcome = None
-        self.paused = False
-        limits = out.get_write_buffer_limits() if hasattr(out, "get_write_buffer_limits") else (0, 65536)
-        self._high = max(limits[1], 1)
-        if head.framing == CHUNKED:
-            self.framing = _relayc.ChunkedEnd() if RELAY_C and mode == PASS else ChunkedEnd(collect=mode == DECHUNK)
-        elif head.framing == LENGTH:
-            self.framing = _Length(head.length)
-        elif head.framing == CLOSE:
-            self.framing = _UntilClose()
-        else:
-            self.framing = _Length(0)
-        self.state = _BODY
-        parked, self._parked = self._parked, []
-        if head.framing == NO_BODY or (head.framing == LENGTH and head.length == 0):
-            if parked:
-                self.reusable = False  # bytes after a body-less response: not a connection to reuse
-            self._complete("ok", None)
-            return
-        for data, t_read in parked:
-            self._body(data, t_read)
-            if self.state != _BODY:
-                return
-        if self._eof:
-            self.connection_lost(None)
-            return
-        if self.transport is not None:
-            self._arm_timer()
-            if RELAY_C and type(self.framing) is _relayc.ChunkedEnd and not (RELAY_THREAD and self._thread_attach(out)):
-                self._fast_attach(out, builder)  # from now on each read is relayed by _relayc on the loop
-
-    def _thread_attach(self, out: asyncio.Transport) -> bool:
-        """Hand the body to the relay thread: only when both ends are plain sockets and nothing of ours waits
-        in the client's write buffer (the thread's bytes must come after it). False: relay it here."""
-        if out.is_closing() or out.get_write_buffer_size():
-            return False
-        up_fd = plain_socket_fd(self.transport)
-        client_fd = plain_socket_fd(out)
-        if up_fd is None or client_fd is None:
-            return False
-        self.transport.pause_reading()  # from now on the thread reads this socket, not the loop
-        try:
-            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing)
-        except OSError:
-            self.transport.resume_reading()
-            return False
-        return True
-
-    def _thread_ended(self) -> None:
-        """From ``TurnSink``: the thread ended this turn; the same edges as the per-read path's."""
-        turn = self._turn
-        if turn is None:
-            return
-        past_end = turn.past_end
-        how, reason = ended_reason(turn.outcome)
-        self._thread_detach()
-        if how == "ok":
-            if past_end:
-                self.reusable = False  # bytes past the end of the response nobody asked for
-            self._complete("ok", None)
-        elif how == "client_gone":
-            self._client_gone(reason)
-        else:
-            self._truncated(reason)
-
-    def _thread_ended_first(self) -> bool:
-        """Before ending a turn the thread has (an idle deadline, a client hanging up, the upstream's
-        connection lost): if the thread had already ended it, its report still on the way to the loop,
-        that ending stands (the client has the whole body, say, before it hung up). True: handled."""
-        turn = self._turn
-        if turn is not None and not turn.cancel():
-            self._thread_ended()
-            return True
-        return False
-
-    def _thread_detach(self) -> None:
-        """Take the body back from the thread (it stops, if it had not): its reads go to the builder."""
-        turn = self._turn
-        if turn is None:
-            return
-        self._turn = None
-        turn.cancel()
-        self.pool.turn_sink().forget(turn)
-        b = self.builder
-        if b is not None:
-            b.relayed_by_thread(turn)  # its reads become objects in the measuring thread, not here
-        self.last_read = max(self.last_read, turn.last_activity)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
-
-    def _body(self, data: bytes, t_read: float) -> None:
-        """The forwarding path of one read. Keep it short."""
-        try:
-            end = self.framing.feed(data)
-        except FramingError as exc:
-            self._truncated(f"malformed chunked framing from the upstream ({exc})")
-            return
-        if end >= 0 and end != len(data):
-            data = data[:end]
-            self.reusable = False  # bytes past the end of the response nobody asked for
-        out = self.out
-        if out.is_closing():
-            self._client_gone("client disconnected")
-            return
-        mode = self.mode
-        if mode == PASS:
-            out.write(data)
-        elif mode == DECHUNK:
-            payload = self.framing.payload
-            if payload:
-                out.write(b"".join(payload))
-                payload.clear()
-        elif data:
-            out.write(b"%x\r\n%b\r\n" % (len(data), data))
-        t_written = clock()
-        b = self.builder
-        if b is not None:
-            b.on_bytes(data, t_read, t_written)
-        if end >= 0:
-            self._complete("ok", None)
-        elif out.get_write_buffer_size() > self._high:
-            self._pause()
-
-    def _pause(self) -> None:
-        """The client is not reading as fast as the upstream sends: stop reading the upstream (the kernel's
-        buffers then push back on it) until the handler has seen the client drain."""
-        if self.transport is not None:
-            self.transport.pause_reading()
-        self.paused = True
-        self._cancel_timer()  # not the upstream's silence: no idle deadline while we hold it back
-        self._wake()
-
-    def resume(self) -> None:
-        if not self.paused or self.state != _BODY:
-            return
-        self.paused = False
-        self.last_read = clock()
-        if self.transport is not None:
-            self.transport.resume_reading()
-            self._arm_timer()
-
-    async def wait(self) -> None:
-        """Until the body has ended or the relay is paused for the client."""
-        if self.outcome is not None or self.paused:
-            return
-        self._waiter = self.pool.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _complete(self, outcome: str, error: str | None) -> None:
-        if self.state == _DONE:
-            return
-        self.state = _DONE
-        self._thread_detach()
-        self._fast_detach()
-        self._cancel_timer()
-        if outcome == "ok" and self.mode == ENCODE and self.out is not None and not self.out.is_closing():
-            self.out.write(b"0\r\n\r\n")
-        self.outcome = outcome
-        self.error = error
-        b = self.builder
-        if b is not None and not b._ended:
-            b.finish(clock(), outcome, error)
-        self.builder = None
-        self.out = None
-        if outcome == "ok" and self.reusable and self.head is not None and self.head.keep_alive:
-            self.pool._release(self)
-        else:
-            self.close()
-        self._wake()
-
-    def _truncated(self, reason: str) -> None:
-        if self._thread_ended_first():
-            return
-        out = self.out
-        self._complete("upstream_truncated", reason)
-        if out is not None:
-            out.abort()  # the client must see the truncation: no invented end of the body
-
-    def _client_gone(self, reason: str) -> None:
-        if self._thread_ended_first():
-            return
-        self.reusable = False
-        self._complete("client_abort", reason)
-
     def abandon(self, outcome: str, reason: str, exchange: int | None = None) -> None:
         """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection.
 
@@ -523,14 +264,13 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
             self.transport.close()
 
 
-if _relayc is None:  # no C base class: Python takes every read
-    UpstreamConn.data_received = UpstreamConn._data_received_py
-
-
 class UpstreamPool:
     """Connections to the one upstream origin, kept alive between exchanges."""
 
-    def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
+                 relay_slice_us: int = 100) -> None:
+        """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
+        ``python`` (every body relayed on the loop); Config's ``relay`` and ``relay_slice_us``."""
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, not {url.scheme}://")
         self.loop = asyncio.get_running_loop()
@@ -539,6 +279,8 @@ class UpstreamPool:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if url.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.relay_thread = relay == "thread" and THREAD_BUILT
+        self.relay_slice_us = relay_slice_us
         self.idle: list[UpstreamConn] = []
         self.active: set[UpstreamConn] = set()
         self.closed = False
@@ -548,7 +290,7 @@ class UpstreamPool:
     def turn_sink(self) -> TurnSink:
         """This loop's mailbox for the relay thread (made on first use)."""
         if self._turn_sink is None:
-            self._turn_sink = TurnSink(self.loop)
+            self._turn_sink = TurnSink(self.loop, self.relay_slice_us)
         return self._turn_sink
 
     def activity(self) -> float:

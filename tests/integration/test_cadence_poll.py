@@ -20,12 +20,12 @@ from click.testing import CliRunner
 from faultkit import LoopThread, ServeProcess, chunk, post_head, wait_until
 
 from specproxy.wire import cadence_poll
-from specproxy.wire import upstream
+from specproxy.wire import relay_thread
 from specproxy.app.cli import main
 from specproxy.config import load_config
 from specproxy.errors import ConfigError
 
-relayc = upstream._relayc
+relayc = relay_thread._relayc
 needs_thread = pytest.mark.skipif(relayc is None, reason="specproxy.wire._relayc is not built")
 
 
@@ -270,7 +270,7 @@ def test_the_start_up_line_says_what_the_setting_does_here():
     assert cadence_poll.describe("auto", True) == "auto (polls for the next token while a core is idle)"
     assert cadence_poll.describe("on", True) == "on (polls for the next token)"
     assert cadence_poll.describe("off", True) == "off"
-    assert cadence_poll.describe("on", False) == "off (no relay thread)"  # SPECPROXY_RELAY=loop|python
+    assert cadence_poll.describe("on", False) == "off (no relay thread)"  # relay = "python", or not built
 
 
 def test_a_bad_mode_is_a_clear_error():
@@ -394,14 +394,8 @@ def stream_of(got: bytes) -> int:
     return int(got.split(b'"content":"s', 1)[1].split(b" ", 1)[0])
 
 
-@pytest.fixture
-def thread_relay(monkeypatch):
-    monkeypatch.setattr(upstream, "RELAY_C", True)
-    monkeypatch.setattr(upstream, "RELAY_THREAD", True)
-
-
 @needs_thread
-def test_one_stream_on_a_clock_is_polled_for_and_its_tokens_arrive_in_the_windows(make_stack, thread_relay):
+def test_one_stream_on_a_clock_is_polled_for_and_its_tokens_arrive_in_the_windows(make_stack):
     stats, (got,) = run_streams(make_stack, 1, "on")
     assert got == body(stream_of(got)), "the bytes must arrive as the upstream sent them"
     # 24 ticks: the first 5 teach the clock, then a window before each of the rest
@@ -414,14 +408,14 @@ def test_one_stream_on_a_clock_is_polled_for_and_its_tokens_arrive_in_the_window
 
 
 @needs_thread
-def test_off_never_polls(make_stack, thread_relay):
+def test_off_never_polls(make_stack):
     stats, (got,) = run_streams(make_stack, 1, "off")
     assert got == body(stream_of(got))
     assert stats == {"poll_windows": 0, "poll_hits": 0, "poll_s": 0.0}
 
 
 @needs_thread
-def test_up_to_poll_max_turns_streams_are_polled_for_and_more_are_not(make_stack, thread_relay):
+def test_up_to_poll_max_turns_streams_are_polled_for_and_more_are_not(make_stack):
     n = relayc.POLL_MAX_TURNS
     few, bodies = run_streams(make_stack, n, "on")
     assert sorted(bodies) == sorted(body(i) for i in range(n))

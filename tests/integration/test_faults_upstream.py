@@ -23,7 +23,10 @@ import pytest
 from faultkit import (ScriptedUpstream, blackhole_listener, chunk, db_records, delta_event, kernel_queued,
                       parse_response, post_head)
 
-pytestmark = pytest.mark.usefixtures("each_relay", "each_front")  # each body relay; the lane and aiohttp alone
+# On the default path (the relay thread, the lane). The relays are held to each other by the differential
+# tests (tests/unit/test_relayc.py, tests/integration/test_relay_thread.py) and test_relay_framing.py; the
+# fronts by test_faults_http.py, test_faults_bytes.py and test_proxy_behaviour.py. The slow reader runs
+# through both relays: each holds the upstream back its own way.
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
@@ -343,8 +346,8 @@ TOTAL = 32 * 1024 * 1024
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framing", ["length", "chunked"])
-def test_slow_reader_backpressures_the_upstream(make_stack, framing):
+@pytest.mark.parametrize(("framing", "relay"), [("length", "thread"), ("chunked", "thread"), ("chunked", "python")])
+def test_slow_reader_backpressures_the_upstream(make_stack, framing, relay):
     """The upstream writes 32 MB as fast as it can; the client reads the headers and stops. The
     upstream's writes must stall, and what the proxy holds in its own memory (bytes the upstream wrote,
     minus bytes the client read, minus bytes sitting in the kernel's socket queues) must stay small.
@@ -355,8 +358,8 @@ def test_slow_reader_backpressures_the_upstream(make_stack, framing):
     connections grow to ~8 MB between them, so a 5 MB stream fits in the kernel without the upstream
     ever stalling; the proxy's own share is measured either way.
 
-    Chunked, the body is relayed with its framing by whichever relay ``each_relay`` picks (the relay
-    thread, what ships, holds the upstream back itself); with a length, by the loop."""
+    Chunked, the body is relayed with its framing by the relay thread (what ships, holding the upstream
+    back itself) or by the Python relay on the loop (Config ``relay``); with a length, by the loop."""
     payload = bytes(range(256)) * (TOTAL // 256)
     piece = 16384
     if framing == "chunked":
@@ -378,7 +381,7 @@ def test_slow_reader_backpressures_the_upstream(make_stack, framing):
         return True
 
     upstream = ScriptedUpstream(respond)
-    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0, relay=relay)
     ports = {stack.service.port, stack.raw.port}
 
     async def go():

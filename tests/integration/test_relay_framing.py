@@ -13,7 +13,7 @@ import pytest
 
 from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
 
-pytestmark = pytest.mark.usefixtures("each_relay")  # the C body path and its Python reference
+pytestmark = pytest.mark.usefixtures("each_relay")  # the relay thread and the Python relay (Config relay)
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
@@ -128,3 +128,42 @@ def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
     second, rest = parse_response(rest)  # the next response follows at once: no body was waited for
     assert second.complete and second.body == b"x" * 1234 and rest == b"" and closed
     assert [r.line.split(b" ")[0] for r in upstream.requests] == [b"HEAD", b"GET"]
+
+
+# Malformed chunked framing, each shape a lenient relay passed on: the head is out first and the body
+# comes in later reads (so the relay thread, not the loop, takes it when it is the relay picked), the
+# second piece after a pause (its own read). Through each relay and each front.
+MALFORMED_BODIES = {
+    "bare LF size lines": [b"5\nhello\r\n0\n\n"],
+    "LF alone after the data": [b"5\r\nhello\n10\r\n\r\n"],
+    "LF alone after the data, in the next read": [b"5\r\nhello", b"\n10\r\n\r\n"],
+    "no CRLF after the data, in the next read": [b"5\r\nhello", b"XY0\r\n\r\n"],
+}
+
+
+@pytest.mark.usefixtures("each_front")
+@pytest.mark.parametrize("pieces", list(MALFORMED_BODIES.values()), ids=list(MALFORMED_BODIES))
+def test_malformed_chunked_framing_closes_both_sides_and_fails_the_turn(make_stack, tiktoken_tok, pieces):
+    """Nothing ambiguous reaches the client: no complete body, its connection closed (not kept for another
+    request); the upstream's connection closed too; the turn recorded as truncated with the reason."""
+    import asyncio
+
+    async def respond(_req, writer, _i):
+        writer.write(_sse())
+        await writer.drain()
+        for piece in pieces:
+            await asyncio.sleep(0.05)  # each piece its own read, after the head
+            writer.write(piece)
+            await writer.drain()
+        return True  # keep: whether the connection is dropped is the proxy's to decide
+
+    stack, upstream = _stack(make_stack, tiktoken_tok, respond)
+    raw, closed = stack.run(exchange(stack.service.port, _request(), timeout=5))
+    resp, _ = parse_response(raw)
+    assert closed, "the client's connection was kept open after malformed framing"
+    assert resp.status == 200 and not resp.complete and b"0\r\n\r\n" not in raw.partition(b"\r\n\r\n")[2]
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "upstream_truncated"
+    assert "malformed chunked framing from the upstream" in rec["error"] and "CRLF" in rec["error"]
+    stack.settle()
+    assert upstream.peer_closed_at, "the upstream's connection was kept after malformed framing"

@@ -5,8 +5,8 @@ state the turn starts from and however the upstream's writes are split; each rea
 ``perf_counter`` stamps; each way a body can end (its end, bad framing, the upstream's EOF or reset, the
 client gone) is reported once, through the sink's descriptor; a client that does not read stops the
 thread from reading the upstream; after ``cancel()`` the thread holds no descriptor of the turn's sockets;
-nothing leaks over thousands of turns. End to end, the relay suites (test_relay_framing.py,
-test_faults_upstream.py) run with the thread through the ``each_relay`` fixture.
+nothing leaks over thousands of turns. End to end, every suite runs with the thread (the default relay);
+test_relay_framing.py runs with it and with the Python relay (``each_relay``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from framing_strategies import chunked_bodies
 from relaykit import Ends, wait_done
 
+from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire import relay_thread
 from specproxy.wire import upstream
-from specproxy.wire.upstream import ChunkedEnd, FramingError
 
-relayc = upstream._relayc
+relayc = relay_thread._relayc
 pytestmark = pytest.mark.skipif(relayc is None, reason="specproxy.wire._relayc is not built")
 
 
@@ -85,7 +85,7 @@ def tcp_ends():
 
 
 def reference(prefix: bytes, rest: bytes) -> tuple[str, int | str]:
-    """http1.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
+    """chunked.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
     ("framing", message) or ("more", 0)."""
     ref = ChunkedEnd()
     try:
@@ -413,8 +413,6 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
     been told the client left (at most 5 s)."""
     from faultkit import db_records
 
-    monkeypatch.setattr(upstream, "RELAY_C", True)
-    monkeypatch.setattr(upstream, "RELAY_THREAD", True)
     abandoned = threading.Event()
     real_abandon = upstream.UpstreamConn.abandon
 
@@ -478,8 +476,6 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
 
     from specproxy.measure.builder import RecordBuilder
 
-    monkeypatch.setattr(upstream, "RELAY_C", True)
-    monkeypatch.setattr(upstream, "RELAY_THREAD", True)
     takers: list[tuple[int, int]] = []
     real_take = RecordBuilder.take_relayed
 
@@ -539,7 +535,7 @@ def _relay_slice_ns(pid: int) -> int | None:
 @pytest.mark.parametrize("setting", [None, "0", "250"])
 def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
     """Its reads must preempt Python at once, not after a Python thread's slice: 0.1 ms by default
-    (``SPECPROXY_RELAY_SLICE_US``; 0 leaves the kernel's default)."""
+    (Config ``relay_slice_us``, here from ``SPECPROXY_RELAY_SLICE_US``; 0 leaves the kernel's default)."""
     import json
     import urllib.request
 

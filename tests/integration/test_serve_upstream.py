@@ -82,7 +82,7 @@ def test_an_upstream_given_with_v1_gets_no_doubled_prefix(make_stack, tiktoken_t
 
 # --- clients whose base URL has no /v1 --------------------------------------------------------------------
 
-@pytest.mark.usefixtures("each_front", "each_relay")
+@pytest.mark.usefixtures("each_front")
 def test_paths_without_v1_are_measured_like_their_v1_twins(make_stack, tiktoken_tok):
     stack = make_stack(tiktoken_tok)
     stack.upstream.script = Script(pieces=["one", " two", " three"])

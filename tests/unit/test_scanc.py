@@ -109,11 +109,16 @@ def test_bad_arguments_are_errors_not_crashes():
         _scanc.join_frames(b"1\r\nx\r\n")
 
 
-@pytest.mark.parametrize(("env", "use_c"), [("python", False), ("", True)])
-def test_specproxy_scan_python_forces_the_python_scans(env, use_c):
-    import subprocess
-    import sys
+@pytest.mark.parametrize(("scan", "c"), [("python", False), ("c", True)])
+def test_config_scan_picks_the_scans_when_the_proxy_starts(make_stack, scan, c):
+    """``SPECPROXY_SCAN`` is Config's ``scan`` (read at start, not at import), and a proxy started with
+    it measures with those scans."""
+    from specproxy.config import load_config
+    from specproxy.measure import texts
 
-    out = subprocess.run([sys.executable, "-c", "from specproxy.measure import texts; print(texts.USE_C)"],
-                         env={**os.environ, "SPECPROXY_SCAN": env}, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(use_c)
+    assert load_config(env={"SPECPROXY_SCAN": scan}).scan == scan
+    try:
+        make_stack(None, scrape_interval_s=0, scan=scan)
+        assert texts.c_scans() == (c and texts.C_BUILT)
+    finally:
+        texts.use_c_scans(True)
