@@ -516,7 +516,7 @@ def _request_head(self_base_path: bytes, host: bytes, req: Incoming, body: bytes
     out = [b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (req.method.encode(), self_base_path, req.target, host)]
     for name, value in req.raw_headers:
         low = name.lower()
-        if low not in _NOT_FORWARDED_UP_B and low not in named:
+        if low not in _NOT_FORWARDED_UP_B and low not in named and b"_" not in low:
             out.append(b"%s: %s\r\n" % (name, value))
     if body or req.method not in ("GET", "HEAD"):
         out.append(b"Content-Length: %d\r\n" % len(body))
@@ -556,10 +556,10 @@ def _response_head(head: ResponseHead, req: Incoming) -> tuple[bytes, int, bool]
     lines = [b"HTTP/1.%d %d %s\r\n" % (1 if http11 else 0, head.status, head.reason)]
     for name, value in head.headers:
         low = name.lower()
-        if low in _NOT_FORWARDED_DOWN_B or low in named:
+        if low in _NOT_FORWARDED_DOWN_B or low in named or b"_" in low:
             continue
-        if low == b"content-length" and framing == CHUNKED:
-            continue  # RFC 9112 6.3: Transfer-Encoding overrides it; passing both invites smuggling
+        if low == b"content-length" and head.transfer_encoding:
+            continue  # RFC 9112 6.3: Transfer-Encoding overrides it, whatever framing follows; both invite smuggling
         lines.append(b"%s: %s\r\n" % (name, value))
     mode = PASS
     if framing == CHUNKED:

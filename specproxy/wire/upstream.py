@@ -32,23 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 import time
 
 from yarl import URL
 
-from specproxy.wire.http1 import (
-    CHUNKED,
-    CLOSE,
-    LENGTH,
-    NO_BODY,
-    ChunkedEnd,
-    FramingError,
-    ResponseHead,
-    _Length,
-    _UntilClose,
-    parse_head,
-)
+from specproxy.wire.http1 import ChunkedEnd, FramingError, _Length, _UntilClose
+from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
 from specproxy.errors import UpstreamError
 from specproxy.wire.relay_thread import TurnSink, ended_reason, no_delay, plain_socket_fd
 from specproxy.wire.relay_thread import last_read as thread_last_read
@@ -219,35 +210,47 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
         return self._head_waiter
 
     def _on_head_bytes(self, data: bytes, t_read: float) -> None:
+        """Bytes of the response head. One size limit for a head, however the reads cut it; a head that is
+        not strict HTTP/1.1 (``response_head.parse_head``) gets the client a 502."""
         buf = self._head_buf + data if self._head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
-            sep = 4
-            if end < 0:
-                end = buf.find(b"\n\n")
-                sep = 2
             if end < 0:
                 if len(buf) > MAX_HEAD_BYTES:
-                    self._fail_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
-                    self.close()
+                    self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                     return
+                if b"\n\n" in buf:  # a blank line of bare LFs: never a head we take; say so now, not at the deadline
+                    try:
+                        parse_head(buf, self._method)
+                    except UpstreamError as exc:
+                        self._refuse_head(exc)
+                        return
                 self._head_buf = buf
+                return
+            end += 4
+            if end > MAX_HEAD_BYTES:
+                self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                 return
             try:
                 head = parse_head(buf[:end], self._method)
             except UpstreamError as exc:
-                self._fail_head(exc)
-                self.close()
+                self._refuse_head(exc)
                 return
-            rest = buf[end + sep :]
+            rest = buf[end:]
             if 100 <= head.status < 200:
                 if head.status == 101:
-                    self._fail_head(UpstreamError("the upstream switched protocols, which a proxy of HTTP "
-                                                  "exchanges cannot relay"))
-                    self.close()
+                    self._refuse_head(UpstreamError("the upstream switched protocols, which a proxy of HTTP "
+                                                    "exchanges cannot relay"))
                     return
-                buf = rest  # an interim response (100 Continue, 103 Early Hints): not the answer
+                # an interim response (100 Continue, 103 Early Hints): not the answer. Nor a connection to
+                # reuse: an upstream that gave it a body would leave that body to the next exchange.
+                self.reusable = False
+                buf = rest
                 continue
+            if head.framing == NO_BODY:
+                # no body by rule (HEAD, 204, 304): an upstream that sends one anyway, even much later, must
+                # not have it read as the answer to another client's request on this connection
+                self.reusable = False
             self._head_buf = b""
             self.head = head
             self.t_head = t_read
@@ -260,6 +263,10 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
             if waiter is not None and not waiter.done():
                 waiter.set_result(head)
             return
+
+    def _refuse_head(self, exc: UpstreamError) -> None:
+        self._fail_head(exc)
+        self.close()
 
     def _fail_head(self, exc: UpstreamError) -> None:
         self._cancel_timer()
@@ -527,6 +534,23 @@ if _relayc is None:  # no C base class: Python takes every read
     UpstreamConn.data_received = UpstreamConn._data_received_py
 
 
+def _pending(transport: asyncio.Transport) -> bool:
+    """Whether the socket under an idle connection has bytes waiting, or its end of file (a peek that
+    never blocks). A TLS connection is not peeked: its records are not the exchange's bytes."""
+    fd = plain_socket_fd(transport)
+    if fd is None:
+        return False
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.setblocking(False)  # it is already (the transport's): say so to Python
+            sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False  # nothing waits: the connection is as the last exchange left it
+    except OSError:
+        return True  # reset, or no descriptor to spare: not one to send on
+    return True
+
+
 class UpstreamPool:
     """Connections to the one upstream origin, kept alive between exchanges."""
 
@@ -569,10 +593,16 @@ class UpstreamPool:
         return conn
 
     def _take_idle(self) -> UpstreamConn | None:
+        """The newest idle connection fit for another exchange. One that has bytes waiting (the loop has
+        not read them yet) or has been closed by the upstream is dropped: whatever waits there is no answer
+        to the request about to be sent."""
         while self.idle:
             conn = self.idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing() and conn.state == _IDLE:
-                return conn
+            transport = conn.transport
+            if transport is not None and not transport.is_closing() and conn.state == _IDLE:
+                if not _pending(transport):
+                    return conn
+                conn.close()
         return None
 
     async def probe(self, timeout_s: float) -> UpstreamError | None:
