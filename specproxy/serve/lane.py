@@ -20,7 +20,8 @@ limits. It waits for the body (it is usually in the same read) and forwards the 
 Anything else it declines: from that request on, the connection is aiohttp's, which reads the request
 from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always
 did. So every defence of ``proxy.py`` still applies; the lane refuses nothing itself but a body that
-stalls (408, as aiohttp's path answers it) and a request over ``max_concurrent`` (503, the same check).
+stalls or is not whole within ``body_timeout_s`` (408, as aiohttp's path answers it) and a request over
+``max_concurrent`` once its body is whole (503, the same check).
 ``SPECPROXY_LANE=off`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
 
 A connection's requests are served one at a time, in order (pipelined ones wait in the buffer; reading
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import http_parser as _aiohttp_parser
 
-from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal
+from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 
 if TYPE_CHECKING:
@@ -196,7 +197,7 @@ class Lane(asyncio.Protocol):
 
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
-    __slots__ = ("_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
+    __slots__ = ("_body_by", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
                  "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
                  "transport")
 
@@ -215,6 +216,7 @@ class Lane(asyncio.Protocol):
         self._keep = False
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
+        self._body_by = 0.0  # the pending body must be whole by then (body_timeout_s after its head)
         self._reading_paused = False
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
@@ -290,6 +292,7 @@ class Lane(asyncio.Protocol):
                 self._hand_over()
                 return
             self._pending = pending
+            self._body_by = self._loop.time() + self._proxy.cfg.body_timeout_s
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
             self._set_deadline()
@@ -396,7 +399,10 @@ class Lane(asyncio.Protocol):
     # --- the deadline: one timer, re-armed only when it fires early -------------------------------------
 
     def _set_deadline(self) -> None:
+        """The next read is due within the timeout; a pending body is due whole by ``_body_by`` besides."""
         self._deadline = self._loop.time() + self._timeout
+        if self._pending is not None and self._body_by < self._deadline:
+            self._deadline = self._body_by
         if self._timer is None:
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
 
@@ -414,8 +420,8 @@ class Lane(asyncio.Protocol):
         if left > 0:
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
             return
-        if self._pending is not None:  # a head read, its body stalled
+        if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
             self._proxy.rejected_bad += 1
-            refusal = Refusal(408, "request_timeout", f"request body stalled for {self._timeout:g} s", True)
+            refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
             transport.write(refusal_bytes(refusal, False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled

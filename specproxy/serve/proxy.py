@@ -20,8 +20,11 @@ Defences, each checked before anything is forwarded (so a refused request never 
 ambiguous framing (Transfer-Encoding other than a lone ``chunked``, with Content-Length, in HTTP/1.0;
 repeated Content-Length), control characters in headers and HTTP versions other than 1.0/1.1 get 400;
 headers over ``MAX_HEADER_BYTES`` in total get 431; a body over ``max_body_bytes`` gets 413 (at once when
-its Content-Length says so); a body that stalls for ``header_timeout_s`` gets 408; more than
-``max_concurrent`` requests in flight get 503. aiohttp's parser rejects most malformed requests itself;
+its Content-Length says so); a body that stalls for ``header_timeout_s``, or is not whole within
+``body_timeout_s``, gets 408; more than ``max_concurrent`` requests in flight (counted once their body
+is whole, so that slow bodies hold no one's place) get 503. Header names with an underscore are not
+forwarded either way (as nginx drops them by default): a server that reads ``_`` as ``-`` would take
+``Transfer_Encoding`` for framing nobody vetted. aiohttp's parser rejects most malformed requests itself;
 these checks cover what it lets through (its pure-Python parser is more lenient than its C one).
 
 Nothing a client sent (headers, query, body) reaches the logs or a record's ``error``: errors are
@@ -140,6 +143,14 @@ class Refusal(NamedTuple):
 
 def _error_response(status: int, kind: str, message: str, *, close: bool = False) -> Refusal:
     return Refusal(status, kind, message, close)
+
+
+def body_timeout(cfg: Config, whole: bool) -> Refusal:
+    """408 for a request body that stalled (``header_timeout_s`` without a byte) or was not complete within
+    ``body_timeout_s`` of its head (``whole``), whichever front read it."""
+    why = (f"request body not complete within {cfg.body_timeout_s:g} s" if whole
+           else f"request body stalled for {cfg.header_timeout_s:g} s")
+    return _error_response(408, "request_timeout", why, close=True)
 
 
 def _refuse(request: web.BaseRequest) -> Refusal | None:
@@ -262,21 +273,21 @@ class Proxy:
         if refused is not None:
             self.rejected_bad += 1
             return refused.as_response()
+        body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
+        if not isinstance(body, bytes):
+            self.rejected_bad += 1
+            resp = body.as_response()
+            if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
+                await resp.prepare(request)
+                await resp.write_eof()
+                if request.transport is not None:
+                    request.transport.close()
+            return resp  # nothing was sent upstream
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
             return self.busy().as_response()
         self.in_flight += 1
         try:
-            body = await self._read_body(request)
-            if not isinstance(body, bytes):
-                self.rejected_bad += 1
-                resp = body.as_response()
-                if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
-                    await resp.prepare(request)
-                    await resp.write_eof()
-                    if request.transport is not None:
-                        request.transport.close()
-                return resp  # nothing was sent upstream
             client = _AiohttpClient(request)
             refusal = await self.forward(_incoming(request), body, client)
             return refusal.as_response() if refusal is not None else client.response
@@ -310,13 +321,15 @@ class Proxy:
             return data
         parts: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        whole_by = loop.time() + self.cfg.body_timeout_s
         while True:
+            stall_by = loop.time() + self.cfg.header_timeout_s
             try:
-                async with asyncio.timeout(self.cfg.header_timeout_s):
+                async with asyncio.timeout_at(min(stall_by, whole_by)):
                     data = await content.readany()
             except TimeoutError:
-                return _error_response(408, "request_timeout",
-                                       f"request body stalled for {self.cfg.header_timeout_s:g} s", close=True)
+                return body_timeout(self.cfg, whole_by <= stall_by)
             except (RequestPayloadError, HttpProcessingError):
                 return _error_response(400, "bad_request", "malformed request body", close=True)
             if not data:

@@ -12,7 +12,7 @@ import asyncio
 import orjson
 import pytest
 
-from faultkit import await_until, exchange, kernel_queued, parse_response, post_head, read_request
+from faultkit import await_until, exchange, kernel_queued, parse_response, post_head, read_request, request_once
 from specproxy.wire.upstream import UpstreamPool
 
 pytestmark = pytest.mark.usefixtures("each_relay", "each_front")
@@ -30,26 +30,6 @@ EVIL = b"HTTP/1.1 203 Evil\r\nContent-Length: 4\r\nX-Echo: evil\r\n\r\nEVIL"
 def _not_the_loop_relay(request):
     if request.getfixturevalue("each_relay") == "loop":
         pytest.skip("the per-read relay on the loop is being removed")
-
-
-async def _raw(port: int, data: bytes, *, head_request: bool = False, timeout: float = 10):
-    """One request on a new connection; the response parsed once complete (the connection stays open)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        got = b""
-        while True:
-            piece = await asyncio.wait_for(reader.read(65536), timeout)
-            got += piece
-            if b"\r\n\r\n" in got:
-                resp, _ = parse_response(got, head_request=head_request)
-                delimited = resp.header("Content-Length") is not None or resp.header("Transfer-Encoding")
-                if resp.complete and (delimited or head_request or resp.status in (204, 304)):
-                    return resp
-            if not piece:
-                return parse_response(got, head_request=head_request)[0] if got else None
-    finally:
-        writer.close()
 
 
 # --- 1. a response's late bytes never reach another client ---------------------------------------------
@@ -124,8 +104,8 @@ def test_late_bytes_after_a_bodyless_response_never_reach_the_next_client(make_s
     method = "HEAD" if case == "head" else "GET"
 
     async def go():
-        a = await _raw(port, f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(), head_request=case == "head")
-        b = await _raw(port, post_head(CHAT, BODY))
+        a = await request_once(port, f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(), head_request=case == "head")
+        b = await request_once(port, post_head(CHAT, BODY))
         return a, b
 
     a, b = stack.run(go())
@@ -160,7 +140,7 @@ def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_s
     pool: UpstreamPool = stack.service.proxy._pool
 
     async def go():
-        a = await _raw(port, b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
+        a = await request_once(port, b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
         assert a.body == b"ok"
         await await_until(lambda: len(pool.idle) == 1, 5, what="the connection back in the pool")
         conn = pool.idle[0]
@@ -217,7 +197,7 @@ def test_a_malformed_or_oversized_response_head_gets_502(make_stack, case):
         await reader.read()
 
     stack = make_stack(raw_script=serve, scrape_interval_s=0)
-    resp = stack.run(_raw(stack.service.port, post_head(CHAT, BODY)))
+    resp = stack.run(request_once(stack.service.port, post_head(CHAT, BODY)))
     assert resp.status == 502
     assert resp.header("X-Injected") is None and b"X-Injected" not in resp.raw
     stack.settle()
@@ -235,7 +215,7 @@ def test_a_head_just_under_the_limit_passes(make_stack):
         await writer.drain()
 
     stack = make_stack(raw_script=serve, scrape_interval_s=0)
-    resp = stack.run(_raw(stack.service.port, b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n"))
+    resp = stack.run(request_once(stack.service.port, b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n"))
     assert (resp.status, resp.body, resp.header("X-Pad")) == (200, b"ok", pad.decode())
 
 
@@ -256,9 +236,10 @@ def test_header_names_with_an_underscore_are_dropped_both_ways(make_stack):
 
     stack = make_stack(raw_script=serve, scrape_interval_s=0)
     req = post_head(CHAT, BODY, extra="X_Foo: 1\r\nTransfer_Encoding: chunked\r\nX-Kept: 1\r\n")
-    resp = stack.run(_raw(stack.service.port, req))
+    resp = stack.run(request_once(stack.service.port, req))
     assert (resp.status, resp.body) == (200, b"ok")
     assert [k for k, _ in resp.headers if "_" in k] == [] and resp.header("X-Ok") == "1"
     (up,) = seen
     assert [k for k, _ in up.headers if "_" in k] == [] and up.header("X-Kept") == "1"
     assert up.body == BODY
+
