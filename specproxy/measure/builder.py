@@ -48,6 +48,7 @@ class RecordBuilder:
         "error",
         "id",
         "instance_id",
+        "capped",
         "label",
         "method",
         "outcome",
@@ -56,6 +57,7 @@ class RecordBuilder:
         "read_times",
         "request_encoding",
         "reads",
+        "room",
         "status",
         "store_text",
         "t_done",
@@ -78,6 +80,7 @@ class RecordBuilder:
         instance_id: str | None = None,
         store_text: bool = False,
         request_encoding: str = "",
+        max_bytes: int | None = None,
     ) -> None:
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
@@ -99,6 +102,9 @@ class RecordBuilder:
         self.read_times: list[float] = []
         self.write_times: list[float] = []
         self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
+        # bytes of the response still to keep (``max_bytes``); past it reads are relayed, not kept
+        self.room = max_bytes if max_bytes is not None else 1 << 62
+        self.capped = False
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
@@ -118,9 +124,15 @@ class RecordBuilder:
         self.chunked = chunked
 
     def on_bytes(self, data: bytes, t_read: float, t_written: float) -> None:
-        self.reads.append(data)
-        self.read_times.append(t_read)
-        self.write_times.append(t_written)
+        """One read relayed. Kept while the kept bytes fit in ``max_bytes``; from the first read that does
+        not, none is (the reads kept are the body's first ones, in order) and ``capped`` says so."""
+        self.room -= len(data)
+        if self.room >= 0:
+            self.reads.append(data)
+            self.read_times.append(t_read)
+            self.write_times.append(t_written)
+        else:
+            self.capped = True
 
     def relayed_by_thread(self, turn) -> None:
         """The relay thread relayed the rest of the body: its reads (after those already appended) are in
@@ -132,6 +144,7 @@ class RecordBuilder:
         turn, self.relayed = self.relayed, None
         if turn is not None:
             turn.take(self.reads, self.read_times, self.write_times)
+            self.capped = self.capped or turn.capped
 
     def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
         """The response ended (normally, or with an outcome the proxy observed)."""
@@ -283,6 +296,7 @@ class RecordBuilder:
             tokenizer=tok.name if tok is not None else None,
             prompt_text=self.body.decode("utf-8", "replace") if self.store_text else None,
             response_text=response_text,
+            measure_capped=self.capped,
         )
 
 

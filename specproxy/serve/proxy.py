@@ -361,6 +361,7 @@ class Proxy:
                 instance_id=self.instance_id(),
                 store_text=self.cfg.store_text,
                 request_encoding=req.content_encoding,
+                max_bytes=self.cfg.max_measured_bytes,
             )
         try:
             return await self._relay(req, body, builder, client)
@@ -646,4 +647,5 @@ def _unmeasured(b: RecordBuilder, error: str) -> Record:
         total_s=b.t_done - b.t_request if b.t_done is not None else None,
         request_bytes=len(b.body),
         response_bytes=sum(map(len, b.reads)),
+        measure_capped=b.capped,
     )

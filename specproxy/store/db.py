@@ -73,6 +73,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("004_content_class", (
         'ALTER TABLE "turns" ADD COLUMN "content_class" TEXT',
     )),
+    ("005_measure_capped", (
+        'ALTER TABLE "turns" ADD COLUMN "measure_capped" INTEGER',
+    )),
 ]
 
 

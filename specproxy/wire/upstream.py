@@ -328,7 +328,9 @@ class UpstreamConn(_RelayBase, asyncio.Protocol):
             return False
         self.transport.pause_reading()  # from now on the thread reads this socket, not the loop
         try:
-            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing)
+            b = self.builder  # keep for measuring what the builder has room for; of an unmeasured turn, nothing
+            keep = max(b.room, 0) if b is not None else 0
+            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing, keep)
         except OSError:
             self.transport.resume_reading()
             return False

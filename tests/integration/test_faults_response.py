@@ -243,3 +243,77 @@ def test_header_names_with_an_underscore_are_dropped_both_ways(make_stack):
     assert [k for k, _ in up.headers if "_" in k] == [] and up.header("X-Kept") == "1"
     assert up.body == BODY
 
+
+
+# --- 4. response bodies are kept only as far as measuring needs -----------------------------------------
+
+
+def _peak_rss_reset() -> None:
+    """Reset this process's peak resident set (VmHWM) to what it holds now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+BIG_MB = 80
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+BIG_CHUNK = b"%x\r\n%b\r\n" % (len(EVENT) * 1000, EVENT * 1000)  # ~57 KB of payload per chunk
+BIG_CHUNKS = BIG_MB * 1024 * 1024 // len(BIG_CHUNK)
+
+
+async def _serve_big(reader, writer):
+    """Any request: an SSE stream of ``BIG_MB`` MB, chunked, written a chunk at a time (never whole)."""
+    while (req := await read_request(reader)) is not None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(BIG_CHUNKS):
+            writer.write(BIG_CHUNK)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def _read_and_drop(port: int, request: bytes) -> int:
+    """Send ``request``; read the chunked answer to its end, keeping nothing; return the body's size."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    want = BIG_CHUNKS * len(BIG_CHUNK) + 5
+    try:
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        got = 0
+        while got < want:
+            piece = await asyncio.wait_for(reader.read(1 << 20), 10)
+            assert piece, "the proxy closed before the body's end"
+            got += len(piece)
+        return got
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
+    """An 80 MB stream through the proxy: unmeasured, nothing of it is kept; measured, only its first
+    ``max_measured_bytes`` (1 MiB here), and the record says it was capped. The process's peak resident
+    set grows by far less than the body."""
+    stack = make_stack(raw_script=_serve_big, scrape_interval_s=0, max_measured_bytes=1 << 20)
+    port = stack.service.port
+    request = post_head(CHAT, BODY) if measured else b"GET /big HTTP/1.1\r\nHost: p\r\n\r\n"
+    stack.run(_read_and_drop(port, b"GET /warm HTTP/1.1\r\nHost: p\r\n\r\n"))  # the first turn's one-off costs
+    stack.settle()
+    _peak_rss_reset()
+    before = _rss_kib("VmRSS")
+    got = stack.run(_read_and_drop(port, request))
+    stack.settle()
+    grew_mb = (_rss_kib("VmHWM") - before) / 1024
+    assert got == BIG_CHUNKS * len(BIG_CHUNK) + 5
+    assert grew_mb < BIG_MB / 4, f"peak RSS grew {grew_mb:.0f} MB for a {BIG_MB} MB body"
+    if measured:
+        (rec,) = [r for r in stack.records if r.path == CHAT]
+        assert rec.measure_capped and rec.outcome == "ok" and rec.streamed
+        assert 0 < rec.response_bytes <= 1 << 20

@@ -207,6 +207,7 @@ RELEASED_MIGRATIONS = {
     "002_scrapes_and_instances": "ab7aac715ff2810a",
     "003_turn_counters_and_scrape_errors": "feb1a0aeee70393d",
     "004_content_class": "b6b47577cdc3e566",
+    "005_measure_capped": "441166bf0dc78090",
 }
 
 
