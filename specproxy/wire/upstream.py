@@ -21,9 +21,13 @@ armed by ``_fast_attach``). The Python methods here stay the reference and the f
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
-and closed after ``POOL_IDLE_S``; a POST is never retried. Response framing per RFC 9112 6.3:
+and closed after ``POOL_IDLE_S``; a POST is never retried. Response heads are parsed strictly
+(``response_head.py``, llhttp), one size limit per head. Response framing per RFC 9112 6.3:
 ``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
-interim 1xx responses are skipped. Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for
+interim 1xx responses are skipped. Bytes past a response's end are never relayed, and the connection
+that had them is not reused: nor is one after a response with no body by rule or an interim 1xx (an
+upstream that disagrees may send that body later, when the connection carries another client's
+exchange), nor an idle one with bytes waiting or closed when it is taken from the pool (a peek). Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for
 the response head and between reads of the body (not while the client is the one not reading). There is
 no total deadline: a long prefill or a long answer is not an error.
 """

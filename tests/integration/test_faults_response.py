@@ -117,10 +117,14 @@ def test_late_bytes_after_a_bodyless_response_never_reach_the_next_client(make_s
     assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(PROBE))
 
 
-def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack):
-    """Bytes past a response's end that the loop has not read yet (they came in a later segment, just
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, framing):
+    """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
+    a Content-Length body or a chunked one's ``0\\r\\n\\r\\n``, which the relay thread carries, just
     before the next checkout): the checkout peeks, finds them, and opens a new connection instead."""
     junk_now: list[asyncio.Event] = []
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if framing == "length"
+              else b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
 
     async def serve(reader, writer):
         if not junk_now:
@@ -128,7 +132,7 @@ def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_s
         req = await read_request(reader)
         if req is None:
             return
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        writer.write(answer)
         await writer.drain()
         await asyncio.wait_for(junk_now[0].wait(), 10)
         writer.write(EVIL)
