@@ -378,7 +378,9 @@ def test_slow_reader_backpressures_the_upstream(make_stack, framing):
         return True
 
     upstream = ScriptedUpstream(respond)
-    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0)
+    # all 32 MB measured (over the default max_measured_bytes), so the record can be checked whole
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0,
+                       max_measured_bytes=2 * TOTAL)
     ports = {stack.service.port, stack.raw.port}
 
     async def go():
