@@ -15,7 +15,7 @@ origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no 
 Transfer-Encoding, Expect, Upgrade; one Host; no single-valued header twice (aiohttp's list and RFC
 9110's); Content-Length, if any, of digits, within ``max_body_bytes``; the head under aiohttp's
 limits. It waits for the body (it is usually in the same read) and forwards the request with
-``Proxy.forward``, as aiohttp's handler does.
+``Proxy.exchange``, as aiohttp's handler does.
 
 Anything else it declines: from that request on, the connection is aiohttp's, which reads the request
 from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always
@@ -37,18 +37,19 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp import http_parser as _aiohttp_parser
 
-from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal, body_timeout
+from specproxy.serve.headers import LABEL_HEADER, connection_tokens
+from specproxy.serve.proxy import Incoming
+from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy
 
-__all__ = ["Lane", "Lanes", "lane_enabled", "read_head", "refusal_bytes"]
+__all__ = ["Lane", "Lanes", "lane_enabled", "read_head"]
 
 log = logging.getLogger("specproxy.serve.lane")
 
@@ -126,10 +127,7 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
                 return None
     if length > max_body or b"host" not in once:  # HTTP/1.1 requires Host (aiohttp refuses a request without)
         return None
-    keep_alive = True
-    for value in connection:
-        if any(token.strip().lower() == b"close" for token in value.split(b",")):
-            keep_alive = False
+    keep_alive = b"close" not in connection_tokens(connection)
     req = Incoming(
         method=method.decode(),
         path=target.partition(b"?")[0].decode(),
@@ -153,18 +151,6 @@ def _may_become_head(buf: bytes) -> bool:
     if buf.count(b"\n") != buf.count(b"\r\n"):
         return False
     return _REQUEST_LINE.match(buf) is not None
-
-
-def refusal_bytes(refusal: Refusal, keep_alive: bool) -> bytes:
-    """A whole HTTP/1.1 response for ``refusal``: what ``Refusal.as_response`` sends through aiohttp."""
-    body = refusal.body()
-    try:
-        reason = HTTPStatus(refusal.status).phrase.encode()
-    except ValueError:
-        reason = b"Error"
-    close = b"" if keep_alive and not refusal.close else b"Connection: close\r\n"
-    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        refusal.status, reason, len(body), close, body)
 
 
 class Lanes:
@@ -310,17 +296,9 @@ class Lane(asyncio.Protocol):
         proxy = self._proxy
         self._keep = req.keep_alive
         try:
-            if proxy.in_flight >= proxy.cfg.max_concurrent:
-                proxy.rejected_busy += 1
-                self._refuse(proxy.busy(), req.keep_alive)
-            else:
-                proxy.in_flight += 1
-                try:
-                    refusal = await proxy.forward(req, body, self)
-                finally:
-                    proxy.in_flight -= 1
-                if refusal is not None:
-                    self._refuse(refusal, req.keep_alive)
+            refusal = await proxy.exchange(req, body, self)
+            if refusal is not None:
+                self._refuse(refusal, req.keep_alive)
         except asyncio.CancelledError:
             return  # the client hung up: the connection is gone
         except Exception as exc:  # a bug of ours (forward recorded the turn): this connection is done
@@ -350,7 +328,7 @@ class Lane(asyncio.Protocol):
         keep = keep_alive and not refusal.close
         self._keep = self._keep and keep
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(refusal_bytes(refusal, keep))
+            self.transport.write(refusal.as_bytes(keep))
 
     def _hand_over(self) -> None:
         """From this request on, the connection is aiohttp's: it gets every byte not taken yet."""
@@ -423,5 +401,5 @@ class Lane(asyncio.Protocol):
         if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
             self._proxy.rejected_bad += 1
             refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
-            transport.write(refusal_bytes(refusal, False))
+            transport.write(refusal.as_bytes(False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled

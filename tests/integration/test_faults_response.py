@@ -273,7 +273,7 @@ BIG_CHUNKS = BIG_MB * 1024 * 1024 // len(BIG_CHUNK)
 
 async def _serve_big(reader, writer):
     """Any request: an SSE stream of ``BIG_MB`` MB, chunked, written a chunk at a time (never whole)."""
-    while (req := await read_request(reader)) is not None:
+    while await read_request(reader) is not None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(BIG_CHUNKS):
             writer.write(BIG_CHUNK)
