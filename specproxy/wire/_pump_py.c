@@ -326,15 +326,6 @@ Turn_get_capped(TurnObject *self, void *closure)
 }
 
 static PyObject *
-Turn_get_buffer_bytes(TurnObject *self, void *closure)
-{
-    pthread_mutex_lock(&self->t->mu);
-    size_t cap = self->t->cap;
-    pthread_mutex_unlock(&self->t->mu);
-    return PyLong_FromSize_t(cap);
-}
-
-static PyObject *
 Turn_get_id(TurnObject *self, void *closure)
 {
     return PyLong_FromLongLong(self->t->id);
@@ -365,7 +356,6 @@ static PyGetSetDef Turn_getset[] = {
     {"past_end", (getter)Turn_get_past_end, NULL, "bytes came after the body's end (not relayed)", NULL},
     {"capped", (getter)Turn_get_capped, NULL, "a read was relayed but not kept: past the keep allowance",
      NULL},
-    {"buffer_bytes", (getter)Turn_get_buffer_bytes, NULL, "bytes the turn's buffer holds allocated", NULL},
     {"id", (getter)Turn_get_id, NULL, "what Sink.done() returns for this turn", NULL},
     {"active", (getter)Turn_get_active, NULL, "the thread is relaying it", NULL},
     {NULL}};
