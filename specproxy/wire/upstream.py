@@ -27,9 +27,10 @@ and closed after ``POOL_IDLE_S``; a POST is never retried. Response heads are pa
 interim 1xx responses are skipped. Bytes past a response's end are never relayed, and the connection
 that had them is not reused: nor is one after a response with no body by rule or an interim 1xx (an
 upstream that disagrees may send that body later, when the connection carries another client's
-exchange), nor an idle one with bytes waiting or closed when it is taken from the pool (a peek). Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for
-the response head and between reads of the body (not while the client is the one not reading). There is
-no total deadline: a long prefill or a long answer is not an error.
+exchange), nor an idle one with bytes waiting or closed when it is taken from the pool (a peek).
+Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for the response head and between reads
+of the body (not while the client is the one not reading). There is no total deadline: a long prefill or
+a long answer is not an error.
 """
 
 from __future__ import annotations
@@ -546,14 +547,18 @@ def _pending(transport: asyncio.Transport) -> bool:
     fd = plain_socket_fd(transport)
     if fd is None:
         return False
+    # a socket object over the transport's own descriptor, let go of (never closed) after one peek:
+    # family and type given, so that making it costs no system call
+    peek = socket.socket(transport.get_extra_info("socket").family, socket.SOCK_STREAM, fileno=fd)
     try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            sock.setblocking(False)  # it is already (the transport's): say so to Python
-            sock.recv(1, socket.MSG_PEEK)
+        peek.settimeout(0)  # non-blocking already (the transport's): say so to Python
+        peek.recv(1, socket.MSG_PEEK)
     except BlockingIOError:
         return False  # nothing waits: the connection is as the last exchange left it
     except OSError:
-        return True  # reset, or no descriptor to spare: not one to send on
+        return True  # reset: not one to send on
+    finally:
+        peek.detach()
     return True
 
 
