@@ -186,6 +186,8 @@ BAD_HEADS = {
     "cr_in_status_line": b"HTTP/1.1 200 OK\rX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
     "cr_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\rX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
     "nul_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\nok",
+    "lf_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\nX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
+    "bare_lf_head": b"HTTP/1.1 200 OK\nX-Injected: 1\nContent-Length: 2\n\nok",
     "nul_in_reason": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok",
     "over_64k_in_one_read": b"HTTP/1.1 200 OK\r\n" + b"X-Pad: %b\r\n" % (b"p" * 70_000) + b"Content-Length: 2\r\n\r\nok",
 }
