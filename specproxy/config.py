@@ -60,6 +60,14 @@ class Config:
     of the previous response on a kept-alive connection, which is also how long an idle kept-alive
     connection stays open), and the longest pause allowed between bytes of a request body (408). Stops
     slow-header and slow-body clients from holding connections; never applies to a response."""
+    body_timeout_s: float = 120.0
+    """Seconds a client may take to send a whole request body, counted from the end of its headers (408
+    past it), however steadily it trickles. A request counts toward ``max_concurrent`` only once its body
+    is complete, so slow bodies never lock other clients out; this bounds how long they hold a connection."""
+    max_measured_bytes: int = 16 * 1024 * 1024
+    """Response bytes of one measured turn kept in memory for measuring. Past it the rest of the body is
+    relayed as ever but not kept, and the turn's record says so (``measure_capped``); an unmeasured
+    response is never kept at all."""
     queue_size: int = 10000
     """Records waiting for the database writer; when full, a record is dropped and counted, never traffic."""
     metrics_path: str = "/metrics"
@@ -168,10 +176,10 @@ def _validate(cfg: Config) -> Config:
             raise ConfigError(f"upstream {cfg.upstream!r} is not an http(s) URL with a host")
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port {cfg.port} is out of range")
-    for key in ("max_body_bytes", "max_concurrent", "queue_size"):
+    for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
-    for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s"):
+    for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
     if cfg.scrape_interval_s < 0:

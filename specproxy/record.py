@@ -175,6 +175,10 @@ class Record:
     """The request body as text: stored only with ``--store-text`` (opt-in)."""
     response_text: str | None = None
     """The delivered output text: stored only with ``--store-text`` (opt-in)."""
+    measure_capped: bool = False
+    """The response body was longer than ``max_measured_bytes``: the client got all of it, but only its
+    first reads (within that many bytes) were kept and measured, so every figure taken from the body
+    (texts, tokens, chunks, ``t_last_token``, ``response_bytes``, ``saw_done``) covers that part alone."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELD_NAMES}

@@ -190,6 +190,27 @@ async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes
     return bytes(got), closed
 
 
+async def request_once(port: int, data: bytes, *, head_request: bool = False, timeout: float = 10):
+    """One request on a new connection; its response, parsed once complete (read until then: the
+    connection is not closed by the server after it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        got = b""
+        while True:
+            piece = await asyncio.wait_for(reader.read(65536), timeout)
+            got += piece
+            if b"\r\n\r\n" in got:
+                resp, _ = parse_response(got, head_request=head_request)
+                delimited = resp.header("Content-Length") is not None or resp.header("Transfer-Encoding")
+                if resp.complete and (delimited or head_request or resp.status in (204, 304)):
+                    return resp
+            if not piece:
+                return parse_response(got, head_request=head_request)[0] if got else None
+    finally:
+        writer.close()
+
+
 def post_head(path: str, body: bytes, extra: str = "", host: str = "proxy") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body

@@ -96,6 +96,11 @@ CONFIG_ONLY: dict[str, str] = {
 @_setting("--header-timeout", "header_timeout_s",
           "Seconds a client may take to send its request headers, and the longest pause inside a request "
           "body (408); also how long an idle kept-alive connection stays open", type=float)
+@_setting("--body-timeout", "body_timeout_s",
+          "Seconds a client may take to send a whole request body, from the end of its headers (408)", type=float)
+@_setting("--max-measured-bytes", "max_measured_bytes",
+          "Response bytes of one measured turn kept for measuring; past it relayed, not kept, and the "
+          "record says so", type=int)
 @_setting("--queue-size", "queue_size",
           "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
           type=int)

@@ -53,6 +53,7 @@ class RecordBuilder:
         "headers",
         "id",
         "instance_id",
+        "capped",
         "label",
         "method",
         "outcome",
@@ -61,6 +62,7 @@ class RecordBuilder:
         "read_times",
         "request_encoding",
         "reads",
+        "room",
         "status",
         "store_text",
         "t_done",
@@ -84,6 +86,7 @@ class RecordBuilder:
         store_text: bool = False,
         request_encoding: str = "",
         headers: Sequence[tuple[bytes, bytes]] = (),
+        max_bytes: int | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client is read off the loop)."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
@@ -107,6 +110,9 @@ class RecordBuilder:
         self.read_times: list[float] = []
         self.write_times: list[float] = []
         self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
+        # bytes of the response still to keep (``max_bytes``); past it reads are relayed, not kept
+        self.room = max_bytes if max_bytes is not None else 1 << 62
+        self.capped = False
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
@@ -126,9 +132,15 @@ class RecordBuilder:
         self.chunked = chunked
 
     def on_bytes(self, data: bytes, t_read: float, t_written: float) -> None:
-        self.reads.append(data)
-        self.read_times.append(t_read)
-        self.write_times.append(t_written)
+        """One read relayed. Kept while the kept bytes fit in ``max_bytes``; from the first read that does
+        not, none is (the reads kept are the body's first ones, in order) and ``capped`` says so."""
+        self.room -= len(data)
+        if self.room >= 0:
+            self.reads.append(data)
+            self.read_times.append(t_read)
+            self.write_times.append(t_written)
+        else:
+            self.capped = True
 
     def relayed_by_thread(self, turn) -> None:
         """The relay thread relayed the rest of the body: its reads (after those already appended) are in
@@ -140,6 +152,7 @@ class RecordBuilder:
         turn, self.relayed = self.relayed, None
         if turn is not None:
             turn.take(self.reads, self.read_times, self.write_times)
+            self.capped = self.capped or turn.capped
 
     def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
         """The response ended (normally, or with an outcome the proxy observed)."""
@@ -318,6 +331,7 @@ class RecordBuilder:
             t_done=self.t_done,
             total_s=self.t_done - self.t_request if self.t_done is not None else None,
             request_bytes=len(self.body),
+            measure_capped=self.capped,
             **derived,
         )
 

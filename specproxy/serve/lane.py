@@ -15,12 +15,13 @@ origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no 
 Transfer-Encoding, Expect, Upgrade; one Host; no single-valued header twice (aiohttp's list and RFC
 9110's); Content-Length, if any, of digits, within ``max_body_bytes``; the head under aiohttp's
 limits. It waits for the body (it is usually in the same read) and forwards the request with
-``Proxy.forward``, as aiohttp's handler does.
+``Proxy.exchange``, as aiohttp's handler does.
 
 Anything else it declines: from that request on, the connection is aiohttp's, which reads the request
 from its first byte (the lane has consumed nothing of it) and vets, refuses or forwards it as it always
 did. So every defence of ``proxy.py`` still applies; the lane refuses nothing itself but a body that
-stalls (408, as aiohttp's path answers it) and a request over ``max_concurrent`` (503, the same check).
+stalls or is not whole within ``body_timeout_s`` (408, as aiohttp's path answers it) and a request over
+``max_concurrent`` once its body is whole (503, the same check).
 Config ``lane = false`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
 
 A connection's requests are served one at a time, in order (pipelined ones wait in the buffer; reading
@@ -35,19 +36,20 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp import http_parser as _aiohttp_parser
 
 from specproxy.serve.admin import PREFIX
-from specproxy.serve.proxy import LABEL_HEADER, MAX_HEADER_BYTES, Incoming, Refusal
+from specproxy.serve.headers import LABEL_HEADER, connection_tokens
+from specproxy.serve.proxy import Incoming
+from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy
 
-__all__ = ["Lane", "Lanes", "read_head", "refusal_bytes"]
+__all__ = ["Lane", "Lanes", "read_head"]
 
 log = logging.getLogger("specproxy.serve.lane")
 
@@ -122,10 +124,7 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
                 return None
     if length > max_body or b"host" not in once:  # HTTP/1.1 requires Host (aiohttp refuses a request without)
         return None
-    keep_alive = True
-    for value in connection:
-        if any(token.strip().lower() == b"close" for token in value.split(b",")):
-            keep_alive = False
+    keep_alive = b"close" not in connection_tokens(connection)
     req = Incoming(
         method=method.decode(),
         path=target.partition(b"?")[0].decode(),
@@ -149,18 +148,6 @@ def _may_become_head(buf: bytes) -> bool:
     if buf.count(b"\n") != buf.count(b"\r\n"):
         return False
     return _REQUEST_LINE.match(buf) is not None
-
-
-def refusal_bytes(refusal: Refusal, keep_alive: bool) -> bytes:
-    """A whole HTTP/1.1 response for ``refusal``: what ``Refusal.as_response`` sends through aiohttp."""
-    body = refusal.body()
-    try:
-        reason = HTTPStatus(refusal.status).phrase.encode()
-    except ValueError:
-        reason = b"Error"
-    close = b"" if keep_alive and not refusal.close else b"Connection: close\r\n"
-    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        refusal.status, reason, len(body), close, body)
 
 
 class Lanes:
@@ -193,7 +180,7 @@ class Lane(asyncio.Protocol):
 
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
-    __slots__ = ("_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
+    __slots__ = ("_body_by", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
                  "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
                  "transport")
 
@@ -212,6 +199,7 @@ class Lane(asyncio.Protocol):
         self._keep = False
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
+        self._body_by = 0.0  # the pending body must be whole by then (body_timeout_s after its head)
         self._reading_paused = False
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
@@ -287,6 +275,7 @@ class Lane(asyncio.Protocol):
                 self._hand_over()
                 return
             self._pending = pending
+            self._body_by = self._loop.time() + self._proxy.cfg.body_timeout_s
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
             self._set_deadline()
@@ -304,17 +293,9 @@ class Lane(asyncio.Protocol):
         proxy = self._proxy
         self._keep = req.keep_alive
         try:
-            if proxy.in_flight >= proxy.cfg.max_concurrent:
-                proxy.rejected_busy += 1
-                self._refuse(proxy.busy(), req.keep_alive)
-            else:
-                proxy.in_flight += 1
-                try:
-                    refusal = await proxy.forward(req, body, self)
-                finally:
-                    proxy.in_flight -= 1
-                if refusal is not None:
-                    self._refuse(refusal, req.keep_alive)
+            refusal = await proxy.exchange(req, body, self)
+            if refusal is not None:
+                self._refuse(refusal, req.keep_alive)
         except asyncio.CancelledError:
             return  # the client hung up: the connection is gone
         except Exception as exc:  # a bug of ours (forward recorded the turn): this connection is done
@@ -344,7 +325,7 @@ class Lane(asyncio.Protocol):
         keep = keep_alive and not refusal.close
         self._keep = self._keep and keep
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(refusal_bytes(refusal, keep))
+            self.transport.write(refusal.as_bytes(keep))
 
     def _hand_over(self) -> None:
         """From this request on, the connection is aiohttp's: it gets every byte not taken yet."""
@@ -393,7 +374,10 @@ class Lane(asyncio.Protocol):
     # --- the deadline: one timer, re-armed only when it fires early -------------------------------------
 
     def _set_deadline(self) -> None:
+        """The next read is due within the timeout; a pending body is due whole by ``_body_by`` besides."""
         self._deadline = self._loop.time() + self._timeout
+        if self._pending is not None and self._body_by < self._deadline:
+            self._deadline = self._body_by
         if self._timer is None:
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
 
@@ -411,8 +395,8 @@ class Lane(asyncio.Protocol):
         if left > 0:
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
             return
-        if self._pending is not None:  # a head read, its body stalled
+        if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
             self._proxy.rejected_bad += 1
-            refusal = Refusal(408, "request_timeout", f"request body stalled for {self._timeout:g} s", True)
-            transport.write(refusal_bytes(refusal, False))
+            refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
+            transport.write(refusal.as_bytes(False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled

@@ -31,6 +31,7 @@ from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
+from specproxy.serve.aiohttp_front import AiohttpFront
 from specproxy.serve.lane import Lane, Lanes
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
@@ -231,7 +232,7 @@ class Service:
         quota = await asyncio.to_thread(cpu_quota) if mode == "auto" else None  # files: not on the loop
         self.cadence = CadenceGate(mode, quota=quota)
         self.cadence.start()
-        self._runner = web.ServerRunner(self.proxy.make_server(), shutdown_timeout=30.0)
+        self._runner = web.ServerRunner(AiohttpFront(self.proxy).make_server(), shutdown_timeout=30.0)
         await self._runner.setup()
         server = self._runner.server  # aiohttp's protocol factory
         assert server is not None

@@ -86,6 +86,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
 )""",
         'CREATE INDEX "idx_captures_t_wall" ON "captures" ("t_wall")',
     )),
+    ("007_measure_capped", (
+        'ALTER TABLE "turns" ADD COLUMN "measure_capped" INTEGER',
+    )),
 ]
 
 

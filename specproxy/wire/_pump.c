@@ -11,10 +11,14 @@ What Python hands over and gets back (body.BodyRelay is the only user):
   Turn(sink, upstream_fd, client_fd, framing)
                    -- the body of one exchange, relayed by the thread from now on: dup()s of both sockets
                       (Python's transports keep theirs; the upstream's reading is paused, the client's
-                      write buffer is empty), the framing state copied from the C ChunkedEnd. Every read
-                      is written to the client as it came (up to the body's end, not past it), stamped
-                      with CLOCK_MONOTONIC right after read() and right after send(), and kept with its
-                      times in the turn (take() hands them to the RecordBuilder).
+                      write buffer is empty), the framing state copied from the C ChunkedEnd, and how
+                      many bytes of the body to keep for measuring. Every read is written to the client as
+                      it came (up to the body's end, not past it), stamped with CLOCK_MONOTONIC right after
+                      read() and right after send(), and, while the bytes kept stay within that allowance,
+                      kept with its times in the turn (take() hands them to the RecordBuilder). A read
+                      past the allowance, and every read after it, is relayed and then forgotten (its
+                      room in the buffer reused once the client took it): an unmeasured turn (allowance 0)
+                      holds at most what the client has not taken, a measured one at most its cap more.
   The turn ends in the thread (the body's end, a framing error, the upstream's EOF or error, the client's
   error) or by Turn.cancel() from Python (the idle deadline, the client hanging up, closing); either way
   the thread touches neither socket afterwards and both dups are closed. A turn the thread ended goes to
@@ -203,6 +207,7 @@ on_client_writable(turn *t, turn **ended)
     }
     if (r > 0)
         return;
+    t->len = t->sent = t->kept; /* what was relayed and not kept: its room is free again */
     t->blocked = 0;
     if (t->end_seen) {
         end_turn(t, O_END, 0, ended);
@@ -217,7 +222,7 @@ on_client_writable(turn *t, turn **ended)
 static int
 read_once(turn *t, int closing, turn **ended)
 {
-    /* straight into the turn's buffer (which keeps the body for measuring anyway): no copy per read */
+    /* straight into the turn's buffer (which keeps the body for measuring, up to its allowance): no copy */
     if (grow(t, READ_ROOM) < 0) {
         end_turn(t, O_THREAD_ERROR, ENOMEM, ended);
         return 0;
@@ -251,14 +256,24 @@ read_once(turn *t, int closing, turn **ended)
     size_t take = (size_t)(end >= 0 ? end : n);
     if (end >= 0 && end != n)
         t->past_end = 1; /* the bytes past the end stay beyond t->len: never sent, never kept */
+    int keep = !t->capped && take <= t->keep_left;
     t->len += take;
     int r = flush(t);
     int flush_errno = errno;
     double t_written = pump_now();
-    read_mark *m = &t->marks[t->nmarks++];
-    m->end = t->len;
-    m->t_read = t_read;
-    m->t_written = t_written;
+    if (keep) {
+        t->keep_left -= take;
+        t->kept = t->len;
+        read_mark *m = &t->marks[t->nmarks++];
+        m->end = t->len;
+        m->t_read = t_read;
+        m->t_written = t_written;
+    }
+    else {
+        t->capped = 1; /* from here on nothing is kept: the reads kept are the body's first ones, in order */
+        if (r == 0)
+            t->len = t->sent = t->kept;
+    }
     if (r < 0) {
         end_turn(t, O_CLIENT_GONE, flush_errno, ended);
         return 0;

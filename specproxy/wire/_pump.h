@@ -42,6 +42,9 @@ typedef struct turn {
     chunked_state cs;
     char *buf;
     size_t len, cap, sent; /* buf[sent:len] is what the client has not taken yet */
+    size_t kept;           /* buf[:kept] holds the reads kept for measuring (marks end there) */
+    size_t keep_left;      /* bytes more that may be kept; a read past it, and every later one, is not */
+    int capped;            /* a read was not kept: it did not fit in keep_left */
     read_mark *marks;
     size_t nmarks, capmarks, taken;
     double last_activity; /* the latest read, or the latest progress of a blocked write */

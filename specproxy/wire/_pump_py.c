@@ -133,8 +133,13 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *sink_obj, *framing;
     int up, cl;
-    if (!PyArg_ParseTuple(args, "O!iiO:Turn", &SinkType, &sink_obj, &up, &cl, &framing))
+    Py_ssize_t keep = PY_SSIZE_T_MAX; /* bytes of the body to keep for measuring; by default all */
+    if (!PyArg_ParseTuple(args, "O!iiO|n:Turn", &SinkType, &sink_obj, &up, &cl, &framing, &keep))
         return NULL;
+    if (keep < 0) {
+        PyErr_SetString(PyExc_ValueError, "Turn: keep must be >= 0");
+        return NULL;
+    }
     if (!Py_IS_TYPE(framing, ChunkedEndTypeRef)) {
         PyErr_SetString(PyExc_TypeError, "Turn needs the C ChunkedEnd as framing");
         return NULL;
@@ -144,6 +149,7 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_NoMemory();
     pthread_mutex_init(&t->mu, NULL);
     t->cs = ((ChunkedEndView *)framing)->s;
+    t->keep_left = (size_t)keep;
     t->last_activity = pump_now();
     t->up_fd = fcntl(up, F_DUPFD_CLOEXEC, 3);
     t->cl_fd = t->up_fd >= 0 ? fcntl(cl, F_DUPFD_CLOEXEC, 3) : -1;
@@ -315,6 +321,15 @@ Turn_get_past_end(TurnObject *self, void *closure)
 }
 
 static PyObject *
+Turn_get_capped(TurnObject *self, void *closure)
+{
+    pthread_mutex_lock(&self->t->mu);
+    int capped = self->t->capped;
+    pthread_mutex_unlock(&self->t->mu);
+    return PyBool_FromLong(capped);
+}
+
+static PyObject *
 Turn_get_id(TurnObject *self, void *closure)
 {
     return PyLong_FromLongLong(self->t->id);
@@ -343,6 +358,8 @@ static PyGetSetDef Turn_getset[] = {
      NULL},
     {"blocked", (getter)Turn_get_blocked, NULL, "waiting for the client to take what was read", NULL},
     {"past_end", (getter)Turn_get_past_end, NULL, "bytes came after the body's end (not relayed)", NULL},
+    {"capped", (getter)Turn_get_capped, NULL, "a read was relayed but not kept: past the keep allowance",
+     NULL},
     {"id", (getter)Turn_get_id, NULL, "what Sink.done() returns for this turn", NULL},
     {"active", (getter)Turn_get_active, NULL, "the thread is relaying it", NULL},
     {NULL}};
@@ -351,7 +368,8 @@ static PyTypeObject TurnType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy.wire._relayc.Turn",
     .tp_basicsize = sizeof(TurnObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Turn(sink, upstream_fd, client_fd, framing): a body relayed by the relay thread.",
+    .tp_doc = "Turn(sink, upstream_fd, client_fd, framing, keep=all): a body relayed by the relay thread, "
+              "keeping its first reads within keep bytes for measuring.",
     .tp_new = Turn_new,
     .tp_dealloc = (destructor)Turn_dealloc,
     .tp_methods = Turn_methods,

@@ -24,7 +24,8 @@ import asyncio
 import time
 
 from specproxy.frames.chunked import ChunkedEnd, FramingError
-from specproxy.wire.http1 import CHUNKED, CLOSE, LENGTH, NO_BODY, _Length, _UntilClose
+from specproxy.wire.http1 import LengthEnd, UntilClose
+from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY
 from specproxy.wire.relay_thread import NativeChunkedEnd, ended_reason, plain_socket_fd
 
 __all__ = ["DECHUNK", "ENCODE", "PASS", "BodyRelay"]
@@ -58,11 +59,11 @@ class BodyRelay:
         if head.framing == CHUNKED:  # the native parser when the thread may take the body (it takes its state)
             self.framing = NativeChunkedEnd() if thread else ChunkedEnd(collect=mode == DECHUNK)
         elif head.framing == LENGTH:
-            self.framing = _Length(head.length)
+            self.framing = LengthEnd(head.length)
         elif head.framing == CLOSE:
-            self.framing = _UntilClose()
+            self.framing = UntilClose()
         else:
-            self.framing = _Length(0)
+            self.framing = LengthEnd(0)
         self.state = _BODY
         parked, self._parked = self._parked, []
         if head.framing == NO_BODY or (head.framing == LENGTH and head.length == 0):
@@ -93,7 +94,9 @@ class BodyRelay:
             return False
         self.transport.pause_reading()  # from now on the thread reads this socket, not the loop
         try:
-            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing)
+            b = self.builder  # keep for measuring what the builder has room for; of an unmeasured turn, nothing
+            keep = max(b.room, 0) if b is not None else 0
+            self._turn = self.pool.turn_sink().start(self, up_fd, client_fd, self.framing, keep)
         except OSError:
             self.transport.resume_reading()
             return False

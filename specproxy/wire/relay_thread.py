@@ -73,9 +73,10 @@ class TurnSink:
         loop.add_reader(self._fd, self._collect)
         self.closed = False
 
-    def start(self, conn: UpstreamConn, upstream_fd: int, client_fd: int, framing: Any):
-        """The thread relays the body from now on. Raises OSError (no descriptor left, no thread)."""
-        turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing)
+    def start(self, conn: UpstreamConn, upstream_fd: int, client_fd: int, framing: Any, keep: int):
+        """The thread relays the body from now on, keeping its first reads within ``keep`` bytes for
+        measuring. Raises OSError (no descriptor left, no thread)."""
+        turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing, keep)
         self._conns[turn.id] = conn
         return turn
 

@@ -11,17 +11,23 @@ This module owns the connection, the request and the response head; ``body.BodyR
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
-and closed after ``POOL_IDLE_S``; a POST is never retried. Response framing per RFC 9112 6.3:
+and closed after ``POOL_IDLE_S``; a POST is never retried. Response heads are parsed strictly
+(``response_head.py``, llhttp), one size limit per head. Response framing per RFC 9112 6.3:
 ``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
-interim 1xx responses are skipped. Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for
-the response head and between reads of the body (not while the client is the one not reading). There is
-no total deadline: a long prefill or a long answer is not an error.
+interim 1xx responses are skipped. Bytes past a response's end are never relayed, and the connection
+that had them is not reused: nor is one after a response with no body by rule or an interim 1xx (an
+upstream that disagrees may send that body later, when the connection carries another client's
+exchange), nor an idle one with bytes waiting or closed when it is taken from the pool (a peek).
+Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for the response head and between reads
+of the body (not while the client is the one not reading). There is no total deadline: a long prefill or
+a long answer is not an error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 import time
 
@@ -30,8 +36,9 @@ from yarl import URL
 from specproxy.errors import UpstreamError
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, PASS, BodyRelay
-from specproxy.wire.http1 import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, _Length, _UntilClose, parse_head
-from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink, no_delay
+from specproxy.wire.http1 import LengthEnd, UntilClose
+from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
+from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink, no_delay, plain_socket_fd
 from specproxy.wire.relay_thread import last_read as thread_last_read
 
 __all__ = [
@@ -79,7 +86,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._method = "GET"
         self.out: asyncio.Transport | None = None
         self.builder = None
-        self.framing: ChunkedEnd | _Length | _UntilClose | None = None
+        self.framing: ChunkedEnd | LengthEnd | UntilClose | None = None
         self.mode = PASS
         self.outcome: str | None = None  # "ok", "upstream_truncated", "client_abort" once finished
         self.error: str | None = None
@@ -132,7 +139,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         elif state == _PARKED:
             self._eof = True
         elif state == _BODY:
-            if isinstance(self.framing, _UntilClose):
+            if isinstance(self.framing, UntilClose):
                 self._complete("ok", None)
             else:
                 reason = f"{type(exc).__name__}: connection lost" if exc else "the upstream closed the connection"
@@ -161,35 +168,47 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         return self._head_waiter
 
     def _on_head_bytes(self, data: bytes, t_read: float) -> None:
+        """Bytes of the response head. One size limit for a head, however the reads cut it; a head that is
+        not strict HTTP/1.1 (``response_head.parse_head``) gets the client a 502."""
         buf = self._head_buf + data if self._head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
-            sep = 4
-            if end < 0:
-                end = buf.find(b"\n\n")
-                sep = 2
             if end < 0:
                 if len(buf) > MAX_HEAD_BYTES:
-                    self._fail_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
-                    self.close()
+                    self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                     return
+                if b"\n\n" in buf:  # a blank line of bare LFs: never a head we take; say so now, not at the deadline
+                    try:
+                        parse_head(buf, self._method)
+                    except UpstreamError as exc:
+                        self._refuse_head(exc)
+                        return
                 self._head_buf = buf
+                return
+            end += 4
+            if end > MAX_HEAD_BYTES:
+                self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                 return
             try:
                 head = parse_head(buf[:end], self._method)
             except UpstreamError as exc:
-                self._fail_head(exc)
-                self.close()
+                self._refuse_head(exc)
                 return
-            rest = buf[end + sep :]
+            rest = buf[end:]
             if 100 <= head.status < 200:
                 if head.status == 101:
-                    self._fail_head(UpstreamError("the upstream switched protocols, which a proxy of HTTP "
-                                                  "exchanges cannot relay"))
-                    self.close()
+                    self._refuse_head(UpstreamError("the upstream switched protocols, which a proxy of HTTP "
+                                                    "exchanges cannot relay"))
                     return
-                buf = rest  # an interim response (100 Continue, 103 Early Hints): not the answer
+                # an interim response (100 Continue, 103 Early Hints): not the answer. Nor a connection to
+                # reuse: an upstream that gave it a body would leave that body to the next exchange.
+                self.reusable = False
+                buf = rest
                 continue
+            if head.framing == NO_BODY:
+                # no body by rule (HEAD, 204, 304): an upstream that sends one anyway, even much later, must
+                # not have it read as the answer to another client's request on this connection
+                self.reusable = False
             self._head_buf = b""
             self.head = head
             self.t_head = t_read
@@ -202,6 +221,10 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
             if waiter is not None and not waiter.done():
                 waiter.set_result(head)
             return
+
+    def _refuse_head(self, exc: UpstreamError) -> None:
+        self._fail_head(exc)
+        self.close()
 
     def _fail_head(self, exc: UpstreamError) -> None:
         self._cancel_timer()
@@ -264,6 +287,27 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
             self.transport.close()
 
 
+def _pending(transport: asyncio.Transport) -> bool:
+    """Whether the socket under an idle connection has bytes waiting, or its end of file (a peek that
+    never blocks). A TLS connection is not peeked: its records are not the exchange's bytes."""
+    fd = plain_socket_fd(transport)
+    if fd is None:
+        return False
+    # a socket object over the transport's own descriptor, let go of (never closed) after one peek:
+    # family and type given, so that making it costs no system call
+    peek = socket.socket(transport.get_extra_info("socket").family, socket.SOCK_STREAM, fileno=fd)
+    try:
+        peek.settimeout(0)  # non-blocking already (the transport's): say so to Python
+        peek.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False  # nothing waits: the connection is as the last exchange left it
+    except OSError:
+        return True  # reset: not one to send on
+    finally:
+        peek.detach()
+    return True
+
+
 class UpstreamPool:
     """Connections to the one upstream origin, kept alive between exchanges."""
 
@@ -311,10 +355,16 @@ class UpstreamPool:
         return conn
 
     def _take_idle(self) -> UpstreamConn | None:
+        """The newest idle connection fit for another exchange. One that has bytes waiting (the loop has
+        not read them yet) or has been closed by the upstream is dropped: whatever waits there is no answer
+        to the request about to be sent."""
         while self.idle:
             conn = self.idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing() and conn.state == _IDLE:
-                return conn
+            transport = conn.transport
+            if transport is not None and not transport.is_closing() and conn.state == _IDLE:
+                if not _pending(transport):
+                    return conn
+                conn.close()
         return None
 
     async def probe(self, timeout_s: float) -> UpstreamError | None:

@@ -381,7 +381,9 @@ def test_slow_reader_backpressures_the_upstream(make_stack, framing, relay):
         return True
 
     upstream = ScriptedUpstream(respond)
-    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0, relay=relay)
+    # all 32 MB measured (over the default max_measured_bytes), so the record can be checked whole
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, idle_timeout_s=1.0,
+                       max_measured_bytes=2 * TOTAL, relay=relay)
     ports = {stack.service.port, stack.raw.port}
 
     async def go():

@@ -1,6 +1,6 @@
 """The lane (``specproxy/serve/lane.py``): the common request served without aiohttp's server.
 
-Two kinds of test. What the lane takes, it must read exactly as aiohttp's parser would and ``_refuse``
+Two kinds of test. What the lane takes, it must read exactly as aiohttp's parser would and ``refusals.refuse``
 must let through: a differential test against aiohttp's C parser and its Python one, over generated
 heads, well-formed and not. And, through a real proxy on 127.0.0.1 and a scripted upstream, what the
 lane does on the wire: it serves common requests itself, hands a connection to aiohttp at the first
@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from faultkit import ScriptedUpstream, await_until, chunk, exchange, parse_response, post_head
 from specproxy.serve.lane import read_head
-from specproxy.serve.proxy import LABEL_HEADER, _refuse
+from specproxy.serve.headers import LABEL_HEADER
+from specproxy.serve.refusals import refuse
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
@@ -116,7 +117,7 @@ def test_what_the_lane_takes_aiohttp_reads_the_same_and_would_forward(parser_cls
     assert not msg.upgrade and not msg.chunked
     shim = types.SimpleNamespace(method=msg.method, version=msg.version, headers=msg.headers,
                                  raw_headers=msg.raw_headers)
-    assert _refuse(shim) is None  # nothing the proxy's own checks would refuse
+    assert refuse(shim) is None  # nothing the proxy's own checks would refuse
 
 
 def test_the_lane_takes_what_clients_send():

@@ -185,6 +185,35 @@ def test_bytes_past_the_end_are_not_sent(sink, ends):
     assert ends.cl_client.recv(100) == b""  # nothing followed the body
 
 
+@pytest.mark.parametrize("keep", [0, 50_000])
+@pytest.mark.parametrize("client", ["reading", "stalled"])
+def test_a_turn_keeps_only_its_first_reads_within_its_allowance_and_relays_all(sink, tcp_ends, keep, client):
+    """A turn keeps the reads that fit in ``keep`` bytes, in order from the first, and none after the
+    first that does not (``capped``); every byte still reaches the client, also when it does not read
+    for a while (the bytes it has not taken are held, then their room reused)."""
+    tcp_ends.cl_proxy.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    payload = os.urandom(16384)
+    frame = b"%x\r\n%b\r\n" % (len(payload), payload)
+    want = frame * 400 + b"0\r\n\r\n"  # 6.5 MB
+    turn = relayc.Turn(sink, tcp_ends.up_proxy.fileno(), tcp_ends.cl_proxy.fileno(), relayc.ChunkedEnd(), keep)
+    writer = threading.Thread(target=tcp_ends.up_server.sendall, args=(want,), daemon=True)
+    writer.start()
+    if client == "stalled":  # the thread blocks on the client before the client reads anything
+        start = time.monotonic()
+        while not turn.blocked:
+            assert time.monotonic() - start < 10, "the thread never waited for the client"
+            time.sleep(0.01)
+    assert recv_until(tcp_ends.cl_client, len(want), timeout=30) == want
+    assert wait_done(sink) == [turn.id] and turn.outcome == ("end", 0, None)
+    writer.join(5)
+    reads, rtimes, wtimes = taken(turn)
+    kept = b"".join(reads)
+    assert turn.capped and len(kept) <= keep and want.startswith(kept)
+    assert len(reads) == len(rtimes) == len(wtimes)
+    if keep:
+        assert len(kept) > keep - 65536  # the first read that did not fit is within one read of the cap
+
+
 # --- how a turn ends ----------------------------------------------------------------------------------------
 
 

@@ -80,7 +80,6 @@ def test_an_endless_size_line_is_refused():
     [
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", "POST", CHUNKED, -1, True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 12", "POST", LENGTH, 12, True),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 12, 12", "POST", LENGTH, 12, True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked", "POST", CHUNKED, -1, True),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip", "POST", CLOSE, -1, False),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked", "POST", CHUNKED, -1, True),
@@ -90,16 +89,15 @@ def test_an_endless_size_line_is_refused():
         (b"HTTP/1.1 304 Not Modified\r\nContent-Length: 9", "GET", NO_BODY, -1, True),
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1", "GET", LENGTH, 1, False),
         (b"HTTP/1.0 200 OK\r\nContent-Length: 1", "GET", LENGTH, 1, False),
-        (b"HTTP/1.1 200 OK\nContent-Length: 3\n", "GET", LENGTH, 3, True),
     ],
 )
 def test_response_framing_follows_rfc_9112(head, method, framing, length, keep):
-    parsed = parse_head(head, method)
+    parsed = parse_head(head + b"\r\n\r\n", method)
     assert (parsed.framing, parsed.length, parsed.keep_alive) == (framing, length, keep)
 
 
 def test_header_bytes_are_kept_as_they_came():
-    parsed = parse_head(b"HTTP/1.1 200 Fine\r\nX-Name: caf\xe9 \xff\r\nSet-Cookie: a\r\nSet-Cookie: b", "GET")
+    parsed = parse_head(b"HTTP/1.1 200 Fine\r\nX-Name: caf\xe9 \xff\r\nSet-Cookie: a\r\nSet-Cookie: b\r\n\r\n", "GET")
     assert parsed.headers == [(b"X-Name", b"caf\xe9 \xff"), (b"Set-Cookie", b"a"), (b"Set-Cookie", b"b")]
     assert parsed.reason == b"Fine" and parsed.status == 200
 
@@ -116,11 +114,18 @@ def test_header_bytes_are_kept_as_they_came():
         b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded",
         b"HTTP/1.1 200 OK\r\nBad Name: 1",
         b"HTTP/1.1 200 OK\r\nno colon",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 12, 12",  # llhttp refuses even a repeated equal value
+        b"HTTP/1.1 200 OK\nContent-Length: 3\n",  # bare LF line ends
+        b"HTTP/1.1 200 OK\rX-Injected: 1",  # bare CR in the status line
+        b"HTTP/1.1 200 OK\r\nX-A: a\rX-Injected: 1",  # bare CR in a field value
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b",  # NUL in a field value
+        b"HTTP/1.1 200 O\x00K",  # NUL in the reason phrase (llhttp lets it through; we do not)
+        b"HTTP/1.1 200 O\x01K",
     ],
 )
 def test_malformed_heads_are_refused(head):
     with pytest.raises(UpstreamError):
-        parse_head(head, "GET")
+        parse_head(head + b"\r\n\r\n", "GET")
 
 
 # --- a handler abandoning its exchange --------------------------------------------------------------------

@@ -209,6 +209,7 @@ RELEASED_MIGRATIONS = {
     "004_content_class": "b6b47577cdc3e566",
     "005_api_client_session": "daab89802ad097ea",
     "006_captures": "91025f279d1da1ef",
+    "007_measure_capped": "441166bf0dc78090",
 }
 
 

@@ -1,0 +1,325 @@
+"""The response side as strict as the request side: no stale response to another client, no ambiguous
+framing downstream, no control characters or oversized heads, no underscore header names.
+
+Both peers are raw sockets scripted byte by byte (faultkit, rawpeers), through each body relay that ships
+(the relay thread, the Python one) and both fronts (the lane, aiohttp's server alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from faultkit import await_until, exchange, kernel_queued, parse_response, post_head, read_request, request_once
+from specproxy.wire.upstream import UpstreamPool
+
+pytestmark = pytest.mark.usefixtures("each_relay", "each_front")
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+PROBE = orjson.dumps({"id": "probe", "object": "chat.completion",
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "probe"}}]})
+PROBE_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                  % (len(PROBE), PROBE))
+EVIL = b"HTTP/1.1 203 Evil\r\nContent-Length: 4\r\nX-Echo: evil\r\n\r\nEVIL"
+
+
+@pytest.fixture(autouse=True)
+def _not_the_loop_relay(request):
+    if request.getfixturevalue("each_relay") == "loop":
+        pytest.skip("the per-read relay on the loop is being removed")
+
+
+# --- 1. a response's late bytes never reach another client ---------------------------------------------
+
+
+class LateBytes:
+    """An upstream whose answer to ``/evil`` is followed, on the same connection, by a whole second
+    response (``EVIL``) that it sends only once the next client's request has reached it, on whichever
+    connection: the window in which a proxy that reused the connection would relay it to that client.
+    The next client's own answer (``PROBE``) goes out after ``EVIL`` was sent."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.connections = 0
+        self.probe_on_first_connection = False
+        self._probe_arrived: asyncio.Event | None = None
+        self._evil_sent: asyncio.Event | None = None
+
+    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
+        if self._probe_arrived is None:
+            self._probe_arrived, self._evil_sent = asyncio.Event(), asyncio.Event()
+        return self._probe_arrived, self._evil_sent
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        probe_arrived, evil_sent = self._events()
+        self.connections += 1
+        try:
+            req = await read_request(reader)
+            if req is None:
+                return
+            if b"/evil" not in req.line:  # the probe, on a connection of its own
+                probe_arrived.set()
+                await asyncio.wait_for(evil_sent.wait(), 10)
+                writer.write(PROBE_RESPONSE)
+                await writer.drain()
+                return
+            writer.write(self.first)
+            await writer.drain()
+            following = asyncio.ensure_future(read_request(reader))
+            arrived = asyncio.ensure_future(probe_arrived.wait())
+            await asyncio.wait({following, arrived}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            arrived.cancel()
+            try:
+                writer.write(EVIL)  # the late bytes, after the next request is on its way
+                await writer.drain()
+            except ConnectionError:
+                pass  # the proxy had closed this connection: nobody can read them
+            evil_sent.set()
+            if following.done() and following.result() is not None:  # the probe came on this connection
+                self.probe_on_first_connection = True
+                writer.write(PROBE_RESPONSE)
+                await writer.drain()
+            else:
+                following.cancel()
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("case", ["head", "204", "304", "100"])
+def test_late_bytes_after_a_bodyless_response_never_reach_the_next_client(make_stack, case):
+    """HEAD, 204 and 304 have no body by rule and an interim 1xx is not the answer: after any of them the
+    connection is not reused, so what the upstream sends later cannot be read as another client's answer."""
+    first = {
+        "head": b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n",
+        "204": b"HTTP/1.1 204 No Content\r\n\r\n",
+        "304": b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n",
+        "100": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    }[case]
+    upstream = LateBytes(first)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    port = stack.service.port
+    method = "HEAD" if case == "head" else "GET"
+
+    async def go():
+        a = await request_once(port, f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(), head_request=case == "head")
+        b = await request_once(port, post_head(CHAT, BODY))
+        return a, b
+
+    a, b = stack.run(go())
+    assert a.status == {"head": 200, "204": 204, "304": 304, "100": 200}[case]
+    assert (b.status, b.body, b.header("X-Echo")) == (200, PROBE, None)
+    assert not upstream.probe_on_first_connection and upstream.connections == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(PROBE))
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, framing):
+    """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
+    a Content-Length body or a chunked one's ``0\\r\\n\\r\\n``, which the relay thread carries, just
+    before the next checkout): the checkout peeks, finds them, and opens a new connection instead."""
+    junk_now: list[asyncio.Event] = []
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if framing == "length"
+              else b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+
+    async def serve(reader, writer):
+        if not junk_now:
+            junk_now.append(asyncio.Event())
+        req = await read_request(reader)
+        if req is None:
+            return
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.wait_for(junk_now[0].wait(), 10)
+        writer.write(EVIL)
+        await writer.drain()
+        await reader.read()  # until the proxy closes it
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    port = stack.service.port
+    pool: UpstreamPool = stack.service.proxy._pool
+
+    async def go():
+        a = await request_once(port, b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert a.body == b"ok"
+        await await_until(lambda: len(pool.idle) == 1, 5, what="the connection back in the pool")
+        conn = pool.idle[0]
+        conn.transport.pause_reading()  # the loop has not got to the bytes yet: the window of the race
+        sock = conn.transport.get_extra_info("socket")
+        ports = {sock.getsockname()[1]}
+        junk_now[0].set()
+        await await_until(lambda: kernel_queued(ports) >= len(EVIL), 5, what="the late bytes queued")
+        taken = pool._take_idle()
+        return taken, conn
+
+    taken, conn = stack.run(go())
+    assert taken is None
+    assert conn.transport is None or conn.transport.is_closing()
+
+
+# --- 2. Content-Length beside Transfer-Encoding --------------------------------------------------------
+
+
+def test_content_length_is_dropped_whenever_transfer_encoding_is_present(make_stack):
+    async def serve(reader, writer):
+        if await read_request(reader) is None:
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: gzip\r\n\r\nhello")
+        await writer.drain()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    got, _ = stack.run(exchange(stack.service.port, b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n", timeout=5))
+    resp, _ = parse_response(got)
+    assert resp.header("Content-Length") is None
+    assert resp.header_all("Transfer-Encoding") == ["chunked"]
+    assert resp.body == b"hello" and resp.complete
+
+
+# --- 5. control characters in the head; 7. one size limit ----------------------------------------------
+
+
+BAD_HEADS = {
+    "cr_in_status_line": b"HTTP/1.1 200 OK\rX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
+    "cr_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\rX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
+    "nul_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\nok",
+    "lf_in_value": b"HTTP/1.1 200 OK\r\nX-A: a\nX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
+    "bare_lf_head": b"HTTP/1.1 200 OK\nX-Injected: 1\nContent-Length: 2\n\nok",
+    "nul_in_reason": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok",
+    "over_64k_in_one_read": b"HTTP/1.1 200 OK\r\n" + b"X-Pad: %b\r\n" % (b"p" * 70_000) + b"Content-Length: 2\r\n\r\nok",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADS))
+def test_a_malformed_or_oversized_response_head_gets_502(make_stack, case):
+    async def serve(reader, writer):
+        if await read_request(reader) is None:
+            return
+        writer.write(BAD_HEADS[case])  # one write: loopback delivers it in as few reads as it can
+        await writer.drain()
+        await reader.read()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    resp = stack.run(request_once(stack.service.port, post_head(CHAT, BODY)))
+    assert resp.status == 502
+    assert resp.header("X-Injected") is None and b"X-Injected" not in resp.raw
+    stack.settle()
+    (rec,) = stack.records
+    assert (rec.status, rec.outcome) == (502, "upstream_unreachable")
+
+
+def test_a_head_just_under_the_limit_passes(make_stack):
+    pad = b"p" * (65536 - 200)
+
+    async def serve(reader, writer):
+        if await read_request(reader) is None:
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Pad: %b\r\nContent-Length: 2\r\n\r\nok" % pad)
+        await writer.drain()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    resp = stack.run(request_once(stack.service.port, b"GET /x HTTP/1.1\r\nHost: p\r\n\r\n"))
+    assert (resp.status, resp.body, resp.header("X-Pad")) == (200, b"ok", pad.decode())
+
+
+# --- header names with an underscore ----------------------------------------------------------------------
+
+
+def test_header_names_with_an_underscore_are_dropped_both_ways(make_stack):
+    seen = []
+
+    async def serve(reader, writer):
+        req = await read_request(reader)
+        if req is None:
+            return
+        seen.append(req)
+        writer.write(b"HTTP/1.1 200 OK\r\nX_Bar: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 1\r\n"
+                     b"Content-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    req = post_head(CHAT, BODY, extra="X_Foo: 1\r\nTransfer_Encoding: chunked\r\nX-Kept: 1\r\n")
+    resp = stack.run(request_once(stack.service.port, req))
+    assert (resp.status, resp.body) == (200, b"ok")
+    assert [k for k, _ in resp.headers if "_" in k] == [] and resp.header("X-Ok") == "1"
+    (up,) = seen
+    assert [k for k, _ in up.headers if "_" in k] == [] and up.header("X-Kept") == "1"
+    assert up.body == BODY
+
+
+
+# --- 4. response bodies are kept only as far as measuring needs -----------------------------------------
+
+
+def _peak_rss_reset() -> None:
+    """Reset this process's peak resident set (VmHWM) to what it holds now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+BIG_MB = 80
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+BIG_CHUNK = b"%x\r\n%b\r\n" % (len(EVENT) * 1000, EVENT * 1000)  # ~57 KB of payload per chunk
+BIG_CHUNKS = BIG_MB * 1024 * 1024 // len(BIG_CHUNK)
+
+
+async def _serve_big(reader, writer):
+    """Any request: an SSE stream of ``BIG_MB`` MB, chunked, written a chunk at a time (never whole)."""
+    while await read_request(reader) is not None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(BIG_CHUNKS):
+            writer.write(BIG_CHUNK)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def _read_and_drop(port: int, request: bytes) -> int:
+    """Send ``request``; read the chunked answer to its end, keeping nothing; return the body's size."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    want = BIG_CHUNKS * len(BIG_CHUNK) + 5
+    try:
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        got = 0
+        while got < want:
+            piece = await asyncio.wait_for(reader.read(1 << 20), 10)
+            assert piece, "the proxy closed before the body's end"
+            got += len(piece)
+        return got
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
+    """An 80 MB stream through the proxy: unmeasured, nothing of it is kept; measured, only its first
+    ``max_measured_bytes`` (1 MiB here), and the record says it was capped. The process's peak resident
+    set grows by far less than the body."""
+    stack = make_stack(raw_script=_serve_big, scrape_interval_s=0, max_measured_bytes=1 << 20)
+    port = stack.service.port
+    request = post_head(CHAT, BODY) if measured else b"GET /big HTTP/1.1\r\nHost: p\r\n\r\n"
+    stack.run(_read_and_drop(port, b"GET /warm HTTP/1.1\r\nHost: p\r\n\r\n"))  # the first turn's one-off costs
+    stack.settle()
+    _peak_rss_reset()
+    before = _rss_kib("VmRSS")
+    got = stack.run(_read_and_drop(port, request))
+    stack.settle()
+    grew_mb = (_rss_kib("VmHWM") - before) / 1024
+    assert got == BIG_CHUNKS * len(BIG_CHUNK) + 5
+    assert grew_mb < BIG_MB / 4, f"peak RSS grew {grew_mb:.0f} MB for a {BIG_MB} MB body"
+    if measured:
+        (rec,) = [r for r in stack.records if r.path == CHAT]
+        assert rec.measure_capped and rec.outcome == "ok" and rec.streamed
+        assert 0 < rec.response_bytes <= 1 << 20
