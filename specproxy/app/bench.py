@@ -37,7 +37,7 @@ from specproxy.app.restarts import restart_command, run_restart, wait_ready
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.record import Record
-from specproxy.serve.proxy import LABEL_HEADER
+from specproxy.serve.headers import LABEL_HEADER
 from specproxy.serve.service import Service
 
 __all__ = ["BenchError", "BenchPlan", "BenchRun", "run_bench", "schedule"]

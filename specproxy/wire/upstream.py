@@ -11,7 +11,9 @@ This module owns the connection, the request and the response head; ``body.BodyR
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
-and closed after ``POOL_IDLE_S``; a POST is never retried. Response heads are parsed strictly
+and closed after ``POOL_IDLE_S``. A request is sent twice only when a connection kept alive after an exchange is
+closed by the upstream before one byte of the next answer (its close raced our send): once more, on a
+new connection, never a third time; nothing else is retried. Response heads are parsed strictly
 (``response_head.py``, llhttp), one size limit per head. Response framing per RFC 9112 6.3:
 ``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
 interim 1xx responses are skipped. Bytes past a response's end are never relayed, and the connection
@@ -99,6 +101,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self.reusable = True
         self._turn = None  # the body's _relayc.Turn while the relay thread has it
         self.exchanges = 0  # requests sent on this connection: names the exchange a handler is part of
+        self.unanswered = False  # closed by the upstream while waiting for a head, before any byte of it
 
     # --- asyncio callbacks ----------------------------------------------------------------------------
 
@@ -133,6 +136,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self.pool._forget(self)
         state = self.state
         if state == _WAIT_HEAD:
+            self.unanswered = not self._head_buf  # not one byte of a response: the request may not have been read
             why = f"the upstream closed the connection before responding ({type(exc).__name__})" if exc else \
                 "the upstream closed the connection before responding"
             self._fail_head(UpstreamError(why))
@@ -344,7 +348,19 @@ class UpstreamPool:
     async def request(self, method: str, data: bytes) -> UpstreamConn:
         """Send one request (head and body in ``data``); return the connection once its response head is in.
         Raises ``UpstreamError``."""
-        conn = self._take_idle() or await self._connect()
+        conn = self._take_idle()
+        if conn is not None:
+            try:
+                return await self._send(conn, method, data)
+            except UpstreamError:
+                if not (conn.unanswered and conn.exchanges > 1):
+                    raise
+                # A kept-alive connection the upstream closed as the request went out, before a byte of any
+                # answer: the idle close raced our send (llama-server closes after each streamed response;
+                # the peek at checkout cannot see a close still on its way). Once more, on a new connection.
+        return await self._send(await self._connect(), method, data)
+
+    async def _send(self, conn: UpstreamConn, method: str, data: bytes) -> UpstreamConn:
         self.active.add(conn)
         try:
             await conn.send(method, data)

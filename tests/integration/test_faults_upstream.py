@@ -133,7 +133,7 @@ def test_upstream_gone_before_headers_gives_502_json_fast_and_no_retry(make_stac
     assert status == 502 and elapsed < 5
     assert body["error"]["type"] == "upstream_unreachable"
     assert "q-secret" not in body["error"]["message"]
-    assert upstream.connections == 1 and len(upstream.requests) == 1  # a POST is never retried
+    assert upstream.connections == 1 and len(upstream.requests) == 1  # a connection's first request: no retry
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "upstream_unreachable" and rec["status"] == 502
     assert "q-secret" not in (rec["error"] or "")
@@ -430,3 +430,38 @@ def test_slow_reader_backpressures_the_upstream(make_stack, framing, relay):
     assert hashlib.sha256(got).digest() == hashlib.sha256(wire).digest()
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["response_bytes"] == TOTAL
+
+
+def _answer(text: str) -> bytes:
+    return SSE + chunk(delta_event(text, b"\n")) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("second_try", ["answers", "closes too"])
+def test_a_kept_alive_connection_closed_before_answering_is_tried_once_more_on_a_new_one(
+        make_stack, tiktoken_tok, second_try):
+    """llama-server closes its connection after each streamed response; a request sent on it just before
+    the close arrives is read by nobody. The upstream here closes a reused connection as soon as the request
+    is in, before a byte of an answer (the race, made certain): the proxy sends it once more on a new
+    connection (opened for it: when that one closes too, nothing is sent a third time)."""
+
+    async def respond(req, writer, i):
+        if i == 1 or (i == 2 and second_try == "closes too"):
+            return False  # read the request, close without a byte of an answer
+        writer.write(_answer(f"answer {i}"))
+        await writer.drain()
+        return True
+
+    stack, upstream = _stack(make_stack, tiktoken_tok, respond)
+    first = stack.run(_read_stream(stack.url))
+    assert first[0] == 200 and first[2] == "complete"
+    second = stack.run(_read_stream(stack.url))
+    assert len(upstream.requests) == 3 and upstream.connections == 2  # sent twice: the reused one, a new one
+    if second_try == "answers":
+        assert second[0] == 200 and second[2] == "complete" and b"answer 2" in second[1]
+        records = db_records(stack, 2)
+        assert [r["outcome"] for r in records] == ["ok", "ok"]
+    else:
+        assert second[0] == 502
+        records = db_records(stack, 2)
+        assert sorted(r["outcome"] for r in records) == ["ok", "upstream_unreachable"]
+

@@ -3,11 +3,13 @@
 Everything runs the installed command line as a user would. The sweep goes to the session's shared
 server (the tiny reciting model). The restart tests give bench a restart command this module writes:
 a shell script that kills the server it started last (by the pid it wrote) and starts
-``llama-server`` again on one fixed 127.0.0.1 port, with speculative decoding (the looping model and
-its draft, ``--spec-type draft-simple``) or without, by arm. Each arm runs on 3 server instances,
-interleaved, so ``compare`` gets its interval over instances: spec on against off must get a verdict
-(on these tiny CPU models drafting costs as much as it saves, so the direction is not asserted, only
-that it is one), and one setting against itself must get "not distinguishable".
+``llama-server`` again on one fixed 127.0.0.1 port, with speculative decoding or without, by arm.
+The draft recites another sentence than the target, so every drafted token is rejected and each
+delivered token costs the draft's passes on top of the target's: a real slowdown of the kind a
+mismatched draft gives, large enough to be decided at K = 3 (a draft that agrees with the target costs
+about what it saves on these tiny CPU models, and its direction changes from run to run). Each arm runs
+on 3 server instances, interleaved, so ``compare`` gets its interval over instances: spec on against
+off must be "slower", and one setting against itself must get "not distinguishable".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from real.fixtures import _cached_model
 from real.server import free_port
 
 pytestmark = pytest.mark.real
@@ -58,7 +61,9 @@ def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(
     for lv in levels:
         # every request sent is one turn in the database, failed or not (a failure is counted, not hidden)
         assert lv["turns"] == lv["sent"] and lv["ok"] + sum(lv["errors"].values()) == lv["turns"]
-        assert lv["ok"] >= lv["turns"] - 1
+        # every one ok: llama-server closes its connection after each streamed answer, and a request that
+        # races that close is sent once more on a new connection (wire/upstream.py), never lost
+        assert lv["ok"] == lv["turns"], lv["errors"]
         assert lv["decode_tps"]["ci_low"] <= lv["decode_tps"]["median"] <= lv["decode_tps"]["ci_high"]
         agg = lv["aggregate_tps"]
         assert agg["unit"] == "rounds" and agg["n"] == 3 and agg["ci_low"] <= agg["mean"] <= agg["ci_high"]
@@ -69,7 +74,14 @@ def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(
 
 
 @pytest.fixture(scope="module")
-def restart_script(llama_server_bin, looping_model_path, draft_model_path, tmp_path_factory):
+def wrong_draft_path(llama_assets_dir):
+    """A draft of the same shape that recites a different sentence: none of its tokens is accepted."""
+    return _cached_model(llama_assets_dir, sentence="Pack my box with five dozen liquor jugs.",
+                         end_with_eot=False, seed=2).path
+
+
+@pytest.fixture(scope="module")
+def restart_script(llama_server_bin, looping_model_path, wrong_draft_path, tmp_path_factory):
     """A restart command for bench: ``SCRIPT ARM`` stops the server it started last and starts one for ARM
     (``spec``: speculative decoding with the draft model; anything else: none) in the background."""
     d = tmp_path_factory.mktemp("restarts")
@@ -81,7 +93,7 @@ if [ -f {pidfile} ]; then
   pid=$(cat {pidfile}); kill -KILL "$pid" 2>/dev/null
   n=0; while kill -0 "$pid" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.05; n=$((n+1)); done
 fi
-case "$1" in spec) extra="--spec-type draft-simple -md {draft_model_path}";; *) extra="";; esac
+case "$1" in spec) extra="--spec-type draft-simple -md {wrong_draft_path}";; *) extra="";; esac
 {llama_server_bin} -m {looping_model_path} --host 127.0.0.1 --port {port} -c 1024 -t 1 -np 1 --metrics \\
   --no-warmup $extra >> {d / "server.log"} 2>&1 &
 echo $! > {pidfile}
@@ -123,7 +135,7 @@ def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(rest
     assert len(set(summary["instance_ids"].values())) == 6  # each block its own instance
     assert compare["instances_a"] == compare["instances_b"] == 3
     row = decode_row(compare)
-    assert row["ci_low"] is not None and row["verdict"] in ("faster", "slower"), row
+    assert row["ci_low"] is not None and row["verdict"] == "slower", row
     # the interval is over instances: no warning that an arm ran in one
     assert not any("one server instance" in w or "single instance" in w for w in row["warnings"]), row["warnings"]
 
