@@ -302,3 +302,52 @@ def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     assert proc.returncode == 0, proc.stderr
     body = json.loads(up.sent[-1].request_body)
     assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)
+
+
+def stored_turns(db: Path, label: str) -> int:
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT count(*) FROM turns WHERE label = ?", (label,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the schema is not there yet
+        return 0
+    finally:
+        conn.close()
+
+
+def test_ctrl_c_summarises_what_was_measured_and_exits_non_zero(tmp_path, upstream_thread):
+    """SIGINT in the middle of a long round: the turns that ended are stored, summarised, and the run
+    ends with one line and status 2 (not a traceback, not a silent 0)."""
+    import signal
+    import time
+
+    up = upstream_thread(Script(pieces=["a", " b", " c"] * 4, interval_s=0.01))
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(BODIES[0] + b"\n")
+    db = tmp_path / "b.db"
+    proc = subprocess.Popen([*SPECPROXY, "bench", "--upstream", up.url, "--from", str(work), "--db", str(db),
+                             "--duration", "600", "--repeats", "1", "--warmup", "0", "--label", "cut",
+                             "--tokenizer", "tiktoken:o200k_base"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while stored_turns(db, "cut") < 3:  # the writer commits as turns end: wait for a few (bounded)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, (proc.returncode, err)
+    errors = [line for line in err.splitlines() if line.startswith("specproxy: error:")]
+    assert len(errors) == 1 and "interrupted (Ctrl-C)" in errors[0] and "Traceback" not in err, err
+    stored = stored_turns(db, "cut")
+    assert stored >= 3
+    assert "per-stream tok/s [95% CI]" in out, out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1"]
+    assert 3 <= int(rows[0][1]) <= stored  # the summary counts measured turns, each of them stored
+    assert f"its {rows[0][1]} turns summarised above" in errors[0]
