@@ -17,7 +17,8 @@ from yarl import URL
 
 from specproxy.errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "Config", "load_config", "server_root"]
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "Config", "child_environment", "load_config",
+           "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -197,6 +198,13 @@ def _validate(cfg: Config) -> Config:
     if cfg.cadence_poll not in CADENCE_POLL_MODES:
         raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
     return cfg
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a command specproxy runs for the user (``bench --restart-cmd``): this process's
+    own, so the command finds what the user's shell would give it, plus ``extra``. Here because this module
+    is the one place that reads the environment."""
+    return {**os.environ, **extra}
 
 
 def load_config(

@@ -14,7 +14,8 @@ concurrency a round: closed loop (that many streams, each sending its next reque
 ended) over the workload once, or for ``duration_s``; or open loop (``rate`` requests a second,
 exponential gaps, at most that many in flight). A round ends when every request it sent has its
 record. Anything that goes wrong (a restart that fails, a server that never comes back, a round whose
-every request failed) ends the run with one line, after what was measured is stored and summarised.
+every request failed) ends the run with one line, after what was measured is stored and summarised;
+so does Ctrl-C (the interrupted round counts with the turns that ended before it).
 """
 
 from __future__ import annotations
@@ -252,7 +253,13 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
                             what = f"{arm} #{k}: concurrency {level}, repeat {repeat}/{plan.repeats}"
                             progress.phase(what + (f", prompt {prompt_len} words" if prompt_len else ""))
                             rnd = Round(arm=arm, instance=k, level=level, repeat=repeat, prompt_len=prompt_len)
-                            await _round(session, service, collector, plan, rnd, requests, label, rng, progress)
+                            try:
+                                await _round(session, service, collector, plan, rnd, requests, label, rng,
+                                             progress)
+                            except asyncio.CancelledError:  # Ctrl-C: the round so far is part of the summary
+                                if rnd.records:
+                                    run.rounds.append(rnd)
+                                raise
                             run.rounds.append(rnd)
                             _check_round(rnd, what)
             await service.proxy.drain_measurements()
@@ -278,12 +285,18 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
     n = plan.round_size(requests, rnd.level)
     t0 = clock()
     end = t0 + plan.duration_s if plan.duration_s is not None else None
-    if plan.rate is not None:
-        rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end, plan.rate, rng,
-                                    plan.request_timeout_s, done)
-    else:
-        rnd.sent = await _closed_loop(session, service.url, requests, label, rnd.level, n, end,
-                                      plan.request_timeout_s, done)
+    try:
+        if plan.rate is not None:
+            rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end, plan.rate, rng,
+                                        plan.request_timeout_s, done)
+        else:
+            rnd.sent = await _closed_loop(session, service.url, requests, label, rnd.level, n, end,
+                                          plan.request_timeout_s, done)
+    except asyncio.CancelledError:  # interrupted: the turns that ended so far, as measured by now
+        rnd.records = [r for r in collector.records if r.outcome == "ok" and r.t_request is not None
+                       and r.t_request >= t0]
+        rnd.sent = len(rnd.records)
+        raise
     rnd.records = await collector.take(t0, clock(), responses)
     rnd.first_error = first_error[0] if first_error else None
 

@@ -198,6 +198,10 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                 error = exc
             else:
                 raise
+        except KeyboardInterrupt:  # the proxy stopped and its writer drained: summarise what was measured
+            turns = sum(len(r.records) for r in run.rounds)
+            error = SpecproxyError(f"interrupted (Ctrl-C): what was measured is stored in {cfg.db}"
+                                   + (f", and its {turns} turns summarised above" if run.rounds else ""))
         summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None)
         summary.update(database=cfg.db, labels=list(arms), instance_ids={f"{a}#{k}": v for (a, k), v in
                                                                          run.instance_ids.items()})

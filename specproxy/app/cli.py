@@ -389,8 +389,10 @@ def _iso(t: float) -> str:
 @click.option("--db", default=None, help="Database for the demo's turns [default: a new temporary file]")
 @click.option("--turns", type=int, default=8, show_default=True, help="Turns per client at each concurrency")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
+@click.option("--stay", is_flag=True,
+              help="After the traffic, keep the proxy and its live page up until Ctrl-C, then print the report")
 @_friendly
-def demo(db: str | None, turns: int, as_json: bool) -> None:
+def demo(db: str | None, turns: int, as_json: bool, stay: bool) -> None:
     """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
     from specproxy.app.demo import run_demo
     from specproxy.analyze.report import render_text
@@ -399,8 +401,20 @@ def demo(db: str | None, turns: int, as_json: bool) -> None:
     if turns < 1:
         raise SpecproxyError("--turns must be at least 1")
     path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
+
+    async def linger(url: str) -> None:
+        click.echo(f"demo: the traffic is done; the live page stays at {url}/_specproxy/ until Ctrl-C, "
+                   "then the report", err=True)
+        await asyncio.Event().wait()
+
     install_uvloop()
-    asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True)))
+    try:
+        asyncio.run(run_demo(path, turns=turns, progress=lambda m: click.echo(m, err=True),
+                             linger=linger if stay else None))
+    except KeyboardInterrupt:
+        if not stay:
+            raise
+        # --stay ends here: run_demo stopped the proxy and its writer, every turn is stored
     r = _report(str(path))
     _echo(r, render_text, as_json)
     if not as_json:

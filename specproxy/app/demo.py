@@ -6,7 +6,8 @@ share it, llama.cpp-style counters at /metrics), the real proxy in front of it, 
 chats the way a real chat client does (a long system prompt and tool definitions prepended to every
 turn, a growing history), first alone and then with company. Then it prints the real report of what
 was measured. Nothing is faked after the upstream: the proxy, the measuring and the store are the
-ones ``serve`` runs.
+ones ``serve`` runs, and so is the live page at ``/_specproxy/`` (drawn from the demo's database
+while the traffic runs; ``linger`` keeps the proxy up after it, for ``specproxy demo --stay``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +24,7 @@ from specproxy.config import load_config
 from specproxy.serve.service import Service
 from specproxy.app.fake_upstream import FakeUpstream, Script, pieces_of
 from specproxy.measure.tokens import load_tokenizer
+from specproxy.view.live import LivePages
 
 __all__ = ["run_demo"]
 
@@ -113,8 +115,10 @@ async def _client(proxy_url: str, turns: int, tools: list[dict], system: str, se
 
 
 async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = (1, 4),
-                   tokenizer: str = "tiktoken:o200k_base", progress: Callable[[str], None] = print) -> Path:
-    """Run the demo traffic into ``db``; return its path."""
+                   tokenizer: str = "tiktoken:o200k_base", progress: Callable[[str], None] = print,
+                   linger: Callable[[str], Awaitable[None]] | None = None) -> Path:
+    """Run the demo traffic into ``db``; return its path. ``linger`` is awaited with the proxy's URL after
+    the traffic, every turn measured, before the proxy stops (its live page is served until it returns)."""
     tok = load_tokenizer(tokenizer)
     pieces = [pieces_of(a, tok) for a in ANSWERS]
     ref: list[FakeUpstream] = []
@@ -127,8 +131,10 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     from specproxy.store.db import Writer
 
     service.writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
+    service.pages = LivePages(cfg.db)  # the live page, as serve has it
     await service.start()
-    progress(f"demo: scripted upstream at {upstream.url}, specproxy at {service.url}, database {db}")
+    progress(f"demo: scripted upstream at {upstream.url}, specproxy at {service.url}, database {db}\n"
+             f"demo: live page {service.url}/_specproxy/, Prometheus {service.url}/_specproxy/metrics")
     tools = _tools()
     system = SYSTEM_PROMPT * 12
     try:
@@ -140,6 +146,8 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
                      + (f" ({sum(results)} errors)" if sum(results) else ""))
         assert service.proxy is not None
         await service.proxy.drain_measurements()
+        if linger is not None:
+            await linger(service.url)
     finally:
         await service.stop()
         await upstream.close()

@@ -16,7 +16,6 @@ command's stdout, and a pipe would then stay open (and the wait never end) for t
 from __future__ import annotations
 
 import asyncio
-import os
 import shlex
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ import time
 
 import aiohttp
 
+from specproxy.config import child_environment
 from specproxy.errors import SpecproxyError
 
 __all__ = ["RestartError", "restart_command", "run_restart", "wait_ready"]
@@ -43,7 +43,7 @@ def restart_command(template: str, arm: str, instance: int) -> str:
 def run_restart(command: str, arm: str, instance: int, timeout_s: float) -> None:
     """Run the restart command in a shell (blocking: call in a thread); RestartError unless it exits 0 within
     ``timeout_s``. The environment also carries SPECPROXY_ARM and SPECPROXY_INSTANCE."""
-    env = {**os.environ, "SPECPROXY_ARM": arm, "SPECPROXY_INSTANCE": str(instance)}
+    env = child_environment({"SPECPROXY_ARM": arm, "SPECPROXY_INSTANCE": str(instance)})
     with tempfile.TemporaryFile() as out:
         try:
             proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -15,7 +15,8 @@ else gets 401.
 Why the events cannot slow traffic or grow memory: a viewer has no queue. Each wakes twice a second,
 and when the store has committed something since its last message it is sent the newest picture,
 rendered once for every viewer (off the loop, at most once per ``MIN_RENDER_S``). A viewer that does
-not read for ``WRITE_TIMEOUT_S`` is disconnected; at most ``MAX_VIEWERS`` at once.
+not read for ``WRITE_TIMEOUT_S`` is disconnected; at most ``MAX_VIEWERS`` at once (both parameters of
+``Admin``, so a test can use a short timeout).
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ class Admin:
     """Answers every request under the prefix (aiohttp's handler hands them here)."""
 
     def __init__(self, cfg: Config, metrics: OwnMetrics, version: Callable[[], Any],
-                 pages: Pages | None = None) -> None:
+                 pages: Pages | None = None, *, write_timeout_s: float = WRITE_TIMEOUT_S,
+                 max_viewers: int = MAX_VIEWERS) -> None:
         self.cfg = cfg
+        self.write_timeout_s = write_timeout_s
+        self.max_viewers = max_viewers
         self.metrics = metrics
         self.pages = pages
         self._version = version  # changes when the store committed something: a new picture to send
@@ -135,8 +139,8 @@ class Admin:
                                      "code": 404}})
 
     async def _events(self, request: web.BaseRequest) -> web.StreamResponse:
-        if self.viewers >= MAX_VIEWERS:
-            return _json(503, {"error": {"message": f"specproxy: more than {MAX_VIEWERS} live viewers",
+        if self.viewers >= self.max_viewers:
+            return _json(503, {"error": {"message": f"specproxy: more than {self.max_viewers} live viewers",
                                          "type": "busy", "code": 503}})
         self.viewers += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"})
@@ -166,7 +170,7 @@ class Admin:
         return resp
 
     async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
-        async with asyncio.timeout(WRITE_TIMEOUT_S):
+        async with asyncio.timeout(self.write_timeout_s):
             await resp.write(data)
 
     async def _picture_for(self, version: Any) -> tuple[Any, str]:

@@ -28,6 +28,7 @@ USER_FIGURES = (("ttft_s", "TTFT (s)", "{:.3f}"), ("decode_tps", "decode speed, 
                 ("decode_s", "decode time (s)", "{:.3f}"), ("total_s", "whole turn (s)", "{:.3f}"),
                 ("completion_tokens", "completion tokens", "{:.0f}"), ("tokens_per_chunk", "tokens per chunk", "{:.2f}"),
                 ("proxy_delay_ms", "proxy delay (ms)", "{:.3f}"))
+MIN_CONCURRENCY_SLOTS = 8  # the operating point's x axis shows at least 1..8 in flight
 DIST_TITLES = {"ttft_s": ("TTFT (s)", "{:.3f}"), "decode_tps": ("decode speed per stream (tok/s)", "{:.0f}"),
                "tokens_per_chunk": ("tokens per chunk", "{:.2f}")}
 
@@ -189,7 +190,8 @@ def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
     if not c["n"]:
         return _svg('<text x="60" y="80">no completed turns</text>', title, cls="dist dist-concurrency")
     values, counts = c["values"], c["counts"]
-    top, hi = max(counts), max(values)
+    top = max(counts)
+    hi = max(max(values), MIN_CONCURRENCY_SLOTS)  # one value alone is a bar, not a block across the chart
     pw, ph = W - ML - MR, H - MT - MB
     bw = pw / hi
     bars = "".join(f'<rect x="{ML + (v - 1) * bw:.1f}" y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '

@@ -302,3 +302,104 @@ def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     assert proc.returncode == 0, proc.stderr
     body = json.loads(up.sent[-1].request_body)
     assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)
+
+
+def stored_turns(db: Path, label: str) -> int:
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT count(*) FROM turns WHERE label = ?", (label,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the schema is not there yet
+        return 0
+    finally:
+        conn.close()
+
+
+def test_ctrl_c_summarises_what_was_measured_and_exits_non_zero(tmp_path, upstream_thread):
+    """SIGINT in the middle of a long round: the turns that ended are stored, summarised, and the run
+    ends with one line and status 2 (not a traceback, not a silent 0)."""
+    import signal
+    import time
+
+    up = upstream_thread(Script(pieces=["a", " b", " c"] * 4, interval_s=0.01))
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(BODIES[0] + b"\n")
+    db = tmp_path / "b.db"
+    proc = subprocess.Popen([*SPECPROXY, "bench", "--upstream", up.url, "--from", str(work), "--db", str(db),
+                             "--duration", "600", "--repeats", "1", "--warmup", "0", "--label", "cut",
+                             "--tokenizer", "tiktoken:o200k_base"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while stored_turns(db, "cut") < 3:  # the writer commits as turns end: wait for a few (bounded)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, (proc.returncode, err)
+    errors = [line for line in err.splitlines() if line.startswith("specproxy: error:")]
+    assert len(errors) == 1 and "interrupted (Ctrl-C)" in errors[0] and "Traceback" not in err, err
+    stored = stored_turns(db, "cut")
+    assert stored >= 3
+    assert "per-stream tok/s [95% CI]" in out, out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1"]
+    assert 3 <= int(rows[0][1]) <= stored  # the summary counts measured turns, each of them stored
+    assert f"its {rows[0][1]} turns summarised above" in errors[0]
+
+
+def bench_turns(db: Path, label: str) -> list[tuple[float, float, int]]:
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT t_request, t_done, concurrency FROM turns WHERE label = ? AND outcome = 'ok' "
+                        "ORDER BY t_request", (label,)).fetchall()
+    conn.close()
+    return rows
+
+
+def test_duration_cycles_the_workload_for_that_long(tmp_path, upstream_thread):
+    """Closed loop with --duration: each stream sends its next request as the last ends, cycling through
+    the workload, and starts none after the duration; every request sent has its turn."""
+    up = upstream_thread(Script(pieces=["a", " b", " c"] * 4, interval_s=0.01))  # ~0.12 s a turn
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(BODIES[0] + b"\n" + BODIES[2] + b"\n")
+    db = tmp_path / "d.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--duration", "1.5",
+                     "--concurrency", "2", "--repeats", "1", "--warmup", "0", "--label", "dur")
+    assert proc.returncode == 0, proc.stderr
+    turns = bench_turns(db, "dur")
+    assert len(turns) == len(up.sent) > 2 * 2  # more than the workload once per stream: it cycled
+    sent = [s.request_body for s in up.sent]
+    assert set(sent) == {BODIES[0], BODIES[2]}
+    assert turns[-1][0] - turns[0][0] < 1.5  # none started after the duration
+    assert max(c for _, _, c in turns) == 2  # closed loop: never more than the streams in flight
+
+
+def test_rate_starts_requests_on_a_schedule_with_at_most_concurrency_in_flight(tmp_path, upstream_thread):
+    """Open loop with --rate: requests start at the rate whatever the answers' speed, with at most
+    --concurrency in flight; with a low cap the cap rules, with a high one the rate does."""
+    up = upstream_thread(Script(pieces=["a", " b", " c"] * 4, interval_s=0.05))  # ~0.6 s a turn
+    work = tmp_path / "w.jsonl"
+    work.write_bytes(BODIES[0] + b"\n")
+
+    db = tmp_path / "open.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--rate", "20",
+                     "--duration", "2", "--concurrency", "64", "--repeats", "1", "--warmup", "0", "--label", "open")
+    assert proc.returncode == 0, proc.stderr
+    turns = bench_turns(db, "open")
+    # Poisson arrivals at 20/s for 2 s: 40 expected; a closed loop of one stream would send ~3
+    assert 15 <= len(turns) <= 75, len(turns)
+    assert max(c for _, _, c in turns) > 2  # arrivals do not wait for answers: they overlap
+    assert len(turns) == len(up.sent)
+
+    db = tmp_path / "capped.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--rate", "200",
+                     "--duration", "1.5", "--concurrency", "2", "--repeats", "1", "--warmup", "0", "--label", "cap")
+    assert proc.returncode == 0, proc.stderr
+    turns = bench_turns(db, "cap")
+    assert max(c for _, _, c in turns) <= 2  # never more than --concurrency in flight
+    assert len(turns) < 200 * 1.5 / 4  # the cap held the rate back (two slots of ~0.6 s turns)

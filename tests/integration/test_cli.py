@@ -41,6 +41,53 @@ def test_demo_prints_a_real_report(demo_db):
     assert "15 turns (15 ok)" in out  # 3 turns alone + 3 turns x 4 clients
 
 
+def test_demo_serves_its_live_page_and_stays_until_ctrl_c(tmp_path):
+    """The demo prints the live page's address and serves it from the proxy it runs; with --stay the
+    page keeps every turn of the demo on it until Ctrl-C, and then the report is printed."""
+    import http.client
+    import re
+    from urllib.parse import urlsplit
+
+    db = tmp_path / "demo.db"
+    proc = subprocess.Popen([*SPECPROXY, "demo", "--db", str(db), "--turns", "2", "--stay"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        printed, page = [], None
+        for line in proc.stderr:  # ends with the process: bounded by the demo itself
+            printed.append(line)
+            if "the live page stays at" in line:
+                page = re.search(r"(http://\S+/_specproxy/)", line).group(1)
+                break
+        assert page is not None, "".join(printed)
+        assert any(f"live page {page}" in line for line in printed), printed  # said at the start, as serve does
+        where = urlsplit(page)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+        conn.request("GET", "/_specproxy/")
+        resp = conn.getresponse()
+        assert resp.status == 200 and "text/html" in resp.getheader("Content-Type")
+        assert "specproxy live" in resp.read().decode()
+        # the events carry each new picture: read them until one shows all 10 turns (2 alone, 2 x 4 clients)
+        conn.request("GET", "/_specproxy/events")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        shown = None
+        for raw in resp:  # a read timeout (30 s) bounds the wait
+            if raw.startswith(b"data: "):
+                shown = int(re.search(rb'data-figure=\\"turns\\" data-value=\\"(\d+)', raw).group(1))
+                if shown == 10:
+                    break
+        assert shown == 10
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "10 turns (10 ok)" in out and "Traceback" not in err
+
+
 def test_report_json_and_export_agree(demo_db):
     db, _ = demo_db
     rep = run("report", "--db", str(db), "--json")

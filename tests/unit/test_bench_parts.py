@@ -17,7 +17,7 @@ from specproxy.analyze.stats import mean_ci
 from specproxy.app.bench import schedule
 from specproxy.app.fake_upstream import make_record
 from specproxy.app.replay import CHAT, COMPLETIONS, parse_line, read_replay_file, replay_line
-from specproxy.app.restarts import restart_command
+from specproxy.app.restarts import RestartError, restart_command, run_restart
 from specproxy.errors import ConfigError
 from specproxy.store.captures import Captured
 
@@ -91,6 +91,19 @@ def test_blocks_interleave_arms_so_none_always_goes_first():
 
 def test_the_restart_command_gets_the_arm_quoted_and_the_instance():
     assert restart_command("./serve.sh {arm} --n {instance}", "spec on", 2) == "./serve.sh 'spec on' --n 2"
+
+
+def test_the_restart_command_runs_in_the_users_environment_plus_the_arm(monkeypatch):
+    """The command sees this process's environment (its PATH, the user's variables) and the block's
+    SPECPROXY_ARM and SPECPROXY_INSTANCE: a check in the command's own shell decides its exit status."""
+    monkeypatch.setenv("SPECPROXY_TEST_MARK", "from-the-user")
+    check = '[ "$SPECPROXY_TEST_MARK" = from-the-user ] && [ "$SPECPROXY_ARM" = "on" ] && [ "$SPECPROXY_INSTANCE" = 2 ]'
+    run_restart(check, "on", 2, timeout_s=10)
+    with pytest.raises(RestartError, match="exited with status 1"):
+        run_restart(check, "off", 2, timeout_s=10)
+    monkeypatch.delenv("SPECPROXY_TEST_MARK")
+    with pytest.raises(RestartError, match="exited with status 1"):
+        run_restart(check, "on", 2, timeout_s=10)
 
 
 def test_mean_ci_is_students_t():
