@@ -145,6 +145,17 @@ async def _load(url: str, seconds: float, concurrency: int = 8) -> list[tuple[in
     return out
 
 
+def _load_until(stack, cond, *, at_most_s: float = 30.0) -> list[tuple[int, bytes, float]]:
+    """Load in 1 s slices until ``cond()`` holds (bounded): how long a fault takes to cost a record
+    depends on how fast this machine fills the writer's queue, not on a fixed window."""
+    out: list = []
+    deadline = time.monotonic() + at_most_s
+    while True:
+        out += stack.run(_load(stack.url, 1.0))
+        if cond() or time.monotonic() > deadline:
+            return out
+
+
 def _assert_traffic_unaffected(results, *, reference: float) -> None:
     assert results and all(status == 200 and body.endswith(b"data: [DONE]\n\n") for status, body, _ in results)
     worst = max(latency for _, _, latency in results)
@@ -152,8 +163,8 @@ def _assert_traffic_unaffected(results, *, reference: float) -> None:
 
 
 def test_database_locked_under_load_costs_records_not_traffic(make_stack):
-    """Another process holds the database's write lock for 3 s while clients keep streaming (the issue
-    says 30 s; the property is the same, and the writer's busy timeout of 2 s is already exceeded):
+    """Another process holds the database's write lock while clients keep streaming, until records have
+    been dropped (at least a second, past the writer's busy timeout of 2 s in all; at most 30 s):
     no turn is slowed or failed, records beyond the queue are dropped and counted, and every queued
     record is written once the lock is released."""
     stack = make_stack(queue_size=SMALL_QUEUE, scrape_interval_s=0)
@@ -164,7 +175,7 @@ def test_database_locked_under_load_costs_records_not_traffic(make_stack):
     locker = sqlite3.connect(stack.cfg.db, timeout=5, isolation_level=None)
     locker.execute("BEGIN EXCLUSIVE")
     try:
-        during = stack.run(_load(stack.url, 3.0))
+        during = _load_until(stack, lambda: writer.dropped > 0 and writer.retries >= 1)
         assert writer.retries >= 1 and "locked" in (writer.last_error or "")
         assert writer.dropped > 0
     finally:
@@ -233,7 +244,7 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
         else:
             pages = writer._conn.execute("PRAGMA page_count").fetchone()[0]
             writer._conn.execute(f"PRAGMA max_page_count = {pages}")
-        during = stack.run(_load(stack.url, 2.0))
+        during = _load_until(stack, lambda: writer.dropped > 0)
         wait_until(lambda: writer.retries >= 1, 10, what="a refused write")
         assert writer.dropped > 0
         _assert_traffic_unaffected(during, reference=reference)
