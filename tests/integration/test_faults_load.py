@@ -159,7 +159,9 @@ def _load_until(stack, cond, *, at_most_s: float = 30.0) -> list[tuple[int, byte
 def _assert_traffic_unaffected(results, *, reference: float) -> None:
     assert results and all(status == 200 and body.endswith(b"data: [DONE]\n\n") for status, body, _ in results)
     worst = max(latency for _, _, latency in results)
-    assert worst < max(0.5, 10 * reference), f"a turn took {worst:.3f} s (unloaded: {reference:.3f} s)"
+    # A turn held up by the database would wait out the writer's busy timeout (2 s) or a failed write;
+    # 1.5 s tells that apart from a busy machine's scheduling, which can cost a turn half a second.
+    assert worst < max(1.5, 10 * reference), f"a turn took {worst:.3f} s (unloaded: {reference:.3f} s)"
 
 
 def test_database_locked_under_load_costs_records_not_traffic(make_stack):
