@@ -175,9 +175,11 @@ def _turn_line(t: dict[str, Any]) -> str:
         if t["turn"] > 1:
             head += " (no prefix comparison)"
     else:
-        where = (f"changed {_PART_NAMES.get(t['break_part'], t['break_part'])} at token {t['reused_tokens']:,}"
-                 if t["break_part"] else "prefix intact")
-        head = (f"turn {t['turn']} {where}: {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable")
+        if t["break_part"]:
+            head = (f"turn {t['turn']} changed {_PART_NAMES.get(t['break_part'], t['break_part'])} at token "
+                    f"{t['reused_tokens']:,}: only {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable")
+        else:
+            head = f"turn {t['turn']} prefix intact: {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable"
     diff = t["diff"]
     if diff is not None:
         said = [f"+{diff['messages_added']} messages" if diff.get("messages_added") else "",

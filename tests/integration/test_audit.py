@@ -95,7 +95,7 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
     per_turn = session["per_turn"]
     assert [t["reused_tokens"] for t in per_turn] == [r[0] for r in stored]
     assert text.count("prefix intact") == 2
-    assert (f"turn 3 changed the system prompt at token {count(SHARED):,}: {count(SHARED):,} of {prompts[2]:,} "
+    assert (f"turn 3 changed the system prompt at token {count(SHARED):,}: only {count(SHARED):,} of {prompts[2]:,} "
             "tokens reusable") in text
 
     # tools: two defined every turn; read_file called (in the second turn's answer), write_file never;
