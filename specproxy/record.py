@@ -180,6 +180,34 @@ class Record:
     first reads (within that many bytes) were kept and measured, so every figure taken from the body
     (texts, tokens, chunks, ``t_last_token``, ``response_bytes``, ``saw_done``) covers that part alone."""
 
+    measured: bool = True
+    """The path is one specproxy measures (a generation endpoint). False: any other path (``GET
+    /v1/models``, ``/health``...), forwarded untouched and recorded with its method, path, status,
+    timings (``t_request``, ``t_upstream_headers``, ``t_done``, ``total_s``) and outcome only; reports
+    keep their figures over measured turns and count these apart."""
+    prefix_reused_tokens: int | None = None
+    """How many tokens at the start of this turn's prompt (as counted for ``prompt_tokens``) are the same
+    tokens as at the start of the same session's previous turn: what a server's prefix cache could reuse.
+    Equal to ``prompt_tokens`` less this turn's additions when the client only appended; smaller when it
+    changed something earlier (the system prompt, the tools, a past message). Null on a session's first
+    turn, without a session or a tokenizer, or when the previous turn is no longer remembered."""
+    prefix_break_part: str | None = None
+    """Which part of the prompt the first differing token of ``prefix_reused_tokens`` falls in:
+    ``system``, ``tools``, ``history`` or ``new``; null when the turn only appended to the previous
+    one, or when the tokenizer renders a chat template (its render does not keep the parts in order)."""
+    turn_diff: str | None = None
+    """JSON of what changed since the same session's previous turn, from digests (no text kept):
+    ``messages_added``, ``messages_removed`` (past messages no longer at the same place: dropped,
+    edited or compacted), ``system_changed``, ``tools_changed``; null on a session's first turn."""
+    tools_defined: int | None = None
+    """Tools (functions) the request defined; null when the request could not be read."""
+    tools_called: int | None = None
+    """Tool calls in the delivered output; null when the response could not be read."""
+    tool_names: str | None = None
+    """JSON ``{"defined": [...], "called": [...]}``: the tools' names with ``--store-text``, else 12
+    hex digits of a digest of each name (enough to tell which defined tools were called, without the
+    names); null when no tool was defined or called."""
+
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELD_NAMES}
 

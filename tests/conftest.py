@@ -94,6 +94,19 @@ class OffLoopTokenizer:
         self._check()
         return self.inner.count_prompt(parts)
 
+    def encode(self, text):
+        self._check()
+        return self.inner.encode(text)
+
+    def prompt_text(self, parts):
+        self._check()
+        render = getattr(self.inner, "prompt_text", None)
+        return render(parts) if render is not None else None
+
+    @property
+    def rendered(self):
+        return getattr(self.inner, "rendered", None)
+
 
 class LiveStack:
     """A fake upstream and a proxy on a private event loop thread; ``run(coro)`` runs on that loop.

@@ -7,15 +7,18 @@ names the client and the conversation (``client``, ``session``); the audit puts 
 
 * per client, the median tokens per turn of each part and the share of the prompt the user's new
   input is (the rest is what the client sends again or injects);
-* per session, how the prompt grows turn to turn, and the turns where the system prompt or the tool
-  definitions changed (their token counts differ from the same session's previous turn: a change
-  that keeps the count is not seen) or the history shrank (messages dropped or compacted): each
-  such change invalidates a server's prefix cache from that part on;
-* the server's own count of prompt tokens it took from its cache, beside the prompt;
+* per session, how the prompt grows turn to turn, and what changed turn to turn (``turn_diff``:
+  messages added or removed, the system prompt or the tools changed, found by digests); rows from
+  before that field fall back to the parts' token counts (a change that keeps the count is not seen);
+* per turn, the prefix-cache break: how many leading tokens it shares with the session's previous
+  turn (``prefix_reused_tokens``), the part the first differing token falls in, and beside it the
+  server's own count of prompt tokens it took from its cache;
+* per session, the tools defined and those never called (by name digest unless text is stored);
 * a prefill rate fitted per client (least squares of TTFT on the prompt tokens the server did not
   have cached, over streamed turns that completed), and what each part would cost at that rate.
 
-Only counts are read: no text is stored, so the audit cannot say what changed, only where and how much.
+Only counts and digests are read: no text is stored, so the audit says where and how much changed,
+not what.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+import orjson
 
 from specproxy.store.dataset import Turns
 
@@ -33,6 +37,7 @@ PARTS = ("system", "tools", "history", "new")
 AUDIT_COLUMNS = (
     "t_wall", "ttft_s", "streamed", "prompt_tokens", "usage_cached_tokens",
     *(f"prompt_{p}_tokens" for p in PARTS), "outcome", "client", "session", "api",
+    "prefix_reused_tokens", "prefix_break_part", "turn_diff", "tools_defined", "tools_called", "tool_names",
 )
 NO_CLIENT = "(no User-Agent)"
 MIN_FIT_TURNS = 3  # a line through fewer points says nothing about a rate
@@ -53,21 +58,57 @@ def _fit(ttft: list[float], tokens: list[float]) -> dict[str, Any] | None:
             "prefill_tps": float(1.0 / slope)}
 
 
+def _changed(prev: dict, cur: dict) -> list[str]:
+    """What changed from ``prev`` to ``cur``: from the recorded diff, else guessed from part counts."""
+    diff = cur["diff"]
+    if diff is not None:
+        changed = [p for p in ("system", "tools") if diff.get(f"{p}_changed")]
+        if diff.get("messages_removed"):
+            changed.append("messages removed")
+        return changed
+    changed = [p for p in ("system", "tools") if cur[p] != prev[p]]
+    if cur["history"] < prev["history"] + prev["new"]:  # last turn's conversation is not all in it
+        changed.append("history shrank")
+    return changed
+
+
 def _session(rows: list[dict]) -> dict[str, Any]:
-    """One session's turns, oldest first: prompt growth and what changed turn to turn."""
+    """One session's turns, oldest first: prompt growth, what changed turn to turn, where each turn's
+    prompt stopped being the previous one's, and which defined tools were never called."""
     prompts = [r["prompt_tokens"] for r in rows]
-    changes = []
-    for k in range(1, len(rows)):
-        prev, cur = rows[k - 1], rows[k]
-        changed = [p for p in ("system", "tools") if cur[p] != prev[p]]
-        if cur["history"] < prev["history"] + prev["new"]:  # last turn's conversation is not all in it
-            changed.append("history shrank")
+    changes, per_turn = [], []
+    for k, cur in enumerate(rows):
+        per_turn.append({"turn": k + 1, "prompt_tokens": cur["prompt_tokens"], "reused_tokens": cur["reused"],
+                         "break_part": cur["break_part"], "server_cached_tokens": cur["cached"],
+                         "diff": cur["diff"], "tools_defined": cur["tools_defined"],
+                         "tools_called": cur["tools_called"]})
+        if k == 0:
+            continue
+        prev = rows[k - 1]
+        changed = _changed(prev, cur)
         if changed:
             changes.append({"turn": k + 1, "changed": changed,
-                            **{p: [prev[p], cur[p]] for p in ("system", "tools", "history")}})
+                            **{p: [prev[p], cur[p]] for p in ("system", "tools", "history")},
+                            "reused_tokens": cur["reused"], "break_part": cur["break_part"],
+                            "prompt_tokens": cur["prompt_tokens"]})
     growth = [b - a for a, b in zip(prompts, prompts[1:])]
+    defined: dict[str, None] = {}
+    called: set[str] = set()
+    for r in rows:
+        if r["tool_names"] is not None:
+            defined.update(dict.fromkeys(r["tool_names"].get("defined", ())))
+            called.update(r["tool_names"].get("called", ()))
     return {"turns": len(rows), "first_prompt_tokens": prompts[0], "last_prompt_tokens": prompts[-1],
-            "median_growth_per_turn": _median(growth), "changes": changes}
+            "median_growth_per_turn": _median(growth), "changes": changes, "per_turn": per_turn,
+            "tools": {"defined": len(defined), "never_called": [t for t in defined if t not in called]}}
+
+
+def _json_or_none(value: Any) -> Any:
+    return orjson.loads(value) if isinstance(value, str) and value else None
+
+
+def _int_or_none(value: float) -> int | None:
+    return None if np.isnan(value) else int(value)
 
 
 def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
@@ -80,8 +121,11 @@ def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
         row = {p: int(num[f"prompt_{p}_tokens"][i]) for p in PARTS}
         row.update(prompt_tokens=int(num["prompt_tokens"][i]), t_wall=float(num["t_wall"][i]),
                    ttft_s=float(num["ttft_s"][i]), streamed=bool(num["streamed"][i] == 1),
-                   cached=None if np.isnan(num["usage_cached_tokens"][i]) else int(num["usage_cached_tokens"][i]),
-                   session=txt["session"][i], api=txt["api"][i])
+                   cached=_int_or_none(num["usage_cached_tokens"][i]),
+                   session=txt["session"][i], api=txt["api"][i],
+                   reused=_int_or_none(num["prefix_reused_tokens"][i]), break_part=txt["prefix_break_part"][i],
+                   diff=_json_or_none(txt["turn_diff"][i]), tools_defined=_int_or_none(num["tools_defined"][i]),
+                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]))
         by_client[txt["client"][i] or NO_CLIENT].append(row)
     clients = []
     for name, rows in sorted(by_client.items(), key=lambda kv: -len(kv[1])):
@@ -119,6 +163,35 @@ def _n(value: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+_PART_NAMES = {"system": "the system prompt", "tools": "the tools", "history": "the history", "new": "the new input"}
+
+
+def _turn_line(t: dict[str, Any]) -> str:
+    """One turn of a session: what changed, where its prompt broke from the previous turn's, and what
+    the server said it had cached."""
+    cached = "" if t["server_cached_tokens"] is None else f"; server cached {t['server_cached_tokens']:,}"
+    if t["turn"] == 1 or t["reused_tokens"] is None:
+        head = f"turn {t['turn']}: {t['prompt_tokens']:,} tokens"
+        if t["turn"] > 1:
+            head += " (no prefix comparison)"
+    else:
+        if t["break_part"]:
+            head = (f"turn {t['turn']} changed {_PART_NAMES.get(t['break_part'], t['break_part'])} at token "
+                    f"{t['reused_tokens']:,}: only {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable")
+        else:
+            head = f"turn {t['turn']} prefix intact: {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable"
+    diff = t["diff"]
+    if diff is not None:
+        said = [f"+{diff['messages_added']} messages" if diff.get("messages_added") else "",
+                f"-{diff['messages_removed']} messages" if diff.get("messages_removed") else "",
+                "system prompt changed" if diff.get("system_changed") else "",
+                "tools changed" if diff.get("tools_changed") else ""]
+        head += "; " + (", ".join(x for x in said if x) or "nothing changed")
+    if t["tools_defined"]:
+        head += f"; tools: {t['tools_defined']} defined, {t['tools_called'] or 0} called so far"
+    return head + cached
+
+
 def render_audit(a: dict[str, Any]) -> str:
     lines = [f"specproxy audit: {a['source']}: {a['turns']} completed turns with prompt counts, "
              f"{len(a['clients'])} clients"]
@@ -149,4 +222,10 @@ def render_audit(a: dict[str, Any]) -> str:
             for ch in s["changes"]:
                 what = ", ".join(f"{p} {ch[p][0]} -> {ch[p][1]} tokens" if p in ch else p for p in ch["changed"])
                 lines.append(f"    turn {ch['turn']}: {what} (a server's prefix cache is reusable only up to there)")
+            for t in s["per_turn"]:
+                lines.append("    " + _turn_line(t))
+            tools = s["tools"]
+            if tools["defined"]:
+                lines.append(f"    {len(tools['never_called'])} of {tools['defined']} tools were never called in "
+                             f"{s['turns']} turns")
     return "\n".join(lines) + "\n"

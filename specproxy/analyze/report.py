@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store.dataset import Turns, busy_seconds, distinct
-from specproxy.store.queries import Connection, database_turns
+from specproxy.store.dataset import Turns, busy_seconds, distinct, where_clause
+from specproxy.store.queries import Connection, database_turns, unmeasured_rows
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
@@ -112,6 +112,9 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
         "window": {k: (window or {}).get(k) for k in ("label", "since", "until")},
         # looked up only when the window selects nothing: None otherwise
         "database_turns": database_turns(conn) if conn is not None and not n_all else None,
+        # other paths' rows in the same window: forwarded and recorded, never part of a figure
+        "unmeasured": unmeasured_rows(conn, *where_clause(**_window_args(window), measured_only=False))
+        if conn is not None else None,
     }
     is_streamed = streamed_mask(ok)
     streamed = ok if is_streamed.all() else ok.select(is_streamed, columns=STREAM_COLUMNS)
@@ -130,6 +133,10 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
     if conn is not None:
         report["server"] = server_section(conn, ok, span=turns)
     return report
+
+
+def _window_args(window: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (window or {}).items() if k in ("label", "since", "until")}
 
 
 def _usage_gap(ok: Turns) -> dict[str, Any]:
@@ -265,6 +272,9 @@ def render_text(r: dict[str, Any]) -> str:
     when = f", {_utc(r['first_t_wall'])} to {_utc(r['last_t_wall'])} UTC" if r["first_t_wall"] is not None else ""
     outcomes = ", ".join(f"{v} {k}" for k, v in sorted(r["outcomes"].items())) or "none"
     lines.append(f"specproxy report: {r['source']}: {r['turns']} turns ({outcomes}){when}")
+    if r.get("unmeasured"):
+        lines.append(f"other paths: {r['unmeasured']} requests forwarded and recorded without figures "
+                     "(not measured, not in any figure below)")
     if not r["turns"]:  # no tokenizer line: with no turns there is nothing to say which tokenizer counted
         lines.append(_empty(r))
         return "\n".join(lines) + "\n"

@@ -287,7 +287,7 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
         with _open(db) as conn:
             export_replay(conn, _db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
         return
-    where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until))
+    where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
     with _open(db) as conn:
         out = sys.stdout if output == "-" else open(output, "w", newline="")
         try:

@@ -31,6 +31,7 @@ from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.content import classify
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, parse_json
+from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
@@ -55,6 +56,7 @@ class RecordBuilder:
         "instance_id",
         "capped",
         "label",
+        "measured",
         "method",
         "outcome",
         "path",
@@ -87,8 +89,11 @@ class RecordBuilder:
         request_encoding: str = "",
         headers: Sequence[tuple[bytes, bytes]] = (),
         max_bytes: int | None = None,
+        measured: bool = True,
     ) -> None:
-        """``headers``: the request's raw headers (kept as a reference; the client is read off the loop)."""
+        """``headers``: the request's raw headers (kept as a reference; the client is read off the loop).
+        ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
+        saw (method, path, status, timings, outcome), and none of its body is kept."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -101,6 +106,9 @@ class RecordBuilder:
         self.store_text = store_text
         self.request_encoding = request_encoding
         self.headers = headers
+        self.measured = measured
+        if not measured:
+            max_bytes = 0
         self.status: int | None = None
         self.content_type = ""
         self.content_encoding = ""
@@ -173,14 +181,20 @@ class RecordBuilder:
 
     # --- off the forwarding path: parse, count, derive ------------------------------------------
 
-    def build(self, tokenizer: Tokenizer | None) -> Record:
-        """Make the Record. CPU work: call from a worker thread, once, after finish/fail."""
-        return self._build(tokenizer, fast=True)
+    def build(self, tokenizer: Tokenizer | None, prefixes: PrefixTracker | None = None) -> Record:
+        """Make the Record. CPU work: call from a worker thread, once, after finish/fail. ``prefixes``:
+        the sessions' previous turns, to compare this one with (``prefix_reused_tokens``, ``turn_diff``)."""
+        return self._build(tokenizer, fast=True, prefixes=prefixes)
 
-    def _build(self, tokenizer: Tokenizer | None, *, fast: bool) -> Record:
+    def _build(self, tokenizer: Tokenizer | None, *, fast: bool, prefixes: PrefixTracker | None = None) -> Record:
         """``fast=False`` parses a stream with the reference path only (for differential tests)."""
         assert self._ended, "build before finish/fail"
         self.take_relayed()
+        if not self.measured:
+            outcome = self.outcome or "ok"
+            if outcome == "ok" and self.status is not None and self.status >= 400:
+                outcome = "upstream_error"
+            return self._make(measured=False, outcome=outcome, error=self.error)
         api = api_for(self.path) or CHAT
         request = _read_request(_inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
@@ -213,7 +227,8 @@ class RecordBuilder:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
         if outcome == "ok" and ((self.status is not None and self.status >= 400) or texts.error is not None):
             outcome = "upstream_error"  # an error status, or an error event in a 200 stream
-        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error, api)
+        return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error, api,
+                            prefixes)
 
     def _decoded_reads(self, reads: list[bytes]) -> list[bytes]:
         """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""
@@ -239,6 +254,7 @@ class RecordBuilder:
         response_bytes: int,
         framing_error: str | None,
         api: Api = CHAT,
+        prefixes: PrefixTracker | None = None,
     ) -> Record:
         t_req = self.t_request
         counts = _count_completion(texts, tok) if tok is not None else None
@@ -259,13 +275,27 @@ class RecordBuilder:
             decode_tps = (counts["completion"] - counts["first"]) / decode
         delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read
         client = client_of(self.headers)
+        session = session_of(client, request.model, request.parts)
+        turn = TurnPrefix()
+        if prefixes is not None:
+            try:
+                turn = prefixes.observe(session, tok if prompt is not None else None, request.parts)
+            except Exception as exc:  # the comparison's figures are null; the turn keeps the rest
+                FAILURES.note("comparing the prompt with the previous turn failed, its figures null", exc)
+        tools_defined, tools_called, names = tool_names(request.parts, self.store_text)
         response_text = None
         if self.store_text and texts.texts:
             response_text = "".join(texts.texts[k] for k in sorted(texts.texts))
         return self._make(
             api=api.name,
             client=client,
-            session=session_of(client, request.model, request.parts),
+            session=session,
+            prefix_reused_tokens=turn.reused,
+            prefix_break_part=turn.part,
+            turn_diff=orjson.dumps(turn.diff).decode() if turn.diff is not None else None,
+            tools_defined=tools_defined,
+            tools_called=tools_called,
+            tool_names=names,
             outcome=outcome,
             error=self.error
             or framing_error
@@ -331,7 +361,7 @@ class RecordBuilder:
             t_done=self.t_done,
             total_s=self.t_done - self.t_request if self.t_done is not None else None,
             request_bytes=len(self.body),
-            measure_capped=self.capped,
+            measure_capped=self.capped and self.measured,
             **derived,
         )
 

@@ -115,6 +115,22 @@ class PieceCounter:
                 return whole
         return n
 
+    def pieces(self, text: str) -> list[str]:
+        """``text`` cut before and after each added token, whose tokenizations concatenate to the
+        whole text's when counting by pieces is exact; else ``[text]``."""
+        if not self.by_pieces:
+            return [text]
+        out = []
+        start = 0
+        for m in self._added.finditer(text):
+            if m.start() > start:
+                out.append(text[start:m.start()])
+            out.append(m.group())
+            start = m.end()
+        if start < len(text):
+            out.append(text[start:])
+        return out
+
     def _count_pieces(self, text: str) -> int:
         n = 0
         start = 0

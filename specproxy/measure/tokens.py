@@ -82,6 +82,9 @@ class Tokenizer(Protocol):
     def count(self, text: str) -> int:
         """The number of tokens of ``text`` (no special tokens added)."""
 
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (what ``count`` counts): compared turn to turn (``prefix.py``)."""
+
     def token_ends(self, text: str) -> list[int]:
         """For each token of ``text``, the character offset where it ends."""
 
@@ -190,6 +193,10 @@ class TiktokenTokenizer:
 
     def count(self, text: str) -> int:
         return len(self._enc.encode(text, disallowed_special=()))
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (what ``count`` counts)."""
+        return self._enc.encode(text, disallowed_special=())
 
     def token_ends(self, text: str) -> list[int]:
         tokens = self._enc.encode(text, disallowed_special=())
@@ -303,6 +310,10 @@ class HFTokenizer:
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (what ``count`` counts)."""
+        return self._encode(text)
 
     def count(self, text: str) -> int:
         return len(self._encode(text))

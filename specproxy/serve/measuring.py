@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 
 from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.prefix import PrefixTracker
 from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
 
@@ -67,6 +68,7 @@ class MeasuringWorker:
     def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
                  loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None) -> None:
         self.tokenizer = tokenizer
+        self.prefixes = PrefixTracker()  # each session's previous turn, compared with its next (this thread's)
         self._gather_s = GATHER_S if gather_s is None else gather_s
         self._gathered = threading.Event()  # ends a gathering: a full batch, nothing more in flight, stop
         self._activity = activity
@@ -122,7 +124,7 @@ class MeasuringWorker:
                 if not behind:  # before each build: a burst that began meanwhile goes first
                     self._wait_for_quiet(deadline)
                 try:
-                    results.append((builder, builder.build(self.tokenizer), None))
+                    results.append((builder, builder.build(self.tokenizer, self.prefixes), None))
                 except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
                     results.append((builder, None, exc))
             self.batches += 1

@@ -144,33 +144,36 @@ class Proxy:
 
     async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
         """One exchange with the upstream, from either front, the request read whole and vetted: relayed to
-        ``client`` (None), or a refusal when the upstream gave no response. Measured turns get a builder,
-        handed to the measuring worker at the end whatever happened."""
+        ``client`` (None), or a refusal when the upstream gave no response. Every exchange gets a builder,
+        handed to the measuring worker at the end whatever happened: a measured path's is measured, any
+        other path's keeps no body and becomes a row of what the forwarding path saw (``measured`` false)."""
         t_request = clock()
-        builder = None
-        if is_measured(req.method, req.path):
+        measured = is_measured(req.method, req.path)
+        if measured:
             self.measured_in_flight += 1
             self.turns_started += 1
-            started_before = self.turns_started
-            prev_done = self.last_turn_done
-            builder = RecordBuilder(
-                method=req.method,
-                path=req.path,
-                body=body,
-                t_wall=time.time(),
-                t_request=t_request,
-                concurrency=self.measured_in_flight,
-                label=req.label or self.cfg.label,
-                instance_id=self.instance_id(),
-                store_text=self.cfg.store_text,
-                request_encoding=req.content_encoding,
-                headers=req.raw_headers,
-                max_bytes=self.cfg.max_measured_bytes,
-            )
+        started_before = self.turns_started
+        prev_done = self.last_turn_done
+        # every exchange gets a row; another path's builder keeps no body bytes (``measured=False``)
+        builder = RecordBuilder(
+            method=req.method,
+            path=req.path,
+            body=body,
+            t_wall=time.time(),
+            t_request=t_request,
+            concurrency=self.measured_in_flight,
+            label=req.label or self.cfg.label,
+            instance_id=self.instance_id(),
+            store_text=self.cfg.store_text,
+            request_encoding=req.content_encoding,
+            headers=req.raw_headers,
+            max_bytes=self.cfg.max_measured_bytes,
+            measured=measured,
+        )
         try:
             return await self._relay(req, body, builder, client)
         except Exception as exc:  # a bug of ours, not the client's nor the upstream's: still one record
-            if builder is not None and not builder._ended:
+            if not builder._ended:
                 reason = f"{type(exc).__name__} ({where(exc)})"  # its message might quote the request
                 if builder.t_upstream_headers is None:
                     builder.fail(clock(), "proxy_error", None, reason)
@@ -178,9 +181,10 @@ class Proxy:
                     builder.finish(clock(), "proxy_error", reason)
             raise
         finally:
-            if builder is not None:
+            if measured:
                 self.measured_in_flight -= 1
-                self._submit(builder)
+            self._submit(builder)
+            if measured:
                 # a turn that ran alone can be joined with the server's counter deltas over it
                 alone = builder.concurrency == 1 and self.turns_started == started_before
                 self.last_turn_done = clock()
@@ -254,7 +258,7 @@ class Proxy:
                 self.sink(builder.unmeasured(f"measuring failed: {why}"))
             else:
                 self.sink(record)
-            if self.on_built is not None:
+            if self.on_built is not None and builder.measured:
                 self.on_built(builder)
 
 

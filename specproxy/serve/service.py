@@ -195,6 +195,8 @@ class Service:
     def _sink(self, record: Record) -> None:
         if self.writer is not None:
             self.writer.put(record)
+        if not record.measured:  # another path's row: stored, but no turn of the figures or observers
+            return
         if self.metrics is not None:
             self.metrics.record(record)
         for sink in self.extra_sinks:

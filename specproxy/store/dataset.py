@@ -47,8 +47,13 @@ NUMERIC = (
     "proxy_delay_s",
     "streamed",
     "request_parsed",
+    "measured",
+    "prefix_reused_tokens",
+    "tools_defined",
+    "tools_called",
 )
-TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session")
+TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session",
+        "prefix_break_part", "turn_diff", "tool_names")
 
 
 @dataclass
@@ -92,9 +97,10 @@ def parse_time(value: str | None) -> float | None:
 
 
 def where_clause(*, label: str | None = None, since: float | None = None, until: float | None = None,
-                 path: str | None = None) -> tuple[str, list]:
-    """The SQL filter every reader of turns shares: a label, a wall-time window, a path."""
-    where, params = [], []
+                 path: str | None = None, measured_only: bool = True) -> tuple[str, list]:
+    """The SQL filter every reader of turns shares: a label, a wall-time window, a path; and, unless
+    ``measured_only`` is false, measured turns only (the rows of other paths carry no figures)."""
+    where, params = (["measured IS NOT 0"] if measured_only else []), []
     for clause, value in (("label IS ?", label), ("t_wall >= ?", since), ("t_wall < ?", until), ("path = ?", path)):
         if value is not None:
             where.append(clause)
@@ -112,7 +118,7 @@ def load_turns(
     columns: Sequence[str] | None = None,
     cache: bool = False,
 ) -> Turns:
-    """The measured turns, oldest first (ties in insertion order), optionally one label and a wall-time
+    """The measured turns (not the rows of other paths: ``measured`` false), oldest first (ties in insertion order), optionally one label and a wall-time
     window; ``num["rowid"]`` (int64) is always there.
 
     ``columns``: only these of NUMERIC and TEXT (default: all). ``cache``: serve them from the columnar
@@ -130,7 +136,8 @@ def load_turns(
             from specproxy.store.column_cache import load_columns
 
             filters = ("label",) * (label is not None) + ("path",) * (path is not None)
-            found = load_columns(conn, NUMERIC, want_num, tuple(dict.fromkeys(want_txt + filters)))
+            found = load_columns(conn, NUMERIC, tuple(dict.fromkeys((*want_num, "measured"))),
+                                 tuple(dict.fromkeys(want_txt + filters)))
             if found is not None:
                 return _select(found, want_num, want_txt, label=label, since=since, until=until, path=path)
         return _load_sql(conn, want_num, want_txt, label=label, since=since, until=until, path=path)
@@ -159,7 +166,7 @@ def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *,
             since: float | None, until: float | None, path: str | None) -> Turns:
     """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first)."""
     t = found.num["t_wall"]
-    mask = np.ones(len(t), dtype=bool)
+    mask = found.num["measured"] != 0  # NULL (NaN) is a row from before unmeasured rows: measured
     if label is not None:
         mask &= found.txt["label"] == label
     if since is not None:

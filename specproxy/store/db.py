@@ -89,6 +89,15 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("007_measure_capped", (
         'ALTER TABLE "turns" ADD COLUMN "measure_capped" INTEGER',
     )),
+    ("008_unmeasured_prefix_tools", (
+        'ALTER TABLE "turns" ADD COLUMN "measured" INTEGER DEFAULT 1',
+        'ALTER TABLE "turns" ADD COLUMN "prefix_reused_tokens" INTEGER',
+        'ALTER TABLE "turns" ADD COLUMN "prefix_break_part" TEXT',
+        'ALTER TABLE "turns" ADD COLUMN "turn_diff" TEXT',
+        'ALTER TABLE "turns" ADD COLUMN "tools_defined" INTEGER',
+        'ALTER TABLE "turns" ADD COLUMN "tools_called" INTEGER',
+        'ALTER TABLE "turns" ADD COLUMN "tool_names" TEXT',
+    )),
 ]
 
 

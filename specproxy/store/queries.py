@@ -20,6 +20,13 @@ def database_turns(conn: Connection) -> dict[str, Any]:
     return {"n": int(n), "first_t_wall": first, "last_t_wall": last}
 
 
+def unmeasured_rows(conn: Connection, where: str, params: Sequence[Any]) -> int:
+    """Rows of other paths (``measured`` false) that a ``dataset.where_clause(measured_only=False)``
+    selects: exchanges forwarded and recorded without figures."""
+    clause = f"{where} AND measured = 0" if where else " WHERE measured = 0"
+    return int(conn.execute(f"SELECT count(*) FROM turns{clause}", params).fetchone()[0])
+
+
 def scrape_rows(conn: Connection, t0: float, t1: float, fields: Sequence[str]) -> list[tuple]:
     """Stored scrapes with wall time in [t0, t1], oldest first: ``(t_wall, instance_id, server_kind,
     error, *fields)`` each."""

@@ -1,10 +1,11 @@
-"""``specproxy audit`` on a recorded agent session: one client, four Messages turns, the system prompt
-changed before the third. The figures are known exactly: with ``tiktoken`` (no chat template) each part
-is the tokens of its own text, so every median and the change the audit reports can be computed here
-from the requests themselves."""
+"""``specproxy audit`` on a recorded agent session: one client, four Messages turns with two tools (one
+called in the second turn, one never), the system prompt changed before the third. The figures are known
+exactly: with ``tiktoken`` (no chat template) each part is the tokens of its own text, so every median,
+the change, the prefix break and the tools the audit reports can be computed here from the requests."""
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 
 import aiohttp
@@ -14,12 +15,18 @@ from click.testing import CliRunner
 from specproxy.app.cli import main
 from specproxy.app.fake_upstream import Script
 from specproxy.measure.anthropic import to_chat
+from specproxy.measure.openai import split_prompt
 from waits import wait_for
 
 TOOLS = [{"name": "read_file", "description": "Read a file.",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+         {"name": "write_file", "description": "Write a file.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
 S1 = "You are a coding agent. Be careful with files."
-S2 = "You are a coding agent. Be careful with files. Today is Tuesday; the repository is clean."
+S2 = "You are a coding agent. Be very careful with files. Today is Tuesday; the repository is clean."
+SHARED = "You are a coding agent. Be"  # where S1 and S2 part: the tokens before " careful" / " very"
+CALL = {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, {"type": "tool_use", "id": "toolu_1",
+                                                                              "name": "read_file", "input": {"path": "m.py"}}]}
 
 
 async def post(url: str, body: dict) -> int:
@@ -35,7 +42,7 @@ def bodies() -> list[dict]:
     for turn, system in enumerate([S1, S1, S2, S2]):
         conv = [*conv, {"role": "user", "content": f"Step {turn}: fix the bug in module {turn}."}]
         out.append({"model": "m", "max_tokens": 32, "system": system, "tools": TOOLS, "messages": conv})
-        conv = [*conv, {"role": "assistant", "content": "Hello, world!"}]
+        conv = [*conv, CALL if turn == 0 else {"role": "assistant", "content": "Hello, world!"}]
     return out
 
 
@@ -70,3 +77,32 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
 
     text = CliRunner().invoke(main, ["audit", "--db", str(db)]).output
     assert f"turn 3: system {system[0]} -> {system[2]} tokens" in text and "claude-cli/9.9: 4 turns in 1 sessions" in text
+
+    # the prefix-cache break, per turn: only appended (all of the previous prompt reusable) but for turn 3,
+    # whose system prompt parts from the previous one after SHARED's tokens
+    enc = tiktoken_tok.encode
+    assert enc(S1)[:count(SHARED)] == enc(S2)[:count(SHARED)] and enc(S1)[count(SHARED)] != enc(S2)[count(SHARED)]
+    stored = sqlite3.connect(db).execute(
+        "SELECT prefix_reused_tokens, prefix_break_part, turn_diff, tools_defined, tools_called, tool_names "
+        "FROM turns ORDER BY t_request").fetchall()
+    prompts = [r[1] for r in rows]
+    assert [r[0] for r in stored] == [None, prompts[0], count(SHARED), prompts[2]]
+    assert [r[1] for r in stored] == [None, None, "system", None]
+    lengths = [len(split_prompt(to_chat(b)).conversation) for b in bodies()]
+    assert [orjson.loads(r[2]) if r[2] else None for r in stored] == [None] + [
+        {"messages_added": b - a, "messages_removed": 0, "system_changed": k == 2, "tools_changed": False}
+        for k, (a, b) in enumerate(zip(lengths, lengths[1:]), start=1)]
+    per_turn = session["per_turn"]
+    assert [t["reused_tokens"] for t in per_turn] == [r[0] for r in stored]
+    assert text.count("prefix intact") == 2
+    assert (f"turn 3 changed the system prompt at token {count(SHARED):,}: only {count(SHARED):,} of {prompts[2]:,} "
+            "tokens reusable") in text
+
+    # tools: two defined every turn; read_file called (in the second turn's answer), write_file never;
+    # no text stored, so the names are digests
+    digest = {n: hashlib.blake2b(n.encode(), digest_size=6).hexdigest() for n in ("read_file", "write_file")}
+    assert [r[3] for r in stored] == [2, 2, 2, 2] and [r[4] for r in stored] == [0, 1, 1, 1]
+    assert orjson.loads(stored[1][5]) == {"defined": list(digest.values()), "called": [digest["read_file"]]}
+    assert session["tools"] == {"defined": 2, "never_called": [digest["write_file"]]}
+    assert "1 of 2 tools were never called in 4 turns" in text
+    assert "read_file" not in text and "read_file" not in result.output

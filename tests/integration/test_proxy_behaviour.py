@@ -7,13 +7,18 @@ import asyncio
 import socket
 import time
 
+import sqlite3
+
 import aiohttp
 import openai
 import orjson
 import pytest
 
 from rawpeers import SSE_HEAD, chunk, read_request, wait_closed
+from specproxy.analyze.report import build_report
 from specproxy.app.fake_upstream import Script, pieces_of
+from specproxy.store.dataset import load_turns
+from waits import wait_for
 
 pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
 
@@ -191,16 +196,36 @@ def test_upstream_4xx_passes_verbatim_and_is_recorded(stack):
     assert rec.outcome == "upstream_error" and rec.status == 429
 
 
-def test_other_paths_are_forwarded_not_recorded(stack):
-    async def go():
+def test_other_paths_are_forwarded_untouched_and_recorded_unmeasured(stack):
+    """A GET /v1/models reaches the client byte for byte as the upstream sent it, and leaves one row
+    that says what the forwarding path saw (method, path, status, timings, outcome) and nothing measured;
+    it is no turn of the figures (the observers, the report) and specproxy's own pages leave no row."""
+    async def get(base: str, path: str) -> tuple[int, bytes, str | None]:
         async with aiohttp.ClientSession() as c:
-            async with c.get(stack.url + "/v1/models") as r:
-                return r.status, await r.json()
+            async with c.get(base + path) as r:
+                return r.status, await r.read(), r.headers.get("Content-Type")
 
-    status, body = stack.run(go())
-    assert status == 200 and body["data"][0]["id"] == "fake-model"
+    direct = stack.run(get(stack.upstream.url, "/v1/models"))
+    assert direct[0] == 200 and orjson.loads(direct[1])["data"][0]["id"] == "fake-model"
+    assert stack.run(get(stack.url, "/v1/models")) == direct
+    stack.run(get(stack.url, "/_specproxy/metrics"))  # reserved: answered by specproxy, never forwarded
     stack.settle()
-    assert stack.records == []
+    assert stack.records == []  # observers of measured turns see none of it
+    db = stack.cfg.db
+    assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns").fetchone()[0] >= 1)
+    stack.run(stack.service.stop())  # every row written
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    (row,) = conn.execute("SELECT * FROM turns").fetchall()
+    assert (row["method"], row["path"], row["status"], row["outcome"], row["measured"]) == ("GET", "/v1/models", 200,
+                                                                                          "ok", 0)
+    assert row["t_request"] <= row["t_upstream_headers"] <= row["t_done"]
+    assert row["total_s"] == row["t_done"] - row["t_request"]
+    assert row["ttft_s"] is None and row["response_bytes"] is None and row["api"] is None
+    for cache in (False, True):  # the figures are over measured turns only, from SQL or the column cache
+        assert load_turns(db, cache=cache).num["t_wall"].size == 0
+    report = build_report(load_turns(db), conn=sqlite3.connect(db))
+    assert report["turns"] == 0 and report["unmeasured"] == 1
 
 
 def test_store_text_opt_in(make_stack, tiktoken_tok):

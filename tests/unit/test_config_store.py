@@ -210,6 +210,7 @@ RELEASED_MIGRATIONS = {
     "005_api_client_session": "daab89802ad097ea",
     "006_captures": "91025f279d1da1ef",
     "007_measure_capped": "441166bf0dc78090",
+    "008_unmeasured_prefix_tools": "20f30dc388f03952",
 }
 
 

@@ -28,7 +28,7 @@ def _turn(n: int) -> RecordBuilder:
 class _Broken(RecordBuilder):
     __slots__ = ()
 
-    def build(self, tokenizer):
+    def build(self, tokenizer, prefixes=None):
         raise ValueError("nobody foresaw this")
 
 
@@ -93,9 +93,9 @@ def test_a_burst_that_begins_during_a_build_goes_before_the_next_build():
     class _Waking(RecordBuilder):  # the relay starts a 5 ms burst as this turn's build ends
         __slots__ = ()
 
-        def build(self, tokenizer):
+        def build(self, tokenizer, prefixes=None):
             t0 = time.perf_counter()
-            built = super().build(tokenizer)  # however long a loaded CPU makes this, the burst follows it
+            built = super().build(tokenizer, prefixes)  # however long a loaded CPU makes this, the burst follows it
             busy_until[0] = time.perf_counter() + 0.005
             took[0] = busy_until[0] - 0.005 - t0
             return built
