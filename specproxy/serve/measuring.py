@@ -46,6 +46,7 @@ from collections.abc import Callable
 from specproxy.measure.builder import RecordBuilder
 from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
+from specproxy.wire.os_thread import name_os_thread
 
 __all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker"]
 
@@ -93,6 +94,7 @@ class MeasuringWorker:
         self._thread.join()
 
     def _run(self) -> None:
+        name_os_thread()
         stopping = False
         while not stopping:
             first = self._queue.get()

@@ -275,13 +275,10 @@ class Service:
         server = self._runner.server if self._runner is not None else None
         return (len(server.connections) if server is not None else 0) + len(self.lanes.open)
 
-    def state(self) -> dict[str, int | float]:
-        """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
+    def state(self, fds: int = -1) -> dict[str, int | float]:
+        """Counters for leak hunting and operators: what is alive now and what was refused or dropped.
+        ``fds``: open descriptors, counted by the caller off the event loop (``count_fds``)."""
         p, w = self.proxy, self.writer
-        try:
-            fds = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            fds = -1
         return {
             "tasks": len(asyncio.all_tasks()),
             "connections": self.open_connections(),
@@ -319,8 +316,17 @@ class Service:
             "rejected_bad": p.rejected_bad if p else 0,
         }
 
-    def log_state(self) -> None:
-        log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state().items()))
+    def log_state(self) -> asyncio.Future:
+        """Log the state line (on SIGUSR1, from the loop). Counting descriptors lists a directory, which
+        blocks: that runs on a worker thread, and the line is logged on the loop once the count is back."""
+        counted = asyncio.get_running_loop().run_in_executor(None, count_fds)
+
+        def log_line(f: asyncio.Future) -> None:
+            fds = f.result() if not f.cancelled() else -1
+            log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state(fds).items()))
+
+        counted.add_done_callback(log_line)
+        return counted
 
     async def stop(self) -> None:
         """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
@@ -373,3 +379,11 @@ class Service:
             await stop.wait()
         finally:
             await self.stop()
+
+
+def count_fds() -> int:
+    """Descriptors this process has open (-1 where ``/proc`` is not there). Blocks: not on the loop."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1

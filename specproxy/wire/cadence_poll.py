@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specproxy.config import CADENCE_POLL_MODES
+from specproxy.wire.os_thread import name_os_thread
 
 __all__ = ["MODES", "CadenceGate", "IdleCores", "cpu_quota", "describe", "poll_stats"]
 
@@ -187,6 +188,7 @@ class CadenceGate:
         self._set(False)
 
     def _watch(self) -> None:
+        name_os_thread()
         self._idle.sample()  # the first sample only sets the baseline
         while not self._stopping.wait(self._interval_s):
             self.update()
