@@ -56,12 +56,11 @@ def settle_heap() -> int:
     """Collect once, then freeze every object start-up made; returns how many are frozen.
 
     Why: Python's full (oldest-generation) collection walks every object the collector tracks, and
-    start-up (aiohttp, the tokenizer, the store, their imports) leaves ~54,000 of them. Under load a full
-    collection comes about once a minute, on the event loop's thread, and stalls it for the whole walk: at
-    256 streams on a 2-core VM, 20-23 ms (``gc.callbacks`` timing under ``scripts/bench_overhead.py``).
-    Every turn that starts meanwhile waits, and the request time the proxy stamps is late by as much.
-    Frozen (``gc.freeze``), start-up's objects are never walked again and the same collection took
-    2.7 ms. What start-up left as garbage is collected first."""
+    start-up (aiohttp, the tokenizer, the store, their imports) leaves tens of thousands of them. Under load
+    a full collection runs on the event loop's thread and stalls it for the whole walk: every turn that
+    starts meanwhile waits, and the request time the proxy stamps is late by as much. Frozen
+    (``gc.freeze``), start-up's objects are never walked again, and the walk is several times shorter
+    (docs/performance.md, "Design figures"). What start-up left as garbage is collected first."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
