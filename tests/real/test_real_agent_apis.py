@@ -15,7 +15,7 @@ history (tool calls and their results), and checks:
 * output: the model recites a tool call, which llama-server parses into a ``tool_use`` block (a
   ``function_call`` item); specproxy counts the arguments the client received, so the server's
   output count is that plus the JSON envelope it parsed away and the end-of-turn token (the same
-  documented difference as chat's, ``test_real_clients.py``).
+  documented difference as chat's, ``test_real_counts.py``).
 """
 from __future__ import annotations
 
