@@ -104,10 +104,15 @@ def threads_cpu(pid: int) -> dict[int, tuple[float, float]]:
     return out
 
 
+# specproxy's threads name their OS threads (``specproxy.wire.os_thread``, the relay in ``_pump.c``); Linux
+# keeps 15 bytes of a name, so a ``comm`` is matched back to the full name it was cut from.
+SPECPROXY_THREADS = ("specproxy-measure", "specproxy-writer", "specproxy-cadence", "specproxy-relay")
+
+
 def thread_names(pid: int) -> dict[int, str]:
-    """Thread names by OS thread id: Python's from ``py-spy dump`` when it is installed, else the OS's
-    (``/proc/PID/task/TID/comm``: native threads such as specproxy's relay thread name themselves)."""
-    names = {}
+    """Thread names by OS thread id: the OS's (``/proc/PID/task/TID/comm``), the main thread (its id is the
+    process's) as ``MainThread``; Python's from ``py-spy dump`` for the rest when py-spy is installed."""
+    names = {pid: "MainThread"}
     for tid in listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
@@ -115,7 +120,7 @@ def thread_names(pid: int) -> dict[int, str]:
         except OSError:
             continue
         if comm.startswith("specproxy"):
-            names[int(tid)] = comm
+            names[int(tid)] = next((n for n in SPECPROXY_THREADS if n[:15] == comm), comm)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not os.path.exists(spy):
         return names

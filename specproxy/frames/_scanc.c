@@ -1,9 +1,7 @@
 /* _scanc: the measuring's two per-chunk scans in C.
 
-Why: at 256 concurrent streams the measuring thread cost ~4.4 us per chunk inside the proxy (its
-build, timed with thread_time in situ; 2.3 us for the same turns built alone: the relay shares the
-core and its caches), about half of it in chunked.dechunk_reads and texts.stream_texts, which are C
-calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
+Why: at many concurrent streams about half of the measuring thread's cost per chunk was in
+chunked.dechunk_reads and texts.stream_texts (docs/performance.md, "Design figures"), which are C calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
 do the same reading with one pass over the bytes and no object per chunk. The Python code stays the
 reference and the fallback (this module is optional at install); tests/unit/test_measure_fast.py checks
 that both paths give the reference's Texts and Records.

@@ -215,13 +215,15 @@ class RecordBuilder:
                 if payload.error is not None:
                     framing_error = f"malformed chunked framing: {payload.error}"
             response_bytes = sum(map(len, payload))
-            reads = self._decoded_reads(payload)
+            reads, inflated = self._decoded_reads(payload)
             if streamed and api.stream_reader is not None:
                 texts = stream_texts_reference(reads, self.read_times, api.stream_reader())
             elif streamed:
                 texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
             else:
                 texts = body_texts(reads, self.read_times, api.read_full)
+            if not inflated:
+                texts.unreadable = f"response body did not decompress ({self.content_encoding})"
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
@@ -230,11 +232,12 @@ class RecordBuilder:
         return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error, api,
                             prefixes)
 
-    def _decoded_reads(self, reads: list[bytes]) -> list[bytes]:
-        """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched)."""
+    def _decoded_reads(self, reads: list[bytes]) -> tuple[list[bytes], bool]:
+        """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched).
+        Returns the reads (one per read, so times still line up) and whether they all decoded."""
         enc = self.content_encoding.lower()
         if enc not in ("gzip", "deflate", "x-gzip"):
-            return reads
+            return reads, True
         inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header, auto-detected
         out: list[bytes] = []
         try:
@@ -242,7 +245,8 @@ class RecordBuilder:
                 out.append(inflater.decompress(data))
         except zlib.error:
             out.extend(b"" for _ in range(len(reads) - len(out)))
-        return out
+            return out, False
+        return out, True
 
     def _record(
         self,
@@ -268,8 +272,9 @@ class RecordBuilder:
         ttft = texts.t_first - t_req if texts.t_first is not None else None
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
         completion = counts["completion"] if counts else None
-        if counts is None and tok is not None and not texts.texts and self.status is not None and self.status < 400:
-            completion = 0  # a tokenizer and a successful answer with no text: truly zero tokens
+        if (counts is None and tok is not None and not texts.texts and texts.unreadable is None
+                and self.status is not None and self.status < 400):
+            completion = 0  # a tokenizer and a successful answer read with no text: truly zero tokens
         decode_tps = None
         if counts and decode and decode > 0:
             decode_tps = (counts["completion"] - counts["first"]) / decode
@@ -300,7 +305,8 @@ class RecordBuilder:
             error=self.error
             or framing_error
             or texts.error
-            or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None),
+            or (f"{texts.bad_events} stream events were not JSON" if texts.bad_events else None)
+            or (texts.unreadable if self.status is not None and self.status < 400 else None),
             streamed=streamed,
             model=request.model,
             request_parsed=request.parsed,

@@ -81,6 +81,7 @@ class Texts:
     saw_done: bool | None = None
     bad_events: int = 0
     error: str | None = None  # an error event's type (Messages, Responses)
+    unreadable: str | None = None  # why the body could not be read: its figures are unknown, not zero
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one
@@ -554,6 +555,7 @@ def body_texts(reads: list[bytes], times: list[float], read=read_full_response) 
     try:
         delta = read(parse_json(b"".join(reads)))
     except (ValueError, RecursionError):
+        texts.unreadable = "response body was not JSON"
         return texts
     texts.add(delta.texts, times[-1])  # a non-streamed answer is usable only once it is whole
     _take_accounting(texts, delta)

@@ -3,11 +3,8 @@
 Why: most of what the event loop spends on a streamed turn is per request, not per chunk (the relay thread
 carries the body), and at a server's real pace (a few new turns per decode step) each request finds the
 loop's caches cold. aiohttp's server handles a request in several layers (its protocol, a task, the
-request and writer objects, a URL, a header dict, the response's bookkeeping); on this 2-core VM, 256
-keep-alive connections sending a turn every 1-3 s cost the loop ~170-220 µs of CPU per request through
-aiohttp with a trivial handler, ~80 µs through a bare protocol (``/tmp`` experiment, schedstat of the
-server's threads, two runs each). In ``scripts/bench_overhead.py`` at C = 256 the lane took the event
-loop from 3.6 to 2.5 µs of CPU per relayed chunk (interleaved runs with the lane off).
+request and writer objects, a URL, a header dict, the response's bookkeeping), each costing the loop
+CPU per request that a bare protocol does not (docs/performance.md, "Design figures").
 
 What it takes: a request that is plainly well-formed and whole. HTTP/1.1; a method from a short list; an
 origin-form target of letters, digits and ``-._~!$&'()*+,;=:@/?`` (no ``%``, no dot segments, no

@@ -16,22 +16,14 @@ turn that queued meanwhile, until one of: ``MAX_BATCH`` turns are waiting; a tur
 in flight (nothing more is coming soon: a lone chat's turn is measured at once); ``GATHER_S`` passed;
 ``stop``. Many builds in a row run with warm caches, the interpreter lock changes hands once per batch
 instead of once per turn, the loop gets one callback per batch and the writer one burst; a submit wakes
-the worker only to end a gathering. At C = 256 gathering for 0.1 s cut the measuring thread's CPU per
-relayed chunk by about a quarter and the writer's by half (``scripts/bench_overhead.py``, interleaved
-A/B; added p99 within the runs' spread). Under steady traffic a record reaches the store up to
-``GATHER_S`` later; a lone turn's, at once.
-
-Tried and not kept (2026-11-30, ``--rounds 1 --no-nginx`` pairs against 0.1 s): longer gathers, 0.4 s
-with batches of 32 or of 16. At C = 64 (a turn ending every ~30 ms, ~3 a batch) the measuring thread
-took 2.3 instead of 3.9–4.7 µs per chunk in a first set of pairs, 1.6–2.3 against 2.3–3.1 in a second,
-2.3 against 2.3 in a third (batches of 16). At C = 256 the process's CPU stayed within the pairs'
-spread, and p99 per chunk was worse: added p99 higher in 3 pairs of 4 with batches of 32, specproxy's
-p99 higher in 4 of 4 with 16 (3.0–3.7 ms against 1.8–3.3). Likely cause: longer runs of builds hold the
-interpreter lock while a turn's head and first chunks, written by the event loop, wait for it.
+the worker only to end a gathering. Under steady traffic a record reaches the store up to ``GATHER_S``
+later; a lone turn's, at once. Gathering longer than ``GATHER_S`` is not better: longer runs of builds
+hold the interpreter lock while a turn's head and first chunks, written by the event loop, wait for it.
+The figures behind both choices are in docs/performance.md ("Design figures").
 
 ``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
 the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
-(the default) the bodies' reads do not need the interpreter lock at all, so a build no longer delays
+(the default) the bodies' reads do not need the interpreter lock at all, so a build does not delay
 them; the wait still keeps builds off the loop's per-turn work in a burst of new turns.
 """
 
@@ -47,6 +39,7 @@ from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.prefix import PrefixTracker
 from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
+from specproxy.wire.os_thread import name_os_thread
 
 __all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker"]
 
@@ -55,8 +48,7 @@ clock = time.perf_counter
 QUIET_S = 0.001  # a gap this long in the relay's reads is a moment to measure
 MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a batch
 # how often to look for that gap: each look takes the interpreter lock from the relay in mid-burst, so
-# seldom (bench_overhead at C=256, 5 rounds: looking every 1 ms cost 26.9 µs per chunk and 1.9 ms added
-# p99, every 4 ms 23.7 µs and 0.6 ms)
+# seldom (docs/performance.md, "Design figures")
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
 GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
@@ -95,6 +87,7 @@ class MeasuringWorker:
         self._thread.join()
 
     def _run(self) -> None:
+        name_os_thread()
         stopping = False
         while not stopping:
             first = self._queue.get()

@@ -56,12 +56,11 @@ def settle_heap() -> int:
     """Collect once, then freeze every object start-up made; returns how many are frozen.
 
     Why: Python's full (oldest-generation) collection walks every object the collector tracks, and
-    start-up (aiohttp, the tokenizer, the store, their imports) leaves ~54,000 of them. Under load a full
-    collection comes about once a minute, on the event loop's thread, and stalls it for the whole walk: at
-    256 streams on a 2-core VM, 20-23 ms (``gc.callbacks`` timing under ``scripts/bench_overhead.py``).
-    Every turn that starts meanwhile waits, and the request time the proxy stamps is late by as much.
-    Frozen (``gc.freeze``), start-up's objects are never walked again and the same collection took
-    2.7 ms. What start-up left as garbage is collected first."""
+    start-up (aiohttp, the tokenizer, the store, their imports) leaves tens of thousands of them. Under load
+    a full collection runs on the event loop's thread and stalls it for the whole walk: every turn that
+    starts meanwhile waits, and the request time the proxy stamps is late by as much. Frozen
+    (``gc.freeze``), start-up's objects are never walked again, and the walk is several times shorter
+    (docs/performance.md, "Design figures"). What start-up left as garbage is collected first."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
@@ -277,13 +276,10 @@ class Service:
         server = self._runner.server if self._runner is not None else None
         return (len(server.connections) if server is not None else 0) + len(self.lanes.open)
 
-    def state(self) -> dict[str, int | float]:
-        """Counters for leak hunting and operators: what is alive now and what was refused or dropped."""
+    def state(self, fds: int = -1) -> dict[str, int | float]:
+        """Counters for leak hunting and operators: what is alive now and what was refused or dropped.
+        ``fds``: open descriptors, counted by the caller off the event loop (``count_fds``)."""
         p, w = self.proxy, self.writer
-        try:
-            fds = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            fds = -1
         return {
             "tasks": len(asyncio.all_tasks()),
             "connections": self.open_connections(),
@@ -321,8 +317,17 @@ class Service:
             "rejected_bad": p.rejected_bad if p else 0,
         }
 
-    def log_state(self) -> None:
-        log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state().items()))
+    def log_state(self) -> asyncio.Future:
+        """Log the state line (on SIGUSR1, from the loop). Counting descriptors lists a directory, which
+        blocks: that runs on a worker thread, and the line is logged on the loop once the count is back."""
+        counted = asyncio.get_running_loop().run_in_executor(None, count_fds)
+
+        def log_line(f: asyncio.Future) -> None:
+            fds = f.result() if not f.cancelled() else -1
+            log.info("state %s", " ".join(f"{k}={v}" for k, v in self.state(fds).items()))
+
+        counted.add_done_callback(log_line)
+        return counted
 
     async def stop(self) -> None:
         """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
@@ -375,3 +380,11 @@ class Service:
             await stop.wait()
         finally:
             await self.stop()
+
+
+def count_fds() -> int:
+    """Descriptors this process has open (-1 where ``/proc`` is not there). Blocks: not on the loop."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1

@@ -24,6 +24,7 @@ from typing import Any
 from specproxy.errors import StoreError
 from specproxy.record import FIELD_NAMES, Record
 from specproxy.store.retention import ScrapeRetention
+from specproxy.wire.os_thread import name_os_thread
 
 log = logging.getLogger("specproxy")
 
@@ -342,6 +343,7 @@ class Writer:
             self._conn.close()
 
     def _run(self) -> None:
+        name_os_thread()
         pending: list = []
         while True:
             if not pending:

@@ -1,14 +1,13 @@
 /* _cadence.h: when the server's next token should arrive, from the times its last ones did.
 
 Why: at one stream, the wait a proxy adds to each token is two CPU wake-ups, its own and then the
-client's. On a virtual machine whose idle vCPUs halt (cpuidle haltpoll with guest_halt_poll_ns = 0, as on
-the machines this was measured on) a halted vCPU's wake-up takes 55-145 us at the median, against
-~5 us for a running one (scripts/bench_overhead.py prints this machine's). An inference server decodes on
-a steady clock (one step per token per stream, 10-50 ms), so the relay thread can be awake and polling
-when the next token comes, instead of halted: it learns the clock here, sleeps until just before the next
-tick, and polls until the bytes arrive or the window passes (_pump.c, "the cadence poll"). With the
-thread polling all the time, added p50 at C = 1 was 26 us against 115 blocked (same machine, minutes
-apart): the client's wake-up went too, since its CPU had not yet gone idle when the token arrived.
+client's. On a virtual machine whose idle vCPUs halt (cpuidle haltpoll with guest_halt_poll_ns = 0) a
+halted vCPU's wake-up takes many times a running one's (scripts/bench_overhead.py prints this machine's).
+An inference server decodes on a steady clock (one step per token per stream), so the relay thread can be
+awake and polling when the next token comes, instead of halted: it learns the clock here, sleeps until
+just before the next tick, and polls until the bytes arrive or the window passes (_pump.c, "the cadence
+poll"). Polling also spares the client's wake-up, since its CPU has not yet gone idle when the token
+arrives. The figures are in docs/performance.md, "Design figures".
 
 What a "tick" is: the first read after a quiet gap (a batched engine sends every stream's token of a
 step together: one tick per step, at any number of streams). The prediction is the latest tick plus
@@ -29,7 +28,7 @@ Pure functions of the times given (CLOCK_MONOTONIC seconds), so that Python can 
 #define CADENCE_MIN_S 0.002    /* shorter periods: the thread is busy anyway */
 #define CADENCE_MAX_S 1.0      /* longer ones: not a decode clock */
 #define CADENCE_MARGIN_S 0.00015 /* each side of the predicted tick, beyond the periods' spread */
-#define CADENCE_WAKE_S 0.0002  /* the timer's own wake-up, before the window (a halted vCPU's, p50 55-145 us) */
+#define CADENCE_WAKE_S 0.0002  /* the timer's own wake-up, before the window (a halted vCPU's) */
 #define CADENCE_SHARE 0.1      /* the most of a period spent polling */
 
 typedef struct {

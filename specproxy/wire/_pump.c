@@ -60,8 +60,8 @@ const char *const PUMP_OUTCOME_NAMES[] = {"none", "end", "framing", "upstream_eo
                                           "client_gone", "thread_error"};
 
 /* The thread is never cancelled, so its reads and sends go straight to the kernel: glibc's recv() and
-   send() are cancellation points that bracket the call with __pthread_enable/disable_asynccancel (2.7%
-   of the thread's samples at C = 256 under perf); syscall() is not one. */
+   send() are cancellation points that bracket the call with __pthread_enable/disable_asynccancel (a
+   visible share of the thread's samples under perf: docs/performance.md, "Design figures"); syscall() is not one. */
 static inline ssize_t
 raw_recv(int fd, void *buf, size_t len, int flags)
 {
@@ -313,9 +313,8 @@ on_upstream_readable(turn *t, uint32_t events, turn **ended)
    takes the call and ignores the slice). Why: the relay shares a core with Python (the event loop, the
    measuring thread); a read that arrives while one of them runs waited for that task's slice to end
    (milliseconds) before the relay's wake-up could preempt it. With a 0.1 ms slice, the shortest the kernel
-   allows, it preempts at once: at C = 256 with a smooth upstream (scripts/bench_overhead.py --stream-mode
-   smooth, interleaved pairs), added p99 per chunk 326-420 us against 1,192-1,512 without; CPU per chunk
-   and the batched upstream's p99 unchanged within the runs' spread. Config's relay_slice_us sets it in
+   allows, it preempts at once, and added p99 per chunk falls by about two thirds with a smooth upstream
+   (docs/performance.md, "Design figures"). Config's relay_slice_us sets it in
    microseconds (0: the kernel's default), given to Sink() and applied when the thread starts. The
    thread's nice value is kept. */
 struct pump_sched_attr {

@@ -1,8 +1,8 @@
 """Whether the relay thread may poll for the server's next token: ``serve --cadence-poll auto|on|off``.
 
 Why: at one stream, most of what a proxy adds to each token's wait is CPU wake-ups, and on a virtual
-machine whose idle vCPUs halt, a wake-up takes 55-145 µs at the median (``scripts/bench_overhead.py``
-prints this machine's). An inference server decodes on a steady clock, so the relay thread learns it
+machine whose idle vCPUs halt, a wake-up is slow (``scripts/bench_overhead.py`` prints this machine's;
+docs/performance.md, "Design figures"). An inference server decodes on a steady clock, so the relay thread learns it
 and polls through a short window around the next token instead of sleeping through it (``_cadence.h``
 says how the window is chosen, ``_pump.c`` how the thread waits). At most a tenth of the decode period
 is spent polling, and only while at most ``POLL_MAX_TURNS`` streams are in flight.
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specproxy.config import CADENCE_POLL_MODES
+from specproxy.wire.os_thread import name_os_thread
 
 __all__ = ["MODES", "CadenceGate", "IdleCores", "cpu_quota", "describe", "poll_stats"]
 
@@ -187,6 +188,7 @@ class CadenceGate:
         self._set(False)
 
     def _watch(self) -> None:
+        name_os_thread()
         self._idle.sample()  # the first sample only sets the baseline
         while not self._stopping.wait(self._interval_s):
             self.update()

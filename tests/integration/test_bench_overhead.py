@@ -10,6 +10,7 @@ one window per path and writes its raw numbers; nothing here is timed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,7 @@ def test_a_short_run_measures_every_path(tmp_path):
     sp = runs["specproxy"]
     assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
     assert "| 4 | specproxy |" in proc.stdout
+    assert "MainThread" in sp["thread_names"].values(), sp["thread_names"]  # the busy threads, by name
     poll = json.loads(out.read_text())["meta"]["cadence_poll"]["4"]  # from specproxy's state line
     assert poll["poll_windows"] >= poll["poll_hits"] >= 0 and poll["cores"] >= 0, poll
     assert "specproxy's cadence poll (its state line" in proc.stdout
@@ -85,3 +87,15 @@ def test_the_cadence_poll_line_says_windows_catches_and_cores():
     line = render_polls({1: {"poll_windows": 1000, "poll_hits": 970, "poll_s": 4.1, "cores": 0.0412},
                          256: {"poll_windows": 0, "poll_hits": 0, "poll_s": 0.0, "cores": 0.0}})
     assert "C = 1: 1,000 windows, 97% caught their token, 4,100 µs polled per window; C = 256: none." in line
+
+
+def test_specproxys_threads_are_told_apart_by_name(make_stack):
+    """The benchmark splits specproxy's CPU by OS thread: each thread's name must reach the OS (Python
+    before 3.14 leaves them all named after the process), and a name cut to Linux's 15 bytes is read back
+    whole. Here the stack runs in this process, so its threads are this process's."""
+    from overhead_procs import thread_names
+
+    make_stack()
+    names = thread_names(os.getpid())
+    assert names[os.getpid()] == "MainThread"
+    assert {"specproxy-measure", "specproxy-writer"} <= set(names.values()), names

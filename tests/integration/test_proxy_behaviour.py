@@ -243,3 +243,19 @@ def test_store_text_opt_in(make_stack, tiktoken_tok):
     (rec,) = stack.records
     assert rec.response_text == "Kept text" and "secret plan" in rec.prompt_text
     assert orjson.loads(rec.prompt_text)["messages"][0]["content"] == "secret plan"
+
+
+def test_the_state_line_is_logged_without_blocking_the_loop(make_stack, caplog):
+    """SIGUSR1's state line counts open descriptors, which lists a directory: that must not run on the
+    event loop. ``make_stack`` runs the stack under blockbuster, which fails any blocking call made there;
+    the line still comes, with a real count."""
+    stack = make_stack()
+    caplog.set_level("INFO", logger="specproxy")
+
+    async def go():
+        await stack.service.log_state()  # the count, taken off the loop; the line is logged before this resumes
+
+    stack.run(go())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state ")]
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    assert int(fields["fds"]) > 2 and int(fields["in_flight"]) == 0

@@ -22,6 +22,10 @@ Fixtures:
 * ``hf_tokenizer_dir`` — a transformers tokenizer directory equal to the models'.
 * ``llama_server`` — one running server on ``tiny_model_path`` for the session
   (counters in ``/metrics`` accumulate across tests: compare deltas).
+* ``tool_model`` / ``tool_server`` — a model built the same way that recites ``TOOL_SENTENCE``, a
+  Llama-3.1 JSON tool call, and a one-thread server on it: llama-server's own tool-call parser turns it
+  into a real ``tool_calls`` answer when the request has tools.
+* ``counter`` — specproxy's own tokenizer adapter on the models' tokenizer (``--tokenizer hf:DIR``).
 """
 from __future__ import annotations
 
@@ -43,6 +47,11 @@ from .tiny_model import DEFAULT_SENTENCE, make_hf_tokenizer_dir, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SENTENCE = DEFAULT_SENTENCE
+# The tool model writes this; llama-server parses it into tool_calls=[get_weather({"city": "Paris"})]
+# (a bigram model needs distinct tokens: the spacing of that JSON is one whose tokens are all different).
+TOOL_SENTENCE = '{"name":"get_weather","parameters":{"city": "Paris"}}'
+# What the client receives as the call's arguments: llama-server re-serialises the parsed object.
+TOOL_ARGS = '{"city": "Paris"}'
 REQUIRE_ENV = "SPECPROXY_REQUIRE_LLAMA"
 VOCAB_NAME = "ggml-vocab-llama-bpe.gguf"
 
@@ -197,3 +206,22 @@ def llama_server(llama_server_bin: Path, tiny_model_path: Path):
     """A shared server on the tiny model (no speculative decoding)."""
     with LlamaServer(llama_server_bin, tiny_model_path) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def tool_model(llama_assets_dir: Path) -> TinyModel:
+    return _cached_model(llama_assets_dir, sentence=TOOL_SENTENCE, end_with_eot=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tool_server(llama_server_bin: Path, tool_model: TinyModel):
+    with LlamaServer(llama_server_bin, tool_model.path, threads=1) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def counter(hf_tokenizer_dir: Path):
+    """specproxy's own tokenizer adapter on the models' tokenizer (``--tokenizer hf:DIR``)."""
+    from specproxy.measure.tokens import load_tokenizer
+
+    return load_tokenizer(f"hf:{hf_tokenizer_dir}")

@@ -15,45 +15,23 @@ history (tool calls and their results), and checks:
 * output: the model recites a tool call, which llama-server parses into a ``tool_use`` block (a
   ``function_call`` item); specproxy counts the arguments the client received, so the server's
   output count is that plus the JSON envelope it parsed away and the end-of-turn token (the same
-  documented difference as chat's, ``test_real_clients.py``).
+  documented difference as chat's, ``test_real_counts.py``).
 """
 from __future__ import annotations
 
 import copy
 import json
 import threading
-from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from real.fixtures import TinyModel, _cached_model
-from real.server import LlamaServer
-
-from specproxy.measure.tokens import load_tokenizer
+from real.fixtures import TOOL_ARGS, TOOL_SENTENCE
 
 pytestmark = pytest.mark.real
 
-TOOL_SENTENCE = '{"name":"get_weather","parameters":{"city": "Paris"}}'  # the model recites this
-TOOL_ARGS = '{"city": "Paris"}'  # the call's arguments as llama-server re-serialises them
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WAIT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def tool_model(llama_assets_dir: Path) -> TinyModel:
-    return _cached_model(llama_assets_dir, sentence=TOOL_SENTENCE, end_with_eot=True, seed=0)
-
-
-@pytest.fixture(scope="module")
-def tool_server(llama_server_bin: Path, tool_model: TinyModel):
-    with LlamaServer(llama_server_bin, tool_model.path, threads=1) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def counter(hf_tokenizer_dir: Path):
-    return load_tokenizer(f"hf:{hf_tokenizer_dir}")
 
 
 class Arrivals:

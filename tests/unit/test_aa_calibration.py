@@ -8,17 +8,25 @@ aggregate_ratio's turn-level path. Coverage of a true ratio other than 1 needs n
 simulation: every interval is scale-equivariant (B scaled by c gives the A/A interval times c,
 pinned below), so coverage at a pure speed-up equals the A/A coverage.
 
-Run with -s to see the table (docs/statistics.md holds a copy). Cells a method cannot meet are
+Run with -s to see the table (docs/statistics.md holds a copy). The table is kept in
+``~/.cache/specproxy/aa-calibration/`` under a hash of the code that makes it (``_cache_path``): a
+run that changed none of it reads the same seeded cells back instead of simulating them again. Cells a method cannot meet are
 strict xfails with the measured reason: visible in every run, and a fix turns them into passes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from specproxy.analyze import stats
 from specproxy.analyze.aggregate import aggregate_batch, aggregate_ratio
 from specproxy.analyze.stats import ND, bootstrap_ratio, ratio_batch
 
@@ -88,13 +96,37 @@ def _rates(r: dict[str, np.ndarray]) -> dict[str, float]:
     return {"false": float(called.mean()), "coverage": float(covered.mean())}
 
 
-@pytest.fixture(scope="module")
-def table() -> dict[tuple[str, str, int], dict[str, float]]:
+def _cache_path() -> Path:
+    """Where this machine keeps the table for this code. The simulation is seeded, so its cells depend
+    only on this file, the analysis modules it runs and numpy: the key hashes all of them, and any change
+    to one computes the table afresh (it takes seconds: a thousand bootstraps per cell)."""
+    h = hashlib.sha256(np.__version__.encode())
+    for path in sorted([Path(__file__), *Path(stats.__file__).parent.glob("*.py")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return Path.home() / ".cache" / "specproxy" / "aa-calibration" / f"{h.hexdigest()[:24]}.json"
+
+
+def _computed() -> dict[tuple[str, str, int], dict[str, float]]:
     cells = {}
     for i, shape in enumerate(SHAPES):
         for j, n in enumerate(SIZES):
             for row, rates in simulate(shape, n, seed=100 + 10 * i + j).items():
                 cells[(row, shape, n)] = rates
+    return cells
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[tuple[str, str, int], dict[str, float]]:
+    path = _cache_path()
+    try:
+        cells = {(row, shape, int(n)): rates for row, shape, n, rates in json.loads(path.read_text())}
+    except (OSError, ValueError):
+        cells = _computed()
+        with contextlib.suppress(OSError):  # a read-only home computes it every run, nothing worse
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps([[*key, rates] for key, rates in cells.items()]))
+            tmp.replace(path)
     lines = [f"A/A calibration, {PAIRS} pairs per cell: false verdict % / coverage of the true ratio %",
              f"{'row':15}" + "".join(f"{f'{s} n={n}':>17}" for s in SHAPES for n in SIZES)]
     for row in ROWS:

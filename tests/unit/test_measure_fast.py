@@ -153,7 +153,21 @@ def builder(reads: list[bytes], chunked: bool) -> RecordBuilder:
     return b
 
 
-@pytest.mark.usefixtures("each_scan")
+def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
+    """The fast path with each scan this build has (C, what ships, when built; Python always) equals the
+    reference, in Texts and in the Record. Both scans run on the same example, so Hypothesis draws each
+    example once (drawing is most of these tests' time) and each scan still gets every example."""
+    ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
+    ref_record = b._build(tok, fast=False)
+    for c in (True, False) if texts_mod.C_BUILT else (False,):
+        texts_mod.use_c_scans(c)
+        try:
+            assert texts_mod.stream_texts(list(payload), b.read_times) == ref, "C scans" if c else "Python scans"
+            assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
+        finally:
+            texts_mod.use_c_scans(True)
+
+
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=stream(), cuts=st.lists(st.integers(0, 100_000), max_size=30), chunked=st.booleans(),
        sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4), framed_cut=st.integers(0, 10))
@@ -163,11 +177,7 @@ def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, fr
         wire = wire[: len(wire) // 2]  # truncated inside the framing
     reads = split(wire, cuts, empty_reads=True)
     b = builder(reads, chunked)
-    payload = b.reads if not chunked else dechunk_reads(reads)
-    fast = texts_mod.stream_texts(list(payload), b.read_times)
-    ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
-    assert fast == ref
-    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+    _each_scan(tiktoken_tok, b, b.reads if not chunked else dechunk_reads(reads))
 
 
 # content written in place of the placeholder, byte for byte: raw text the template path decodes joined
@@ -237,7 +247,6 @@ def one_frame_per_event(data: bytes, upper: bool) -> list[bytes]:
     return [size % len(p) + b"\r\n" + p + b"\r\n" for p in per_event(data)] + [b"0\r\n\r\n"]
 
 
-@pytest.mark.usefixtures("each_scan")
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=template_stream(), framing=st.integers(0, 3), cuts=st.lists(st.integers(0, 100_000), max_size=20))
 def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
@@ -248,10 +257,7 @@ def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     else:
         reads = one_frame_per_event(data, framing == 3)
     b = builder(reads, framing >= 2)
-    payload = b.reads if framing < 2 else dechunk_reads(reads)
-    fast = texts_mod.stream_texts(list(payload), b.read_times)
-    assert fast == texts_mod.stream_texts_reference(list(payload), b.read_times)
-    assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
+    _each_scan(tiktoken_tok, b, b.reads if framing < 2 else dechunk_reads(reads))
 
 
 @pytest.mark.usefixtures("each_scan")

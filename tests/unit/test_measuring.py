@@ -5,6 +5,7 @@ with its error)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import threading
 import time
 
@@ -150,6 +151,46 @@ def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median
         b.on_bytes(SSE if i == 0 else b"", 2.0 + i, 2.0 + i + d)
     b.finish(9.0)
     assert b.build(None).proxy_delay_s == pytest.approx(median)
+
+
+def _json_turn(body: bytes, encoding: str = "", status: int = 200) -> RecordBuilder:
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b'{"messages":[]}', t_wall=time.time(),
+                      t_request=1.0)
+    b.on_headers(1.1, status, "application/json", encoding)
+    b.on_bytes(body, 1.2, 1.2)
+    b.finish(1.3)
+    return b
+
+
+EMPTY_ANSWER = b'{"choices":[{"index":0,"message":{"role":"assistant","content":""}}]}'
+
+
+@pytest.mark.parametrize(("body", "encoding", "why"), [
+    (b"<html>not an answer</html>", "", "response body was not JSON"),
+    (b'{"choices": [', "", "response body was not JSON"),
+    (b"\x1f\x8b\x08\x00garbage, not gzip", "gzip", "response body did not decompress (gzip)"),
+    (gzip.compress(EMPTY_ANSWER)[:-12], "gzip", "response body was not JSON"),  # cut short: inflates, then ends
+])
+def test_a_2xx_body_that_cannot_be_read_has_null_tokens_not_zero(tiktoken_tok, body, encoding, why):
+    """Null, never 0: a successful status whose body could not be read says nothing about its tokens.
+    The row says why, and still counts as forwarded (its outcome stays ok: the client got the bytes)."""
+    rec = _json_turn(body, encoding).build(tiktoken_tok)
+    assert rec.completion_tokens is None and rec.content_tokens is None
+    assert rec.error == why and rec.outcome == "ok" and rec.response_bytes == len(body)
+
+
+@pytest.mark.parametrize("encoding", ["", "gzip"])
+def test_a_2xx_answer_read_with_no_text_has_zero_tokens(tiktoken_tok, encoding):
+    """The other side of the rule: an answer that was read and holds no text is truly zero tokens."""
+    body = gzip.compress(EMPTY_ANSWER) if encoding else EMPTY_ANSWER
+    rec = _json_turn(body, encoding).build(tiktoken_tok)
+    assert rec.completion_tokens == 0 and rec.error is None
+
+
+def test_an_error_status_whose_body_is_not_json_keeps_its_own_error_line(tiktoken_tok):
+    """A 502 HTML page is an upstream error; that its body is not JSON adds nothing to say."""
+    rec = _json_turn(b"<html>bad gateway</html>", status=502).build(tiktoken_tok)
+    assert rec.outcome == "upstream_error" and rec.completion_tokens is None and rec.error is None
 
 
 def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together():

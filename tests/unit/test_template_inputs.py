@@ -2,7 +2,7 @@
 
 The truth for each rule is what llama.cpp's server does (``template_inputs``' docstring says what and
 why); the live comparison with llama-server is in the real tier
-(``tests/real/test_real_clients.py::test_prompt_tokens_equal_the_servers_apply_template_and_tokenize``).
+(``tests/real/test_real_counts.py::test_prompt_tokens_equal_the_servers_apply_template_and_tokenize``).
 """
 
 from __future__ import annotations
