@@ -43,6 +43,10 @@ class Config:
     """Label stamped on every turn (an A/B arm); a request's ``X-Specproxy-Label`` header overrides it."""
     store_text: bool = False
     """Store prompt and response text in the database (opt-in; off by default for privacy)."""
+    client_header: str = "user-agent"
+    """The request header whose value names the client (``client`` per turn, grouped by ``specproxy
+    audit``): a coding agent's ``User-Agent`` by default, or a header of your own (``x-client-name``)
+    where several clients share one. At most 200 characters of it are stored; never an API key header."""
     capture: bool = False
     """Store each measured request's body, exactly as the client sent it, so that ``specproxy export
     --format replay`` and ``specproxy bench --from captured`` can send the same requests again (opt-in;
@@ -170,6 +174,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {key} must be {kind.__name__}, got {value!r}") from None
 
 
+# headers that carry credentials: never a client's name (they would be stored)
+SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -177,6 +185,11 @@ def _validate(cfg: Config) -> Config:
             raise ConfigError(f"upstream {cfg.upstream!r} is not an http(s) URL with a host")
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port {cfg.port} is out of range")
+    name = cfg.client_header.strip().lower()
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ConfigError(f"client_header {cfg.client_header!r} is not a header name")
+    if name in SECRET_HEADERS:
+        raise ConfigError(f"client_header {cfg.client_header!r} carries credentials: it is never stored")
     for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")

@@ -51,6 +51,7 @@ class RecordBuilder:
         "content_encoding",
         "content_type",
         "error",
+        "client_header",
         "headers",
         "id",
         "instance_id",
@@ -90,8 +91,10 @@ class RecordBuilder:
         headers: Sequence[tuple[bytes, bytes]] = (),
         max_bytes: int | None = None,
         measured: bool = True,
+        client_header: bytes = b"user-agent",
     ) -> None:
-        """``headers``: the request's raw headers (kept as a reference; the client is read off the loop).
+        """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
+        value, is read off the loop).
         ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
         saw (method, path, status, timings, outcome), and none of its body is kept."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
@@ -106,6 +109,7 @@ class RecordBuilder:
         self.store_text = store_text
         self.request_encoding = request_encoding
         self.headers = headers
+        self.client_header = client_header
         self.measured = measured
         if not measured:
             max_bytes = 0
@@ -279,7 +283,7 @@ class RecordBuilder:
         if counts and decode and decode > 0:
             decode_tps = (counts["completion"] - counts["first"]) / decode
         delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read
-        client = client_of(self.headers)
+        client = client_of(self.headers, self.client_header)
         session = session_of(client, request.model, request.parts)
         turn = TurnPrefix()
         if prefixes is not None:
@@ -322,7 +326,7 @@ class RecordBuilder:
             first_chunk_tokens=counts["first"] if counts else None,
             usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
             usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-            usage_cached_tokens=_cached_tokens(usage),
+            usage_cached_tokens=_cached_tokens(usage, texts.timings),
             chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
             tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
             decode_tps=decode_tps,
@@ -431,8 +435,12 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _cached_tokens(usage: dict) -> int | None:
-    """The server's own count of prompt tokens it reused from its cache (every API's usage is read into
-    the chat shape: ``prompt_tokens_details.cached_tokens``)."""
+def _cached_tokens(usage: dict, timings: dict | None) -> int | None:
+    """The server's own count of prompt tokens it reused from its cache: every API's usage is read into
+    the chat shape (``prompt_tokens_details.cached_tokens``); llama.cpp says it in its ``timings``
+    (``cache_n``) when its usage does not."""
     details = usage.get("prompt_tokens_details")
-    return _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+    cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if cached is None and isinstance(timings, dict):
+        cached = _int_or_none(timings.get("cache_n"))
+    return cached

@@ -22,10 +22,11 @@ __all__ = ["MAX_CLIENT_CHARS", "client_of", "session_of"]
 MAX_CLIENT_CHARS = 200
 
 
-def client_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
-    """The first ``User-Agent`` of the request's raw headers, decoded, at most ``MAX_CLIENT_CHARS``."""
+def client_of(headers: Sequence[tuple[bytes, bytes]], header: bytes = b"user-agent") -> str | None:
+    """The first value of ``header`` (lower case; ``User-Agent`` unless Config ``client_header`` names
+    another) among the request's raw headers, decoded, at most ``MAX_CLIENT_CHARS``."""
     for name, value in headers:
-        if name.lower() == b"user-agent":
+        if name.lower() == header:
             return value.decode("utf-8", "replace")[:MAX_CLIENT_CHARS] or None
     return None
 

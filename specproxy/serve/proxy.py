@@ -62,6 +62,7 @@ class Proxy:
         # + the client's path and query, as sent
         self._base_path = self.upstream.raw_path.rstrip("/").encode()
         self._host_header = host_header(self.upstream)
+        self._client_header = cfg.client_header.strip().lower().encode()
         self.tokenizer = tokenizer
         self.sink = sink
         self.instance_id = instance_id
@@ -167,6 +168,7 @@ class Proxy:
             store_text=self.cfg.store_text,
             request_encoding=req.content_encoding,
             headers=req.raw_headers,
+            client_header=self._client_header,
             max_bytes=self.cfg.max_measured_bytes,
             measured=measured,
         )

@@ -29,9 +29,10 @@ CALL = {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, {
                                                                               "name": "read_file", "input": {"path": "m.py"}}]}
 
 
-async def post(url: str, body: dict) -> int:
+async def post(url: str, body: dict, headers: dict | None = None) -> int:
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/v1/messages?beta=true", json=body, headers={"User-Agent": "claude-cli/9.9"}) as r:
+        async with s.post(url + "/v1/messages?beta=true", json=body,
+                          headers=headers or {"User-Agent": "claude-cli/9.9"}) as r:
             await r.read()
             return r.status
 
@@ -106,3 +107,20 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
     assert session["tools"] == {"defined": 2, "never_called": [digest["write_file"]]}
     assert "1 of 2 tools were never called in 4 turns" in text
     assert "read_file" not in text and "read_file" not in result.output
+
+
+def test_a_configured_header_names_the_client(make_stack, tiktoken_tok):
+    """Several clients behind one User-Agent (an SDK) are told apart by a header of the user's choosing."""
+    stack = make_stack(tiktoken_tok, client_header="X-Client-Name")
+    stack.upstream.script = Script(pieces=["Hello"])
+    body = bodies()[0]
+    for team in ("team-a", "team-b"):
+        assert stack.run(post(stack.url, body, {"User-Agent": "sdk/1", "X-Client-Name": team})) == 200
+    stack.settle()
+    db = stack.cfg.db
+    assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns").fetchone()[0] == 2)
+    clients = sqlite3.connect(db).execute("SELECT client FROM turns ORDER BY t_request").fetchall()
+    assert [c for (c,) in clients] == ["team-a", "team-b"]
+    audit = orjson.loads(CliRunner().invoke(main, ["audit", "--db", str(db), "--json"]).output)
+    assert sorted(c["client"] for c in audit["clients"]) == ["team-a", "team-b"]
+

@@ -30,6 +30,8 @@ def test_precedence_file_env_flags(tmp_path):
     ("nope = 1", "unknown key"),
     ("upstream = 'ftp://x'", "not an http"),
     ("[[", "not valid TOML"),
+    ("client_header = 'Authorization'", "carries credentials"),
+    ("client_header = 'x client'", "not a header name"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, message):
     f = tmp_path / "c.toml"

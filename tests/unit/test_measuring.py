@@ -329,3 +329,12 @@ def test_through_the_proxy_a_turn_waits_for_those_in_flight_and_the_last_ends_th
         time.sleep(0.01)
     assert sorted(r.model for r in stack.records) == ["long", "short"]
     assert stack.service.proxy._measurer.batches == 1
+
+
+def test_the_servers_cached_prompt_tokens_from_usage_else_from_llama_cpps_timings():
+    from specproxy.measure.builder import _cached_tokens
+
+    assert _cached_tokens({"prompt_tokens_details": {"cached_tokens": 7}}, {"cache_n": 9}) == 7
+    assert _cached_tokens({}, {"cache_n": 9, "prompt_n": 3}) == 9  # llama.cpp's usage has no cached count
+    assert _cached_tokens({}, None) is None and _cached_tokens({"prompt_tokens_details": None}, {}) is None
+
