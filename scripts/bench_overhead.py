@@ -80,6 +80,61 @@ from overhead_tables import git_state, render, render_polls, render_targets, ren
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class Watcher:
+    """``--watch``: someone looking at specproxy while it relays: the live page's event stream read
+    throughout (``/_specproxy/events``) and ``/_specproxy/metrics`` scraped once a second, as a browser
+    tab and a Prometheus server would. Counts what it got, so a window where it got nothing is visible."""
+
+    def __init__(self, port: int, until_ns: int) -> None:
+        import threading
+
+        self.port, self.until_ns = port, until_ns
+        self.events_bytes = 0
+        self.scrapes = 0
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=f, daemon=True) for f in (self._events, self._metrics)]
+        for t in self._threads:
+            t.start()
+
+    def _events(self) -> None:
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            conn.request("GET", "/_specproxy/events")
+            resp = conn.getresponse()
+            while now_ns() < self.until_ns:
+                data = resp.read1(65536)
+                if not data:
+                    break
+                self.events_bytes += len(data)
+            conn.close()
+        except OSError as exc:
+            self.errors.append(f"events: {type(exc).__name__}: {exc}")
+
+    def _metrics(self) -> None:
+        import http.client
+
+        while now_ns() < self.until_ns:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/_specproxy/metrics")
+                resp = conn.getresponse()
+                if resp.status == 200 and resp.read():
+                    self.scrapes += 1
+                else:
+                    self.errors.append(f"metrics: HTTP {resp.status}")
+                conn.close()
+            except OSError as exc:
+                self.errors.append(f"metrics: {type(exc).__name__}: {exc}")
+            time.sleep(1.0)  # a scrape interval, not a wait for an event
+
+    def join(self) -> dict:
+        for t in self._threads:
+            t.join(timeout=10)
+        return {"events_bytes": self.events_bytes, "scrapes": self.scrapes, "errors": self.errors[:5]}
+
+
 def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pids: list[int], load_cores, seed: int) -> dict:
     if getattr(args, "quiet_wait", 0) and getattr(args, "_our_pids", None):
         wait_quiet(args._our_pids, args.quiet_wait)
@@ -91,6 +146,7 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
            "--tokens", f"{args.tokens[0]}-{args.tokens[1]}", "--prompt-bytes", str(args.prompt_bytes),
            "--stream-mode", args.stream_mode, "--seed", str(seed)]
     lg = subprocess.Popen(cmd, preexec_fn=pin(load_cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path == "specproxy" else None
     all_pids = lambda: [p for pid in pids for p in (pid, *children(pid))]  # noqa: E731
     sleep_until(t_start)
     proxy_pids = all_pids()
@@ -113,6 +169,10 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     res = json.loads(out.decode().strip().splitlines()[-1])
     res["path"] = path
     res["conns"] = conns
+    if watcher is not None:
+        res["watch"] = watcher.join()
+        print(f"  watched: {res['watch']['events_bytes']} B of live-page events, {res['watch']['scrapes']} metrics "
+              f"scrapes, errors {res['watch']['errors'] or 'none'}", flush=True)
     res["proxy_cpu_s"] = c1 - c0 if pids else None
     res["cpu_us_per_chunk"] = (c1 - c0) / res["chunks"] * 1e6 if pids and res["chunks"] else None
     res["sched_us_per_chunk"] = (s1 - s0) / res["chunks"] * 1e6 if pids and res["chunks"] else None
@@ -339,6 +399,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=_tokens, default=(50, 150), help="chunks per turn, LO-HI [50-150]")
     ap.add_argument("--prompt-bytes", type=int, default=4000, help="size of each request's system prompt [4000]")
     ap.add_argument("--no-nginx", action="store_true", help="skip the nginx baseline")
+    ap.add_argument("--watch", action="store_true", help="during specproxy's windows, read its live page's event "
+                    "stream and scrape its /_specproxy/metrics every second (its cost is then in the figures)")
     ap.add_argument("--specproxy-arg", action="append", default=[], help="extra argument for specproxy serve")
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "

@@ -65,7 +65,7 @@ def test_a_short_run_measures_every_path(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
          "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
-         "--json", str(out)],
+         "--watch", "--json", str(out)],
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,6 +76,9 @@ def test_a_short_run_measures_every_path(tmp_path):
         assert 0 < r["lat_us"]["p50"] <= r["lat_us"]["p99"]
     sp = runs["specproxy"]
     assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
+    # --watch: the live page's events were read and /_specproxy/metrics scraped while specproxy relayed
+    assert sp["watch"]["scrapes"] >= 1 and sp["watch"]["errors"] == [], sp["watch"]
+    assert "watch" not in runs["direct"]
     assert "| 4 | specproxy |" in proc.stdout
     assert "MainThread" in sp["thread_names"].values(), sp["thread_names"]  # the busy threads, by name
     poll = json.loads(out.read_text())["meta"]["cadence_poll"]["4"]  # from specproxy's state line
