@@ -403,10 +403,10 @@ def test_a_turn_whose_measuring_fails_still_gets_its_row(make_stack, monkeypatch
 
     build = RecordBuilder.build
 
-    def fragile(self, tokenizer):
+    def fragile(self, tokenizer, prefixes=None):
         if b"break-me" in self.body:
             raise KeyError("sk-secret-in-a-message")
-        return build(self, tokenizer)
+        return build(self, tokenizer, prefixes)
 
     monkeypatch.setattr(RecordBuilder, "build", fragile)
     stack = make_stack(scrape_interval_s=0)
