@@ -12,7 +12,9 @@ plain text; with a chat template, the render cut at the tokenizer's added tokens
 ``prompt_pieces.py`` relies on and verifies, or the whole render when that identity does not hold).
 Per session (an LRU, bounded by sessions and by tokens held) the previous turn's segments are kept as
 digests and token ids, never text: a segment whose digest was there last turn reuses its ids, so only
-new segments are tokenized; the first differing token is found by comparing the two id arrays.
+new segments are tokenized; the first differing token is found by comparing the two id arrays. The
+token ids of recent segments are also shared across sessions (an LRU bounded by tokens): an agent's
+system prompt and tool definitions open every one of its sessions, and are tokenized once.
 The turn-to-turn diff compares digests of the system messages, the tools and each message.
 """
 
@@ -33,6 +35,7 @@ __all__ = ["PrefixTracker", "TurnPrefix", "tool_names"]
 
 MAX_SESSIONS = 256
 MAX_TOKENS = 4_000_000  # token ids held over all remembered sessions (4 bytes each: 16 MB at most)
+MAX_SHARED_TOKENS = 1_000_000  # token ids of recent segments shared across sessions (4 MB at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +89,13 @@ def _segments(tok: Any, parts: PromptParts) -> list[tuple[str, str | None]]:
 class PrefixTracker:
     """Remembers each session's previous turn (bounded) and compares the next one with it."""
 
-    def __init__(self, max_sessions: int = MAX_SESSIONS, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, max_sessions: int = MAX_SESSIONS, max_tokens: int = MAX_TOKENS,
+                 max_shared_tokens: int = MAX_SHARED_TOKENS) -> None:
         self._turns: OrderedDict[str, _Turn] = OrderedDict()
+        self._shared: OrderedDict[bytes, bytes] = OrderedDict()  # segment digest -> its token ids
+        self._shared_held = 0
+        self._max_shared = max_shared_tokens
+        self.encoded = 0  # segments tokenized (not found in the session's previous turn or shared)
         self._max_sessions = max_sessions
         self._max_tokens = max_tokens
         self._held = 0
@@ -109,7 +117,11 @@ class PrefixTracker:
                 d = _digest(text.encode("utf-8", "surrogatepass"))
                 ids = known.get(d)
                 if ids is None:
+                    ids = self._shared_ids(d)
+                if ids is None:
                     ids = np.asarray(encode(text), dtype=np.uint32).tobytes()
+                    self.encoded += 1
+                    self._share(d, ids)
                 segments.append((d, part, ids))
         cur = _Turn(segments, _json_digest(list(parts.system)), _json_digest(list(parts.tools)),
                     [_json_digest(m) for m in parts.conversation], sum(len(s[2]) for s in segments) // 4)
@@ -121,6 +133,24 @@ class PrefixTracker:
                 _, old = self._turns.popitem(last=False)
                 self._held -= old.tokens
         return result
+
+    def _shared_ids(self, digest: bytes) -> bytes | None:
+        with self._lock:
+            ids = self._shared.get(digest)
+            if ids is not None:
+                self._shared.move_to_end(digest)
+            return ids
+
+    def _share(self, digest: bytes, ids: bytes) -> None:
+        n = len(ids) // 4
+        if n > self._max_shared:
+            return
+        with self._lock:
+            self._shared[digest] = ids
+            self._shared_held += n
+            while self._shared_held > self._max_shared:
+                _, old = self._shared.popitem(last=False)
+                self._shared_held -= len(old) // 4
 
     @staticmethod
     def _compare(prev: _Turn, cur: _Turn, counted: bool) -> TurnPrefix:

@@ -14,7 +14,9 @@ else gets 401.
 
 Why the events cannot slow traffic or grow memory: a viewer has no queue. Each wakes twice a second,
 and when the store has committed something since its last message it is sent the newest picture,
-rendered once for every viewer (off the loop, at most once per ``MIN_RENDER_S``). A viewer that does
+rendered once for every viewer (off the loop, at most once per ``MIN_RENDER_S``, and never more than
+``RENDER_SHARE`` of one core: under heavy traffic the 15-minute window holds many turns, and the page
+waits longer between pictures rather than take CPU from the proxy). A viewer that does
 not read for ``WRITE_TIMEOUT_S`` is disconnected; at most ``MAX_VIEWERS`` at once (both parameters of
 ``Admin``, so a test can use a short timeout).
 """
@@ -44,6 +46,7 @@ PREFIX = "/_specproxy"
 MAX_VIEWERS = 16
 TICK_S = 0.5
 MIN_RENDER_S = 1.0
+RENDER_SHARE = 0.01  # of one core, at most, spent drawing pictures: the wait after one is 1/share its time
 WRITE_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 
@@ -105,6 +108,7 @@ class Admin:
         self._picture: tuple[Any, str] | None = None
         self._rendering: asyncio.Task | None = None
         self._rendered_at = 0.0
+        self._render_s = 0.0  # CPU the latest picture took to draw
 
     def close(self) -> None:
         """End every event stream (before the server shuts down: they would hold it up)."""
@@ -184,13 +188,13 @@ class Admin:
 
     async def _render(self) -> None:
         try:
-            wait = self._rendered_at + MIN_RENDER_S - time.monotonic()
-            if wait > 0:  # at most one rendering per MIN_RENDER_S under busy traffic; the newest is drawn
+            wait = self._rendered_at + render_gap(self._render_s) - time.monotonic()
+            if wait > 0:  # under busy traffic the newest is drawn, no more often than that
                 await asyncio.sleep(wait)
             version = self._version()
             assert self.pages is not None
             try:
-                html = await asyncio.to_thread(self.pages.fragment)
+                html, self._render_s = await asyncio.to_thread(_timed, self.pages.fragment)
             except Exception as exc:  # a bug in drawing must not end the viewers' streams
                 log.error("drawing the live page failed: %s", type(exc).__name__)
                 html = f'<p class="error">specproxy could not draw this picture ({type(exc).__name__})</p>'
@@ -198,6 +202,19 @@ class Admin:
             self._rendered_at = time.monotonic()
         finally:
             self._rendering = None
+
+
+def render_gap(render_s: float) -> float:
+    """Seconds from one picture to the next: ``MIN_RENDER_S``, or longer when a picture costs more than
+    ``RENDER_SHARE`` of a core at that pace."""
+    return max(MIN_RENDER_S, render_s / RENDER_SHARE)
+
+
+def _timed(draw: Any) -> tuple[str, float]:
+    """``draw()`` and the CPU time this thread spent on it."""
+    t0 = time.thread_time()
+    html = draw()
+    return html, time.thread_time() - t0
 
 
 def _presented(request: web.BaseRequest) -> str | None:

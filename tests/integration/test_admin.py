@@ -129,3 +129,13 @@ def test_who_may_read_without_a_token():
     assert not allowed("0.0.0.0", "192.168.1.9", TOKEN, TOKEN + "x")
     assert allowed("0.0.0.0", "192.168.1.9", TOKEN, TOKEN)
     assert not allowed("127.0.0.1", "127.0.0.1", TOKEN, None)  # a configured token is needed by everyone
+
+
+def test_drawing_the_page_never_takes_more_than_its_share_of_a_core():
+    """Under heavy traffic the page's 15-minute window holds many turns; a picture that takes longer to
+    draw spaces the next one out, so drawing stays at most RENDER_SHARE of one core."""
+    from specproxy.serve.admin import MIN_RENDER_S, RENDER_SHARE, render_gap
+
+    assert render_gap(0.0) == render_gap(MIN_RENDER_S * RENDER_SHARE / 2) == MIN_RENDER_S
+    for cost in (0.02, 0.1, 0.5):
+        assert cost / render_gap(cost) <= RENDER_SHARE + 1e-12

@@ -63,3 +63,20 @@ def test_plain_counts_name_the_part_and_forgotten_sessions_start_over(tiktoken_t
         tiktoken_tok.encode('[{"type":"function","function":{"name":"find"}}]'))
     tracker.observe("b", tiktoken_tok, first)  # one session remembered: "a" is forgotten
     assert tracker.observe("a", tiktoken_tok, second).reused is None
+
+
+def test_segments_shared_across_sessions_are_tokenized_once(tiktoken_tok):
+    """Every session of one agent opens with the same system prompt and tools: tokenized once, and the
+    shared ids give the same breaks as tokenizing afresh."""
+    shared, fresh = PrefixTracker(), PrefixTracker(max_shared_tokens=0)
+    for i in range(3):
+        body = _body("Be brief.", 0)
+        body["messages"][-1] = {"role": "user", "content": f"Session {i}'s own question"}
+        first = split_prompt(body)
+        grown = split_prompt({**body, "messages": [*body["messages"], {"role": "assistant", "content": "Yes."},
+                                                   {"role": "user", "content": f"More on {i}"}]})
+        for parts in (first, grown):
+            assert shared.observe(f"s{i}", tiktoken_tok, parts) == fresh.observe(f"s{i}", tiktoken_tok, parts)
+    # per session: system, tools, its question; then its two new messages ("Yes." is shared after the first)
+    assert fresh.encoded == 3 * (3 + 2)
+    assert shared.encoded == (3 + 2) + 2 * (1 + 1)
