@@ -100,7 +100,8 @@ class Watcher:
         import http.client
 
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            # the page may wait several seconds between pictures under load (serve/admin.py RENDER_SHARE)
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
             conn.request("GET", "/_specproxy/events")
             resp = conn.getresponse()
             while now_ns() < self.until_ns:
