@@ -55,5 +55,6 @@ def api_for(path: str) -> Api | None:
 
 
 def is_measured(method: str, path: str) -> bool:
-    """Only generation endpoints are measured; everything else is forwarded and not recorded."""
+    """Only generation endpoints are measured; everything else is forwarded and recorded as an unmeasured
+    row (method, path, status, timings), kept out of every figure."""
     return method == "POST" and path in _BY_PATH
