@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from specproxy.measure.openai import Delta
+from specproxy.measure.openai import Delta, function_tool
 
 __all__ = ["PATHS", "StreamReader", "chat_usage", "read_full_response", "to_chat"]
 
@@ -117,15 +117,6 @@ def _messages(message: dict) -> list[dict]:
     return out
 
 
-def _tool(tool: Any) -> dict:
-    tool = tool if isinstance(tool, dict) else {}
-    name, description = tool.get("name"), tool.get("description")
-    return {"type": "function", "function": {
-        "name": name if isinstance(name, str) else "",
-        "description": description if isinstance(description, str) else "",
-        "parameters": tool["input_schema"] if "input_schema" in tool else {},
-    }}
-
 
 def to_chat(body: Any) -> dict:
     """The chat-completions body a Messages request is rendered as; ``ValueError`` when it is not one."""
@@ -143,7 +134,7 @@ def to_chat(body: Any) -> dict:
     chat: dict[str, Any] = {"messages": out}
     tools = body.get("tools")
     if isinstance(tools, list):
-        chat["tools"] = [_tool(t) for t in tools]
+        chat["tools"] = [function_tool(t, "input_schema") for t in tools]
     return chat
 
 

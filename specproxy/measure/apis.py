@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specproxy.measure import anthropic, responses
-from specproxy.measure.openai import Delta, PromptParts, read_chunk, read_full_response, split_prompt
+from specproxy.measure.openai import Delta, PromptParts, read_full_response, split_prompt
 
 __all__ = ["API_NAMES", "Api", "api_for", "is_measured"]
 

@@ -15,6 +15,7 @@ import orjson
 __all__ = [
     "TEXT_KINDS",
     "Delta",
+    "function_tool",
     "PromptParts",
     "parse_json",
     "read_chunk",
@@ -99,6 +100,19 @@ def _read_accounting(obj: dict, delta: Delta) -> None:
     timings = obj.get("timings")  # llama.cpp's own per-request accounting
     if isinstance(timings, dict):
         delta.timings = timings
+
+
+def function_tool(tool: Any, schema_key: str) -> dict:
+    """Another API's tool definition as a chat ``function`` tool, the shape the server renders: its
+    name, description and the JSON schema under ``schema_key`` (Messages ``input_schema``, Responses
+    ``parameters``)."""
+    tool = tool if isinstance(tool, dict) else {}
+    name, description = tool.get("name"), tool.get("description")
+    return {"type": "function", "function": {
+        "name": name if isinstance(name, str) else "",
+        "description": description if isinstance(description, str) else "",
+        "parameters": tool[schema_key] if schema_key in tool else {},
+    }}
 
 
 def read_chunk(obj: Any) -> Delta:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specproxy.measure.openai import Delta
+from specproxy.measure.openai import Delta, function_tool
 
 __all__ = ["PATHS", "StreamReader", "chat_usage", "read_full_response", "to_chat"]
 
@@ -106,14 +106,6 @@ def _add_item(messages: list[dict], item: dict) -> None:
                 messages.append({"role": "assistant", "content": [], "reasoning_content": text})
 
 
-def _tool(tool: dict) -> dict:
-    name, description = tool.get("name"), tool.get("description")
-    return {"type": "function", "function": {
-        "name": name if isinstance(name, str) else "",
-        "description": description if isinstance(description, str) else "",
-        "parameters": tool["parameters"] if "parameters" in tool else {},
-    }}
-
 
 def to_chat(body: Any) -> dict:
     """The chat-completions body a Responses request is rendered as; ``ValueError`` when it is not one."""
@@ -135,7 +127,7 @@ def to_chat(body: Any) -> dict:
     chat: dict[str, Any] = {"messages": messages}
     tools = body.get("tools")
     if isinstance(tools, list):
-        functions = [_tool(t) for t in tools if isinstance(t, dict) and t.get("type") == "function"]
+        functions = [function_tool(t, "parameters") for t in tools if isinstance(t, dict) and t.get("type") == "function"]
         if functions:
             chat["tools"] = functions
     return chat

@@ -21,39 +21,16 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 
 import anthropic
 import openai
 import pytest
+from real.clientkit import Arrivals
 from real.fixtures import TOOL_ARGS, TOOL_SENTENCE
 
 pytestmark = pytest.mark.real
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-WAIT_S = 30.0
-
-
-class Arrivals:
-    """The records the proxy hands to its sinks, with a bounded wait (the SDKs return once they have
-    read the last event, which can be before the proxy has handed the turn to its measuring thread)."""
-
-    def __init__(self, stack) -> None:
-        self._cond = threading.Condition()
-        self.records: list = []
-        stack.service.extra_sinks.append(self._sink)
-
-    def _sink(self, record) -> None:
-        with self._cond:
-            self.records.append(record)
-            self._cond.notify_all()
-
-    def wait(self, n: int) -> list:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.records) >= n, WAIT_S)
-            got = list(self.records)
-        assert ok, f"only {len(got)} of {n} turns were recorded within {WAIT_S:g} s"
-        return got[:n]
 
 
 # ids, timestamps and the server's stopwatch differ between any two requests; how much of the prompt
