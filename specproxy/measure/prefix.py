@@ -194,9 +194,11 @@ def tool_names(parts: PromptParts | None, called: list[str] | None,
     the response's reader; ``None`` when the response was not read). Names are client text: kept only
     with ``store_text``, else 12 hex digits of each name's digest. In ``tool_names``, ``defined`` is there
     when the request was read and ``called`` when the response was; ``None`` when neither has a name."""
+    n_defined = len(parts.tools) if parts is not None else None
+    n_called = len(called) if called is not None else None
     defined = [n for n in map(_tool_name, parts.tools) if n is not None] if parts is not None else []
     if not defined and not called:
-        return (len(parts.tools) if parts is not None else None), (0 if called is not None else None), None
+        return n_defined, n_called, None
 
     def shown(names: list[str]) -> list[str]:
         return names if store_text else [hashlib.blake2b(n.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
@@ -207,5 +209,4 @@ def tool_names(parts: PromptParts | None, called: list[str] | None,
         names["defined"] = shown(defined)
     if called is not None:
         names["called"] = shown(called)
-    return (len(parts.tools) if parts is not None else None), (len(called) if called is not None else None), \
-        orjson.dumps(names).decode()
+    return n_defined, n_called, orjson.dumps(names).decode()
