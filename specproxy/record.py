@@ -202,11 +202,15 @@ class Record:
     tools_defined: int | None = None
     """Tools (functions) the request defined; null when the request could not be read."""
     tools_called: int | None = None
-    """Tool calls in the delivered output; null when the response could not be read."""
+    """Distinct tools this turn's delivered output called (read from the response: chat ``tool_calls``
+    or ``function_call``, Messages ``tool_use`` blocks, Responses ``function_call`` items; one tool called
+    twice is one); 0 when it called none; null when no response came or its body could not be read."""
     tool_names: str | None = None
-    """JSON ``{"defined": [...], "called": [...]}``: the tools' names with ``--store-text``, else 12
-    hex digits of a digest of each name (enough to tell which defined tools were called, without the
-    names); null when no tool was defined or called."""
+    """JSON ``{"defined": [...], "called": [...]}``: the names of the tools the request defined and of
+    those this turn's output called (first call first), with ``--store-text``; else 12 hex digits of a
+    digest of each name (enough to tell which defined tools were called, without the names).
+    ``defined`` is left out when the request could not be read, ``called`` when the response could not;
+    null when neither has a name."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELD_NAMES}

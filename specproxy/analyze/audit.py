@@ -13,7 +13,10 @@ names the client and the conversation (``client``, ``session``); the audit puts 
 * per turn, the prefix-cache break: how many leading tokens it shares with the session's previous
   turn (``prefix_reused_tokens``), the part the first differing token falls in, and beside it the
   server's own count of prompt tokens it took from its cache;
-* per session, the tools defined and those never called (by name digest unless text is stored);
+* per session, the tools defined and those never called (by name digest unless text is stored): a
+  tool counts as called when any turn's answer called it (each row's ``tool_names["called"]`` is read
+  from its own response, so a call in the session's last answer counts; rows recorded before that
+  hold the calls their request resent, calls made earlier in the same session, and count the same);
 * a prefill rate fitted per client (least squares of TTFT on the prompt tokens the server did not
   have cached, over streamed turns that completed), and what each part would cost at that rate.
 
@@ -77,11 +80,16 @@ def _session(rows: list[dict]) -> dict[str, Any]:
     prompt stopped being the previous one's, and which defined tools were never called."""
     prompts = [r["prompt_tokens"] for r in rows]
     changes, per_turn = [], []
+    defined: dict[str, None] = {}
+    called: set[str] = set()
     for k, cur in enumerate(rows):
+        if cur["tool_names"] is not None:
+            defined.update(dict.fromkeys(cur["tool_names"].get("defined", ())))
+            called.update(cur["tool_names"].get("called", ()))
         per_turn.append({"turn": k + 1, "prompt_tokens": cur["prompt_tokens"], "reused_tokens": cur["reused"],
                          "break_part": cur["break_part"], "server_cached_tokens": cur["cached"],
                          "diff": cur["diff"], "tools_defined": cur["tools_defined"],
-                         "tools_called": cur["tools_called"]})
+                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called)})
         if k == 0:
             continue
         prev = rows[k - 1]
@@ -92,12 +100,6 @@ def _session(rows: list[dict]) -> dict[str, Any]:
                             "reused_tokens": cur["reused"], "break_part": cur["break_part"],
                             "prompt_tokens": cur["prompt_tokens"]})
     growth = [b - a for a, b in zip(prompts, prompts[1:])]
-    defined: dict[str, None] = {}
-    called: set[str] = set()
-    for r in rows:
-        if r["tool_names"] is not None:
-            defined.update(dict.fromkeys(r["tool_names"].get("defined", ())))
-            called.update(r["tool_names"].get("called", ()))
     return {"turns": len(rows), "first_prompt_tokens": prompts[0], "last_prompt_tokens": prompts[-1],
             "median_growth_per_turn": _median(growth), "changes": changes, "per_turn": per_turn,
             "tools": {"defined": len(defined), "never_called": [t for t in defined if t not in called]}}
@@ -188,7 +190,8 @@ def _turn_line(t: dict[str, Any]) -> str:
                 "tools changed" if diff.get("tools_changed") else ""]
         head += "; " + (", ".join(x for x in said if x) or "nothing changed")
     if t["tools_defined"]:
-        head += f"; tools: {t['tools_defined']} defined, {t['tools_called'] or 0} called so far"
+        head += (f"; tools: {t['tools_defined']} defined, {_n(t['tools_called'])} called in this answer, "
+                 f"{t['tools_called_so_far']} so far")
     return head + cached
 
 

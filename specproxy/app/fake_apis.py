@@ -31,8 +31,9 @@ class MessagesShape:
                "tool_args": ({"type": "tool_use", "id": "toolu_0", "name": "lookup", "input": {}},
                              "input_json_delta", "partial_json")}
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tool_name: str = "lookup") -> None:
         self.model = model
+        self.tool_name = tool_name  # the tool a tool_args block calls
         self.kind: str | None = None
         self.index = -1
 
@@ -53,6 +54,8 @@ class MessagesShape:
             if self.kind is not None:
                 before.append({"type": "content_block_stop", "index": self.index})
             self.kind, self.index = kind, self.index + 1
+            if kind == "tool_args":
+                block = {**block, "name": self.tool_name}
             before.append({"type": "content_block_start", "index": self.index, "content_block": block})
         return before, {"type": "content_block_delta", "index": self.index, "delta": {"type": delta_type, key: text}}
 
@@ -76,7 +79,8 @@ class MessagesShape:
         if texts["content"]:
             content.append({"type": "text", "text": texts["content"]})
         if texts["tool_args"]:
-            content.append({"type": "tool_use", "id": "toolu_0", "name": "lookup", "input": orjson.loads(texts["tool_args"])})
+            content.append({"type": "tool_use", "id": "toolu_0", "name": self.tool_name,
+                            "input": orjson.loads(texts["tool_args"])})
         obj: dict[str, Any] = {"id": "msg_fake", "type": "message", "role": "assistant", "model": self.model,
                                "content": content, "stop_reason": "end_turn", "stop_sequence": None}
         if completion is not None:
@@ -96,8 +100,9 @@ class ResponsesShape:
               "content": {"type": "message", "id": "msg_0", "role": "assistant", "content": []},
               "tool_args": {"type": "function_call", "id": "fc_0", "call_id": "call_0", "name": "lookup", "arguments": ""}}
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tool_name: str = "lookup") -> None:
         self.model = model
+        self.tool_name = tool_name  # the tool a function_call item calls
         self.kind: str | None = None
         self.index = -1
 
@@ -113,7 +118,10 @@ class ResponsesShape:
         before = []
         if kind != self.kind:
             self.kind, self.index = kind, self.index + 1
-            before.append({"type": "response.output_item.added", "output_index": self.index, "item": self._ITEMS[kind]})
+            item = self._ITEMS[kind]
+            if kind == "tool_args":
+                item = {**item, "name": self.tool_name}
+            before.append({"type": "response.output_item.added", "output_index": self.index, "item": item})
         return before, {"type": self._DELTAS[kind], "output_index": self.index, "item_id": "x", "delta": text}
 
     def ping(self) -> dict:
@@ -140,17 +148,18 @@ class ResponsesShape:
             output.append({"type": "message", "id": "msg_0", "role": "assistant", "status": "completed",
                            "content": [{"type": "output_text", "text": texts["content"], "annotations": []}]})
         if texts["tool_args"]:
-            output.append({"type": "function_call", "id": "fc_0", "call_id": "call_0", "name": "lookup",
+            output.append({"type": "function_call", "id": "fc_0", "call_id": "call_0", "name": self.tool_name,
                            "arguments": texts["tool_args"], "status": "completed"})
         usage = None if completion is None else {"input_tokens": prompt_tokens, "output_tokens": completion,
                                                  "total_tokens": prompt_tokens + completion}
         return {**self._response("completed", usage), "output": output}
 
 
-def shape_for(path: str, model: str) -> MessagesShape | ResponsesShape | None:
-    """The event shape of the API at ``path``; None for chat and completions (the fake's own)."""
+def shape_for(path: str, model: str, tool_name: str = "lookup") -> MessagesShape | ResponsesShape | None:
+    """The event shape of the API at ``path``; None for chat and completions (the fake's own).
+    ``tool_name``: the tool the answer's call (when the script has one) calls."""
     if path == "/v1/messages":
-        return MessagesShape(model)
+        return MessagesShape(model, tool_name)
     if path in ("/v1/responses", "/responses"):
-        return ResponsesShape(model)
+        return ResponsesShape(model, tool_name)
     return None

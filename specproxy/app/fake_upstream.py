@@ -54,6 +54,8 @@ class Script:
     pieces: Sequence[str] = ("Hello", ",", " world", "!")
     reasoning_pieces: Sequence[str] = ()
     tool_args_pieces: Sequence[str] = ()
+    tool_name: str = "lookup"
+    """The tool the answer calls when it has ``tool_args_pieces`` (one call, in every API)."""
     ttft_s: float = 0.0
     """Delay before the first text chunk (after the request body was read)."""
     prefill_tps: float | None = None
@@ -193,8 +195,7 @@ class FakeUpstream:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        shape = shape_for(request.path, self.model)
-        if not request.path.endswith("completions") and shape is None:
+        if not request.path.endswith("completions") and shape_for(request.path, self.model) is None:
             return web.json_response({"error": {"message": f"no route {request.path}"}}, status=404)
         body = await request.read()
         sent = Sent(t_received=clock(), request_headers=dict(request.headers), request_body=body, path=request.path)
@@ -204,6 +205,7 @@ class FakeUpstream:
         except orjson.JSONDecodeError:
             req = {}
         script = self.script(req) if callable(self.script) else self.script
+        shape = shape_for(request.path, self.model, script.tool_name)
         if script.status >= 400:
             return web.Response(status=script.status, body=script.error_body, content_type="application/json")
         chat = request.path.endswith("/chat/completions")
@@ -220,7 +222,9 @@ class FakeUpstream:
 
     # --- responses -------------------------------------------------------------------------------
 
-    def _chunk(self, chat: bool, kind: str, text: str, role: bool = False) -> dict:
+    def _chunk(self, chat: bool, kind: str, text: str, role: bool = False, tool: str | None = None) -> dict:
+        """One chat (or completions) chunk. ``tool``: the name a tool call's first delta carries (its
+        later deltas carry only the arguments, as OpenAI and llama-server send them)."""
         if not chat:
             return {"id": "cmpl-fake", "object": "text_completion", "model": self.model,
                     "choices": [{"index": 0, "text": text, "finish_reason": None}]}
@@ -230,8 +234,10 @@ class FakeUpstream:
         elif kind == "reasoning":
             delta["reasoning_content"] = text
         elif kind == "tool_args":
-            delta["tool_calls"] = [{"index": 0, "id": "call_0", "type": "function",
-                                    "function": {"name": "lookup", "arguments": text}}]
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if tool is not None:
+                call.update(id="call_0", type="function", function={"name": tool, "arguments": text})
+            delta["tool_calls"] = [call]
         return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
 
@@ -296,6 +302,7 @@ class FakeUpstream:
         groups = self._groups(script)
         await asyncio.sleep(ttft)
         delivered = 0
+        named = False  # the tool call's first delta (which names it) was sent
         for n, (kind, text, k) in enumerate(groups):
             if n:
                 await asyncio.sleep(script.interval_s)
@@ -310,7 +317,9 @@ class FakeUpstream:
                 for obj in before:
                     await emit(event(obj))
             else:
-                chunk = self._chunk(chat, kind, text)
+                first_call = kind == "tool_args" and not named
+                chunk = self._chunk(chat, kind, text, tool=script.tool_name if first_call else None)
+                named = named or first_call
             delivered += k
             if script.usage == "cumulative":
                 chunk["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens)
@@ -352,7 +361,7 @@ class FakeUpstream:
                 message["reasoning_content"] = texts["reasoning"]
             if texts["tool_args"]:
                 message["tool_calls"] = [{"id": "call_0", "type": "function",
-                                          "function": {"name": "lookup", "arguments": texts["tool_args"]}}]
+                                          "function": {"name": script.tool_name, "arguments": texts["tool_args"]}}]
             obj: dict[str, Any] = {"id": "chatcmpl-fake", "object": "chat.completion", "model": self.model,
                                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
         else:

@@ -24,6 +24,8 @@ The translation is the one llama-server applies before rendering (its ``/v1/mess
 
 Output: ``text_delta`` is content, ``thinking_delta`` reasoning, ``input_json_delta`` tool input;
 ``message_start``, ``content_block_start``/``stop``, ``signature_delta`` and ``ping`` carry no output.
+A tool call is a ``tool_use`` block (its name in the ``content_block_start`` that opens it, streamed);
+the server's own tools (``server_tool_use``) are not the client's tools and are not calls here.
 Usage comes in ``message_start`` (input and cache counts) and ``message_delta`` (output, cumulative);
 the server's prompt is ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``.
 """
@@ -185,6 +187,8 @@ class StreamReader:
                 what = _BLOCK_KINDS.get(block.get("type"))
                 if what is not None:
                     delta.add(0, what[0], block.get(what[1]))
+                elif block.get("type") == "tool_use":  # the call's name; its input follows in deltas
+                    delta.call(block.get("name"))
         elif kind == "message_start":
             message = obj.get("message")
             if isinstance(message, dict):
@@ -229,8 +233,10 @@ def read_full_response(obj: Any) -> Delta:
         what = _BLOCK_KINDS.get(kind)
         if what is not None:
             delta.add(0, what[0], block.get(what[1]))
-        elif kind == "tool_use" and block.get("input") is not None:
-            delta.add(0, "tool_args", orjson.dumps(block["input"]).decode())
+        elif kind == "tool_use":
+            delta.call(block.get("name"))
+            if block.get("input") is not None:
+                delta.add(0, "tool_args", orjson.dumps(block["input"]).decode())
     if obj.get("stop_reason"):
         delta.finish_reason = str(obj["stop_reason"])
     if isinstance(obj.get("usage"), dict):

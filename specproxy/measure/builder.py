@@ -291,7 +291,9 @@ class RecordBuilder:
                 turn = prefixes.observe(session, tok if prompt is not None else None, request.parts)
             except Exception as exc:  # the comparison's figures are null; the turn keeps the rest
                 FAILURES.note("comparing the prompt with the previous turn failed, its figures null", exc)
-        tools_defined, tools_called, names = tool_names(request.parts, self.store_text)
+        # the tools this turn's answer called: unknown when no response came or its body could not be read
+        read = self.t_upstream_headers is not None and texts.unreadable is None
+        tools_defined, tools_called, names = tool_names(request.parts, texts.calls if read else None, self.store_text)
         response_text = None
         if self.store_text and texts.texts:
             response_text = "".join(texts.texts[k] for k in sorted(texts.texts))

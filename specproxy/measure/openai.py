@@ -52,14 +52,26 @@ class Delta:
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
+    calls: list[str] | None = None
 
     def add(self, choice: int, kind: str, text: Any) -> None:
         if isinstance(text, str) and text:
             key = (choice, kind)
             self.texts[key] = self.texts.get(key, "") + text
 
+    def call(self, name: Any) -> None:
+        """The model called the tool ``name`` (ignored unless a non-empty string: a streamed call's later
+        deltas carry no name, or a null one)."""
+        if isinstance(name, str) and name:
+            if self.calls is None:
+                self.calls = [name]
+            else:
+                self.calls.append(name)
+
 
 def _read_message(delta: Delta, idx: int, msg: dict) -> None:
+    """A message (non-streamed) or a delta (streamed). A tool call's name is in its message, or in the
+    first delta of the call (later deltas of the same ``index`` carry only arguments)."""
     delta.add(idx, "content", msg.get("content"))
     # vLLM / llama.cpp / DeepSeek say reasoning_content; OpenRouter and newer vLLM say reasoning
     delta.add(idx, "reasoning", msg.get("reasoning_content"))
@@ -71,9 +83,11 @@ def _read_message(delta: Delta, idx: int, msg: dict) -> None:
                 fn = call.get("function")
                 if isinstance(fn, dict):
                     delta.add(idx, "tool_args", fn.get("arguments"))
+                    delta.call(fn.get("name"))
     fn = msg.get("function_call")  # the legacy single-function form
     if isinstance(fn, dict):
         delta.add(idx, "tool_args", fn.get("arguments"))
+        delta.call(fn.get("name"))
 
 
 def _read_choices(obj: dict, delta: Delta, key: str) -> None:

@@ -187,25 +187,26 @@ def _tool_name(tool: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def tool_names(parts: PromptParts | None, store_text: bool) -> tuple[int | None, int | None, str | None]:
-    """``(tools_defined, tools_called, tool_names)`` of a request: the tools it defines, and the distinct
-    tools its conversation shows called (an assistant message's tool calls). Names are client text:
-    kept only with ``store_text``, else 12 hex digits of each name's digest."""
-    if parts is None:
-        return None, None, None
-    defined = [n for n in map(_tool_name, parts.tools) if n is not None]
-    called: list[str] = []
-    for m in parts.conversation:
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        for call in calls if isinstance(calls, list) else ():
-            name = _tool_name(call)
-            if name is not None and name not in called:
-                called.append(name)
+def tool_names(parts: PromptParts | None, called: list[str] | None,
+               store_text: bool) -> tuple[int | None, int | None, str | None]:
+    """``(tools_defined, tools_called, tool_names)`` of a turn: the tools its request defines (``None``
+    when the request was not read), and the distinct tools its delivered output called (``called``, from
+    the response's reader; ``None`` when the response was not read). Names are client text: kept only
+    with ``store_text``, else 12 hex digits of each name's digest. In ``tool_names``, ``defined`` is there
+    when the request was read and ``called`` when the response was; ``None`` when neither has a name."""
+    n_defined = len(parts.tools) if parts is not None else None
+    n_called = len(called) if called is not None else None
+    defined = [n for n in map(_tool_name, parts.tools) if n is not None] if parts is not None else []
     if not defined and not called:
-        return len(parts.tools), 0, None
+        return n_defined, n_called, None
 
     def shown(names: list[str]) -> list[str]:
         return names if store_text else [hashlib.blake2b(n.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
                                          for n in names]
 
-    return len(parts.tools), len(called), orjson.dumps({"defined": shown(defined), "called": shown(called)}).decode()
+    names: dict[str, list[str]] = {}
+    if parts is not None:
+        names["defined"] = shown(defined)
+    if called is not None:
+        names["called"] = shown(called)
+    return n_defined, n_called, orjson.dumps(names).decode()

@@ -22,7 +22,9 @@ before counting with ``/v1/responses/input_tokens``), so ``prompt_tokens`` is th
 Output: ``response.output_text.delta`` (and ``refusal.delta``) is content, ``reasoning_text.delta`` and
 ``reasoning_summary_text.delta`` reasoning, ``function_call_arguments.delta`` tool arguments; the
 ``*.done`` events repeat what the deltas carried and are not counted again. Usage comes once, in the
-terminal event (``response.completed``, ``response.failed`` or ``response.incomplete``).
+terminal event (``response.completed``, ``response.failed`` or ``response.incomplete``). A tool call is
+a ``function_call`` output item, named in the ``response.output_item.added`` that opens it (and again in
+its ``.done``; the same name twice is one tool); built-in tools' calls are not the client's tools.
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ _DELTAS = {
     "response.function_call_arguments.delta": "tool_args",
 }
 _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
+_ITEM_EVENTS = frozenset({"response.output_item.added", "response.output_item.done"})
 
 
 def _take_response(delta: Delta, response: Any) -> None:
@@ -186,6 +189,10 @@ class StreamReader:
         what = _DELTAS.get(kind)
         if what is not None:
             delta.add(0, what, obj.get("delta"))
+        elif kind in _ITEM_EVENTS:
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                delta.call(item.get("name"))
         elif kind in _TERMINAL:
             _take_response(delta, obj.get("response"))
             delta.done = True
@@ -218,6 +225,7 @@ def read_full_response(obj: Any) -> Delta:
                     delta.add(0, "reasoning", part.get("text"))
         elif kind == "function_call":
             delta.add(0, "tool_args", item.get("arguments"))
+            delta.call(item.get("name"))
     _take_response(delta, obj)
     if isinstance(obj.get("timings"), dict):
         delta.timings = obj["timings"]

@@ -20,7 +20,9 @@ the events that make up almost all of a stream; those are read by C calls over m
   chunk id differs every turn.
 * Every other event (the first ones, the last ones, another shape) is parsed with orjson: the common
   chunk shape (one choice whose delta holds only role/content) is read inline, any other by
-  ``read_chunk``. Text is gathered in lists and joined once.
+  ``read_chunk``. Text is gathered in lists and joined once. A chunk with a tool call is never of the
+  common shape nor a template's (its delta holds ``tool_calls``), so ``read_chunk`` reads every one:
+  the names of the tools called (``Texts.calls``) cost nothing on the chunks that have none.
 
 With ``specproxy.frames._scanc`` built (``_stream_texts_c``, what ships), the same reading walks the joined
 payload by positions instead of splitting it into lines, and a template's run is one C call
@@ -82,6 +84,7 @@ class Texts:
     bad_events: int = 0
     error: str | None = None  # an error event's type (Messages, Responses)
     unreadable: str | None = None  # why the body could not be read: its figures are unknown, not zero
+    calls: list[str] = field(default_factory=list)  # the distinct tools the output called, first call first
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one
@@ -573,3 +576,7 @@ def _take_accounting(texts: Texts, delta) -> None:
         texts.saw_done = True
     if delta.error is not None:
         texts.error = delta.error
+    if delta.calls:  # which events name a call is the API reader's rule; here only: distinct, in order
+        for name in delta.calls:
+            if name not in texts.calls:
+                texts.calls.append(name)

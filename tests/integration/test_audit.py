@@ -1,7 +1,8 @@
-"""``specproxy audit`` on a recorded agent session: one client, four Messages turns with two tools (one
-called in the second turn, one never), the system prompt changed before the third. The figures are known
-exactly: with ``tiktoken`` (no chat template) each part is the tokens of its own text, so every median,
-the change, the prefix break and the tools the audit reports can be computed here from the requests."""
+"""``specproxy audit`` on a recorded agent session: one client, four Messages turns with three tools (one
+called in the first answer, one in the last answer, one never), the system prompt changed before the
+third. The figures are known exactly: with ``tiktoken`` (no chat template) each part is the tokens of its
+own text, so every median, the change, the prefix break and the tools the audit reports can be computed
+here from the requests and the scripted answers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from waits import wait_for
 TOOLS = [{"name": "read_file", "description": "Read a file.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
          {"name": "write_file", "description": "Write a file.",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+         {"name": "delete_file", "description": "Delete a file.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
 S1 = "You are a coding agent. Be careful with files."
 S2 = "You are a coding agent. Be very careful with files. Today is Tuesday; the repository is clean."
@@ -47,9 +50,20 @@ def bodies() -> list[dict]:
     return out
 
 
+def answer(req: dict) -> Script:
+    """The fake's answer to turn k (2k + 1 messages): the first calls read_file (as the history the
+    later turns resend says), the last write_file (which no later turn resends), the others are text."""
+    turn = len(req["messages"]) // 2
+    if turn == 0:
+        return Script(pieces=["Reading", "."], tool_args_pieces=['{"path":"m.py"}'], tool_name="read_file")
+    if turn == 3:
+        return Script(pieces=["Writing", "."], tool_args_pieces=['{"path":"m.py"}'], tool_name="write_file")
+    return Script(pieces=["Hello", ",", " world", "!"])
+
+
 def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tiktoken_tok):
     stack = make_stack(tiktoken_tok)
-    stack.upstream.script = Script(pieces=["Hello", ",", " world", "!"])
+    stack.upstream.script = answer
     for body in bodies():
         assert stack.run(post(stack.url, body)) == 200
     stack.settle()
@@ -99,14 +113,19 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
     assert (f"turn 3 changed the system prompt at token {count(SHARED):,}: only {count(SHARED):,} of {prompts[2]:,} "
             "tokens reusable") in text
 
-    # tools: two defined every turn; read_file called (in the second turn's answer), write_file never;
-    # no text stored, so the names are digests
-    digest = {n: hashlib.blake2b(n.encode(), digest_size=6).hexdigest() for n in ("read_file", "write_file")}
-    assert [r[3] for r in stored] == [2, 2, 2, 2] and [r[4] for r in stored] == [0, 1, 1, 1]
-    assert orjson.loads(stored[1][5]) == {"defined": list(digest.values()), "called": [digest["read_file"]]}
-    assert session["tools"] == {"defined": 2, "never_called": [digest["write_file"]]}
-    assert "1 of 2 tools were never called in 4 turns" in text
-    assert "read_file" not in text and "read_file" not in result.output
+    # tools: three defined every turn; read_file called in the first answer, write_file in the last (seen
+    # on that turn, from its answer), delete_file never; no text stored, so the names are digests
+    names = ("read_file", "write_file", "delete_file")
+    digest = {n: hashlib.blake2b(n.encode(), digest_size=6).hexdigest() for n in names}
+    assert [r[3] for r in stored] == [3, 3, 3, 3] and [r[4] for r in stored] == [1, 0, 0, 1]
+    called = [orjson.loads(r[5]) for r in stored]
+    assert [c["defined"] for c in called] == [list(digest.values())] * 4
+    assert [c["called"] for c in called] == [[digest["read_file"]], [], [], [digest["write_file"]]]
+    assert session["tools"] == {"defined": 3, "never_called": [digest["delete_file"]]}
+    assert [t["tools_called_so_far"] for t in per_turn] == [1, 1, 1, 2]
+    assert "1 of 3 tools were never called in 4 turns" in text
+    assert "tools: 3 defined, 0 called in this answer, 1 so far" in text
+    assert not any(n in text or n in result.output for n in names)
 
 
 def test_a_configured_header_names_the_client(make_stack, tiktoken_tok):

@@ -20,6 +20,7 @@ history (tool calls and their results), and checks:
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 import anthropic
@@ -31,6 +32,7 @@ from real.fixtures import TOOL_ARGS, TOOL_SENTENCE
 pytestmark = pytest.mark.real
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = hashlib.blake2b(b"get_weather", digest_size=6).hexdigest()  # the tool's name as a record holds it
 
 
 # ids, timestamps and the server's stopwatch differ between any two requests; how much of the prompt
@@ -140,6 +142,8 @@ def test_anthropic_sdk_through_the_proxy(make_stack, counter, tool_server, tool_
         else through[0]["content"]
     assert [(b["type"], b["name"]) for b in blocks] == [("tool_use", "get_weather")]
     assert rec.finish_reason == "tool_use" and rec.saw_done is (True if stream else None)
+    assert (rec.tools_defined, rec.tools_called) == (2, 1)  # the answer's call, read from the server's events
+    assert json.loads(rec.tool_names)["called"] == [WEATHER]
     # delivered: streamed, the arguments' text as the server wrote it; whole, the tool's input is a JSON
     # object in the body, which the server writes compact (and specproxy counts as that JSON)
     delivered = TOOL_ARGS if stream else json.dumps(json.loads(TOOL_ARGS), separators=(",", ":"))
@@ -169,6 +173,8 @@ def test_openai_responses_sdk_through_the_proxy(make_stack, counter, tool_server
     calls = [(o["type"], o["name"], o["arguments"]) for o in final["output"]]
     assert calls == [("function_call", "get_weather", TOOL_ARGS)]
     assert rec.finish_reason == "completed" and rec.saw_done is (True if stream else None)
+    assert (rec.tools_defined, rec.tools_called) == (2, 1)  # the answer's call, read from the server's events
+    assert json.loads(rec.tool_names)["called"] == [WEATHER]
     assert rec.completion_tokens == rec.tool_args_tokens == counter.count(TOOL_ARGS)
     envelope = counter.count(TOOL_SENTENCE) - counter.count(TOOL_ARGS)
     assert usage["output_tokens"] == rec.usage_completion_tokens == rec.completion_tokens + envelope + 1

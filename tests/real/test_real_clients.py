@@ -24,6 +24,8 @@ they are, is in each test's docstring.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +109,10 @@ def test_openai_sdk_output_is_identical_through_the_proxy(request, make_stack, c
     assert rec.outcome == "ok" and rec.status == 200 and rec.streamed is stream
     assert rec.saw_done is (True if stream else None)
     assert rec.finish_reason == finish[-1]
+    # the tools this answer called, read from the answer llama-server wrote (the request resends none)
+    assert (rec.tools_defined, rec.tools_called) == (len(TOOLS), len(calls))
+    assert json.loads(rec.tool_names)["called"] == [hashlib.blake2b(n.encode(), digest_size=6).hexdigest()
+                                                    for n, _ in calls]
     if usage is not None:
         assert usage["completion_tokens"] == len(model.token_ids)
         assert (rec.usage_completion_tokens, rec.usage_prompt_tokens) == (usage["completion_tokens"],

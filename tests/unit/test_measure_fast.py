@@ -91,6 +91,11 @@ RAW = [
     b'{"choices":[{"index":0,"delta":{"content":null}}]}',
     b'{"choices":"nope"}', b'[1,2]', b'"str"', b'null', b'{"choices":[null, 3]}',
     b'not json{', b'', b'[DONE]', b' [DONE] ', b'\xc2\xa0[DONE]', b'[DONE]x',
+    # tool calls (Texts.calls): a call's first delta names it, later ones do not; two in one chunk; legacy
+    b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"c","type":"function","function":{"name":"g","arguments":""}}]}}]}',
+    b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"name":null,"arguments":"{}"}}]}}]}',
+    b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"h"}},{"index":1,"function":{"name":"f"}}]}}]}',
+    b'{"choices":[{"index":0,"delta":{"function_call":{"name":"legacy","arguments":"{}"}}}]}',
 ]
 
 
