@@ -5,8 +5,8 @@ everything that costs CPU (SSE decoding, JSON parsing, decompression, tokenizing
 which runs once per turn in a worker thread after the last byte was forwarded. Events are timed by the
 read that completed them, so deferring the parse loses no precision.
 
-What a response delivered (text per choice and kind, and when) is read by ``texts.py``: a fast path
-for the common stream shape, proved equal to the obviously-correct reference.
+What a response delivered (text per choice and kind, and when) is read by ``texts.py`` and, for the common
+stream shape, by ``fast_texts.py``: a fast path proved equal to the obviously-correct reference.
 
 When the proxy relays HTTP/1.1 chunked framing verbatim (``on_headers(..., chunked=True)``), the reads
 hold framed bytes; ``build`` removes the framing first (``chunked.dechunk_reads``, one payload per
@@ -25,7 +25,7 @@ from operator import sub
 
 import orjson
 
-from specproxy.measure import texts as texts_mod
+from specproxy.measure import fast_texts
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.content import classify
@@ -34,7 +34,8 @@ from specproxy.measure.openai import PromptParts, parse_json
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
-from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
+from specproxy.measure.fast_texts import stream_texts, stream_texts_joined
+from specproxy.measure.texts import Texts, body_texts, stream_texts_reference
 from specproxy.measure.tokens import Tokenizer, count_with_first
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -206,7 +207,7 @@ class RecordBuilder:
         joined = None
         if api.stream_reader is not None:  # another API's events: read by its reader, one by one
             fast = False
-        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.c_scans():
+        if fast and streamed and self.chunked and not self.content_encoding and fast_texts.c_scans():
             joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
         if joined is not None:
             buf, ends, _ = joined

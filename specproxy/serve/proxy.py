@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
-from specproxy.measure.texts import use_c_scans
+from specproxy.measure.fast_texts import use_c_scans
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record
 from specproxy.serve.headers import host_header, request_head, response_head

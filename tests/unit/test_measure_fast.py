@@ -1,6 +1,6 @@
 """The fast stream parse gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, runs of chunks read by
+``RecordBuilder.build`` parses streams with ``fast_texts.stream_texts`` (bytes.split, runs of chunks read by
 a template of a plain content chunk, inline reading of the common chunk shape); ``_build(fast=False)``
 uses the reference (the SSE decoder and ``read_chunk`` per event). On random streams of many shapes,
 split at random read boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal
@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specproxy.measure import chunk_templates, fast_texts
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads
 from specproxy.measure.builder import RecordBuilder
@@ -159,13 +160,13 @@ def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
     example once (drawing is most of these tests' time) and each scan still gets every example."""
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     ref_record = b._build(tok, fast=False)
-    for c in (True, False) if texts_mod.C_BUILT else (False,):
-        texts_mod.use_c_scans(c)
+    for c in (True, False) if fast_texts.C_BUILT else (False,):
+        fast_texts.use_c_scans(c)
         try:
-            assert texts_mod.stream_texts(list(payload), b.read_times) == ref, "C scans" if c else "Python scans"
+            assert fast_texts.stream_texts(list(payload), b.read_times) == ref, "C scans" if c else "Python scans"
             assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
         finally:
-            texts_mod.use_c_scans(True)
+            fast_texts.use_c_scans(True)
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -270,7 +271,7 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
         reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
     reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
     b = builder(reads, False)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
     assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
@@ -281,7 +282,7 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
 def test_odd_shapes_fall_back_to_the_reference():
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
-        assert texts_mod._stream_texts_fast([data], [1.0]) is None, data
+        assert fast_texts._stream_texts_fast([data], [1.0]) is None, data
 
 
 @pytest.mark.usefixtures("each_scan")
@@ -330,7 +331,7 @@ def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, t
     reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
     b = builder(reads, False)
     calls = _counting_loads(monkeypatch)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
     parsed = len(calls)
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.chunks == 59 and fast.bad_events == 1
@@ -344,7 +345,7 @@ def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
     reads = [head % (i, i % 3) for i in range(30)]
     b = builder(reads, False)
     calls = _counting_loads(monkeypatch)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
     assert len(calls) >= 30
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
@@ -362,7 +363,7 @@ class _Watch:
         self.parses = 0
         self.derivations = 0
         self.windows: list[tuple[int, int]] = []
-        derive, run = texts_mod._content_template, texts_mod._Template.run
+        derive, run = fast_texts._content_template, chunk_templates._Template.run
 
         def counted_derive(*args):
             self.derivations += 1
@@ -372,11 +373,11 @@ class _Watch:
             self.windows.append((i, j))
             return run(tmpl, segs, i, j, buf, pos)
 
-        monkeypatch.setattr(texts_mod, "_content_template", counted_derive)
-        monkeypatch.setattr(texts_mod._Template, "run", recorded_run)
+        monkeypatch.setattr(fast_texts, "_content_template", counted_derive)
+        monkeypatch.setattr(chunk_templates._Template, "run", recorded_run)
         self.c_runs: list[int] = []  # the C path: events each template_run call read
-        if texts_mod._scanc is not None:
-            scanc, runs = texts_mod._scanc, self.c_runs
+        if fast_texts._scanc is not None:
+            scanc, runs = fast_texts._scanc, self.c_runs
 
             class _Recorded:
                 join_frames = staticmethod(scanc.join_frames)
@@ -387,11 +388,11 @@ class _Watch:
                     runs.append(out[0])
                     return out
 
-            monkeypatch.setattr(texts_mod, "_scanc", _Recorded)
+            monkeypatch.setattr(fast_texts, "_scanc", _Recorded)
 
     def read(self, reads: list[bytes]):
         times = [float(i) for i in range(len(reads))]
-        fast = texts_mod._stream_texts_fast(reads, times)
+        fast = fast_texts._stream_texts_fast(reads, times)
         self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
         assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
         return fast
@@ -410,7 +411,7 @@ def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
     words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
     watch = _Watch(monkeypatch)
-    monkeypatch.setattr(texts_mod, "_WINDOWS", (4, 16))
+    monkeypatch.setattr(fast_texts, "_WINDOWS", (4, 16))
     fast = watch.read(reads)
     assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
     if each_scan == "python":
@@ -450,7 +451,7 @@ def test_shapes_taking_turns_cost_little(monkeypatch):
 def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
     reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
     times = [float(i) for i in range(len(reads))]
-    fast = texts_mod._stream_texts_fast(reads, times)
+    fast = fast_texts._stream_texts_fast(reads, times)
     assert fast == texts_mod.stream_texts_reference(reads, times)
     texts = sum(map(bool, contents))
     assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
@@ -472,7 +473,7 @@ def _string(body: bytes) -> str | None:
 def test_escaped_bodies_read_each_as_its_own_string(bodies):
     values = list(map(_string, bodies))
     ok = (values + [None]).index(None)
-    assert texts_mod._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
+    assert chunk_templates._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
 
 
 @pytest.mark.usefixtures("python_scan")

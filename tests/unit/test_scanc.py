@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specproxy.measure import texts
+from specproxy.measure import fast_texts
 
-_scanc = texts._scanc
+_scanc = fast_texts._scanc
 pytestmark = pytest.mark.skipif(_scanc is None, reason="specproxy.frames._scanc is not built")
 
 PREFIX, HEAD, CLOSING = b'data: {"choices":[{"delta":{"content":"', b'"}}],"t":', b"}"
@@ -114,11 +114,11 @@ def test_config_scan_picks_the_scans_when_the_proxy_starts(make_stack, scan, c):
     """``SPECPROXY_SCAN`` is Config's ``scan`` (read at start, not at import), and a proxy started with
     it measures with those scans."""
     from specproxy.config import load_config
-    from specproxy.measure import texts
+    from specproxy.measure import fast_texts
 
     assert load_config(env={"SPECPROXY_SCAN": scan}).scan == scan
     try:
         make_stack(None, scrape_interval_s=0, scan=scan)
-        assert texts.c_scans() == (c and texts.C_BUILT)
+        assert fast_texts.c_scans() == (c and fast_texts.C_BUILT)
     finally:
-        texts.use_c_scans(True)
+        fast_texts.use_c_scans(True)
