@@ -170,7 +170,8 @@ def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
     import json
     import urllib.request
 
-    from faultkit import LoopThread, ServeProcess, wait_until
+    from faultkit import wait_until
+    from serveproc import LoopThread, ServeProcess
     from specproxy.app.fake_upstream import FakeUpstream, Script
 
     loop = LoopThread()
