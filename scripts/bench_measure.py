@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import orjson
@@ -167,14 +168,12 @@ def time_c_scans(turns: list[RecordBuilder]) -> float:
 
 
 def time_builds(turns: list[RecordBuilder], tok, fast: bool, c_scans: bool = True) -> float:
-    fast_texts.use_c_scans(c_scans)
-    try:
-        t0 = time.perf_counter()
-        for b in turns:
-            b._build(tok, fast=fast)
-        return time.perf_counter() - t0
-    finally:
-        fast_texts.use_c_scans(True)
+    for b in turns:
+        b.c_scans = c_scans  # each turn's own setting (the proxy gives it Config scan's)
+    t0 = time.perf_counter()
+    for b in turns:
+        b._build(tok, fast=fast)
+    return time.perf_counter() - t0
 
 
 def same_records(b: RecordBuilder, tok) -> bool:
@@ -203,11 +202,8 @@ def run(args, tmp: Path) -> None:
                        "build, Python scans": time_builds(turns, tok, True, c_scans=False)}
                 if c_scans:
                     rep["C join + stream_texts"] = time_c_scans(turns)
-                fast_texts.use_c_scans(False)  # the parts: the Python path's
-                try:
-                    rep.update(time_parts(turns, chunked.dechunk_reads, fast_texts.stream_texts, ""))
-                finally:
-                    fast_texts.use_c_scans(True)
+                python_scans = partial(fast_texts.stream_texts, c_scans=False)  # the parts: the Python path's
+                rep.update(time_parts(turns, chunked.dechunk_reads, python_scans, ""))
                 rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
                 if committed is not None:
                     rep.update(time_parts(turns, committed[0].dechunk_reads, committed[1].stream_texts, vs))

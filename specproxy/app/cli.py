@@ -145,7 +145,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
         relay = "the relay thread (C)" if thread else (
             "Python on the event loop (relay = python: more CPU)" if THREAD_BUILT else
             "Python on the event loop (specproxy.wire._relayc not built: more CPU)")
-        scans = "C" if fast_texts.c_scans() else (
+        scans = "C" if cfg.scan == "c" and fast_texts.C_BUILT else (
             "pure Python (scan = python: more CPU)" if fast_texts.C_BUILT else
             "pure Python (specproxy.frames._scanc not built: more CPU)")
         front = "the lane, aiohttp's server for the rest" if cfg.lane else (

@@ -19,8 +19,9 @@ With ``specproxy.frames._scanc`` built (``_stream_texts_c``, what ships), the sa
 payload by positions instead of splitting it into lines, and a template's run is one C call
 (``_scanc.template_run``) that checks each event's bytes, decodes its JSON string and joins the text: no
 object per event. Events outside runs are read by the same ``_Gather`` in both paths. Without the C
-module (no compiler at install, or Config ``scan = "python"``, set by ``use_c_scans`` at start) the
-Python fast path runs.
+module (no compiler at install, or ``c_scans=False``: Config ``scan = "python"``, which the proxy gives
+each ``RecordBuilder``) the Python fast path runs. The choice is an argument, not a module setting, so
+that two proxies in one process with different Configs each scan as their own says.
 
 ``tests/unit/test_measure_fast.py`` checks both fast paths against the reference on random streams and random
 read splits, and that they parse and look at no more than they need to; ``tests/unit/test_scanc.py`` checks
@@ -40,22 +41,8 @@ from specproxy.measure.openai import read_chunk
 from specproxy.measure.texts import Texts, _take_accounting, stream_texts_reference
 
 C_BUILT = _scanc is not None
-_use_c = True  # Config's scan, given by use_c_scans() when the service starts
 
-
-def use_c_scans(on: bool) -> None:
-    """Config ``scan``: the C scans (``True``, where built) or the Python ones, from now on."""
-    global _use_c
-    _use_c = on
-
-
-def c_scans() -> bool:
-    """Whether measuring runs the C scans: built, and not switched off."""
-    return C_BUILT and _use_c
-
-
-
-__all__ = ["C_BUILT", "c_scans", "use_c_scans", "stream_texts", "stream_texts_joined"]
+__all__ = ["C_BUILT", "stream_texts", "stream_texts_joined"]
 
 
 _ROLE_CONTENT = frozenset(("role", "content"))
@@ -69,28 +56,30 @@ _PAYING_RUN = 4  # a run this long repays a derivation: only such a run refills 
 _TRAILING = 16  # at most this many events at the end of a stream are looked at to end runs before them
 
 
-def stream_texts(reads: list[bytes], times: list[float]) -> Texts:
-    """The same Texts as ``stream_texts_reference``, fast for the common stream shape."""
-    texts = _stream_texts_fast(reads, times)
+def stream_texts(reads: list[bytes], times: list[float], *, c_scans: bool = True) -> Texts:
+    """The same Texts as ``stream_texts_reference``, fast for the common stream shape. ``c_scans``: with
+    the C scans where built (Config ``scan = "c"``), else the Python ones."""
+    texts = _stream_texts_fast(reads, times, c_scans=c_scans)
     return texts if texts is not None else stream_texts_reference(reads, times)
 
 
-def stream_texts_joined(buf: bytes, ends: list[int], times: list[float]) -> Texts:
+def stream_texts_joined(buf: bytes, ends: list[int], times: list[float], *, c_scans: bool = True) -> Texts:
     """``stream_texts`` of the reads whose payloads are ``buf``, read i ending at ``ends[i]``
     (``_scanc.join_frames``): no list of reads is made unless the reference has to decide."""
-    texts = _stream_texts_c(buf, ends, times) if c_scans() else None
+    texts = _stream_texts_c(buf, ends, times) if c_scans and C_BUILT else None
     if texts is None:
         reads = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
         texts = stream_texts_reference(reads, times)  # the Python fast path would refuse them too
     return texts
 
 
-def _stream_texts_fast(reads: list[bytes], times: list[float]) -> Texts | None:
-    """``None`` when the stream is not LF-only single-``data: ``-line events (the reference decides)."""
+def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool = True) -> Texts | None:
+    """``None`` when the stream is not LF-only single-``data: ``-line events (the reference decides).
+    ``c_scans``: as in ``stream_texts``."""
     nreads = len(reads)
     if len(times) < nreads:
         return None
-    if c_scans():
+    if c_scans and C_BUILT:
         return _stream_texts_c(b"".join(reads), list(accumulate(map(len, reads))), times)
     buf = b"".join(reads)
     if b"\r" in buf:

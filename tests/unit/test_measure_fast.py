@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import orjson
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,12 +151,9 @@ def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     ref_record = b._build(tok, fast=False)
     for c in (True, False) if fast_texts.C_BUILT else (False,):
-        fast_texts.use_c_scans(c)
-        try:
-            assert fast_texts.stream_texts(list(payload), b.read_times) == ref, "C scans" if c else "Python scans"
-            assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
-        finally:
-            fast_texts.use_c_scans(True)
+        assert fast_texts.stream_texts(list(payload), b.read_times, c_scans=c) == ref, "C scans" if c else "Python scans"
+        b.c_scans = c  # the turn's own setting (the proxy gives it Config scan's)
+        assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -252,8 +248,7 @@ def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     _each_scan(tiktoken_tok, b, b.reads if framing < 2 else dechunk_reads(reads))
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_template_stream_is_fast_and_equal(tiktoken_tok):
+def test_template_stream_is_fast_and_equal(each_scan, tiktoken_tok):
     """The common shape: a template is derived once and matches the following content chunks."""
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     reads = [head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n']
@@ -261,28 +256,26 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
     for w in words * 5:
         reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
     reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    b = builder(reads, False)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
+    b = builder(reads, False, each_scan)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_odd_shapes_fall_back_to_the_reference():
+def test_odd_shapes_fall_back_to_the_reference(each_scan):
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
-        assert fast_texts._stream_texts_fast([data], [1.0]) is None, data
+        assert fast_texts._stream_texts_fast([data], [1.0], c_scans=each_scan == "c") is None, data
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
+def test_chunked_record_matches_the_unframed_one(each_scan, tiktoken_tok):
     events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
     reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
-    chunked = builder(reads, True)
-    plain = builder(list(dechunk_reads(reads)), False)
+    chunked = builder(reads, True, each_scan)
+    plain = builder(list(dechunk_reads(reads)), False, each_scan)
     a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
     assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
     fields = [f for f in a.__dataclass_fields__ if f != "id"]
@@ -290,10 +283,9 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     assert a.error is None and a.saw_done and a.chunks == 20
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
+def test_malformed_chunked_framing_sets_an_error(each_scan, tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
-    rec = builder(reads, True).build(tiktoken_tok)
+    rec = builder(reads, True, each_scan).build(tiktoken_tok)
     assert rec.error and "malformed chunked framing" in rec.error
 
 
@@ -303,28 +295,26 @@ def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
             for i, v in enumerate(values)]
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
+def test_a_number_the_record_never_reads_may_vary_without_a_parse(each_scan, monkeypatch, tiktoken_tok):
     """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
     reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
     reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
-    b = builder(reads, False)
+    b = builder(reads, False, each_scan)
     calls = counting_loads(monkeypatch)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     parsed = len(calls)
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.chunks == 59 and fast.bad_events == 1
     assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
+def test_digits_the_record_reads_never_vary_in_a_template(each_scan, monkeypatch):
     """A choice index after the delta decides which text the content belongs to: every event is parsed."""
     head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
     reads = [head % (i, i % 3) for i in range(30)]
-    b = builder(reads, False)
+    b = builder(reads, False, each_scan)
     calls = counting_loads(monkeypatch)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     assert len(calls) >= 30
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]

@@ -52,9 +52,10 @@ class _Watch:
 
             monkeypatch.setattr(fast_texts, "_scanc", _Recorded)
 
-    def read(self, reads: list[bytes]):
+    def read(self, reads: list[bytes], scan: str):
+        """``reads`` parsed by the fast path with Config ``scan``'s scans (checked equal to the reference)."""
         times = [float(i) for i in range(len(reads))]
-        fast = fast_texts._stream_texts_fast(reads, times)
+        fast = fast_texts._stream_texts_fast(reads, times, c_scans=scan == "c")
         self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
         assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
         return fast
@@ -74,7 +75,7 @@ def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
     reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
     watch = _Watch(monkeypatch)
     monkeypatch.setattr(fast_texts, "_WINDOWS", (4, 16))
-    fast = watch.read(reads)
+    fast = watch.read(reads, each_scan)
     assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
     if each_scan == "python":
         assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
@@ -84,36 +85,33 @@ def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
     assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
 
 
-@pytest.mark.usefixtures("python_scan")
 def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
     """The first chunk of a window after a full one is not known to be the template's: another
     choice's chunk there starts no run of the first one's."""
     words = [b" w%d" % i for i in range(300)]
     reads = [ROLE, *(CHUNK % (int(k == 258), w) for k, w in enumerate(words, 1)), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
+    fast = watch.read(reads, "python")
     assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
 
 
-@pytest.mark.usefixtures("python_scan")
 def test_shapes_taking_turns_cost_little(monkeypatch):
     """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
     (only a run long enough refills them), runs start with small windows, other shapes start none."""
     reads = [CHUNK % (i % 2, b" w%d" % i) for i in range(200)]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
+    fast = watch.read(reads, "python")
     assert sorted(fast.texts) == [(0, "content"), (1, "content")]
     assert watch.derivations <= 4
     assert len(watch.windows) <= 100  # only events of the template's shape start a run
     assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
 
 
-@pytest.mark.usefixtures("each_scan")
 @pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
-def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
+def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(each_scan, contents):
     reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
     times = [float(i) for i in range(len(reads))]
-    fast = fast_texts._stream_texts_fast(reads, times)
+    fast = fast_texts._stream_texts_fast(reads, times, c_scans=each_scan == "c")
     assert fast == texts_mod.stream_texts_reference(reads, times)
     texts = sum(map(bool, contents))
     assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
@@ -138,7 +136,6 @@ def test_escaped_bodies_read_each_as_its_own_string(bodies):
     assert chunk_templates._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
 
 
-@pytest.mark.usefixtures("python_scan")
 @pytest.mark.parametrize(("bodies", "bad"), [
     ([b'a","b'], 1),  # an unescaped quote: two strings in the array for one body
     ([b"x\\", b",1", b"y\\"], 2),  # backslashes that escape the quote after their body
@@ -150,13 +147,12 @@ def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
     words = [b" w%d" % i for i in range(20)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words[:10] + bodies + words[10:]), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
+    fast = watch.read(reads, "python")
     assert fast.bad_events == bad
     if not bad:
         assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
 
 
-@pytest.mark.usefixtures("each_scan")
 @pytest.mark.parametrize("chunk", [
     # the first contents are escaped: the template is cut around the escaped string
     lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
@@ -167,9 +163,9 @@ def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
     # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
     lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"%b"}}],"sig":"s0123"}\n\n' % w,
 ])
-def test_templates_are_found_where_they_are_safe(monkeypatch, chunk):
+def test_templates_are_found_where_they_are_safe(each_scan, monkeypatch, chunk):
     reads = [ROLE, *(chunk(i, b" w%d" % i) for i in range(60)), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
+    fast = watch.read(reads, each_scan)
     assert fast.chunks == 60
     assert watch.parses <= 8
