@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import orjson
@@ -43,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from benchlib import cpu_model  # the machine line every benchmark script prints
 
 from specproxy.frames import chunked
-from specproxy.measure import texts
+from specproxy.measure import fast_texts, texts
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.tokens import load_tokenizer
 
@@ -162,19 +163,17 @@ def time_c_scans(turns: list[RecordBuilder]) -> float:
     t0 = time.perf_counter()
     for b in turns:
         buf, ends, _ = chunked.join_whole_frames(b.reads)
-        texts.stream_texts_joined(buf, ends, b.read_times)
+        fast_texts.stream_texts_joined(buf, ends, b.read_times)
     return time.perf_counter() - t0
 
 
 def time_builds(turns: list[RecordBuilder], tok, fast: bool, c_scans: bool = True) -> float:
-    texts.use_c_scans(c_scans)
-    try:
-        t0 = time.perf_counter()
-        for b in turns:
-            b._build(tok, fast=fast)
-        return time.perf_counter() - t0
-    finally:
-        texts.use_c_scans(True)
+    for b in turns:
+        b.c_scans = c_scans  # each turn's own setting (the proxy gives it Config scan's)
+    t0 = time.perf_counter()
+    for b in turns:
+        b._build(tok, fast=fast)
+    return time.perf_counter() - t0
 
 
 def same_records(b: RecordBuilder, tok) -> bool:
@@ -184,7 +183,7 @@ def same_records(b: RecordBuilder, tok) -> bool:
 
 def run(args, tmp: Path) -> None:
     tok = load_tokenizer("tiktoken:o200k_base")
-    c_scans = texts._scanc is not None
+    c_scans = fast_texts._scanc is not None
     committed = load_committed(args.vs, tmp) if args.vs else None
     vs = f"{args.vs} " if committed is not None else None
     print(f"# {cpu_model()}, Python {sys.version.split()[0]}; {args.turns} turns x {args.chunks} chunks, "
@@ -203,11 +202,8 @@ def run(args, tmp: Path) -> None:
                        "build, Python scans": time_builds(turns, tok, True, c_scans=False)}
                 if c_scans:
                     rep["C join + stream_texts"] = time_c_scans(turns)
-                texts.use_c_scans(False)  # the parts: the Python path's
-                try:
-                    rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts, ""))
-                finally:
-                    texts.use_c_scans(True)
+                python_scans = partial(fast_texts.stream_texts, c_scans=False)  # the parts: the Python path's
+                rep.update(time_parts(turns, chunked.dechunk_reads, python_scans, ""))
                 rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
                 if committed is not None:
                     rep.update(time_parts(turns, committed[0].dechunk_reads, committed[1].stream_texts, vs))

@@ -224,23 +224,12 @@ def each_front(request):
 
 
 @pytest.fixture(params=["c", "python"])
-def each_scan(request, monkeypatch):
+def each_scan(request):
     """Run a test with the measuring's per-chunk scans in C (``_scanc``, what ships) and in Python (the
-    path without a compiler, kept equal to the reference)."""
-    from specproxy.measure import texts
+    path without a compiler, kept equal to the reference): Config ``scan``'s value, which the test gives
+    what it builds (``c_scans=each_scan == "c"``, or ``scan=`` to ``make_stack``)."""
+    from specproxy.measure import fast_texts
 
-    if request.param == "c" and not texts.C_BUILT:
+    if request.param == "c" and not fast_texts.C_BUILT:
         pytest.skip("specproxy.frames._scanc is not built (no C compiler at install time)")
-    texts.use_c_scans(request.param == "c")  # Config scan's switch (the proxy sets it at start)
-    yield request.param
-    texts.use_c_scans(True)
-
-
-@pytest.fixture
-def python_scan(monkeypatch):
-    """The Python scans only: for tests of how that path reads (its windows of events)."""
-    from specproxy.measure import texts
-
-    texts.use_c_scans(False)
-    yield
-    texts.use_c_scans(True)
+    return request.param

@@ -1,5 +1,6 @@
-"""Helpers for the fault tests (tests/integration/test_faults_*.py): raw HTTP/1.1 on sockets, SSE stream shapes,
-kernel socket queues, file-descriptor counts, and ``specproxy serve`` as a real subprocess.
+"""Helpers for the fault tests (tests/integration/test_faults_*.py): raw HTTP/1.1 on sockets, a scripted
+upstream, kernel socket queues, file-descriptor counts, and the records a stack wrote. SSE stream shapes
+are in stream_shapes.py, ``specproxy serve`` as a subprocess in serveproc.py.
 
 Why raw sockets: an HTTP library normalises exactly what these tests look at (framing, header order,
 hop-by-hop headers, how a peer hangs up), so both peers of the proxy are scripted byte by byte here.
@@ -10,23 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
-import re
-import signal
 import socket
 import sqlite3
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 from rawpeers import RawUpstream, chunk  # noqa: F401  (chunk: the fault tests import it from here)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # --- waiting on conditions ------------------------------------------------------------------------
 
@@ -276,85 +269,6 @@ def sse_head(extra: str = "", chunked: bool = True) -> bytes:
     te = "Transfer-Encoding: chunked\r\n" if chunked else ""
     return f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{te}{extra}\r\n".encode()
 
-
-# --- SSE stream shapes --------------------------------------------------------------------------------
-
-WORDS = ["Hello", " world", ",", " café", " 日本語", " 🚀", " naïve", "\n", " tokens", " é", "!", " ü", " Ω", " 中"]
-
-
-@dataclass
-class Stream:
-    """A stream's bytes and the truth about them."""
-
-    body: bytes
-    content: str
-    text_events: int
-    done: bool
-    usage: int | None
-    writes: list[bytes] = field(default_factory=list)
-
-
-def delta_event(text: str, nl: bytes, *, event_line: bool = False, ident: int | None = None) -> bytes:
-    obj = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
-    out = b""
-    if event_line:
-        out += b"event: message" + nl
-    if ident is not None:
-        out += b"id: %d" % ident + nl
-    return out + b"data: " + orjson.dumps(obj) + nl + nl
-
-
-def make_stream(rng: random.Random, *, pieces: int | None = None) -> Stream:
-    """A chat stream with a random shape: CRLF or LF, ``: ping`` comments, ``event:``/``id:``/``retry:``
-    lines, a role chunk, usage or none, [DONE] or none."""
-    nl = rng.choice([b"\n", b"\r\n"])
-    n = pieces if pieces is not None else rng.randint(1, 8)
-    events: list[bytes] = []
-    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
-    events.append(b"data: " + orjson.dumps(role) + nl + nl)
-    if rng.random() < 0.3:
-        events.append(b"retry: 3000" + nl + nl)
-    content = ""
-    for i in range(n):
-        if rng.random() < 0.3:
-            events.append(b": ping" + nl + nl)
-        text = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3)))
-        content += text
-        events.append(delta_event(text, nl, event_line=rng.random() < 0.3, ident=i if rng.random() < 0.2 else None))
-    usage = rng.choice([None, n + 1])
-    final: dict = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-    if usage is not None:
-        final["usage"] = {"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": usage + 3}
-    events.append(b"data: " + orjson.dumps(final) + nl + nl)
-    done = rng.random() < 0.85
-    if done:
-        events.append(b"data: [DONE]" + nl + nl)
-    return Stream(b"".join(events), content, n, done, usage, writes=events)
-
-
-def split_plan(rng: random.Random, stream: Stream, mode: str) -> list[bytes]:
-    """How the upstream writes the body: one byte a write, random cuts (one inside a UTF-8 character
-    when there is one), whole events merged several to a write, or all at once."""
-    body = stream.body
-    if mode == "bytes":
-        return [body[i : i + 1] for i in range(len(body))]
-    if mode == "merge":
-        out, i = [], 0
-        while i < len(stream.writes):
-            k = rng.randint(2, 4)
-            out.append(b"".join(stream.writes[i : i + k]))
-            i += k
-        return out
-    if mode == "one":
-        return [body]
-    cuts = {rng.randint(1, len(body) - 1) for _ in range(rng.randint(1, 12))} if len(body) > 1 else set()
-    inside = [i for i in range(1, len(body)) if 0x80 <= body[i] < 0xC0]
-    if inside:
-        cuts.add(rng.choice(inside))  # the next byte continues a multi-byte character
-    edges = [0, *sorted(cuts), len(body)]
-    return [body[a:b] for a, b in zip(edges, edges[1:]) if b > a]
-
-
 # --- the kernel's view ------------------------------------------------------------------------------
 
 
@@ -402,90 +316,6 @@ def blackhole_listener() -> tuple[socket.socket, list[socket.socket]]:
         except (TimeoutError, socket.timeout):
             return lst, fillers
     raise AssertionError("could not fill the accept queue of a listen(0) socket")
-
-
-# --- a background loop, for servers the tests talk to from other threads or processes ---------------
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-# --- specproxy serve as a subprocess -------------------------------------------------------------------
-
-_READY = re.compile(r"forwarding http://127\.0\.0\.1:(\d+) ->")
-
-
-class ServeProcess:
-    """``python -m specproxy.app.cli serve`` with stderr in a file (to read its logs afterwards)."""
-
-    def __init__(self, tmp: Path, upstream: str, db: Path, *args: str, env: dict | None = None, name: str = "serve"):
-        self.log_path = tmp / f"{name}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env = {k: v for k, v in full_env.items() if not k.startswith("SPECPROXY_") or k in (env or {})}
-        cmd = [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
-               "--db", str(db), "--scrape-interval", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, env=full_env, cwd=ROOT)
-        self.port = int(wait_until(self._ready_port, 30, 0.02, "specproxy serve to listen"))
-
-    def _ready_port(self):
-        if self.proc.poll() is not None:
-            raise AssertionError(f"serve exited with {self.proc.returncode}: {self.stderr()}")
-        m = _READY.search(self.stderr())
-        return m.group(1) if m else None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stderr(self) -> str:
-        return self.log_path.read_bytes().decode("utf-8", "replace")
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.wait(10)
-
-    def state(self, timeout: float = 10) -> dict[str, int | float]:
-        """Ask for a state line (SIGUSR1) and parse the newest one."""
-        before = self.stderr().count(" state ")
-        self.proc.send_signal(signal.SIGUSR1)
-        wait_until(lambda: self.stderr().count(" state ") > before, timeout, 0.02, "a state line")
-        line = [ln for ln in self.stderr().splitlines() if " state " in ln][-1]
-        return {k: _number(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
-
-
-def _number(text: str) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
 
 def db_records(stack, n: int, timeout: float = 30) -> list[dict]:
     """The stack's turns as written to its database, once ``n`` have been written (oldest first)."""

@@ -137,7 +137,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
 
     def ready(svc: Service) -> None:
         from specproxy.wire import cadence_poll
-        from specproxy.measure import texts
+        from specproxy.measure import fast_texts
         from specproxy.measure import tokens
         from specproxy.wire.relay_thread import THREAD_BUILT
 
@@ -145,8 +145,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
         relay = "the relay thread (C)" if thread else (
             "Python on the event loop (relay = python: more CPU)" if THREAD_BUILT else
             "Python on the event loop (specproxy.wire._relayc not built: more CPU)")
-        scans = "C" if texts.c_scans() else (
-            "pure Python (scan = python: more CPU)" if texts.C_BUILT else
+        scans = "C" if cfg.scan == "c" and fast_texts.C_BUILT else (
+            "pure Python (scan = python: more CPU)" if fast_texts.C_BUILT else
             "pure Python (specproxy.frames._scanc not built: more CPU)")
         front = "the lane, aiohttp's server for the rest" if cfg.lane else (
             "aiohttp's server (lane off: more CPU)")

@@ -1,7 +1,7 @@
 /* _scanc: the measuring's two per-chunk scans in C.
 
 Why: at many concurrent streams about half of the measuring thread's cost per chunk was in
-chunked.dechunk_reads and texts.stream_texts (docs/performance.md, "Design figures"), which are C calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
+chunked.dechunk_reads and fast_texts.stream_texts (docs/performance.md, "Design figures"), which are C calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
 do the same reading with one pass over the bytes and no object per chunk. The Python code stays the
 reference and the fallback (this module is optional at install); tests/unit/test_measure_fast.py checks
 that both paths give the reference's Texts and Records.
@@ -12,7 +12,7 @@ join_frames(reads) -> (payload, ends, complete) | None
     the body ended. None for malformed framing or bytes after the end: the reference says what is wrong.
 
 template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonempty, text_size)
-    texts._Template.run over an SSE buffer by positions: how many events in a row from buf[pos] are
+    chunk_templates._Template.run over an SSE buffer by positions: how many events in a row from buf[pos] are
     "prefix + body + head + <dlen digits> + closing" followed by a blank line (LF LF), where body is a
     JSON string's inside that is valid UTF-8 and needs no decision (no lone surrogate escape); their
     bytes with blank lines, their bodies' text joined, how many had text, and the bytes up to the end
@@ -299,7 +299,7 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef scanc_module = {
-    PyModuleDef_HEAD_INIT, "specproxy.frames._scanc", "The measuring's per-chunk scans in C (see texts.py).", -1,
+    PyModuleDef_HEAD_INIT, "specproxy.frames._scanc", "The measuring's per-chunk scans in C (see measure/fast_texts.py).", -1,
     module_methods};
 
 PyMODINIT_FUNC

@@ -23,7 +23,7 @@ __all__ = ["API_NAMES", "Api", "api_for", "is_measured"]
 class Api:
     """``name``: the record's ``api``. ``split``: request body -> PromptParts (``ValueError`` when it is
     not this API's). ``stream_reader``: a reader of one turn's events (``None``: the chat stream, read by
-    ``texts.py``'s fast path). ``read_full``: a non-streamed body -> Delta."""
+    ``fast_texts.py``). ``read_full``: a non-streamed body -> Delta."""
 
     name: str
     split: Callable[[Any], PromptParts]

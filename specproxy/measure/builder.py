@@ -5,8 +5,8 @@ everything that costs CPU (SSE decoding, JSON parsing, decompression, tokenizing
 which runs once per turn in a worker thread after the last byte was forwarded. Events are timed by the
 read that completed them, so deferring the parse loses no precision.
 
-What a response delivered (text per choice and kind, and when) is read by ``texts.py``: a fast path
-for the common stream shape, proved equal to the obviously-correct reference.
+What a response delivered (text per choice and kind, and when) is read by ``texts.py`` and, for the common
+stream shape, by ``fast_texts.py``: a fast path proved equal to the obviously-correct reference.
 
 When the proxy relays HTTP/1.1 chunked framing verbatim (``on_headers(..., chunked=True)``), the reads
 hold framed bytes; ``build`` removes the framing first (``chunked.dechunk_reads``, one payload per
@@ -25,7 +25,6 @@ from operator import sub
 
 import orjson
 
-from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.content import classify
@@ -34,7 +33,8 @@ from specproxy.measure.openai import PromptParts, parse_json
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
-from specproxy.measure.texts import Texts, body_texts, stream_texts, stream_texts_joined, stream_texts_reference
+from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
+from specproxy.measure.texts import Texts, body_texts, stream_texts_reference
 from specproxy.measure.tokens import Tokenizer, count_with_first
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -46,6 +46,7 @@ class RecordBuilder:
     __slots__ = (
         "_ended",
         "body",
+        "c_scans",
         "chunked",
         "concurrency",
         "content_encoding",
@@ -92,11 +93,14 @@ class RecordBuilder:
         max_bytes: int | None = None,
         measured: bool = True,
         client_header: bytes = b"user-agent",
+        c_scans: bool = True,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
         ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
-        saw (method, path, status, timings, outcome), and none of its body is kept."""
+        saw (method, path, status, timings, outcome), and none of its body is kept.
+        ``c_scans``: Config ``scan = "c"``: ``build`` reads a stream with the C scans where built, else
+        with the Python ones (the same Record either way; the choice is the proxy's, not the process's)."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -110,6 +114,7 @@ class RecordBuilder:
         self.request_encoding = request_encoding
         self.headers = headers
         self.client_header = client_header
+        self.c_scans = c_scans
         self.measured = measured
         if not measured:
             max_bytes = 0
@@ -206,7 +211,7 @@ class RecordBuilder:
         joined = None
         if api.stream_reader is not None:  # another API's events: read by its reader, one by one
             fast = False
-        if fast and streamed and self.chunked and not self.content_encoding and texts_mod.c_scans():
+        if fast and streamed and self.chunked and not self.content_encoding and self.c_scans and C_BUILT:
             joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
         if joined is not None:
             buf, ends, _ = joined
@@ -222,8 +227,10 @@ class RecordBuilder:
             reads, inflated = self._decoded_reads(payload)
             if streamed and api.stream_reader is not None:
                 texts = stream_texts_reference(reads, self.read_times, api.stream_reader())
+            elif streamed and fast:
+                texts = stream_texts(reads, self.read_times, c_scans=self.c_scans)
             elif streamed:
-                texts = (stream_texts if fast else stream_texts_reference)(reads, self.read_times)
+                texts = stream_texts_reference(reads, self.read_times)
             else:
                 texts = body_texts(reads, self.read_times, api.read_full)
             if not inflated:

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, Protocol
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
-from specproxy.measure.texts import use_c_scans
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record
 from specproxy.serve.headers import host_header, request_head, response_head
@@ -63,6 +62,7 @@ class Proxy:
         self._base_path = self.upstream.raw_path.rstrip("/").encode()
         self._host_header = host_header(self.upstream)
         self._client_header = cfg.client_header.strip().lower().encode()
+        self._c_scans = cfg.scan == "c"  # each turn's measuring scans (RecordBuilder's c_scans)
         self.tokenizer = tokenizer
         self.sink = sink
         self.instance_id = instance_id
@@ -87,7 +87,6 @@ class Proxy:
 
     async def start(self) -> None:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
-        use_c_scans(self.cfg.scan == "c")
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
                                          relay_slice_us=self.cfg.relay_slice_us)
@@ -169,6 +168,7 @@ class Proxy:
             request_encoding=req.content_encoding,
             headers=req.raw_headers,
             client_header=self._client_header,
+            c_scans=self._c_scans,
             max_bytes=self.cfg.max_measured_bytes,
             measured=measured,
         )

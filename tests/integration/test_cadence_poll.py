@@ -17,7 +17,8 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from faultkit import LoopThread, ServeProcess, chunk, post_head, wait_until
+from faultkit import chunk, post_head, wait_until
+from serveproc import LoopThread, ServeProcess
 
 from specproxy.wire import cadence_poll
 from specproxy.wire import relay_thread

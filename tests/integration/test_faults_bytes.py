@@ -19,7 +19,8 @@ import pytest
 
 from specproxy.frames.chunked import dechunk_reads
 
-from faultkit import ScriptedUpstream, Stream, chunk, db_records, make_stream, split_plan
+from faultkit import ScriptedUpstream, chunk, db_records
+from stream_shapes import Stream, make_stream, split_plan
 
 pytestmark = pytest.mark.usefixtures("each_front")  # the lane and aiohttp's server alone (conftest.py)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from faultkit import ScriptedUpstream, chunk, delta_event, wait_until
+from faultkit import ScriptedUpstream, chunk, wait_until
+from stream_shapes import delta_event
 from specproxy.serve.measuring import MAX_BATCH
 
 CHAT = "/v1/chat/completions"

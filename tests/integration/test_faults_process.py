@@ -22,8 +22,9 @@ import aiohttp
 import orjson
 import pytest
 
-from faultkit import (LoopThread, ScriptedUpstream, ServeProcess, blackhole_listener, chunk, db_rows,
-                      delta_event, parse_response, wait_until)
+from faultkit import ScriptedUpstream, blackhole_listener, chunk, db_rows, parse_response, wait_until
+from serveproc import LoopThread, ServeProcess
+from stream_shapes import delta_event
 from specproxy.app.fake_upstream import FakeUpstream, Script
 
 pytestmark = pytest.mark.slow

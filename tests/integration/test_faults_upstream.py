@@ -20,8 +20,8 @@ import aiohttp
 import orjson
 import pytest
 
-from faultkit import (ScriptedUpstream, blackhole_listener, chunk, db_records, delta_event, kernel_queued,
-                      parse_response, post_head)
+from faultkit import ScriptedUpstream, blackhole_listener, chunk, db_records, kernel_queued, parse_response, post_head
+from stream_shapes import delta_event
 
 # On the default path (the relay thread, the lane). The relays are held to each other by the differential
 # tests (tests/unit/test_relayc.py, tests/integration/test_relay_thread.py) and test_relay_framing.py; the

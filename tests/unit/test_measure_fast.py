@@ -1,12 +1,12 @@
 """The fast stream parse gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` parses streams with ``texts.stream_texts`` (bytes.split, runs of chunks read by
+``RecordBuilder.build`` parses streams with ``fast_texts.stream_texts`` (bytes.split, runs of chunks read by
 a template of a plain content chunk, inline reading of the common chunk shape); ``_build(fast=False)``
 uses the reference (the SSE decoder and ``read_chunk`` per event). On random streams of many shapes,
 split at random read boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal
 Texts and Records; ``template_stream`` makes streams of mostly one chunk shape, so that runs are long
-and meet every kind of body and deviation. The last tests check that the fast path does not parse,
-derive templates or look at events more than it needs to (what only its speed would show).
+and meet every kind of body and deviation. What the fast path must not do (parse, derive templates or
+look at events more than it needs to) is checked in test_measure_fast_work.py.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 
 import orjson
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specproxy.measure import fast_texts
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads
 from specproxy.measure.builder import RecordBuilder
+from measurekit import builder, counting_loads
 from readsplit import split
 
 
@@ -148,29 +149,16 @@ def frame(payload: bytes, sizes: list[int]) -> bytes:
     return bytes(out) + b"0\r\nX-T: 1\r\n\r\n"
 
 
-def builder(reads: list[bytes], chunked: bool) -> RecordBuilder:
-    body = b'{"model":"m","stream":true,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}'
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5)
-    b.on_headers(0.6, 200, "text/event-stream", chunked=chunked)
-    for i, r in enumerate(reads):
-        b.on_bytes(r, 1.0 + i, 1.0 + i + 0.001 * (i % 3))
-    b.finish(2.0 + len(reads))
-    return b
-
-
 def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
     """The fast path with each scan this build has (C, what ships, when built; Python always) equals the
     reference, in Texts and in the Record. Both scans run on the same example, so Hypothesis draws each
     example once (drawing is most of these tests' time) and each scan still gets every example."""
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     ref_record = b._build(tok, fast=False)
-    for c in (True, False) if texts_mod.C_BUILT else (False,):
-        texts_mod.use_c_scans(c)
-        try:
-            assert texts_mod.stream_texts(list(payload), b.read_times) == ref, "C scans" if c else "Python scans"
-            assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
-        finally:
-            texts_mod.use_c_scans(True)
+    for c in (True, False) if fast_texts.C_BUILT else (False,):
+        assert fast_texts.stream_texts(list(payload), b.read_times, c_scans=c) == ref, "C scans" if c else "Python scans"
+        b.c_scans = c  # the turn's own setting (the proxy gives it Config scan's)
+        assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -265,8 +253,7 @@ def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     _each_scan(tiktoken_tok, b, b.reads if framing < 2 else dechunk_reads(reads))
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_template_stream_is_fast_and_equal(tiktoken_tok):
+def test_template_stream_is_fast_and_equal(each_scan, tiktoken_tok):
     """The common shape: a template is derived once and matches the following content chunks."""
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     reads = [head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n']
@@ -274,28 +261,26 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
     for w in words * 5:
         reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
     reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    b = builder(reads, False)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    b = builder(reads, False, each_scan)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_odd_shapes_fall_back_to_the_reference():
+def test_odd_shapes_fall_back_to_the_reference(each_scan):
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
-        assert texts_mod._stream_texts_fast([data], [1.0]) is None, data
+        assert fast_texts._stream_texts_fast([data], [1.0], c_scans=each_scan == "c") is None, data
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
+def test_chunked_record_matches_the_unframed_one(each_scan, tiktoken_tok):
     events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
     reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
-    chunked = builder(reads, True)
-    plain = builder(list(dechunk_reads(reads)), False)
+    chunked = builder(reads, True, each_scan)
+    plain = builder(list(dechunk_reads(reads)), False, each_scan)
     a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
     assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
     fields = [f for f in a.__dataclass_fields__ if f != "id"]
@@ -303,23 +288,10 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     assert a.error is None and a.saw_done and a.chunks == 20
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
+def test_malformed_chunked_framing_sets_an_error(each_scan, tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
-    rec = builder(reads, True).build(tiktoken_tok)
+    rec = builder(reads, True, each_scan).build(tiktoken_tok)
     assert rec.error and "malformed chunked framing" in rec.error
-
-
-def _counting_loads(monkeypatch) -> list:
-    calls: list = []
-    real = orjson.loads
-
-    def loads(data):
-        calls.append(data)
-        return real(data)
-
-    monkeypatch.setattr(orjson, "loads", loads)
-    return calls
 
 
 def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
@@ -328,190 +300,27 @@ def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
             for i, v in enumerate(values)]
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
+def test_a_number_the_record_never_reads_may_vary_without_a_parse(each_scan, monkeypatch, tiktoken_tok):
     """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
     reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
     reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
-    b = builder(reads, False)
-    calls = _counting_loads(monkeypatch)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    b = builder(reads, False, each_scan)
+    calls = counting_loads(monkeypatch)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     parsed = len(calls)
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.chunks == 59 and fast.bad_events == 1
     assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
 
 
-@pytest.mark.usefixtures("each_scan")
-def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
+def test_digits_the_record_reads_never_vary_in_a_template(each_scan, monkeypatch):
     """A choice index after the delta decides which text the content belongs to: every event is parsed."""
     head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
     reads = [head % (i, i % 3) for i in range(30)]
-    b = builder(reads, False)
-    calls = _counting_loads(monkeypatch)
-    fast = texts_mod._stream_texts_fast(b.reads, b.read_times)
+    b = builder(reads, False, each_scan)
+    calls = counting_loads(monkeypatch)
+    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
     assert len(calls) >= 30
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
 
-
-# --- what the fast path does not do: parse, derive, or look at an event more than it needs to --------
-
-
-class _Watch:
-    """Counts what ``_stream_texts_fast`` does: chunk parses (not those of escaped bodies, as strings),
-    template derivations, and the windows of events its runs read."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.loads = _counting_loads(monkeypatch)
-        self.parses = 0
-        self.derivations = 0
-        self.windows: list[tuple[int, int]] = []
-        derive, run = texts_mod._content_template, texts_mod._Template.run
-
-        def counted_derive(*args):
-            self.derivations += 1
-            return derive(*args)
-
-        def recorded_run(tmpl, segs, i, j, buf, pos):
-            self.windows.append((i, j))
-            return run(tmpl, segs, i, j, buf, pos)
-
-        monkeypatch.setattr(texts_mod, "_content_template", counted_derive)
-        monkeypatch.setattr(texts_mod._Template, "run", recorded_run)
-        self.c_runs: list[int] = []  # the C path: events each template_run call read
-        if texts_mod._scanc is not None:
-            scanc, runs = texts_mod._scanc, self.c_runs
-
-            class _Recorded:
-                join_frames = staticmethod(scanc.join_frames)
-
-                @staticmethod
-                def template_run(*args):
-                    out = scanc.template_run(*args)
-                    runs.append(out[0])
-                    return out
-
-            monkeypatch.setattr(texts_mod, "_scanc", _Recorded)
-
-    def read(self, reads: list[bytes]):
-        times = [float(i) for i in range(len(reads))]
-        fast = texts_mod._stream_texts_fast(reads, times)
-        self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
-        assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
-        return fast
-
-
-CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-         b'"choices":[{"index":%d,"delta":{"content":"%b"},"finish_reason":null}]}\n\n')
-ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-CLOSING = [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
-           b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300}}\n\n', b"data: [DONE]\n\n"]
-
-
-def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
-    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it.
-    In C the run is one call; the closing chunks each cost a call that reads none."""
-    words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
-    reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
-    watch = _Watch(monkeypatch)
-    monkeypatch.setattr(texts_mod, "_WINDOWS", (4, 16))
-    fast = watch.read(reads)
-    assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
-    if each_scan == "python":
-        assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
-        assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
-    else:
-        assert watch.c_runs == [len(words) - 1, 0, 0, 0] and not watch.windows
-    assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
-
-
-@pytest.mark.usefixtures("python_scan")
-def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
-    """The first chunk of a window after a full one is not known to be the template's: another
-    choice's chunk there starts no run of the first one's."""
-    words = [b" w%d" % i for i in range(300)]
-    reads = [ROLE, *(CHUNK % (int(k == 258), w) for k, w in enumerate(words, 1)), *CLOSING]
-    watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
-    assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
-
-
-@pytest.mark.usefixtures("python_scan")
-def test_shapes_taking_turns_cost_little(monkeypatch):
-    """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
-    (only a run long enough refills them), runs start with small windows, other shapes start none."""
-    reads = [CHUNK % (i % 2, b" w%d" % i) for i in range(200)]
-    watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
-    assert sorted(fast.texts) == [(0, "content"), (1, "content")]
-    assert watch.derivations <= 4
-    assert len(watch.windows) <= 100  # only events of the template's shape start a run
-    assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
-
-
-@pytest.mark.usefixtures("each_scan")
-@pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
-def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
-    reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
-    times = [float(i) for i in range(len(reads))]
-    fast = texts_mod._stream_texts_fast(reads, times)
-    assert fast == texts_mod.stream_texts_reference(reads, times)
-    texts = sum(map(bool, contents))
-    assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
-
-
-def _string(body: bytes) -> str | None:
-    """What the reference reads from a content string written ``body``, or None: not a string."""
-    try:
-        value = orjson.loads('"' + body.decode("utf-8", "replace") + '"')
-    except ValueError:
-        return None
-    return value
-
-
-@settings(max_examples=1000, deadline=None)
-@given(bodies=st.lists(st.lists(st.sampled_from([b"a", b"\\", b'"', b",", b"]", b"1", b"n", b"u00e9", b"ud800", b"\xff",
-                                                 b"\x01", b"\xe6\x97", "é".encode()]), max_size=6).map(b"".join),
-                       min_size=1, max_size=5))
-def test_escaped_bodies_read_each_as_its_own_string(bodies):
-    values = list(map(_string, bodies))
-    ok = (values + [None]).index(None)
-    assert texts_mod._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
-
-
-@pytest.mark.usefixtures("python_scan")
-@pytest.mark.parametrize(("bodies", "bad"), [
-    ([b'a","b'], 1),  # an unescaped quote: two strings in the array for one body
-    ([b"x\\", b",1", b"y\\"], 2),  # backslashes that escape the quote after their body
-    ([b"C:\\\\", b'\\"q\\"'], 0),  # escaped backslashes and quotes: one JSON string each
-])
-def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
-    """Bodies with escapes are parsed as the strings of one JSON array only when each is one string;
-    then that costs one parse, not one per body."""
-    words = [b" w%d" % i for i in range(20)]
-    reads = [ROLE, *(CHUNK % (0, w) for w in words[:10] + bodies + words[10:]), *CLOSING]
-    watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
-    assert fast.bad_events == bad
-    if not bad:
-        assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
-
-
-@pytest.mark.usefixtures("each_scan")
-@pytest.mark.parametrize("chunk", [
-    # the first contents are escaped: the template is cut around the escaped string
-    lambda i, w: CHUNK % (0, b"\\n\\u00e9" if i < 4 else w),
-    # a key ending in "content" whose quote is escaped, with the first contents' value, before the delta
-    lambda i, w: b'data: {"a\\"content":"x","choices":[{"index":0,"delta":{"content":"%b"}}]}\n\n' % (w if i > 2 else b"x"),
-    # a duplicate key: the last one is the content
-    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"a","content":"%b"}}]}\n\n' % w,
-    # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
-    lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"%b"}}],"sig":"s0123"}\n\n' % w,
-])
-def test_templates_are_found_where_they_are_safe(monkeypatch, chunk):
-    reads = [ROLE, *(chunk(i, b" w%d" % i) for i in range(60)), *CLOSING]
-    watch = _Watch(monkeypatch)
-    fast = watch.read(reads)
-    assert fast.chunks == 60
-    assert watch.parses <= 8

@@ -2,22 +2,27 @@
 
 The streams it reads are checked against the reference in test_measure_fast.py (every test there that
 says ``each_scan`` runs with the C scans and without) and the join against the state machine in
-test_chunked.py. Here: that CI builds it, and that ``template_run`` takes exactly the content strings
-orjson reads (the reference parses each event with orjson), reading them as orjson does.
+test_chunked.py. Here: that CI builds it; that ``template_run`` takes exactly the content strings
+orjson reads (the reference parses each event with orjson), reading them as orjson does; and that
+whether the C scans or the Python ones read a turn is that turn's setting, from its proxy's Config
+(``scan``), not the process's.
 """
 
 from __future__ import annotations
 
 import os
 
+import aiohttp
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specproxy.measure import texts
+from measurekit import builder
+from specproxy.app.fake_upstream import Script
+from specproxy.measure import chunk_templates, fast_texts
 
-_scanc = texts._scanc
+_scanc = fast_texts._scanc
 pytestmark = pytest.mark.skipif(_scanc is None, reason="specproxy.frames._scanc is not built")
 
 PREFIX, HEAD, CLOSING = b'data: {"choices":[{"delta":{"content":"', b'"}}],"t":', b"}"
@@ -109,16 +114,81 @@ def test_bad_arguments_are_errors_not_crashes():
         _scanc.join_frames(b"1\r\nx\r\n")
 
 
-@pytest.mark.parametrize(("scan", "c"), [("python", False), ("c", True)])
-def test_config_scan_picks_the_scans_when_the_proxy_starts(make_stack, scan, c):
+class _PathCounts:
+    """How many times each scan path read a run of like chunks since the last ``take``: the C scans'
+    ``template_run`` and the Python path's ``_Template.run`` (a turn's runs are read by one of them)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.c = self.python = 0
+        c_run, python_run = _scanc.template_run, chunk_templates._Template.run
+
+        def counted_c(*args):
+            self.c += 1
+            return c_run(*args)
+
+        def counted_python(*args):
+            self.python += 1
+            return python_run(*args)
+
+        monkeypatch.setattr(_scanc, "template_run", counted_c)
+        monkeypatch.setattr(chunk_templates._Template, "run", counted_python)
+
+    def take(self) -> str:
+        """Which scans read runs since the last call: "c", "python", or "both"/"none" (no turn may show those)."""
+        c, python = self.c > 0, self.python > 0
+        self.c = self.python = 0
+        return "both" if c and python else "c" if c else "python" if python else "none"
+
+
+def test_builders_with_different_scans_in_one_process_each_take_their_own(monkeypatch, tiktoken_tok):
+    """The scans are the turn's setting (``RecordBuilder(c_scans=...)``, from its proxy's Config), not the
+    process's: builders made with either, built alternately, each read their stream with their own
+    scans, and their Records are the same."""
+    events = [b'data: {"choices":[{"index":0,"delta":{"content":" w%d"}}]}\n\n' % i for i in range(30)]
+    reads = [b"%x\r\n%b\r\n" % (len(e), e) for e in [*events, b"data: [DONE]\n\n"]] + [b"0\r\n\r\n"]
+    counts = _PathCounts(monkeypatch)
+    records = []
+    for scan in ("c", "python", "c", "python"):
+        records.append(builder(reads, True, scan).build(tiktoken_tok))
+        assert counts.take() == scan
+    fields = [f for f in records[0].__dataclass_fields__ if f != "id"]
+    assert len({tuple(getattr(r, f) for f in fields) for r in records}) == 1
+    assert records[0].chunks == 30 and records[0].saw_done
+
+
+async def _chat(url: str) -> bytes:
+    async with aiohttp.ClientSession() as c:
+        async with c.post(url + "/v1/chat/completions", json={
+                "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200
+            return await r.read()
+
+
+def _turn_through(stack, counts: _PathCounts) -> str:
+    """One streamed turn through ``stack``, measured: which scans read it."""
+    stack.upstream.script = Script(pieces=[f" w{i}" for i in range(30)])
+    assert b"[DONE]" in stack.run(_chat(stack.url))
+    stack.settle()
+    return counts.take()
+
+
+@pytest.mark.parametrize("scan", ["python", "c"])
+def test_config_scan_picks_the_scans_when_the_proxy_starts(make_stack, monkeypatch, scan):
     """``SPECPROXY_SCAN`` is Config's ``scan`` (read at start, not at import), and a proxy started with
     it measures with those scans."""
     from specproxy.config import load_config
-    from specproxy.measure import texts
 
     assert load_config(env={"SPECPROXY_SCAN": scan}).scan == scan
-    try:
-        make_stack(None, scrape_interval_s=0, scan=scan)
-        assert texts.c_scans() == (c and texts.C_BUILT)
-    finally:
-        texts.use_c_scans(True)
+    counts = _PathCounts(monkeypatch)
+    stack = make_stack(None, scrape_interval_s=0, scan=scan)
+    assert _turn_through(stack, counts) == scan
+    assert len(stack.records) == 1 and stack.records[0].chunks == 30
+
+
+def test_two_proxies_in_one_process_scan_as_their_own_configs_say(make_stack, tmp_path, monkeypatch):
+    """Two proxies started in one process with different Configs (the second started last, so a setting
+    shared by the process would be its) each measure with their own scans, in either order."""
+    counts = _PathCounts(monkeypatch)
+    c_stack = make_stack(None, scrape_interval_s=0, scan="c")
+    python_stack = make_stack(None, scrape_interval_s=0, scan="python", db=str(tmp_path / "python.db"))
+    assert [_turn_through(s, counts) for s in (c_stack, python_stack, c_stack)] == ["c", "python", "c"]
