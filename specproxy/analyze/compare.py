@@ -116,7 +116,7 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
     r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), lanes_a=_lanes(a),
                         lanes_b=_lanes(b), seed=seed)
     return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
-            "verdict": r.verdict, "warnings": r.warnings}
+            "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 
 def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = Fa
     rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
                  "higher_is_better": True,
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
-                 "ci_high": agg["ci_high"], "verdict": agg["verdict"],
+                 "ci_high": agg["ci_high"], "verdict": agg["verdict"], "method": agg["method"],
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb),
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
