@@ -273,7 +273,8 @@ def test_turns_on_one_kept_alive_connection_share_a_conn_id(stack):
             for c, method, path in ((a, "POST", "/v1/chat/completions"), (a, "POST", "/v1/chat/completions"),
                                     (b, "POST", "/v1/chat/completions"), (a, "GET", "/v1/models?next=/.x"),
                                     (a, "POST", "/v1/chat/completions")):
-                async with c.request(method, stack.url + path, json={"messages": []} if method == "POST" else None) as r:
+                body = {"messages": []} if method == "POST" else None
+                async with c.request(method, stack.url + path, json=body) as r:
                     assert r.status == 200
                     await r.read()
 
