@@ -19,17 +19,20 @@ from typing import Any
 
 from specproxy.fielddocs import field_docs
 
-__all__ = ["FIELD_DOCS", "OUTCOMES", "Record", "new_turn_id"]
+__all__ = ["FIELD_DOCS", "OUTCOMES", "Record", "new_conn_id", "new_turn_id"]
 
 
 _ID_PREFIX = os.urandom(8).hex()  # the random part of this process's turn ids
 _ID_COUNT = itertools.count()
+# connection ids: a random base per process (20 bits above a 32-bit counter: exact in a float64 column)
+_CONN_COUNT = itertools.count(int.from_bytes(os.urandom(3), "big") % (1 << 20) << 32)
 
 
 def _reseed() -> None:
-    global _ID_PREFIX, _ID_COUNT
+    global _ID_PREFIX, _ID_COUNT, _CONN_COUNT
     _ID_PREFIX = os.urandom(8).hex()
     _ID_COUNT = itertools.count()
+    _CONN_COUNT = itertools.count(int.from_bytes(os.urandom(3), "big") % (1 << 20) << 32)
 
 
 os.register_at_fork(after_in_child=_reseed)  # a forked worker must not repeat its parent's ids
@@ -40,6 +43,12 @@ def new_turn_id() -> str:
     restarts like a random id, without a ``getrandom`` system call per turn on the event loop (uuid4
     made one); thread-safe (``next`` on a count is atomic under the interpreter lock)."""
     return f"{_ID_PREFIX}{next(_ID_COUNT):016x}"
+
+
+def new_conn_id() -> int:
+    """A ``conn_id``: unique within this process, and two processes' ids differ but for a chance of
+    about one in a million per pair (their random bases); an integer below 2**52, no address in it."""
+    return next(_CONN_COUNT)
 
 OUTCOMES = (
     "ok",  # the upstream answered and the stream ended normally
@@ -94,6 +103,12 @@ class Record:
     """The request body was valid JSON that specproxy could read (it is forwarded unchanged either way)."""
     concurrency: int = 1
     """Measured requests in flight through the proxy to the upstream when this one started, itself included."""
+    conn_id: int | None = None
+    """The client connection the request came on: turns of one kept-alive connection share it (one
+    connection carries one turn at a time, so they are a serial chain: ``compare``'s lanes). An integer
+    unique within a proxy process (a random base drawn once per process plus a counter, so two
+    processes' connections differ too); it holds no address or port. ``specproxy bench`` gives each
+    closed-loop worker its own connection per round. Null when unknown (rows recorded before it)."""
     t_request: float | None = None
     """Monotonic seconds: the proxy had read the whole request body from the client."""
     t_upstream_headers: float | None = None

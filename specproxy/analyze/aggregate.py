@@ -5,7 +5,7 @@ number of tokens (fixed-length benchmark outputs) every resample has the same to
 interval has no width at all; an A/A pair then reads "slower" with B/A 0.983 [0.983, 0.983].
 What varies from turn to turn is tokens AND time, so a turn must be resampled with its time.
 
-Why not resample turns and recompute the union of their [start, end) intervals: at
+Why not resample turns at their own times and recompute the union of their [start, end): at
 concurrency > 1 a resample that draws one turn twice does not add its time twice (the copy
 overlaps itself), while one that misses a turn may open a gap; the union is not a sum over
 turns, so the bootstrap of it has no clear relation to the sampling variance.
@@ -21,12 +21,19 @@ with a t quantile of n - 1 df per arm (Welch-Satterthwaite across the arms), as 
 treated in ``stats``. The delta method (linearised ratio) gave the same on smooth shapes but an
 interval several times too narrow with a bimodal mix of short and long turns (docs/statistics.md;
 ``_share_component``). Deterministic, O(n log n), vectorised over many arms
-for the calibration simulation (tests/unit/test_aa_calibration.py). At concurrency > 1 most of the
-variance is not turn-to-turn but the mean concurrency (how unevenly the clients finish), which
-the jackknife sees only through the last turns' shares: too wide on smooth shapes, too narrow
-with a bimodal mix (docs/statistics.md). Busy periods (runs of overlapping turns) as the unit
-fail because closed-loop clients keep the server busy without a gap (1-4 of them); replaying the
-schedule needs the clients, which are not recorded, and lanes inferred from the data mix them.
+for the calibration simulation (tests/unit/test_aa_calibration.py).
+
+At concurrency > 1 most of the variance is not turn-to-turn but the mean concurrency: how
+unevenly the clients finish (the ramp-down). The jackknife sees it only through the last turns'
+shares: too wide on smooth shapes, too narrow with a bimodal mix. Where each turn's lane is
+known (the client connection it came on: an HTTP/1.1 connection carries one turn at a time, so a
+closed-loop client with keep-alive is one serial chain), the arm's schedule is replayed instead
+(``_replay_component``): every lane keeps its turn count and first start, its slots get turns
+resampled from the whole arm with resampled gaps between them, and the busy time is recomputed.
+That varies the ramp-down as sampling does. Lanes inferred from the data (no connection known)
+mix clients and fail, and so do busy periods (closed-loop clients keep the server busy without a
+gap): without known lanes, or when lanes are one turn long (a connection per request), the
+jackknife is used. The replays are seeded, so an interval is reproducible.
 
 Server instances follow the same rule as every other row (``stats.instance_parts``): an arm
 in several instances resamples whole instances (sum of tokens over sum of shares per
@@ -40,11 +47,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import check_level, clean_labelled
+from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled
 from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, combine, instance_parts, log_var,
                                      no_interval)
 
-__all__ = ["busy_shares", "busy_throughput", "aggregate_ratio", "aggregate_batch"]
+__all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
+           "aggregate_batch", "N_REPLAY"]
+
+N_REPLAY = 400  # schedule replays per arm: the SD of a replay variance is ~7% of it
 
 
 def busy_shares(starts, ends) -> np.ndarray:
@@ -91,29 +101,107 @@ def _share_component(t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
     return np.where(np.isfinite(v), v, np.nan), n - 1.0
 
 
-def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, level: float = 0.95
-                    ) -> dict[str, np.ndarray]:
+def union_length(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Length of the union of [start, end) intervals along the last axis (any leading shape)."""
+    order = np.argsort(starts, axis=-1)
+    s, e = np.take_along_axis(starts, order, -1), np.take_along_axis(ends, order, -1)
+    reach = np.maximum.accumulate(e, axis=-1)  # the latest end so far: a turn adds what lies beyond it
+    before = np.concatenate([np.full(s.shape[:-1] + (1,), -np.inf), reach[..., :-1]], axis=-1)
+    return np.maximum(0.0, e - np.maximum(s, before)).sum(axis=-1)
+
+
+def lanes_usable(lanes: np.ndarray | None, n: int) -> bool:
+    """Whether an arm's lanes carry a schedule to replay: known for every turn, with at least two
+    turns per lane on average. A client that opens a connection per request makes every lane one
+    turn long: no chain of turns, no ramp-down to replay (the jackknife over turns is used)."""
+    return lanes is not None and n >= 2 * (int(np.max(lanes)) + 1)
+
+
+def _replay_component(t: np.ndarray, s: np.ndarray, e: np.ndarray, lanes: np.ndarray, n_replay: int,
+                      rng) -> tuple[np.ndarray, float]:
+    """(variance of log(sum t / busy time), df) per arm (rows) by replaying its schedule.
+
+    A lane is a serial chain of turns (one client connection). Each replay keeps the number of
+    turns of every lane and the lane's first start, fills the lane's slots with turns drawn with
+    replacement from the whole arm (tokens with duration) separated by gaps drawn from the arm's
+    gaps between consecutive turns of a lane, and recomputes the busy time as the union of the
+    replayed turns. So the replays vary what the per-turn jackknife cannot see at concurrency > 1:
+    the mean concurrency, set by how unevenly the lanes finish. Variance of the log over the
+    replays with the n/(n - 1) correction, n - 1 df (as the jackknife). ``lanes``: codes 0..k-1
+    per turn, rows as ``t``; every row needs at least one gap (``lanes_usable``).
+    """
+    m, n = t.shape
+    order = np.lexsort((s, lanes), axis=-1)  # by lane, then start
+    lane = np.take_along_axis(lanes, order, -1)
+    so, eo = np.take_along_axis(s, order, -1), np.take_along_axis(e, order, -1)
+    first = np.ones((m, n), bool)
+    first[:, 1:] = lane[:, 1:] != lane[:, :-1]
+    gaps = np.where(first, np.nan, so - np.concatenate([eo[:, :1], eo[:, :-1]], axis=1))
+    gaps = np.sort(np.maximum(gaps, 0.0), axis=1)  # a lane's gaps first, the NaNs (lane starts) last
+    n_gaps = (~first).sum(axis=1)
+    head = np.maximum.accumulate(np.where(first, np.arange(n), 0), axis=1)  # each slot's lane start
+    offset = np.take_along_axis(so - so.min(axis=1, keepdims=True), head, 1)
+    d = e - s
+    chunk = max(1, BOOT_CHUNK // (n_replay * n))
+    out = np.empty(m)
+    for lo in range(0, m, chunk):
+        rows = slice(lo, min(m, lo + chunk))
+        k = rows.stop - rows.start
+        pick = rng.integers(0, n, (k, n_replay, n))
+        gap_pick = (rng.random((k, n_replay, n)) * n_gaps[rows, None, None]).astype(np.int64)
+        tok = np.take_along_axis(t[rows, None, :], pick, 2).sum(axis=2)
+        dur = np.take_along_axis(d[rows, None, :], pick, 2)
+        gap = np.where(first[rows, None, :], 0.0, np.take_along_axis(gaps[rows, None, :], gap_pick, 2))
+        step = gap + dur
+        done = np.cumsum(step, axis=2)  # sum of steps up to and including each slot
+        before_lane = np.take_along_axis(done - step, np.broadcast_to(head[rows, None, :], step.shape), 2)
+        start = offset[rows, None, :] + done - dur - before_lane
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[rows] = log_var(tok / union_length(start, start + dur))
+    return out * n / (n - 1), n - 1.0
+
+
+def _variance_component(t, w, s, e, lanes, n_replay, rng) -> tuple[np.ndarray, float, str]:
+    """The per-arm variance of the log aggregate at turn level: the schedule replay where the
+    arm's lanes are known and usable, the jackknife over turns otherwise."""
+    if lanes_usable(lanes, t.shape[1]):
+        return (*_replay_component(t, s, e, lanes, n_replay, rng), "lanes (schedule replay)")
+    return (*_share_component(t, w), "turns (jackknife)")
+
+
+def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, lanes_a=None, lanes_b=None,
+                    n_replay: int = N_REPLAY, seed: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """B/A aggregate throughput at turn level for many comparisons at once (rows of arrays,
-    complete values). Returns arrays estimate, ci_low, ci_high, verdict (None: no interval).
+    complete values). ``lanes_a``/``lanes_b``: each turn's lane code 0..k-1 (rows as the turns),
+    or None when unknown. Returns arrays estimate, ci_low, ci_high, verdict (None: no interval).
     ``aggregate_ratio`` runs this same code for a single comparison without instances."""
-    ta, tb = np.atleast_2d(np.asarray(tokens_a, float)), np.atleast_2d(np.asarray(tokens_b, float))
-    wa, wb = busy_shares(starts_a, ends_a), busy_shares(starts_b, ends_b)
-    wa, wb = np.atleast_2d(wa), np.atleast_2d(wb)
+    rng = np.random.default_rng(seed)
+    comps = []
+    for tokens, starts, ends, lanes in ((tokens_a, starts_a, ends_a, lanes_a), (tokens_b, starts_b, ends_b, lanes_b)):
+        t = np.atleast_2d(np.asarray(tokens, float))
+        s, e = np.atleast_2d(np.asarray(starts, float)), np.atleast_2d(np.asarray(ends, float))
+        lanes = None if lanes is None else np.broadcast_to(np.asarray(lanes, np.int64), t.shape)
+        w = busy_shares(s, e)
+        comps.append((t, w, _variance_component(t, w, s, e, lanes, n_replay, rng)))
+    (ta, wa, ca), (tb, wb, cb) = comps
     with np.errstate(divide="ignore", invalid="ignore"):
         est = (tb.sum(1) / wb.sum(1)) / (ta.sum(1) / wa.sum(1))
-    lo, hi, df, verdict = combine(est, [_share_component(ta, wa), _share_component(tb, wb)], level,
-                                   higher_is_better=True)
-    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict}
+    lo, hi, df, verdict = combine(est, [ca[:2], cb[:2]], level, higher_is_better=True)
+    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
+            "method_a": ca[2], "method_b": cb[2]}
 
 
 def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = None,
-                    clusters_b: Sequence[Any] | None = None, n_boot: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> Ratio:
+                    clusters_b: Sequence[Any] | None = None, lanes_a: Sequence[Any] | None = None,
+                    lanes_b: Sequence[Any] | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
+                    seed: int = 0, level: float = 0.95) -> Ratio:
     """B/A of aggregate throughput; ``a`` and ``b`` are (tokens, starts, ends) of each arm's
-    turns (rows with a missing field are dropped). See the module docstring for the method."""
+    turns (rows with a missing field are dropped). ``lanes_*``: each turn's lane (any hashable,
+    e.g. the client connection it came on; None where unknown, which leaves the arm's lanes
+    unknown). See the module docstring for the method."""
     check_level(level)
-    arms, warnings = {}, []
-    for name, (tokens, starts, ends), clusters in (("a", a, clusters_a), ("b", b, clusters_b)):
+    arms, schedules, warnings = {}, {}, []
+    for name, (tokens, starts, ends), clusters, lanes in (("a", a, clusters_a, lanes_a), ("b", b, clusters_b, lanes_b)):
         t, s, e = (np.asarray(v, float) for v in (tokens, starts, ends))
         keep = np.isfinite(t) & np.isfinite(s) & np.isfinite(e)
         if (e[keep] < s[keep]).any() or (t[keep] < 0).any():
@@ -121,6 +209,7 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
         labels = None if clusters is None else np.asarray(list(clusters), dtype=object)[keep]
         _, lab, uniq = clean_labelled(t[keep], labels)
         arms[name] = (t[keep], busy_shares(s[keep], e[keep]), lab, uniq)
+        schedules[name] = (s[keep], e[keep], _lane_codes(lanes, keep))
     (ta, wa, la, ua), (tb, wb, lb, ub) = arms["a"], arms["b"]
     ka = None if la is None else len(ua)
     kb = None if lb is None else len(ub)
@@ -150,14 +239,29 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
             v = log_var(boot_instance_ratio(t, w, lab, n_boot, rng)) * k / (k - 1)
             comps[name] = (v, k - 1.0, f"{k} instances")
         else:
-            v, df = _share_component(t[None, :], w[None, :])
-            comps[name] = (v, df, "turns (jackknife)")
+            s, e, lanes = schedules[name]
+            comps[name] = _variance_component(t[None, :], w[None, :], s[None, :], e[None, :],
+                                              None if lanes is None else lanes[None, :], n_replay, rng)
     parts, forced = instance_parts(comps, ka, kb, ua, ub, warnings)
     lo, hi, df, verdict = combine(np.array([est]), parts, level, True, forced)
     if verdict[0] is None:
-        why = "leaving one turn out left no tokens or no busy time"
+        why = "leaving one turn out (or a replay) left no tokens or no busy time"
         warnings.append(f"{why}: no interval")
         return result(est, verdict=no_interval(why))
     method = (f"log ratio-of-sums (tokens / busy-time shares) SE over a: {comps['a'][2]}, "
               f"b: {comps['b'][2]}; " + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
+
+
+def _lane_codes(lanes: Sequence[Any] | None, keep: np.ndarray) -> np.ndarray | None:
+    """Lane labels of the kept turns as codes 0..k-1; None when not given or unknown for a turn."""
+    if lanes is None:
+        return None
+    labels = list(lanes)
+    if len(labels) != keep.size:
+        raise ValueError(f"{len(labels)} lane labels for {keep.size} turns")
+    kept = [lane for lane, k in zip(labels, keep) if k]
+    if any(lane is None for lane in kept):
+        return None
+    codes: dict[Any, int] = {}
+    return np.asarray([codes.setdefault(lane, len(codes)) for lane in kept], dtype=np.int64)

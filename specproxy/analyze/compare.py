@@ -17,6 +17,7 @@ An arm is a label (``X-Specproxy-Label`` or ``--label`` at serve time) or a time
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +67,7 @@ def parse_arm(spec: str) -> Arm:
 
 # the columns a comparison reads
 COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
-                   "streamed")
+                   "streamed", "conn_id")
 
 
 def _load(conn: Connection, arm: Arm, cache: bool = False) -> Turns:
@@ -91,6 +92,15 @@ def _clusters(turns: Turns) -> np.ndarray | None:
     return np.array([str(i) if i is not None else "unknown" for i in ids], dtype=object)
 
 
+def _lanes(turns: Turns) -> list | None:
+    """Each turn's lane: the client connection it came on (``conn_id``), or None for the arm when a
+    turn's is unknown (recorded before conn_id): the aggregate's interval then uses the jackknife."""
+    ids = turns.num["conn_id"]
+    if not len(ids) or np.isnan(ids).all():
+        return None
+    return [None if math.isnan(i) else int(i) for i in ids.tolist()]
+
+
 def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
     """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
     their start and end (aggregate.py says why and how); instances as in every other row."""
@@ -103,9 +113,10 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
         known = np.isfinite(tokens) & np.isfinite(start) & np.isfinite(end)
         return busy_throughput(tokens[known], start[known], end[known])
 
-    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), seed=seed)
+    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), lanes_a=_lanes(a),
+                        lanes_b=_lanes(b), seed=seed)
     return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
-            "verdict": r.verdict, "warnings": r.warnings}
+            "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 
 def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int) -> dict[str, Any]:
@@ -142,7 +153,7 @@ def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = Fa
     rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
                  "higher_is_better": True,
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
-                 "ci_high": agg["ci_high"], "verdict": agg["verdict"],
+                 "ci_high": agg["ci_high"], "verdict": agg["verdict"], "method": agg["method"],
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb),
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})

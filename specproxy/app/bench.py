@@ -143,19 +143,29 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, label: s
         return None, f"{type(exc).__name__}: {exc}".encode()
 
 
-async def _closed_loop(session, url, requests, label, level, n, end, timeout_s, on_done) -> int:
+def _session(limit: int = 0) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=False),
+                                 auto_decompress=False, trust_env=False)
+
+
+async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done) -> int:
+    """``level`` workers, each sending its next request when its last one ended. Each worker keeps its
+    own connection for the round, so the proxy records its turns as one lane (``conn_id``): the chain
+    whose schedule compare replays for aggregate throughput. A shared pool would hand a worker whichever
+    connection is idle, and a round's chains would not be its workers."""
     counter = itertools.count()
     sent = 0
 
     async def stream() -> None:
         nonlocal sent
-        while True:
-            i = next(counter)
-            if (end is None and i >= n) or (end is not None and clock() >= end):
-                return
-            sent += 1
-            status, head = await _send(session, url, requests[i % len(requests)], label, timeout_s)
-            on_done(status, head)
+        async with _session(limit=1) as own:
+            while True:
+                i = next(counter)
+                if (end is None and i >= n) or (end is not None and clock() >= end):
+                    return
+                sent += 1
+                status, head = await _send(own, url, requests[i % len(requests)], label, timeout_s)
+                on_done(status, head)
 
     await asyncio.gather(*(stream() for _ in range(level)))
     return sent
@@ -228,8 +238,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
         await service.start()
         assert service.proxy is not None
         default_instance = service.proxy.instance_id
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False) as session:
+        async with _session() as session:
             for arm, k in schedule(plan.arms, plan.instances):
                 label = arm
                 if plan.restart_cmd is not None:
@@ -290,8 +299,8 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
             rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end, plan.rate, rng,
                                         plan.request_timeout_s, done)
         else:
-            rnd.sent = await _closed_loop(session, service.url, requests, label, rnd.level, n, end,
-                                          plan.request_timeout_s, done)
+            rnd.sent = await _closed_loop(service.url, requests, label, rnd.level, n, end, plan.request_timeout_s,
+                                          done)
     except asyncio.CancelledError:  # interrupted: the turns that ended so far, as measured by now
         rnd.records = [r for r in collector.records if r.outcome == "ok" and r.t_request is not None
                        and r.t_request >= t0]

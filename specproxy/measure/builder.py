@@ -49,6 +49,7 @@ class RecordBuilder:
         "c_scans",
         "chunked",
         "concurrency",
+        "conn_id",
         "content_encoding",
         "content_type",
         "error",
@@ -87,6 +88,7 @@ class RecordBuilder:
         concurrency: int = 1,
         label: str | None = None,
         instance_id: str | None = None,
+        conn_id: int | None = None,
         store_text: bool = False,
         request_encoding: str = "",
         headers: Sequence[tuple[bytes, bytes]] = (),
@@ -110,6 +112,7 @@ class RecordBuilder:
         self.concurrency = concurrency
         self.label = label
         self.instance_id = instance_id
+        self.conn_id = conn_id
         self.store_text = store_text
         self.request_encoding = request_encoding
         self.headers = headers
@@ -375,6 +378,7 @@ class RecordBuilder:
             label=self.label,
             instance_id=self.instance_id,
             concurrency=self.concurrency,
+            conn_id=self.conn_id,
             t_request=self.t_request,
             t_upstream_headers=self.t_upstream_headers,
             t_done=self.t_done,

@@ -23,25 +23,45 @@ import asyncio
 import logging
 import time
 import traceback
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
 from specproxy.measure.tokens import Tokenizer
-from specproxy.record import Record
+from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import host_header, request_head, response_head
 from specproxy.serve.measuring import MeasuringWorker
 from specproxy.serve.refusals import Refusal, busy, error_response
 from specproxy.wire.upstream import CHUNKED, UpstreamError, UpstreamPool
 
-__all__ = ["Client", "Incoming", "Proxy", "where"]
+__all__ = ["Client", "Incoming", "Proxy", "conn_id", "where"]
 
 log = logging.getLogger("specproxy.serve.proxy")
 
 MAX_PENDING_BUILDS = 10000  # turns waiting to be measured; past this a turn is forwarded but not measured
 
 clock = time.perf_counter
+
+# each client connection's id, by its transport: one object per connection whichever front reads it
+# (the lane hands its transport to aiohttp's server), dropped with the connection
+_CONN_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def conn_id(transport: asyncio.BaseTransport | None) -> int | None:
+    """The ``conn_id`` of the client connection ``transport`` is: the same for every request it
+    carries, drawn at its first. None without a transport (or one that cannot be weakly referenced:
+    keying on ``id()`` could give a later connection a closed one's id)."""
+    if transport is None:
+        return None
+    try:
+        found = _CONN_IDS.get(transport)
+        if found is None:
+            found = _CONN_IDS[transport] = new_conn_id()
+        return found
+    except TypeError:
+        return None
 
 
 class Proxy:
@@ -164,6 +184,7 @@ class Proxy:
             concurrency=self.measured_in_flight,
             label=req.label or self.cfg.label,
             instance_id=self.instance_id(),
+            conn_id=conn_id(client.transport),
             store_text=self.cfg.store_text,
             request_encoding=req.content_encoding,
             headers=req.raw_headers,

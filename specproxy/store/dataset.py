@@ -27,6 +27,7 @@ NUMERIC = (
     "t_wall",
     "status",
     "concurrency",
+    "conn_id",
     "ttft_s",
     "decode_s",
     "total_s",

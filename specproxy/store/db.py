@@ -99,6 +99,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
         'ALTER TABLE "turns" ADD COLUMN "tools_called" INTEGER',
         'ALTER TABLE "turns" ADD COLUMN "tool_names" TEXT',
     )),
+    ("009_conn_id", (
+        'ALTER TABLE "turns" ADD COLUMN "conn_id" INTEGER',
+    )),
 ]
 
 

@@ -259,3 +259,31 @@ def test_the_state_line_is_logged_without_blocking_the_loop(make_stack, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state ")]
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
     assert int(fields["fds"]) > 2 and int(fields["in_flight"]) == 0
+
+
+def test_turns_on_one_kept_alive_connection_share_a_conn_id(stack):
+    """An HTTP/1.1 connection carries one turn at a time: its turns are one serial chain (a lane of
+    compare's aggregate interval) and share a conn_id; another connection's differ. The lane hands a
+    connection to aiohttp's server at a request it declines (a target with "/."): the id stays."""
+    stack.upstream.script = Script()
+
+    async def go():
+        one = lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))  # noqa: E731
+        async with one() as a, one() as b:
+            for c, method, path in ((a, "POST", "/v1/chat/completions"), (a, "POST", "/v1/chat/completions"),
+                                    (b, "POST", "/v1/chat/completions"), (a, "GET", "/v1/models?next=/.x"),
+                                    (a, "POST", "/v1/chat/completions")):
+                body = {"messages": []} if method == "POST" else None
+                async with c.request(method, stack.url + path, json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+
+    stack.run(go())
+    stack.settle()
+    stack.run(stack.service.stop())  # every row written, the unmeasured GET's too
+    rows = sqlite3.connect(stack.cfg.db).execute("SELECT method, conn_id FROM turns ORDER BY t_request").fetchall()
+    assert [m for m, _ in rows] == ["POST", "POST", "POST", "GET", "POST"]
+    ids = [i for _, i in rows]
+    assert all(isinstance(i, int) for i in ids)
+    assert ids[0] == ids[1] == ids[3] == ids[4] != ids[2]
+    assert sorted(r.conn_id for r in stack.records) == sorted(ids[:3] + ids[4:])  # the Record has it as stored

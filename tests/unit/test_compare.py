@@ -173,3 +173,49 @@ def test_compare_whole_responses_within_the_non_streamed_kind(mixed_db):
     ns = r["total_s_non_streamed"]
     assert ns["population"] == "non_streamed" and (ns["n_a"], ns["n_b"]) == (10, 10)
     assert 0.8 < ns["estimate"] < 1.25 and 0.8 < r["total_s"]["estimate"] < 1.25
+
+
+def write_closed_loop_arm(w: Writer, rng, label: str, conn_ids, t0: float, clients: int = 4, n: int = 60) -> None:
+    """``clients`` closed-loop clients sending turns back to back (a think time between), each on its own
+    connection: turn i goes to client i % clients. ``conn_ids(client, i)``: the conn_id recorded."""
+    next_start = t0 + rng.uniform(0.0, 0.2, clients)
+    for i in range(n):
+        c = i % clients
+        tokens = max(1, round(300 * float(rng.lognormal(0.0, 0.4))))
+        total = 0.5 * float(rng.lognormal(0.0, 0.3)) + tokens / (50 * float(rng.lognormal(0.0, 0.15)))
+        w.put(make_record(label=label, t_wall=float(next_start[c]), total_s=total, completion_tokens=tokens,
+                          conn_id=conn_ids(c, i)))
+        next_start[c] += total + float(rng.exponential(0.5))
+
+
+@pytest.fixture(scope="module")
+def lanes_db(tmp_path_factory) -> Path:
+    """The same two arms of 4 closed-loop clients three times: each client on one kept-alive connection
+    (its turns share a conn_id), a connection per request, and no conn_id (rows recorded before it)."""
+    path = tmp_path_factory.mktemp("lanes") / "lanes.db"
+    w = Writer(path)
+    for prefix, conn_ids in (("kept", lambda c, i: 100 + c), ("per-request", lambda c, i: 1000 + i),
+                             ("unknown", lambda c, i: None)):
+        rng = np.random.default_rng(11)
+        write_closed_loop_arm(w, rng, f"{prefix}-a", conn_ids, 0.0)
+        write_closed_loop_arm(w, rng, f"{prefix}-b", conn_ids, 10_000.0)
+    w.close()
+    return path
+
+
+def test_client_connections_change_the_aggregate_interval(lanes_db):
+    """With each client's turns on one connection, the aggregate row replays each arm's schedule over
+    its lanes (the spread of the mean concurrency as sampling gives it) instead of the per-turn
+    jackknife (on average too wide at concurrency 4 on smooth shapes, docs/statistics.md). A connection
+    per request carries no chain of turns: the interval is the jackknife's, as with no conn_id."""
+    agg = {prefix: rows(cli("compare", f"{prefix}-a", f"{prefix}-b", "--db", str(lanes_db), "--json"))["aggregate_tps"]
+           for prefix in ("kept", "per-request", "unknown")}
+    assert agg["kept"]["estimate"] == agg["unknown"]["estimate"] == agg["per-request"]["estimate"]
+    assert "lanes (schedule replay)" in agg["kept"]["method"]
+    for other in ("per-request", "unknown"):
+        assert "turns (jackknife)" in agg[other]["method"] and "lanes" not in agg[other]["method"]
+        assert (agg[other]["ci_low"], agg[other]["ci_high"]) == (agg["unknown"]["ci_low"], agg["unknown"]["ci_high"])
+    width = {p: agg[p]["ci_high"] / agg[p]["ci_low"] for p in agg}
+    assert width["kept"] != pytest.approx(width["unknown"], rel=0.01)
+    again = rows(cli("compare", "kept-a", "kept-b", "--db", str(lanes_db), "--json"))["aggregate_tps"]
+    assert (again["ci_low"], again["ci_high"]) == (agg["kept"]["ci_low"], agg["kept"]["ci_high"])  # seeded
