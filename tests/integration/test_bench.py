@@ -266,7 +266,8 @@ def test_nothing_captured_is_one_line(tmp_path, upstream_thread, make_stack):
 
 
 def test_roofline_beside_the_measured_forward_passes(tmp_path, upstream_thread):
-    up = upstream_thread()
+    # paced pieces: a turn needs two reads to have a decode speed, and back-to-back pieces may arrive in one
+    up = upstream_thread(Script(pieces=["a", " b", " c"] * 4, interval_s=0.005))
     db = tmp_path / "b.db"
     proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
                      "--tokenizer", "tiktoken:o200k_base", "--repeats", "1")
