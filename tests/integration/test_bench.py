@@ -128,8 +128,15 @@ def test_bench_records_labelled_turns_per_concurrency_without_the_warm_up(tmp_pa
     assert len(up.sent) == 2 + 2 * (2 + 3)
     conn = sqlite3.connect(db)
     rows = conn.execute("SELECT label, outcome, count(*) FROM turns GROUP BY label, outcome").fetchall()
+    # each closed-loop worker keeps one connection for its round: compare's lanes are the workers
+    lanes = [r[0] for r in conn.execute("SELECT conn_id FROM turns ORDER BY t_request")]
     conn.close()
     assert rows == [("sweep", "ok", 10)]
+    assert None not in lanes
+    # rounds in order: level 1 (2 turns, one worker), level 3 (3 workers), then both again
+    rounds = [lanes[0:2], lanes[2:5], lanes[5:7], lanes[7:10]]
+    assert [len(set(r)) for r in rounds] == [1, 3, 1, 3]
+    assert len(set(lanes)) == 8  # no connection carried over from one round to the next
     out = proc.stdout
     assert "2 warm-up requests per instance ran first and is not counted" in out
     assert "per-stream tok/s [95% CI]" in out and "aggregate tok/s [95% CI]" in out
