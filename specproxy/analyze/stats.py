@@ -64,7 +64,7 @@ from specproxy.analyze.tdist import t_ppf, t_quantiles
 __all__ = [
     "Summary", "summarize", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
     "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
-    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var",
+    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
 ]
 
 CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
