@@ -25,11 +25,19 @@ simulations of tests/unit/test_stats.py).
   variance gets the k/(k-1) correction and q is Student t with Welch-Satterthwaite df from
   (instances - 1) per arm: a plain cluster-bootstrap percentile interval says "distinguishable"
   far too often in A/A tests with few instances. At request level, the mean gets exactly Welch
-  (n/(n-1), df n-1; a z interval is too narrow at small n); a median or p95 uses the normal
-  quantile, because the bootstrap variance of a quantile runs high at small n, which offsets it.
+  (n/(n-1), df n-1; a z interval is too narrow at small n); a p95 uses the normal quantile,
+  because the bootstrap variance of a quantile runs high at small n, which offsets it.
+* The median at request level (both arms; what compare's per-turn rows run) is the exception:
+  the percentile interval of log(median b) - log(median a) over a smoothed bootstrap (resamples
+  from the linearly interpolated quantile function of each arm's log values), widened to the
+  estimate if a bound misses it. A variance with a normal interval cannot fit a median whose
+  sampling distribution jumps between modes (bimodal turn mixes): it was liberal at n = 8 and
+  conservative at n = 60. When the other arm ran in several instances, the request-level arm
+  contributes the variance of the same smoothed replicates to the t rule.
   A bootstrap quantile never materialises resamples: the order statistics of a resample are the
-  sorted data at the order statistics of uniform indices, which are Beta distributed:
-  O(n_boot) per arm after a sort. Instances: O(n_boot * k * log n).
+  sorted data (or the interpolated quantile function) at the order statistics of uniform
+  indices, which are Beta distributed: O(n_boot) per arm after a sort. Instances:
+  O(n_boot * k * log n).
 * An arm in one instance cannot show restart-to-restart variance. If the other arm ran in
   several, the lone instance borrows their between-instance variance (assumes the same spread in
   both arms). If each arm ran in its own single
@@ -48,13 +56,15 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean, clean_labelled
+from specproxy.analyze.arrays import check_level, clean, clean_labelled
+from specproxy.analyze.resample import (STATS, boot_instance_ratio, boot_instances, boot_requests, finite_var,
+                                        log_var, smoothed_log_medians)
 from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
     "Summary", "summarize", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
     "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
-    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var",
+    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
 ]
 
 CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
@@ -63,7 +73,6 @@ SEPARATE_INSTANCES_WARNING = (
     "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
     "several instances (restarts)")
 MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (docs/statistics.md)
-STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
 ND = "not distinguishable"
 
 
@@ -154,97 +163,55 @@ def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, fl
     return mean, mean - half, mean + half
 
 
-# ----------------------------------------------------------------------------- bootstrap engines
+# ----------------------------------------------------------------------------- request-level rule
 
 def _stat(x: np.ndarray, stat: str) -> float:
     q = STATS[stat]
     return float(x.mean()) if q is None else float(np.quantile(x, q))
 
 
-def _boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
-    """Bootstrap replicates of stat over requests, for a batch of arms of equal size.
-
-    ``x_sorted``: (arms, n), each row sorted. Returns (arms, n_boot). For a quantile: a
-    resample is x_sorted[I_1..I_n] with I uniform, so its r-th order statistic is
-    x_sorted[floor(n * U_(r))], U_(r) ~ Beta(r, n-r+1); the next one is
-    U_(r) + (1-U_(r)) * Beta(1, n-r). Exact, and O(n_boot) per arm however large n is.
-    """
-    m, n = x_sorted.shape
-    q = STATS[stat]
-    if q is None:
-        rows = max(1, BOOT_CHUNK // n)
-        return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
-                                         for s in range(0, n_boot, rows)]) for x in x_sorted])
-    h = (n - 1) * q
-    r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
-    frac = h - (r - 1)
-    u = rng.beta(r, n - r + 1, (m, n_boot))
-    pick = lambda v: np.take_along_axis(  # noqa: E731
-        x_sorted, np.minimum((v * n).astype(np.int64), n - 1), axis=1)
-    out = pick(u)
-    if frac > 0 and r < n:
-        out = out + frac * (pick(u + (1.0 - u) * rng.beta(1, n - r, (m, n_boot))) - out)
-    return out
-
-
-def _boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
-    """Replicates of the pooled stat when whole instances are resampled with replacement."""
-    q = STATS[stat]
-    if q is None:
-        return boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
-    k = int(lab.max()) + 1
-    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
-    # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
-    # first i sorted values is sum_j copies_j * (values of instance j among them), found with
-    # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
-    order = np.argsort(x, kind="stable")
-    xs, n = x[order], x.size
-    by_inst = np.argsort(lab[order], kind="stable")  # positions grouped by instance, increasing
-    keys = lab[order][by_inst] * (n + 1) + by_inst
-    first = np.searchsorted(keys, np.arange(k) * (n + 1))
-    total = counts @ np.bincount(lab, minlength=k)
-    h = (total - 1) * q
-    r = np.floor(h).astype(np.int64)
-
-    def at_rank(rank: np.ndarray) -> np.ndarray:  # smallest i with pooled count of xs[:i] > rank
-        lo, hi = np.ones(n_boot, np.int64), np.full(n_boot, n, np.int64)
-        while (lo < hi).any():
-            mid = (lo + hi) // 2
-            below = np.searchsorted(keys, np.arange(k) * (n + 1) + mid[:, None]) - first
-            above = (below * counts).sum(1) > rank
-            lo, hi = np.where(above, lo, mid + 1), np.where(above, mid, hi)
-        return xs[lo - 1]
-
-    v1 = at_rank(r)
-    return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
-
-
-def boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
-                         rng) -> np.ndarray:
-    """Replicates of sum(num) / sum(den) when whole instances are resampled with replacement
-    (a mean is num = values, den = 1; aggregate throughput is tokens over busy shares)."""
-    k = int(lab.max()) + 1
-    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+def _request_log_reps(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
+    """Replicates of log(stat) over requests per arm, for a batch of request-level arms: the
+    smoothed bootstrap for the median, the plain one for the mean and p95."""
+    if stat == "median":
+        return smoothed_log_medians(x_sorted, n_boot, rng)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return (counts @ np.bincount(lab, weights=num, minlength=k)) / (
-            counts @ np.bincount(lab, weights=den, minlength=k))
+        return np.log(boot_requests(x_sorted, stat, n_boot, rng))
 
 
-def log_var(reps: np.ndarray) -> np.ndarray:
-    """Variance of log(replicates) per row; NaN where a replicate is 0 (no log scale there)."""
-    reps = np.atleast_2d(reps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.var(np.log(reps), axis=1, ddof=1)
-    return np.where((reps > 0).all(axis=1), v, np.nan)
-
-
-def _request_component(x_sorted: np.ndarray, stat: str, n_boot: int, rng
-                       ) -> tuple[np.ndarray, float]:
-    """(variance of log stat, df) per arm for a batch of request-level arms (see the module
-    docstring): the mean gets exactly Welch (n/(n-1), df n-1); a quantile the normal quantile."""
-    n = x_sorted.shape[1]
-    v = log_var(_boot_requests(x_sorted, stat, n_boot, rng))
+def _request_component(log_reps: np.ndarray, stat: str, n: int) -> tuple[np.ndarray, float]:
+    """(variance of log stat, df) of request-level arms, for the normal/t rule (``combine``): the
+    mean gets exactly Welch (n/(n-1), df n-1); a quantile the normal quantile."""
+    v = finite_var(log_reps)
     return (v * n / (n - 1), n - 1.0) if stat == "mean" else (v, math.inf)
+
+
+def percentile_interval(est: np.ndarray, log_reps_a: np.ndarray, log_reps_b: np.ndarray, level: float,
+                        higher_is_better: bool, forced: bool = False):
+    """The interval of a request-level median ratio, for a batch: the percentile interval of the
+    replicates of log(median b) - log(median a), widened to the estimate where a bound falls on
+    its wrong side (the estimate is the sample median ratio, the replicates are smoothed: they
+    can disagree by a little). Returns lo, hi, verdict as ``combine`` does."""
+    est = np.asarray(est, dtype=float)
+    d = log_reps_b - log_reps_a
+    valid = np.isfinite(d).all(axis=1)
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.exp(np.quantile(np.where(valid[:, None], d, 0.0), [tail, 1.0 - tail], axis=1))
+    lo = np.where(valid, np.minimum(lo, est), np.nan)
+    hi = np.where(valid, np.maximum(hi, est), np.nan)
+    return lo, hi, _verdicts(lo, hi, valid, higher_is_better, forced)
+
+
+def _verdicts(lo: np.ndarray, hi: np.ndarray, valid: np.ndarray, higher_is_better: bool,
+              forced: bool) -> np.ndarray:
+    """Faster/slower where the interval excludes 1, ND where it holds 1 or ``forced``, None where
+    there is no interval."""
+    verdict = np.full(lo.shape, ND, dtype=object)
+    if not forced:
+        out = valid & ((lo > 1.0) | (hi < 1.0))
+        verdict[out] = np.where((lo[out] > 1.0) == higher_is_better, "faster", "slower")
+    verdict[~valid] = None
+    return verdict
 
 
 def combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: float,
@@ -263,27 +230,33 @@ def combine(est: np.ndarray, parts: Sequence[tuple[np.ndarray, float]], level: f
         df = np.where(np.asarray(denom) > 0, var * var / denom, math.inf)
     half = t_quantiles(1.0 - (1.0 - level) / 2.0, df) * np.sqrt(var)
     lo, hi = est * np.exp(-half), est * np.exp(half)
-    verdict = np.full(est.shape, ND, dtype=object)
-    if not forced:
-        out = (lo > 1.0) | (hi < 1.0)
-        verdict[out] = np.where((lo[out] > 1.0) == higher_is_better, "faster", "slower")
-    verdict[np.isnan(var)] = None
-    return lo, hi, df, verdict
+    return lo, hi, df, _verdicts(lo, hi, ~np.isnan(var), higher_is_better, forced)
 
 
 def ratio_batch(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool, stat: str = "median",
                 n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """``bootstrap_ratio`` at request level for many comparisons at once: a (m, n_a), b (m, n_b)
-    hold complete rows of values > 0. Returns arrays estimate, ci_low, ci_high, verdict (None
-    where a bootstrap stat was 0). bootstrap_ratio calls this with m = 1, so simulations of
-    its calibration run this same code, and with the same seed give the same numbers."""
+    hold complete rows of values > 0. Returns arrays estimate, ci_low, ci_high, df, verdict (None
+    where a bootstrap stat was 0). bootstrap_ratio calls this with m = 1, so simulations of its
+    calibration run this same code, and with the same seed give the same numbers."""
     rng = np.random.default_rng(seed)
     xa, xb = np.sort(np.atleast_2d(a), axis=1), np.sort(np.atleast_2d(b), axis=1)
     est = _stat_rows(xb, stat) / _stat_rows(xa, stat)
-    parts = [_request_component(xa, stat, n_boot, rng), _request_component(xb, stat, n_boot, rng)]
-    lo, hi, df, verdict = combine(est, parts, level, higher_is_better)
-    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
-            "var_a": parts[0][0], "var_b": parts[1][0]}
+    ra, rb = _request_log_reps(xa, stat, n_boot, rng), _request_log_reps(xb, stat, n_boot, rng)
+    lo, hi, df, verdict = _request_interval(est, (ra, xa.shape[1]), (rb, xb.shape[1]), stat, level,
+                                            higher_is_better)
+    return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict}
+
+
+def _request_interval(est, arm_a: tuple, arm_b: tuple, stat: str, level: float, higher_is_better: bool,
+                      forced: bool = False):
+    """The one rule for two request-level arms, each (log replicates, n): the median's percentile
+    interval, else the normal/t rule on the replicates' variances. Returns lo, hi, df, verdict."""
+    if stat == "median":
+        lo, hi, verdict = percentile_interval(est, arm_a[0], arm_b[0], level, higher_is_better, forced)
+        return lo, hi, np.full(lo.shape, math.inf), verdict
+    parts = [_request_component(reps, stat, n) for reps, n in (arm_a, arm_b)]
+    return combine(est, parts, level, higher_is_better, forced)
 
 
 def _stat_rows(x_sorted: np.ndarray, stat: str) -> np.ndarray:
@@ -367,21 +340,30 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         warnings.append(f"arm {name} has no instance labels: its restart-to-restart variance "
                         "is not in the interval")
     rng = np.random.default_rng(seed)
-    comps = {}  # arm -> (variance of log stat, df, unit)
+    comps, reps = {}, {}  # arm -> (variance of log stat, df, unit); arm -> request-level log replicates
     for name, x, lab, k in (("a", xa, la, ka), ("b", xb, lb, kb)):
         if k is not None and k >= 2:
-            v = log_var(_boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
+            v = log_var(boot_instances(x, lab, stat, n_boot, rng)) * k / (k - 1)
             comps[name] = (v, k - 1.0, f"{k} instances")
         else:  # the same draws as ratio_batch, so its simulations speak for this path
-            v, df = _request_component(np.sort(x)[None, :], stat, n_boot, rng)
-            comps[name] = (v, df, "requests")
+            reps[name] = _request_log_reps(np.sort(x)[None, :], stat, n_boot, rng)
+            comps[name] = (*_request_component(reps[name], stat, x.size), "requests")
     parts, forced = instance_parts(comps, ka, kb, ua, ub, warnings)
-    lo, hi, df, verdict = combine(np.array([est]), parts, level, higher_is_better, forced)
+    if len(reps) == 2:  # both arms at request level: ratio_batch's rule
+        lo, hi, df, verdict = _request_interval(np.array([est]), (reps["a"], xa.size), (reps["b"], xb.size),
+                                                stat, level, higher_is_better, forced)
+    else:
+        lo, hi, df, verdict = combine(np.array([est]), parts, level, higher_is_better, forced)
     if verdict[0] is None:
         warnings.append(f"a bootstrap {stat} was 0: no interval")
         return result(est, verdict=no_interval(f"a bootstrap {stat} was 0"))
-    method = (f"log-{stat} bootstrap SE over a: {comps['a'][2]}, b: {comps['b'][2]}; "
-              + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
+    if len(reps) == 2 and stat == "median":
+        method = "log-median smoothed bootstrap over requests in both arms; percentile interval"
+    else:
+        smoothed = " (smoothed)" if stat == "median" else ""
+        units = {name: comps[name][2] + (smoothed if name in reps else "") for name in comps}
+        method = (f"log-{stat} bootstrap SE over a: {units['a']}, b: {units['b']}; "
+                  + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
-    negative_control, plural, summarize,
+    negative_control, percentile_interval, plural, summarize,
 )
 from specproxy.analyze.tdist import t_ppf as _t_ppf
 from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval
@@ -123,6 +123,23 @@ def test_power_for_a_true_10_percent_speedup():
     print(f"\npower for +10% at 15% CV: n=15 {power[15]:.3f}, n=60 {power[60]:.3f}")
     assert 0.15 <= power[15] <= 0.40
     assert power[60] >= 0.65
+
+
+def test_median_interval_holds_its_estimate():
+    """The estimate is the sample median ratio, the interval comes from smoothed replicates: where
+    they disagree (replicates all above the estimate here), the bound moves to the estimate."""
+    rng = np.random.default_rng(21)
+    d = rng.uniform(0.1, 0.3, (1, 2000))  # log ratios of the replicates
+    lo, hi, verdict = percentile_interval(np.array([1.0]), np.zeros((1, 2000)), d, 0.95, True)
+    assert lo[0] == 1.0 and hi[0] == pytest.approx(math.exp(np.quantile(d, 0.975))) and verdict[0] == ND
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.001, 1e6), min_size=5, max_size=80),
+       st.lists(st.floats(0.001, 1e6), min_size=5, max_size=80))
+def test_median_ratio_interval_contains_the_estimate(a, b):
+    r = bootstrap_ratio(a, b, higher_is_better=True)
+    assert r.ci_low <= r.estimate <= r.ci_high and "percentile" in r.method
 
 
 def test_verdict_direction_follows_higher_is_better():

@@ -1,0 +1,136 @@
+"""Bootstrap replicates for the ratio rows: over requests (plain, or smoothed for the median) and over
+whole server instances. Replicates only: the intervals and verdicts made from them are in ``stats``.
+
+Why apart: these are the costly loops, each kept O(n_boot) or O(n_boot * k * log n) per arm however
+many turns an arm has (compare runs on arms of thousands of turns), and never materialising a resample
+of requests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from specproxy.analyze.arrays import BOOT_CHUNK
+
+__all__ = ["STATS", "boot_instance_ratio", "boot_instances", "boot_requests", "finite_var", "log_var",
+           "smoothed_log_medians"]
+
+STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
+
+
+def _order_statistics(n: int, q: float, shape: tuple[int, int], rng
+                       ) -> tuple[np.ndarray, np.ndarray | None, float]:
+    """Where a resample of n values puts the order statistics behind its ``q`` quantile (numpy's
+    linear definition): U_(r) ~ Beta(r, n-r+1) of n uniforms, and, when the quantile falls between
+    two, the next one U_(r) + (1-U_(r)) * Beta(1, n-r) with the weight of the upper one.
+    Returns (u, u_next or None, weight). O(size of ``shape``) however large n is."""
+    h = (n - 1) * q
+    r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
+    frac = h - (r - 1)
+    u = rng.beta(r, n - r + 1, shape)
+    if frac > 0 and r < n:
+        return u, u + (1.0 - u) * rng.beta(1, n - r, shape), frac
+    return u, None, 0.0
+
+
+def boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
+    """Bootstrap replicates of stat over requests, for a batch of arms of equal size.
+
+    ``x_sorted``: (arms, n), each row sorted. Returns (arms, n_boot). For a quantile: a
+    resample is x_sorted[I_1..I_n] with I uniform, so its r-th order statistic is
+    x_sorted[floor(n * U_(r))] (``_order_statistics``). Exact, and O(n_boot) per arm.
+    """
+    m, n = x_sorted.shape
+    q = STATS[stat]
+    if q is None:
+        rows = max(1, BOOT_CHUNK // n)
+        return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
+                                         for s in range(0, n_boot, rows)]) for x in x_sorted])
+    u, u_next, frac = _order_statistics(n, q, (m, n_boot), rng)
+    pick = lambda v: np.take_along_axis(  # noqa: E731
+        x_sorted, np.minimum((v * n).astype(np.int64), n - 1), axis=1)
+    out = pick(u)
+    return out if u_next is None else out + frac * (pick(u_next) - out)
+
+
+def smoothed_log_medians(x_sorted: np.ndarray, n_boot: int, rng) -> np.ndarray:
+    """Replicates of log(median) over requests from the smoothed bootstrap, for a batch of arms.
+
+    A resample is drawn from the continuous distribution whose quantile function interpolates
+    the sorted log values linearly, the i-th (0-based) sitting at probability (i + 1/2) / n; its
+    median is that function at the resample's middle uniform order statistics. A median of a few
+    values can only be one of them, and a plain bootstrap's replicates take those few values;
+    smoothing lets the replicates fall between them (docs/statistics.md, "Medians").
+    Returns (arms, n_boot); -inf or NaN where the arm's values near the median include 0."""
+    m, n = x_sorted.shape
+    with np.errstate(divide="ignore"):
+        y = np.log(x_sorted)
+
+    def at(u: np.ndarray) -> np.ndarray:
+        pos = np.clip(n * u - 0.5, 0.0, n - 1.0)
+        i = np.minimum(pos.astype(np.int64), max(n - 2, 0))
+        lo, hi = np.take_along_axis(y, i, 1), np.take_along_axis(y, np.minimum(i + 1, n - 1), 1)
+        with np.errstate(invalid="ignore"):
+            return lo + (pos - i) * (hi - lo)
+
+    u, u_next, frac = _order_statistics(n, 0.5, (m, n_boot), rng)
+    out = at(u)
+    return out if u_next is None else out + frac * (at(u_next) - out)
+
+
+def boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
+    """Replicates of the pooled stat when whole instances are resampled with replacement."""
+    q = STATS[stat]
+    if q is None:
+        return boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+    # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
+    # first i sorted values is sum_j copies_j * (values of instance j among them), found with
+    # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
+    order = np.argsort(x, kind="stable")
+    xs, n = x[order], x.size
+    by_inst = np.argsort(lab[order], kind="stable")  # positions grouped by instance, increasing
+    keys = lab[order][by_inst] * (n + 1) + by_inst
+    first = np.searchsorted(keys, np.arange(k) * (n + 1))
+    total = counts @ np.bincount(lab, minlength=k)
+    h = (total - 1) * q
+    r = np.floor(h).astype(np.int64)
+
+    def at_rank(rank: np.ndarray) -> np.ndarray:  # smallest i with pooled count of xs[:i] > rank
+        lo, hi = np.ones(n_boot, np.int64), np.full(n_boot, n, np.int64)
+        while (lo < hi).any():
+            mid = (lo + hi) // 2
+            below = np.searchsorted(keys, np.arange(k) * (n + 1) + mid[:, None]) - first
+            above = (below * counts).sum(1) > rank
+            lo, hi = np.where(above, lo, mid + 1), np.where(above, mid, hi)
+        return xs[lo - 1]
+
+    v1 = at_rank(r)
+    return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
+
+
+def boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,
+                         rng) -> np.ndarray:
+    """Replicates of sum(num) / sum(den) when whole instances are resampled with replacement
+    (a mean is num = values, den = 1; aggregate throughput is tokens over busy shares)."""
+    k = int(lab.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (counts @ np.bincount(lab, weights=num, minlength=k)) / (
+            counts @ np.bincount(lab, weights=den, minlength=k))
+
+
+def log_var(reps: np.ndarray) -> np.ndarray:
+    """Variance of log(replicates) per row; NaN where a replicate is 0 (no log scale there)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return finite_var(np.log(np.atleast_2d(reps)))
+
+
+def finite_var(y: np.ndarray) -> np.ndarray:
+    """Variance per row of replicates already on the log scale; NaN where one is not finite."""
+    with np.errstate(invalid="ignore"):
+        v = np.var(y, axis=1, ddof=1)
+    return np.where(np.isfinite(y).all(axis=1), v, np.nan)
