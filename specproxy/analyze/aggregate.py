@@ -142,6 +142,7 @@ def _replay_component(t: np.ndarray, s: np.ndarray, e: np.ndarray, lanes: np.nda
     head = np.maximum.accumulate(np.where(first, np.arange(n), 0), axis=1)  # each slot's lane start
     offset = np.take_along_axis(so - so.min(axis=1, keepdims=True), head, 1)
     d = e - s
+    one_lane = not first[:, 1:].any()  # every arm one chain: its turns never overlap, busy = their durations
     chunk = max(1, BOOT_CHUNK // (n_replay * n))
     out = np.empty(m)
     for lo in range(0, m, chunk):
@@ -151,6 +152,10 @@ def _replay_component(t: np.ndarray, s: np.ndarray, e: np.ndarray, lanes: np.nda
         gap_pick = (rng.random((k, n_replay, n)) * n_gaps[rows, None, None]).astype(np.int64)
         tok = np.take_along_axis(t[rows, None, :], pick, 2).sum(axis=2)
         dur = np.take_along_axis(d[rows, None, :], pick, 2)
+        if one_lane:  # the same replay; the union of a chain's turns is the sum of their durations
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[rows] = log_var(tok / dur.sum(axis=2))
+            continue
         gap = np.where(first[rows, None, :], 0.0, np.take_along_axis(gaps[rows, None, :], gap_pick, 2))
         step = gap + dur
         done = np.cumsum(step, axis=2)  # sum of steps up to and including each slot

@@ -160,9 +160,11 @@ def restart_script(tmp_path: Path, port: int, *, fail_on: int | None = None, sta
     pid = tmp_path / "pid"
     script = tmp_path / "restart.sh"
     script.write_text(textwrap.dedent(f"""\
-        #!/bin/sh
+        #!/bin/bash
         if [ -f {pid} ]; then kill "$(cat {pid})" 2>/dev/null; n=0
-          while kill -0 "$(cat {pid})" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.05; n=$((n+1)); done; rm -f {pid}; fi
+          while {{ grep -qv ') Z ' /proc/"$(cat {pid})"/stat || (exec 3<>/dev/tcp/127.0.0.1/{port}); }} 2>/dev/null \\
+            && [ $n -lt 200 ]; do sleep 0.02; n=$((n+1)); done
+          rm -f {pid}; fi  # until it exited and its port takes no connection (kill -0 also waits for the reaping)
         {f'if [ "$SPECPROXY_INSTANCE" = "{fail_on}" ]; then echo "no GPU left for arm $1" >&2; exit 3; fi' if fail_on else ''}
         {'' if start else 'exit 0'}
         case "$1" in fast) iv=0.001;; *) iv=0.004;; esac

@@ -150,7 +150,10 @@ def _cached_model(assets: Path, *, sentence: str, end_with_eot: bool, seed: int)
     meta = out.with_suffix(".json")
     if not (out.is_file() and meta.is_file()):
         _drop_stale_models(out.parent)
-        ids = make_tiny_model(vocab, out, sentence, end_with_eot=end_with_eot, seed=seed)
+        # written aside and renamed: test workers in parallel may make the same model at once
+        part = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        ids = make_tiny_model(vocab, part, sentence, end_with_eot=end_with_eot, seed=seed)
+        part.replace(out)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"token_ids": ids, "sentence": sentence}))
         tmp.replace(meta)  # written after the model: its presence marks completeness

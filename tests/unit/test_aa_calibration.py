@@ -8,7 +8,7 @@ aggregate_ratio's turn-level path. Coverage of a true ratio other than 1 needs n
 simulation: every interval is scale-equivariant (B scaled by c gives the A/A interval times c,
 pinned below), so coverage at a pure speed-up equals the A/A coverage.
 
-Run with -s to see the table (docs/statistics.md holds a copy). The table is kept in
+Run with -s -n 0 to see the table (docs/statistics.md holds a copy). The table is kept in
 ``~/.cache/specproxy/aa-calibration/`` under a hash of the code that makes it (``_cache_path``): a
 run that changed none of it reads the same seeded cells back instead of simulating them again. Cells a method cannot meet are
 strict xfails with the measured reason: visible in every run, and a fix turns them into passes.
