@@ -33,6 +33,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes seconds (still in the default run; -m 'not slow' skips it)")
 
 
+# The files that take longest (tens of seconds each on 2 cores), run first: the workers share the files
+# out in the order they are collected, and a long file taken last keeps one worker busy while the other
+# has nothing left to do.
+LONGEST_FIRST = ("unit/test_aa_calibration.py", "real/test_bench_real.py", "integration/test_faults_bytes.py",
+                 "integration/test_bench.py", "integration/test_cli.py", "unit/test_column_cache.py")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def tiktoken_tok():
     return load_tokenizer("tiktoken:o200k_base")
