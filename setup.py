@@ -13,7 +13,8 @@ _FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-fiel
 setup(ext_modules=[
     # The relay includes the framing headers it shares with the scans (specproxy/frames/).
     Extension("specproxy.wire._relayc",
-              ["specproxy/wire/_relayc.c", "specproxy/wire/_pump.c", "specproxy/wire/_pump_py.c"],
+              ["specproxy/wire/_relayc.c", "specproxy/wire/_pump.c", "specproxy/wire/_pump_wait.c",
+               "specproxy/wire/_pump_py.c"],
               depends=["specproxy/frames/_hex.h", "specproxy/frames/_chunked.h", "specproxy/wire/_pump.h",
                        "specproxy/wire/_cadence.h"],
               include_dirs=["specproxy/frames"], optional=True, extra_compile_args=_FLAGS),

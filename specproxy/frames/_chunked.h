@@ -72,7 +72,7 @@ chunked_line(const char *line, ssize_t len, int trailers, long long *size)
 /* Feed one read d[0:n]. -1: the body goes on; >= 0: the index in d just past the body's last byte (the
    end of the trailer section); -2: malformed, *err says why (one of the CHUNKED_* strings). With out
    given, the payload bytes of the read are appended at out + *olen (out has room for n more bytes). */
-static ssize_t
+static inline ssize_t /* inline: a header's function, unused by some of the files that include it */
 chunked_scan(chunked_state *s, const char *d, ssize_t n, const char **err, char *out, ssize_t *olen)
 {
     ssize_t i = 0, rem = s->rem;

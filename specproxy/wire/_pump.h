@@ -6,6 +6,7 @@ visible outside the _relayc module. */
 
 #include <pthread.h>
 #include <stddef.h>
+#include <sys/epoll.h>
 #include <sys/types.h>
 
 #include "_cadence.h"
@@ -88,5 +89,6 @@ PUMP_HIDDEN int pump_watch(turn *t, int client, int on); /* callers hold t->mu *
 PUMP_HIDDEN void pump_unwatch(turn *t);                /* callers hold t->mu; closes the dups */
 PUMP_HIDDEN int pump_start_locked(long slice_us);      /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_after_fork_in_child(void);
+PUMP_HIDDEN int pump_wait_events(struct epoll_event *evs); /* the thread's next batch (_pump_wait.c) */
 
 #endif
