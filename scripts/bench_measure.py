@@ -1,7 +1,7 @@
 """What measuring one streamed turn costs per chunk: ``RecordBuilder.build`` and its parts, in one run.
 
     python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
-    python scripts/bench_measure.py --turns 100 --vs cc811dc~1   # against texts.py/chunked.py before C-call runs
+    python scripts/bench_measure.py --turns 100 --vs main~5     # the Python scans against main~5's
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -18,7 +18,8 @@ proxy runs), the same build with the Python scans and that one's parts: dechunk,
 rest (request parse, token counting, the Record), and what the C scans do instead of the first two
 (``C join + stream_texts``); the reference build
 (``_build(fast=False)``) and the reference stream parse, measured in the same run; and, when git has
-them, ``texts.py`` and ``chunked.py`` as committed at ``--vs`` (default HEAD) timed the same way, for a
+them, ``frames/chunked.py`` and ``measure/fast_texts.py`` as committed at ``--vs`` (default HEAD) timed
+the same way (their Python scans), for a
 before/after in one run. The machine may be noisy: compare ratios within one run, not numbers across runs.
 """
 
@@ -129,13 +130,16 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
 
 
 def load_committed(rev: str, tmp: Path) -> tuple[object, object] | None:
-    """``chunked`` and ``texts`` as committed at ``rev`` (their relative imports: the working tree's)."""
+    """``frames/chunked.py`` and ``measure/fast_texts.py`` as committed at ``rev``, their imports the working
+    tree's. None, with a line on stderr, when git or either file is missing there (a revision before the
+    subpackage layout has neither path)."""
     mods = []
-    for name in ("chunked", "texts"):
+    for name, rel in (("chunked", "specproxy/frames/chunked.py"), ("fast_texts", "specproxy/measure/fast_texts.py")):
         try:
-            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specproxy/{name}.py"],
+            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"],
                                  capture_output=True, check=True).stdout
         except (OSError, subprocess.CalledProcessError):
+            print(f"--vs {rev}: no {rel} there; timing the working tree only", file=sys.stderr)
             return None
         path = tmp / f"{name}.py"
         path.write_bytes(src)
@@ -206,7 +210,8 @@ def run(args, tmp: Path) -> None:
                 rep.update(time_parts(turns, chunked.dechunk_reads, python_scans, ""))
                 rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
                 if committed is not None:
-                    rep.update(time_parts(turns, committed[0].dechunk_reads, committed[1].stream_texts, vs))
+                    rep.update(time_parts(turns, committed[0].dechunk_reads,
+                                           partial(committed[1].stream_texts, c_scans=False), vs))
             finally:
                 gc.enable()
             for k, v in rep.items():
@@ -237,7 +242,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=40)
     p.add_argument("--chunks", type=int, default=100, help="content chunks per turn")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--vs", default="HEAD", help="the git revision of texts.py/chunked.py to compare with ('' for none)")
+    p.add_argument("--vs", default="HEAD", help="the git revision of chunked.py/fast_texts.py to compare with ('' for none)")
     with tempfile.TemporaryDirectory() as tmp:
         run(p.parse_args(), Path(tmp))
 

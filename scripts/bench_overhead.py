@@ -184,7 +184,7 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     if pids and res["chunks"]:
         res["threads"] = {
             str(tid): [(th1[tid][0] - th0[tid][0]) / res["chunks"] * 1e6, (th1[tid][1] - th0[tid][1]) / res["chunks"] * 1e6]
-            for tid in th1 if tid in th0 and (th1[tid][0] + th1[tid][1]) > (th0[tid][0] + th0[tid][1])
+            for tid in th1 if tid in th0 and th1[tid][2] > th0[tid][2]  # it ran, whatever the ticks say
         }
     return res
 

@@ -87,8 +87,10 @@ def wake_floor(cpu_a: int, cpu_b: int, period_s: float = 0.01, n: int = 200) -> 
     return tuple(out)
 
 
-def threads_cpu(pid: int) -> dict[int, tuple[float, float]]:
-    """utime and stime (seconds) of each thread of a process."""
+def threads_cpu(pid: int) -> dict[int, tuple[float, float, float]]:
+    """utime, stime and on-CPU time (seconds) of each thread of a process. utime and stime are counted in
+    clock ticks (10 ms), charged to whichever thread a tick finds running, so a thread that ran 5 ms in a
+    short window may show none; the on-CPU time (``schedstat``, ns) says whether it ran at all."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -98,7 +100,9 @@ def threads_cpu(pid: int) -> dict[int, tuple[float, float]]:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                on_cpu = int(f.read().split()[0]) / 1e9
+            out[int(tid)] = (int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK, on_cpu)
         except (OSError, ValueError, IndexError):
             pass
     return out
@@ -110,8 +114,9 @@ SPECPROXY_THREADS = ("specproxy-measure", "specproxy-writer", "specproxy-cadence
 
 
 def thread_names(pid: int) -> dict[int, str]:
-    """Thread names by OS thread id: the OS's (``/proc/PID/task/TID/comm``), the main thread (its id is the
-    process's) as ``MainThread``; Python's from ``py-spy dump`` for the rest when py-spy is installed."""
+    """Thread names by OS thread id: the main thread (its id is the process's) as ``MainThread``,
+    specproxy's own by their OS names, Python's from ``py-spy dump`` when py-spy is installed, and any
+    other thread by its OS name (``/proc/PID/task/TID/comm``: the process's, for a thread nobody named)."""
     names = {pid: "MainThread"}
     for tid in listdir(f"/proc/{pid}/task"):
         try:
@@ -119,8 +124,9 @@ def thread_names(pid: int) -> dict[int, str]:
                 comm = f.read().strip()
         except OSError:
             continue
-        if comm.startswith("specproxy"):
-            names[int(tid)] = next((n for n in SPECPROXY_THREADS if n[:15] == comm), comm)
+        if int(tid) != pid:
+            names[int(tid)] = next((n for n in SPECPROXY_THREADS if n[:15] == comm), f"{comm} (unnamed)"
+                                   if not comm.startswith("specproxy") else comm)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not os.path.exists(spy):
         return names
