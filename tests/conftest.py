@@ -8,9 +8,12 @@ loop fails the test) and with a tokenizer that fails if it is ever called on the
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +31,57 @@ from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
 pytest_plugins = ["real.fixtures"]
 
+LOCK_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()  # the controller's: see worker_lock
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes seconds (still in the default run; -m 'not slow' skips it)")
+    config.addinivalue_line("markers", "alone: measures time to the millisecond; no other worker runs a test meanwhile")
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist): where the workers' lock lives
+        config.stash[LOCK_DIR] = tempfile.TemporaryDirectory(prefix="specproxy-tests-")
+
+
+def pytest_unconfigure(config):
+    if LOCK_DIR in config.stash:
+        config.stash[LOCK_DIR].cleanup()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist, in the controller: each worker learns the lock's directory
+    node.workerinput["specproxy_lock_dir"] = node.config.stash[LOCK_DIR].name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
+    """Run an ``alone`` test (setup, call, teardown) while no other xdist worker runs one: the suite runs
+    more workers than cores because most tests wait on sockets and processes, and a test that holds
+    the proxy's timestamps to a few milliseconds would otherwise measure the other workers' load."""
+    lock_dir = getattr(item.config, "workerinput", {}).get("specproxy_lock_dir")
+    with worker_lock(lock_dir, exclusive=item.get_closest_marker("alone") is not None):
+        yield
+
+
+@contextlib.contextmanager
+def worker_lock(lock_dir: str | None, exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock across the workers of one run (flock on two files in ``lock_dir``): every
+    test holds it shared, an ``alone`` test exclusively. A writer waits at the turnstile holding it, so
+    no new reader starts meanwhile and the writer cannot starve. Without xdist (no ``lock_dir``), a no-op."""
+    if lock_dir is None:
+        yield
+        return
+    with open(Path(lock_dir) / "turnstile", "a") as turnstile, open(Path(lock_dir) / "rw", "a") as rw:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(rw, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(rw, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 # The files that take longest (tens of seconds each on 2 cores), run first: the workers share the files

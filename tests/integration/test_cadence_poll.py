@@ -395,6 +395,7 @@ def stream_of(got: bytes) -> int:
     return int(got.split(b'"content":"s', 1)[1].split(b" ", 1)[0])
 
 
+@pytest.mark.alone
 @needs_thread
 def test_one_stream_on_a_clock_is_polled_for_and_its_tokens_arrive_in_the_windows(make_stack):
     stats, (got,) = run_streams(make_stack, 1, "on")
@@ -415,6 +416,7 @@ def test_off_never_polls(make_stack):
     assert stats == {"poll_windows": 0, "poll_hits": 0, "poll_s": 0.0}
 
 
+@pytest.mark.alone
 @needs_thread
 def test_up_to_poll_max_turns_streams_are_polled_for_and_more_are_not(make_stack):
     n = relayc.POLL_MAX_TURNS
@@ -426,6 +428,7 @@ def test_up_to_poll_max_turns_streams_are_polled_for_and_more_are_not(make_stack
     assert many["poll_windows"] == 0, many
 
 
+@pytest.mark.alone
 @needs_thread
 def test_serve_polls_with_the_flag_and_says_so(tmp_path):
     """The real ``specproxy serve`` process: its start-up line names the setting, and its state line

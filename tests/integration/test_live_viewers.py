@@ -92,6 +92,7 @@ async def next_picture(resp: aiohttp.ClientResponse, timeout: float = 30.0) -> i
                 return got.find(b"\n\n", start) - start
 
 
+@pytest.mark.alone
 async def test_a_viewer_that_stops_reading_is_dropped_and_the_others_go_on(serve_admin):
     version = {"v": 1}
     admin = Admin(Config(), OwnMetrics(), lambda: version["v"], Pictures(BIG), write_timeout_s=1.0)

@@ -119,6 +119,7 @@ def test_speculative_chunks_are_not_tokens(stack, tiktoken_tok):
     assert 120 < rec.decode_tps < 210
 
 
+@pytest.mark.alone
 def test_inter_chunk_gaps_are_preserved(stack, tiktoken_tok):
     """No buffering: what the upstream spaces 30 ms apart reaches the client 30 ms apart."""
     pieces = pieces_of(" a b c d e f g h", tiktoken_tok)
@@ -168,6 +169,7 @@ def test_usage_counting_an_unseen_token_is_kept_apart(stack, tiktoken_tok):
     assert rec.usage_completion_tokens == len(pieces) + 1
 
 
+@pytest.mark.alone
 def test_timing_precision(stack, tiktoken_tok):
     """ttft_s and decode_s within 5 ms of the truth (95th percentile over 40 turns; none off by 50 ms)."""
     import numpy as np

@@ -120,7 +120,8 @@ async def _done_then_hold(reader, writer):
 
 
 def test_client_hanging_up_after_done_is_a_complete_turn_and_frees_the_upstream(make_stack, tiktoken_tok):
-    stack = make_stack(tiktoken_tok, raw_script=_done_then_hold)
+    # no scrape: this upstream answers every request with the held stream, /metrics too
+    stack = make_stack(tiktoken_tok, raw_script=_done_then_hold, scrape_interval_s=0)
 
     async def go():
         r, w = await asyncio.open_connection("127.0.0.1", stack.service.port)
