@@ -391,7 +391,7 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         warnings.append(f"a bootstrap {stat} was 0: no interval")
         return result(est, verdict=no_interval(f"a bootstrap {stat} was 0"))
     if len(reps) == 2 and stat == "median":
-        method = "log-median smoothed bootstrap over requests in both arms; percentile interval"
+        method = "log-median smoothed bootstrap over requests in both arms; percentile interval at a calibrated tail"
     else:
         smoothed = " (smoothed)" if stat == "median" else ""
         units = {name: comps[name][2] + (smoothed if name in reps else "") for name in comps}
