@@ -192,14 +192,16 @@ def _request_component(log_reps: np.ndarray, stat: str, n: int) -> tuple[np.ndar
 # The smoothed bootstrap's variance of a log median runs high by a factor that fades with the arm's
 # size n: 1 + a * n ** (-1/3), ``a`` by the parity of n (at an odd n the median is one order
 # statistic, and the excess is larger). The constants are a Hall-Martin calibration of the nominal
-# level, done once offline by simulation on shapes apart from the calibration test's
-# (docs/statistics.md, "Medians"). Even n first.
+# level, done once offline by simulation on shapes apart from the calibration test's, fitted
+# jointly with the t quantile of ``median_tail`` (so the factor exceeds the plain variance ratio,
+# 1.1-1.2): docs/statistics.md, "Medians". Even n first.
 MEDIAN_EXCESS = (0.57, 0.78)
 _NORMAL = NormalDist()
 
 
 def median_excess(n: int) -> float:
-    """How many times the true variance of log(median) the smoothed bootstrap's runs at size n."""
+    """How many times the true variance of log(median) the smoothed bootstrap's counts at size n,
+    as ``median_tail`` corrects it (with the t quantile beside it)."""
     return 1.0 + MEDIAN_EXCESS[n % 2] * n ** (-1.0 / 3.0)
 
 
