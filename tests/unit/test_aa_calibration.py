@@ -141,16 +141,10 @@ def table() -> dict[tuple[str, str, int], dict[str, float]]:
 
 # Cells the current methods do NOT meet (measured with the seeds above; docs/statistics.md).
 # Open work: each is a strict xfail, so it is reported on every run and a fix shows as XPASS.
-_MEDIAN_SPREAD = ("the bootstrap spread of a median runs high (its variance 1.2x the true one at n = 8-15 on "
-                  "lognormals), and the percentile interval keeps it: mildly conservative everywhere (3.8% "
-                  "mean over the median cells of three seed sets, 8 of 81 below 3%, none above 7%): {}")
 _BIMODAL_AGG = ("ratio of sums with 30% long turns: a sample of 8 has no long turn with P = 0.06 per "
                 "arm, and then its interval is narrow and its estimate extreme; replaying its one lane "
                 "(a bootstrap of its turns) cannot show a mode the sample lacks: {}")
 KNOWN = {
-    ("decode_tps", "lognormal", 15): _MEDIAN_SPREAD.format("2.2% false verdicts (3.5%, 3.3% at the other seed sets)"),
-    ("ttft_s", "lognormal", 15): _MEDIAN_SPREAD.format("2.9% false verdicts (4.2%, 2.7% at the other seed sets)"),
-    ("ttft_s", "fixed", 15): _MEDIAN_SPREAD.format("2.8% false verdicts (4.1%, 3.7% at the other seed sets)"),
     ("aggregate c=1", "bimodal", 8): _BIMODAL_AGG.format(
         "11.6% false verdicts (the jackknife: 12.3%; replays from both arms' turns pooled: 11.6-14.3%)"),
     ("aggregate c=4", "bimodal", 8): ("conservative at the band's edge, 2.4% false verdicts (3.2% at another seed "

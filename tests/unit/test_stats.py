@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
-    negative_control, percentile_interval, plural, summarize,
+    median_tail, negative_control, percentile_interval, plural, summarize,
 )
 from specproxy.analyze.tdist import t_ppf as _t_ppf
 from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval
@@ -130,8 +130,19 @@ def test_median_interval_holds_its_estimate():
     they disagree (replicates all above the estimate here), the bound moves to the estimate."""
     rng = np.random.default_rng(21)
     d = rng.uniform(0.1, 0.3, (1, 2000))  # log ratios of the replicates
-    lo, hi, verdict = percentile_interval(np.array([1.0]), np.zeros((1, 2000)), d, 0.95, True)
-    assert lo[0] == 1.0 and hi[0] == pytest.approx(math.exp(np.quantile(d, 0.975))) and verdict[0] == ND
+    lo, hi, verdict = percentile_interval(np.array([1.0]), (np.zeros((1, 2000)), 15), (d, 15), 0.95, True)
+    tail = median_tail(15, 15, 0.95)
+    assert lo[0] == 1.0 and hi[0] == pytest.approx(math.exp(np.quantile(d, 1.0 - tail))) and verdict[0] == ND
+
+
+def test_median_tail_offsets_the_replicates_excess_and_noise():
+    """Equal arms: the replicates' spread runs high, so the interval is read further in than the
+    nominal 2.5% a side; one small arm against a large one: the small arm's noisy spread needs
+    the t quantile, further out. Any level is calibrated, and the order of the arms is immaterial."""
+    assert 0.028 < median_tail(8, 8, 0.95) < median_tail(15, 15, 0.95) < 0.04
+    assert median_tail(7, 200, 0.95) < 0.025 < median_tail(200, 200, 0.95)
+    assert median_tail(7, 200, 0.95) == median_tail(200, 7, 0.95)
+    assert 0.05 < median_tail(15, 15, 0.90) < 0.07
 
 
 @settings(derandomize=True, max_examples=100, deadline=None)
