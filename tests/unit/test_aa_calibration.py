@@ -261,3 +261,21 @@ def test_one_long_turn_does_not_make_a_difference():
     parts = [aggregate._share_component(np.atleast_2d(t), np.atleast_2d(d)) for t, d in ((tokens_a, dur_a), (tokens_b, dur_b))]
     lo, hi, _, _ = stats.combine(np.array([r.estimate]), parts, 0.95, higher_is_better=True)
     assert lo[0] < 1.0 < hi[0]
+
+
+def test_effective_turns_judge_each_arm_by_both_arms_tokens():
+    """Alike turns count fully, whatever the arm sizes; an arm whose turns are alike among themselves
+    but short next to the other arm's long ones is judged with the pooled mix (on its own it would
+    count 8 of 8); with unequal arms the reason names the arm short of effective turns."""
+    ea, eb = aggregate.effective_turns(np.full(8, 256.0), np.full(20, 256.0))
+    assert (ea[0], eb[0]) == pytest.approx((8.0, 20.0))
+    mix = np.r_[np.full(21, 60.0), np.full(9, 900.0)]  # 30% long turns
+    ea, eb = aggregate.effective_turns(mix, np.full(8, 60.0))
+    assert eb[0] < 5 <= ea[0] and eb[0] / ea[0] == pytest.approx(8 / 30)
+    assert aggregate.lumpy_reason(ea[0], eb[0], 30, 8) == (
+        f"a few turns carry most of the tokens: {eb[0]:.1f} effective turns in arm b, 5 needed")
+    back_to_back = lambda tok: (tok, np.arange(tok.size) * 2.0, np.arange(tok.size) * 2.0 + 1.5)  # noqa: E731
+    r = aggregate_ratio(back_to_back(mix), back_to_back(np.full(8, 60.0)))
+    assert r.verdict.startswith("no interval (a few turns carry most of the tokens") and "in arm b" in r.verdict
+    alike = aggregate_ratio(back_to_back(np.full(30, 300.0)), back_to_back(np.full(8, 300.0)))
+    assert not alike.verdict.startswith("no interval")
