@@ -36,9 +36,9 @@ gap): without known lanes, or when lanes are one turn long (a connection per req
 jackknife is used. The replays are seeded, so an interval is reproducible.
 
 When a few turns carry most of the tokens the ratio of sums rests on them, and an arm's sample
-may have missed them altogether (a mix of short and long turns: 8 turns lack a 30% long mode
-with P = 0.06); that arm then looks homogeneous, its interval is narrow and the estimate extreme,
-and no per-arm variance can see a mode its sample lacks. So the row first counts each arm's
+may have missed them altogether (a mix of short and long turns, few turns per arm); that arm then
+looks homogeneous, its interval is narrow and the estimate extreme, and no per-arm variance can
+see a mode its sample lacks. So the row first counts each arm's
 *effective* turns (``effective_turns``): its turn count times Kish's design factor of both arms'
 token counts pooled, (sum t)^2 / (N sum t^2): the arm that missed the long turns is judged with
 the other arm's. Below ``MIN_REQUESTS`` effective turns in an arm there is no interval, as below
@@ -112,12 +112,17 @@ def effective_turns(tokens_a, tokens_b) -> tuple[np.ndarray, np.ndarray]:
     return ta.shape[1] * factor, tb.shape[1] * factor
 
 
+def _too_lumpy(eff_a, eff_b):
+    """Whether an arm has fewer than ``MIN_REQUESTS`` effective turns (False where undefined)."""
+    return np.minimum(eff_a, eff_b) < MIN_REQUESTS
+
+
 def lumpy_reason(eff_a: float, eff_b: float, n_a: int, n_b: int) -> str | None:
-    """Why the row has no interval when an arm has fewer than ``MIN_REQUESTS`` effective turns
-    (``effective_turns``); None when both have enough (or the count is undefined: no tokens)."""
-    name, eff = min((("a", eff_a), ("b", eff_b)), key=lambda x: x[1])
-    if not eff < MIN_REQUESTS:
+    """Why the row has no interval when an arm has too few effective turns (``effective_turns``);
+    None when both have enough (or the count is undefined: no tokens)."""
+    if not _too_lumpy(eff_a, eff_b):
         return None
+    name, eff = min((("a", eff_a), ("b", eff_b)), key=lambda x: x[1])
     where = "per arm" if n_a == n_b else f"in arm {name}"
     return f"a few turns carry most of the tokens: {eff:.1f} effective turns {where}, {MIN_REQUESTS} needed"
 
@@ -232,7 +237,7 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
         est = (tb.sum(1) / wb.sum(1)) / (ta.sum(1) / wa.sum(1))
     lo, hi, df, verdict = combine(est, [ca[:2], cb[:2]], level, higher_is_better=True)
     eff_a, eff_b = effective_turns(ta, tb)
-    lumpy = np.minimum(eff_a, eff_b) < MIN_REQUESTS
+    lumpy = _too_lumpy(eff_a, eff_b)
     lo, hi = np.where(lumpy, np.nan, lo), np.where(lumpy, np.nan, hi)
     verdict = np.where(lumpy, None, verdict)
     return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
