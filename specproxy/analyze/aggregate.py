@@ -35,6 +35,16 @@ mix clients and fail, and so do busy periods (closed-loop clients keep the serve
 gap): without known lanes, or when lanes are one turn long (a connection per request), the
 jackknife is used. The replays are seeded, so an interval is reproducible.
 
+When a few turns carry most of the tokens the ratio of sums rests on them, and an arm's sample
+may have missed them altogether (a mix of short and long turns, few turns per arm); that arm then
+looks homogeneous, its interval is narrow and the estimate extreme, and no per-arm variance can
+see a mode its sample lacks. So the row first counts each arm's
+*effective* turns (``effective_turns``): its turn count times Kish's design factor of both arms'
+token counts pooled, (sum t)^2 / (N sum t^2): the arm that missed the long turns is judged with
+the other arm's. Below ``MIN_REQUESTS`` effective turns in an arm there is no interval, as below
+that many turns. Tokens do not change under a pure speed-up, so the gate keeps every interval
+scale-equivariant.
+
 Server instances follow the same rule as every other row (``stats.instance_parts``): an arm
 in several instances resamples whole instances (sum of tokens over sum of shares per
 instance); each arm in its own single instance gets no faster/slower verdict.
@@ -52,7 +62,7 @@ from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, c
                                      no_interval)
 
 __all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
-           "aggregate_batch", "N_REPLAY"]
+           "aggregate_batch", "effective_turns", "lumpy_reason", "N_REPLAY"]
 
 N_REPLAY = 400  # schedule replays per arm: the SD of a replay variance is ~7% of it
 
@@ -83,6 +93,38 @@ def busy_throughput(tokens, starts, ends) -> float | None:
     t = np.asarray(tokens, float)
     w = busy_shares(starts, ends)
     return float(t.sum() / w.sum()) if t.size and w.sum() > 0 else None
+
+
+def effective_turns(tokens_a, tokens_b) -> tuple[np.ndarray, np.ndarray]:
+    """Each arm's effective number of turns for the ratio of sums: its turn count times the
+    design factor (sum t)^2 / (N sum t^2) of both arms' token counts pooled (N turns in all);
+    rows of arrays, as ``aggregate_batch``. With equal arms that is half of Kish's effective
+    sample size of the pooled tokens; every turn alike gives each arm its turn count.
+
+    Why pooled: an arm whose sample missed the long turns looks homogeneous on its own; next to
+    the other arm's long turns it shows how few turns the comparison rests on. Why tokens and not
+    time shares: tokens do not change when one arm is uniformly faster, so whether a comparison
+    gets an interval does not depend on the speed-up it measures. NaN where no arm has tokens."""
+    ta, tb = np.atleast_2d(np.asarray(tokens_a, float)), np.atleast_2d(np.asarray(tokens_b, float))
+    pooled = np.concatenate([ta, tb], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        factor = pooled.sum(axis=1) ** 2 / (pooled.shape[1] * (pooled * pooled).sum(axis=1))
+    return ta.shape[1] * factor, tb.shape[1] * factor
+
+
+def _too_lumpy(eff_a, eff_b):
+    """Whether an arm has fewer than ``MIN_REQUESTS`` effective turns (False where undefined)."""
+    return np.minimum(eff_a, eff_b) < MIN_REQUESTS
+
+
+def lumpy_reason(eff_a: float, eff_b: float, n_a: int, n_b: int) -> str | None:
+    """Why the row has no interval when an arm has too few effective turns (``effective_turns``);
+    None when both have enough (or the count is undefined: no tokens)."""
+    if not _too_lumpy(eff_a, eff_b):
+        return None
+    name, eff = min((("a", eff_a), ("b", eff_b)), key=lambda x: x[1])
+    where = "per arm" if n_a == n_b else f"in arm {name}"
+    return f"a few turns carry most of the tokens: {eff:.1f} effective turns {where}, {MIN_REQUESTS} needed"
 
 
 def _share_component(t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
@@ -178,7 +220,9 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
                     n_replay: int = N_REPLAY, seed: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """B/A aggregate throughput at turn level for many comparisons at once (rows of arrays,
     complete values). ``lanes_a``/``lanes_b``: each turn's lane code 0..k-1 (rows as the turns),
-    or None when unknown. Returns arrays estimate, ci_low, ci_high, verdict (None: no interval).
+    or None when unknown. Returns arrays estimate, ci_low, ci_high, verdict (None: no interval,
+    e.g. fewer than ``MIN_REQUESTS`` effective turns in an arm: ci_low/ci_high NaN there),
+    effective_a, effective_b.
     ``aggregate_ratio`` runs this same code for a single comparison without instances."""
     rng = np.random.default_rng(seed)
     comps = []
@@ -192,8 +236,12 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
     with np.errstate(divide="ignore", invalid="ignore"):
         est = (tb.sum(1) / wb.sum(1)) / (ta.sum(1) / wa.sum(1))
     lo, hi, df, verdict = combine(est, [ca[:2], cb[:2]], level, higher_is_better=True)
+    eff_a, eff_b = effective_turns(ta, tb)
+    lumpy = _too_lumpy(eff_a, eff_b)
+    lo, hi = np.where(lumpy, np.nan, lo), np.where(lumpy, np.nan, hi)
+    verdict = np.where(lumpy, None, verdict)
     return {"estimate": est, "ci_low": lo, "ci_high": hi, "df": df, "verdict": verdict,
-            "method_a": ca[2], "method_b": cb[2]}
+            "effective_a": eff_a, "effective_b": eff_b, "method_a": ca[2], "method_b": cb[2]}
 
 
 def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = None,
@@ -233,6 +281,11 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
         est = float((tb.sum() / wb.sum()) / (ta.sum() / wa.sum()))
     if warnings:
         return result(est, verdict=no_interval(warnings[0].split(": no interval")[0]))
+    lumpy = lumpy_reason(*(float(x[0]) for x in effective_turns(ta, tb)), ta.size, tb.size)
+    if lumpy:
+        warnings.append(f"{lumpy}: no interval (the effective count weighs each turn by its tokens; "
+                        "a mix of short and long turns needs more turns per arm)")
+        return result(est, verdict=no_interval(lumpy))
     if (clusters_a is None) != (clusters_b is None):
         warnings.append(f"arm {'a' if clusters_a is None else 'b'} has no instance labels: its "
                         "restart-to-restart variance is not in the interval")

@@ -1,6 +1,9 @@
 """Every `compare` row held to its promise by simulation: in A/A pairs (both arms from one
 process) a row says "faster" or "slower" 3-7% of the time, and its interval covers the true
-ratio (1) 93-97% of the time, for every turn shape and arm size.
+ratio (1) 93-97% of the time, for every turn shape and arm size, over the pairs where it gives
+an interval. A row may decline ("no interval (why)"): a cell where it declines nearly always is
+declared (``ABSTAINS``) and asserted as declining; every other cell must give an interval in most
+of its pairs, so no cell passes by declining.
 
 The rows run the code compare runs: ``stats.ratio_batch`` is bootstrap_ratio's request-level
 path (test_batch_is_the_single_comparison pins that), ``aggregate.aggregate_batch`` is
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specproxy.analyze import stats
+from specproxy.analyze import aggregate, stats
 from specproxy.analyze.aggregate import aggregate_batch, aggregate_ratio
 from specproxy.analyze.stats import ND, bootstrap_ratio, ratio_batch
 
@@ -92,10 +95,14 @@ def simulate(shape: str, n: int, seed: int) -> dict[str, dict[str, float]]:
 
 
 def _rates(r: dict[str, np.ndarray]) -> dict[str, float]:
-    assert all(v is not None for v in r["verdict"])  # every simulated arm gets an interval
+    """Share of pairs with no interval, and the false verdict rate and coverage over the pairs
+    that have one (NaN when none has): a row that declines a comparison makes no claim there."""
+    shown = np.array([v is not None for v in r["verdict"]])
     called = np.isin(r["verdict"], ["faster", "slower"])
     covered = (r["ci_low"] <= 1.0) & (1.0 <= r["ci_high"])
-    return {"false": float(called.mean()), "coverage": float(covered.mean())}
+    some = shown.any()
+    return {"none": float(1.0 - shown.mean()), "false": float(called[shown].mean()) if some else math.nan,
+            "coverage": float(covered[shown].mean()) if some else math.nan}
 
 
 def _cache_path() -> Path:
@@ -129,28 +136,36 @@ def table() -> dict[tuple[str, str, int], dict[str, float]]:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps([[*key, rates] for key, rates in cells.items()]))
             tmp.replace(path)
-    lines = [f"A/A calibration, {PAIRS} pairs per cell: false verdict % / coverage of the true ratio %",
-             f"{'row':15}" + "".join(f"{f'{s} n={n}':>17}" for s in SHAPES for n in SIZES)]
+    head = f"{'row':15}" + "".join(f"{f'{s} n={n}':>17}" for s in SHAPES for n in SIZES)
+    lines = [f"A/A calibration, {PAIRS} pairs per cell: false verdict % / coverage of the true ratio %, "
+             "over the pairs with an interval", head]
+    def rates(c: dict[str, float]) -> str:  # a cell that declines nearly always has too few pairs to rate
+        if c["none"] >= ABSTAIN_SHARE:
+            return f"{'(no interval)':>17}"
+        return f"{c['false'] * 100:>9.1f} /{c['coverage'] * 100:>5.1f}"
     for row in ROWS:
-        lines.append(f"{row:15}" + "".join(
-            f"{cells[(row, s, n)]['false'] * 100:>9.1f} /{cells[(row, s, n)]['coverage'] * 100:>5.1f}"
-            for s in SHAPES for n in SIZES))
+        lines.append(f"{row:15}" + "".join(rates(cells[(row, s, n)]) for s in SHAPES for n in SIZES))
+    lines += ["pairs with no interval %", head]
+    for row in ROWS:
+        lines.append(f"{row:15}" + "".join(f"{cells[(row, s, n)]['none'] * 100:>17.1f}" for s in SHAPES for n in SIZES))
     print("\n" + "\n".join(lines))
     return cells
 
 
 # Cells the current methods do NOT meet (measured with the seeds above; docs/statistics.md).
 # Open work: each is a strict xfail, so it is reported on every run and a fix shows as XPASS.
-_BIMODAL_AGG = ("ratio of sums with 30% long turns: a sample of 8 has no long turn with P = 0.06 per "
-                "arm, and then its interval is narrow and its estimate extreme; replaying its one lane "
-                "(a bootstrap of its turns) cannot show a mode the sample lacks: {}")
-KNOWN = {
-    ("aggregate c=1", "bimodal", 8): _BIMODAL_AGG.format(
-        "11.6% false verdicts (the jackknife: 12.3%; replays from both arms' turns pooled: 11.6-14.3%)"),
-    ("aggregate c=4", "bimodal", 8): ("conservative at the band's edge, 2.4% false verdicts (3.2% at another seed "
-                                      "set; the SD of a 3% rate at 1000 pairs is 0.5%): with two turns per "
-                                      "lane the schedule replay's SE averages 1.07x the true SD"),
+KNOWN: dict[tuple[str, str, int], str] = {  # none today: every cell meets its promise or is in ABSTAINS
 }
+
+# Cells where the row declines to compare: it says "no interval (why)" in at least ABSTAIN_SHARE
+# of the pairs, and that is what is asserted there, not calibration. Every other cell must give an
+# interval in at least 1 - MOST_SHARE of its pairs, and the promise holds over those pairs, so no
+# cell passes by abstaining.
+ABSTAIN_SHARE, MOST_SHARE = 0.9, 0.5
+_LUMPY = ("30% long turns carry ~90% of the tokens: 16 turns pooled weigh as ~6 (Kish), ~3 effective turns per "
+          "arm, fewer than 5 (a sample of 8 misses the long mode with P = 0.06 per arm, and no per-arm "
+          "interval sees a mode its sample lacks: 9-12% false verdicts over three seed sets without the gate)")
+ABSTAINS = {("aggregate c=1", "bimodal", 8): _LUMPY, ("aggregate c=4", "bimodal", 8): _LUMPY}
 
 
 @pytest.mark.parametrize("row, shape, n", [
@@ -159,8 +174,18 @@ KNOWN = {
     for row in ROWS for shape in SHAPES for n in SIZES])
 def test_row_keeps_its_promise(table, row, shape, n):
     rates = table[(row, shape, n)]
+    if (row, shape, n) in ABSTAINS:
+        assert rates["none"] >= ABSTAIN_SHARE, f"an interval in {1 - rates['none']:.1%} of pairs"
+        return
+    assert rates["none"] <= MOST_SHARE, f"no interval in {rates['none']:.1%} of pairs"
     assert 0.03 <= rates["false"] <= 0.07, f"false verdict rate {rates['false']:.3f}"
     assert 0.93 <= rates["coverage"] <= 0.97, f"coverage {rates['coverage']:.3f}"
+
+
+def test_smooth_shapes_always_get_an_interval(table):
+    """The effective-turns gate is for lumpy mixes: on smooth shapes every row compares."""
+    none = {(row, s, n): table[(row, s, n)]["none"] for row in ROWS for s in ("lognormal", "fixed") for n in SIZES}
+    assert max(none.values()) <= 0.01, {k: v for k, v in none.items() if v > 0.01}
 
 
 def test_batch_is_the_single_comparison():
@@ -200,6 +225,8 @@ def test_intervals_are_scale_equivariant():
         r0 = aggregate_batch(a["completion_tokens"], s0, e0, b["completion_tokens"], s, e, lanes_a=lanes, lanes_b=lanes)
         r1 = aggregate_batch(a["completion_tokens"], s0, e0, b["completion_tokens"], s / 1.2, e / 1.2,
                              lanes_a=lanes, lanes_b=lanes)
+        shown = np.array([v is not None for v in r0["verdict"]])  # the effective-turns gate reads tokens only
+        assert 0 < shown.sum() < shown.size and (shown == np.array([v is not None for v in r1["verdict"]])).all()
         np.testing.assert_allclose(r1["ci_low"], 1.2 * r0["ci_low"], rtol=1e-9)
 
 
@@ -217,7 +244,9 @@ def test_one_long_turn_does_not_make_a_difference():
     """Arm a: seven short turns (~46 tok/s) and one long one (30 tok/s); arm b: eight short ones
     (it missed the long mode). B/A is 1.34, but it rests on one turn: leaving it out moves a's
     aggregate by as much. The delta method's SE saw only that turn's throughput deviation and
-    called "faster" (1.34 [1.05, 1.71]); the jackknife's interval contains 1."""
+    called "faster" (1.34 [1.05, 1.71]). The long turn carries half of the pooled tokens: 16 turns
+    weigh as 3.75, 1.9 per arm, and the row says so instead of comparing. Without that gate the
+    jackknife's interval contains 1."""
     rng = np.random.default_rng(8)
     short_s = 1.3 * rng.lognormal(0.0, 0.02, 15)
     tokens_a = np.r_[np.full(7, 60.0), 900.0]
@@ -225,5 +254,28 @@ def test_one_long_turn_does_not_make_a_difference():
     tokens_b, dur_b = np.full(8, 60.0), short_s[7:]
     arm = lambda tok, dur: (tok, np.cumsum(dur) - dur, np.cumsum(dur))  # noqa: E731  back to back
     r = aggregate_ratio(arm(tokens_a, dur_a), arm(tokens_b, dur_b))
-    assert r.estimate == pytest.approx(1.34, abs=0.01)
-    assert r.ci_low < 1.0 < r.ci_high and r.verdict == ND
+    assert r.estimate == pytest.approx(1.34, abs=0.01) and r.ci_low is None
+    assert r.verdict == "no interval (a few turns carry most of the tokens: 1.9 effective turns per arm, 5 needed)"
+    # the jackknife behind the gate (back to back, a turn's share is its duration) would not call it either
+    parts = [aggregate._share_component(np.atleast_2d(t), np.atleast_2d(d))
+             for t, d in ((tokens_a, dur_a), (tokens_b, dur_b))]
+    lo, hi, _, _ = stats.combine(np.array([r.estimate]), parts, 0.95, higher_is_better=True)
+    assert lo[0] < 1.0 < hi[0]
+
+
+def test_effective_turns_judge_each_arm_by_both_arms_tokens():
+    """Alike turns count fully, whatever the arm sizes; an arm whose turns are alike among themselves
+    but short next to the other arm's long ones is judged with the pooled mix (on its own it would
+    count 8 of 8); with unequal arms the reason names the arm short of effective turns."""
+    ea, eb = aggregate.effective_turns(np.full(8, 256.0), np.full(20, 256.0))
+    assert (ea[0], eb[0]) == pytest.approx((8.0, 20.0))
+    mix = np.r_[np.full(21, 60.0), np.full(9, 900.0)]  # 30% long turns
+    ea, eb = aggregate.effective_turns(mix, np.full(8, 60.0))
+    assert eb[0] < 5 <= ea[0] and eb[0] / ea[0] == pytest.approx(8 / 30)
+    assert aggregate.lumpy_reason(ea[0], eb[0], 30, 8) == (
+        f"a few turns carry most of the tokens: {eb[0]:.1f} effective turns in arm b, 5 needed")
+    back_to_back = lambda tok: (tok, np.arange(tok.size) * 2.0, np.arange(tok.size) * 2.0 + 1.5)  # noqa: E731
+    r = aggregate_ratio(back_to_back(mix), back_to_back(np.full(8, 60.0)))
+    assert r.verdict.startswith("no interval (a few turns carry most of the tokens") and "in arm b" in r.verdict
+    alike = aggregate_ratio(back_to_back(np.full(30, 300.0)), back_to_back(np.full(8, 300.0)))
+    assert not alike.verdict.startswith("no interval")

@@ -219,3 +219,35 @@ def test_client_connections_change_the_aggregate_interval(lanes_db):
     assert width["kept"] != pytest.approx(width["unknown"], rel=0.01)
     again = rows(cli("compare", "kept-a", "kept-b", "--db", str(lanes_db), "--json"))["aggregate_tps"]
     assert (again["ci_low"], again["ci_high"]) == (agg["kept"]["ci_low"], agg["kept"]["ci_high"])  # seeded
+
+
+@pytest.fixture(scope="module")
+def lumpy_db(tmp_path_factory) -> Path:
+    """Eight turns per arm, one after another: arm a has seven short turns and one long one that carries
+    two thirds of its tokens, arm b eight short ones (its sample missed the long kind)."""
+    path = tmp_path_factory.mktemp("lumpy") / "lumpy.db"
+    w = Writer(path)
+    rng = np.random.default_rng(8)
+    for label, t0, long_turns in (("lumpy-a", 0.0, 1), ("lumpy-b", 1000.0, 0)):
+        t = t0
+        for i in range(8):
+            tokens, ttft, decode = ((900, 2.5, 27.5) if i < long_turns
+                                    else (60, 0.2, 1.1 * float(rng.lognormal(0.0, 0.02))))
+            w.put(make_record(label=label, t_wall=t, ttft_s=ttft, decode_s=decode, total_s=ttft + decode,
+                              completion_tokens=tokens))
+            t += ttft + decode + 0.5
+    w.close()
+    return path
+
+
+def test_few_turns_carrying_most_tokens_get_no_interval(lumpy_db):
+    """The aggregate is a ratio of sums, and here one turn carries half of both arms' tokens: 16 turns
+    weigh as 3.75, 1.9 per arm. The row says why it cannot compare, in both outputs, instead of an
+    interval that cannot see the long turns arm b never had."""
+    why = "no interval (a few turns carry most of the tokens: 1.9 effective turns per arm, 5 needed)"
+    agg = rows(cli("compare", "lumpy-a", "lumpy-b", "--db", str(lumpy_db), "--json"))["aggregate_tps"]
+    assert agg["verdict"] == why and agg["ci_low"] is None and agg["ci_high"] is None
+    assert agg["estimate"] > 1.2  # the extreme estimate the interval would have rested on
+    text = cli("compare", "lumpy-a", "lumpy-b", "--db", str(lumpy_db)).stdout
+    line = next(line for line in text.splitlines() if line.strip().startswith("aggregate throughput"))
+    assert line.endswith(why) and " - " in line
