@@ -36,7 +36,6 @@ LOCK_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()  # the controller's: s
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes seconds (still in the default run; -m 'not slow' skips it)")
-    config.addinivalue_line("markers", "alone: measures time to the millisecond; no other worker runs a test meanwhile")
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist): where the workers' lock lives
         config.stash[LOCK_DIR] = tempfile.TemporaryDirectory(prefix="specproxy-tests-")
 
