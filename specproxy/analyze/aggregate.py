@@ -57,7 +57,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled
+from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled, take_last
 from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, combine, instance_parts, log_var,
                                      no_interval)
 
@@ -146,7 +146,7 @@ def _share_component(t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
 def union_length(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Length of the union of [start, end) intervals along the last axis (any leading shape)."""
     order = np.argsort(starts, axis=-1)
-    s, e = np.take_along_axis(starts, order, -1), np.take_along_axis(ends, order, -1)
+    s, e = take_last(starts, order), take_last(ends, order)
     reach = np.maximum.accumulate(e, axis=-1)  # the latest end so far: a turn adds what lies beyond it
     before = np.concatenate([np.full(s.shape[:-1] + (1,), -np.inf), reach[..., :-1]], axis=-1)
     return np.maximum(0.0, e - np.maximum(s, before)).sum(axis=-1)
@@ -192,16 +192,16 @@ def _replay_component(t: np.ndarray, s: np.ndarray, e: np.ndarray, lanes: np.nda
         k = rows.stop - rows.start
         pick = rng.integers(0, n, (k, n_replay, n))
         gap_pick = (rng.random((k, n_replay, n)) * n_gaps[rows, None, None]).astype(np.int64)
-        tok = np.take_along_axis(t[rows, None, :], pick, 2).sum(axis=2)
-        dur = np.take_along_axis(d[rows, None, :], pick, 2)
+        tok = take_last(t[rows, None, :], pick).sum(axis=2)
+        dur = take_last(d[rows, None, :], pick)
         if one_lane:  # the same replay; the union of a chain's turns is the sum of their durations
             with np.errstate(divide="ignore", invalid="ignore"):
                 out[rows] = log_var(tok / dur.sum(axis=2))
             continue
-        gap = np.where(first[rows, None, :], 0.0, np.take_along_axis(gaps[rows, None, :], gap_pick, 2))
+        gap = np.where(first[rows, None, :], 0.0, take_last(gaps[rows, None, :], gap_pick))
         step = gap + dur
         done = np.cumsum(step, axis=2)  # sum of steps up to and including each slot
-        before_lane = np.take_along_axis(done - step, np.broadcast_to(head[rows, None, :], step.shape), 2)
+        before_lane = take_last(done - step, np.broadcast_to(head[rows, None, :], step.shape))
         start = offset[rows, None, :] + done - dur - before_lane
         with np.errstate(divide="ignore", invalid="ignore"):
             out[rows] = log_var(tok / union_length(start, start + dur))

@@ -11,9 +11,19 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["BOOT_CHUNK", "check_level", "clean", "clean_labelled", "floats", "missing"]
+__all__ = ["BOOT_CHUNK", "check_level", "clean", "clean_labelled", "floats", "missing", "take_last"]
 
 BOOT_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps: bounded memory
+
+
+def take_last(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``np.take_along_axis(a, idx, axis=-1)``, ``a``'s leading axes broadcasting to ``idx``'s (``a`` of
+    shape (k, 1, n) against ``idx`` (k, r, m)), as one gather from the flattened array: the bootstraps
+    and schedule replays gather millions of elements, and take_along_axis's per-axis fancy index costs
+    about three times as much."""
+    lead = a.shape[:-1]
+    offsets = (np.arange(math.prod(lead), dtype=np.int64) * a.shape[-1]).reshape(lead + (1,))
+    return np.take(np.ascontiguousarray(a).reshape(-1), idx + offsets)
 
 
 def floats(values: Iterable[Any] | None) -> np.ndarray:
