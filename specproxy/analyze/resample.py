@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK
+from specproxy.analyze.arrays import BOOT_CHUNK, take_last
 
 __all__ = ["STATS", "boot_instance_ratio", "boot_instances", "boot_requests", "finite_var", "log_var",
            "smoothed_log_medians"]
@@ -25,7 +25,11 @@ def _order_statistics(n: int, q: float, shape: tuple[int, int], rng
     """Where a resample of n values puts the order statistics behind its ``q`` quantile (numpy's
     linear definition): U_(r) ~ Beta(r, n-r+1) of n uniforms, and, when the quantile falls between
     two, the next one U_(r) + (1-U_(r)) * Beta(1, n-r) with the weight of the upper one.
-    Returns (u, u_next or None, weight). O(size of ``shape``) however large n is."""
+    Returns (u, u_next or None, weight). O(size of ``shape``) however large n is.
+
+    The callers draw them once, shape (1, n_boot), for a whole batch of arms of one size: a row's
+    replicates are then exactly those of a call with that row alone and the same seed (what compare
+    computes), and a calibration over a thousand arms costs one draw, not a thousand."""
     h = (n - 1) * q
     r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
     frac = h - (r - 1)
@@ -42,15 +46,14 @@ def boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarr
     resample is x_sorted[I_1..I_n] with I uniform, so its r-th order statistic is
     x_sorted[floor(n * U_(r))] (``_order_statistics``). Exact, and O(n_boot) per arm.
     """
-    m, n = x_sorted.shape
+    n = x_sorted.shape[1]
     q = STATS[stat]
     if q is None:
         rows = max(1, BOOT_CHUNK // n)
         return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
                                          for s in range(0, n_boot, rows)]) for x in x_sorted])
-    u, u_next, frac = _order_statistics(n, q, (m, n_boot), rng)
-    pick = lambda v: np.take_along_axis(  # noqa: E731
-        x_sorted, np.minimum((v * n).astype(np.int64), n - 1), axis=1)
+    u, u_next, frac = _order_statistics(n, q, (1, n_boot), rng)  # one draw for the batch: see _order_statistics
+    pick = lambda v: take_last(x_sorted, np.minimum((v * n).astype(np.int64), n - 1))  # noqa: E731
     out = pick(u)
     return out if u_next is None else out + frac * (pick(u_next) - out)
 
@@ -64,18 +67,18 @@ def smoothed_log_medians(x_sorted: np.ndarray, n_boot: int, rng) -> np.ndarray:
     values can only be one of them, and a plain bootstrap's replicates take those few values;
     smoothing lets the replicates fall between them (docs/statistics.md, "Medians").
     Returns (arms, n_boot); -inf or NaN where the arm's values near the median include 0."""
-    m, n = x_sorted.shape
+    n = x_sorted.shape[1]
     with np.errstate(divide="ignore"):
         y = np.log(x_sorted)
 
     def at(u: np.ndarray) -> np.ndarray:
         pos = np.clip(n * u - 0.5, 0.0, n - 1.0)
         i = np.minimum(pos.astype(np.int64), max(n - 2, 0))
-        lo, hi = np.take_along_axis(y, i, 1), np.take_along_axis(y, np.minimum(i + 1, n - 1), 1)
+        lo, hi = take_last(y, i), take_last(y, np.minimum(i + 1, n - 1))
         with np.errstate(invalid="ignore"):
             return lo + (pos - i) * (hi - lo)
 
-    u, u_next, frac = _order_statistics(n, 0.5, (m, n_boot), rng)
+    u, u_next, frac = _order_statistics(n, 0.5, (1, n_boot), rng)  # one draw for the batch
     out = at(u)
     return out if u_next is None else out + frac * (at(u_next) - out)
 

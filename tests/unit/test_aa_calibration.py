@@ -108,7 +108,7 @@ def _rates(r: dict[str, np.ndarray]) -> dict[str, float]:
 def _cache_path() -> Path:
     """Where this machine keeps the table for this code. The simulation is seeded, so its cells depend
     only on this file, the analysis modules it runs and numpy: the key hashes all of them, and any change
-    to one computes the table afresh (it takes seconds: a thousand bootstraps per cell)."""
+    to one computes the table afresh (about 25 s of CPU: a thousand bootstraps per cell)."""
     h = hashlib.sha256(np.__version__.encode())
     for path in sorted([Path(__file__), *Path(stats.__file__).parent.glob("*.py")]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
