@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,12 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs many Python processes (its workers, and the CLI under test dozens of times); with
+# PYTHONDONTWRITEBYTECODE set (some CI images set it) each one compiles, and pytest rewrites, every
+# module it imports from source again: 3 s of every worker's collection, and the same in each CLI run.
+# The compiled files go to __pycache__ (ignored by git); this is the suite's own setting, not the package's.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -51,6 +51,7 @@ def timed_turns(make_stack, counter, server: LlamaServer, n: int, **kw) -> list:
     return arrivals.wait(n)
 
 
+@pytest.mark.alone
 def test_ttft_and_decode_time_agree_with_the_servers_timings(make_stack, counter, timing_servers):
     """specproxy's ``ttft_s`` and ``decode_s`` against llama-server's own ``timings`` of the same turns.
 
