@@ -268,10 +268,18 @@ class Proxy:
         self._measurer.submit(builder, more_in_flight=self.measured_in_flight > 0)
 
     def _built(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
-        """On the loop, once per batch the measuring worker built."""
-        self._pending_builds -= len(results)
-        if not self._pending_builds:
-            self._idle.set()
+        """On the loop, once per batch the measuring worker built. The turns stay pending until their
+        records are handed on: another thread that reads ``pending_measure`` as 0 (a test, a drain) must
+        find every record already with the sink, and the interpreter may switch threads between any two
+        lines here."""
+        try:
+            self._hand_on(results)
+        finally:
+            self._pending_builds -= len(results)
+            if not self._pending_builds:
+                self._idle.set()
+
+    def _hand_on(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
         for builder, record, exc in results:
             if exc is not None or record is None:
                 # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row

@@ -110,6 +110,22 @@ def test_upstream_death_mid_stream_aborts_the_client(make_stack, tiktoken_tok):
     assert rec.completion_tokens == 1 and rec.saw_done is False
 
 
+def test_a_turn_stays_pending_until_its_record_is_handed_on(stack, tiktoken_tok):
+    """Whoever reads ``pending_measure`` as 0 from another thread (a test settling, a drain) finds every
+    record already with the sinks: the interpreter may switch threads between any two lines of the loop's
+    hand-over, so the count drops only after the records went on (it once dropped first, and a test
+    thread now and then read 0 with the streamed turn's record not yet appended)."""
+    proxy = stack.service.proxy
+    pending_at_hand_over: list[int] = []
+    stack.service.extra_sinks.append(lambda record: pending_at_hand_over.append(proxy.pending_measure))
+    stack.upstream.script = Script(pieces=pieces_of("One two three.", tiktoken_tok))
+    client = _sdk(stack.url)
+    for _ in range(3):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count."}])
+        stack.settle()
+    assert len(pending_at_hand_over) == 3 and min(pending_at_hand_over) >= 1, pending_at_hand_over
+
+
 async def _done_then_hold(reader, writer):
     await read_request(reader)
     writer.write(SSE_HEAD + chunk(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
