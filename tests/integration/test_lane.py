@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from faultkit import ScriptedUpstream, await_until, chunk, exchange, parse_response, post_head
 from specproxy.serve.lane import read_head
 from specproxy.serve.headers import LABEL_HEADER
@@ -89,7 +90,7 @@ def _aiohttp_reads(raw: bytes, parser_cls):
 
 @pytest.mark.parametrize("parser_cls", [aiohttp.web_protocol.HttpRequestParser, aiohttp.http_parser.HttpRequestParserPy],
                          ids=["installed", "py"])
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=_requests())
 @example(raw=b"GET /v1/chat/completions HTTP/1.1\r\n0: \r\n0: \r\n0: \r\nHost: \r\n\r\n\x00")  # a bad next message
 def test_what_the_lane_takes_aiohttp_reads_the_same_and_would_forward(parser_cls, raw):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from readsplit import split
 from specproxy.wire.upstream import CHUNKED, CLOSE, LENGTH, NO_BODY, ChunkedEnd, FramingError, UpstreamError, parse_head
 
@@ -35,7 +36,7 @@ framed = st.builds(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(framed, st.lists(st.integers(min_value=0, max_value=10_000), max_size=20), st.binary(max_size=20))
 def test_chunked_end_is_found_exactly_whatever_the_reads(case, cuts, after):
     payloads, body = case

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from specproxy.frames import chunked as chunked_mod
 from specproxy.frames.chunked import Dechunked, _stepwise, dechunk_reads, join_whole_frames
 from framing_strategies import chunked_bodies
@@ -189,7 +190,7 @@ needs_scanc = pytest.mark.skipif(chunked_mod._scanc is None, reason="specproxy.f
 
 
 @needs_scanc
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(payloads=st.lists(st.binary(min_size=1, max_size=40), max_size=12), upper=st.booleans(),
        where=st.integers(0, 100), change=st.integers(0, len(CHANGES) + 3), truncated=st.booleans())
 def test_joined_whole_frames_equal_the_state_machine(payloads, upper, where, change, truncated):
@@ -235,7 +236,7 @@ def test_join_reads_any_well_formed_framing_and_leaves_the_rest_to_the_reference
 
 
 @needs_scanc
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(body=chunked_bodies(), cuts=st.lists(st.integers(0, 12_000), max_size=20))
 def test_the_native_join_equals_the_reference_on_any_framing(body, cuts):
     """The measuring's native pass and the reference agree on every body the relay's strategies make,

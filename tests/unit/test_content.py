@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from specproxy.measure.content import _looks_like_code, classify
 
 
@@ -35,7 +36,7 @@ _pieces = st.sampled_from(["def", "class ", "    x", "\tx", "  if", "return", ";
                            "\u2003", "\x1c", "word", "SELECT", "defx", "\u00a0;", "a;  ", "}\u3000", "#include"])
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(st.lists(st.one_of(_pieces, st.text(max_size=3)), max_size=30).map("".join))
 def test_the_line_rule_equals_the_reference_regex(text):
     for line in text.splitlines():

@@ -17,6 +17,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from specproxy.measure import fast_texts
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads
@@ -161,7 +162,7 @@ def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
         assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=stream(), cuts=st.lists(st.integers(0, 100_000), max_size=30), chunked=st.booleans(),
        sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4), framed_cut=st.integers(0, 10))
 def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, framed_cut):
@@ -240,7 +241,7 @@ def one_frame_per_event(data: bytes, upper: bool) -> list[bytes]:
     return [size % len(p) + b"\r\n" + p + b"\r\n" for p in per_event(data)] + [b"0\r\n\r\n"]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=template_stream(), framing=st.integers(0, 3), cuts=st.lists(st.integers(0, 100_000), max_size=20))
 def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     if framing == 0:

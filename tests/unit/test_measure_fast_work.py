@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from specproxy.measure import chunk_templates, fast_texts
 from specproxy.measure import texts as texts_mod
 from measurekit import counting_loads
@@ -126,7 +127,7 @@ def _string(body: bytes) -> str | None:
     return value
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(bodies=st.lists(st.lists(st.sampled_from([b"a", b"\\", b'"', b",", b"]", b"1", b"n", b"u00e9", b"ud800", b"\xff",
                                                  b"\x01", b"\xe6\x97", "é".encode()]), max_size=6).map(b"".join),
                        min_size=1, max_size=5))

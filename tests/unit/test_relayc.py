@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
 from readsplit import split
 from specproxy.config import RELAY_MODES
@@ -48,7 +49,7 @@ def _trace(tracker, reads):
 
 
 @needs_relayc
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(chunked_bodies(), st.lists(st.integers(0, 12_000), max_size=25))
 def test_the_native_parser_behaves_like_the_reference(body, cuts):
     reads = split(body, cuts)

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from measurekit import builder
 from specproxy.app.fake_upstream import Script
 from specproxy.measure import chunk_templates, fast_texts
@@ -53,7 +54,7 @@ bodies = st.one_of(st.lists(pieces, max_size=8).map(b"".join),
                    st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")))
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(body=bodies)
 def test_a_body_is_taken_exactly_when_orjson_reads_it(body):
     event = PREFIX + body + HEAD + b"17" + CLOSING + b"\n\n"
@@ -72,7 +73,7 @@ def test_surrogate_escapes_are_read_as_orjson_reads_them(body):
     test_a_body_is_taken_exactly_when_orjson_reads_it.hypothesis.inner_test(body=body)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(events=st.lists(st.tuples(bodies, st.sampled_from([b"17", b"99", b"07", b"1", b"x7", b"170"])),
                        min_size=1, max_size=6), tail=st.sampled_from([b"", b"data: [DONE]\n\n", b"data: x"]))
 def test_a_run_stops_at_the_first_event_that_is_not_the_templates(events, tail):
