@@ -447,9 +447,9 @@ def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[An
 
 
 def plural(n: int | None, noun: str) -> str:
-    """"1 instance", "2 instances", "? instances" (unknown)."""
+    """"1 instance", "2 instances", "instances unknown" (no count: e.g. turns without an instance id)."""
     if n is None:
-        return f"? {noun}s"
+        return f"{noun}s unknown"
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 

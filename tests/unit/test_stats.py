@@ -255,7 +255,7 @@ def test_instance_warning_fits_the_arms_instances():
 
 def test_plural():
     assert (plural(1, "instance"), plural(2, "instance"), plural(0, "turn"), plural(None, "instance")) == (
-        "1 instance", "2 instances", "0 turns", "? instances")
+        "1 instance", "2 instances", "0 turns", "instances unknown")
 
 
 def test_ratio_missing_and_tiny_arms():
