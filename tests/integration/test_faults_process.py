@@ -287,6 +287,7 @@ def test_settle_heap_collects_start_up_garbage_before_freezing():
     try:
         frozen = settle_heap()
         assert gone() is None, "a garbage cycle was frozen instead of collected"
-        assert frozen == gc.get_freeze_count() > 0
+        # other threads of this worker (a previous test's) may free frozen objects meanwhile, never freeze more
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()  # this pytest process goes on making and dropping objects
