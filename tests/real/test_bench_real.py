@@ -142,6 +142,7 @@ def decode_row(compare: dict) -> dict:
     return next(row for row in compare["rows"] if row["metric"] == "decode_tps")
 
 
+@pytest.mark.alone  # the restart bench (in its first test's set-up) measures speed: no other test meanwhile
 def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(restart_runs):
     summary, compare = restart_runs["summary"], restart_runs["ab"]
     assert [arm["instances"] for arm in summary["arms"]] == [3, 3, 3]
@@ -153,6 +154,7 @@ def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(rest
     assert not any("one server instance" in w or "single instance" in w for w in row["warnings"]), row["warnings"]
 
 
+@pytest.mark.alone  # the restart bench (in its first test's set-up) measures speed: no other test meanwhile
 def test_a_restart_aa_of_one_setting_is_not_distinguishable(restart_runs):
     compare = restart_runs["aa"]
     assert compare["instances_a"] == compare["instances_b"] == 3
