@@ -20,22 +20,22 @@ __all__ = ["STATS", "boot_instance_ratio", "boot_instances", "boot_requests", "f
 STATS = {"median": 0.5, "p95": 0.95, "mean": None}  # quantiles are numpy's default (linear)
 
 
-def _order_statistics(n: int, q: float, shape: tuple[int, int], rng
+def _order_statistics(n: int, q: float, n_boot: int, rng
                        ) -> tuple[np.ndarray, np.ndarray | None, float]:
     """Where a resample of n values puts the order statistics behind its ``q`` quantile (numpy's
     linear definition): U_(r) ~ Beta(r, n-r+1) of n uniforms, and, when the quantile falls between
     two, the next one U_(r) + (1-U_(r)) * Beta(1, n-r) with the weight of the upper one.
-    Returns (u, u_next or None, weight). O(size of ``shape``) however large n is.
+    Returns (u, u_next or None, weight), each of shape (1, n_boot). O(n_boot) however large n is.
 
-    The callers draw them once, shape (1, n_boot), for a whole batch of arms of one size: a row's
-    replicates are then exactly those of a call with that row alone and the same seed (what compare
-    computes), and a calibration over a thousand arms costs one draw, not a thousand."""
+    One draw serves a whole batch of arms of one size: a row's replicates are then exactly those of
+    a call with that row alone and the same seed (what compare computes), and a calibration over a
+    thousand arms costs one draw, not a thousand."""
     h = (n - 1) * q
     r = int(math.floor(h)) + 1  # 1-based rank of the lower order statistic
     frac = h - (r - 1)
-    u = rng.beta(r, n - r + 1, shape)
+    u = rng.beta(r, n - r + 1, (1, n_boot))
     if frac > 0 and r < n:
-        return u, u + (1.0 - u) * rng.beta(1, n - r, shape), frac
+        return u, u + (1.0 - u) * rng.beta(1, n - r, (1, n_boot)), frac
     return u, None, 0.0
 
 
@@ -52,7 +52,7 @@ def boot_requests(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarr
         rows = max(1, BOOT_CHUNK // n)
         return np.stack([np.concatenate([x[rng.integers(0, n, (min(rows, n_boot - s), n))].mean(1)
                                          for s in range(0, n_boot, rows)]) for x in x_sorted])
-    u, u_next, frac = _order_statistics(n, q, (1, n_boot), rng)  # one draw for the batch: see _order_statistics
+    u, u_next, frac = _order_statistics(n, q, n_boot, rng)  # one draw for the batch
     pick = lambda v: take_last(x_sorted, np.minimum((v * n).astype(np.int64), n - 1))  # noqa: E731
     out = pick(u)
     return out if u_next is None else out + frac * (pick(u_next) - out)
@@ -78,7 +78,7 @@ def smoothed_log_medians(x_sorted: np.ndarray, n_boot: int, rng) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             return lo + (pos - i) * (hi - lo)
 
-    u, u_next, frac = _order_statistics(n, 0.5, (1, n_boot), rng)  # one draw for the batch
+    u, u_next, frac = _order_statistics(n, 0.5, n_boot, rng)  # one draw for the batch
     out = at(u)
     return out if u_next is None else out + frac * (at(u_next) - out)
 
