@@ -6,7 +6,10 @@ instances). So here the unit of the aggregate is the round: delivered tokens ove
 (first request to last byte, on the proxy's clock), one value per round, and its interval is over
 rounds, or over server instances (each instance's mean) when the arm ran in several, because
 restart-to-restart variation is what a second instance would show. Per-stream figures are medians
-over every completed streamed turn of the level, with the median's order-statistic interval.
+over every completed streamed turn of the level; their interval is over the same unit (instances,
+else rounds: compare's clustered rule, since turns of one instance or round share its offset and
+pooling them would leave that variance out), and over turns (the median's order-statistic interval)
+only for a level that ran in one round.
 Turns are the proxy's own Records: every figure was decided where it is for proxied traffic.
 """
 
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analyze.stats import mean_ci, plural, summarize
+from specproxy.analyze.stats import mean_ci, plural, summarize, summarize_clustered
 from specproxy.record import Record
 
 __all__ = ["Round", "render_bench", "summarize_bench"]
@@ -37,6 +40,7 @@ class Round:
     sent: int = 0  # requests sent; each gives one Record
     prompt_len: int | None = None  # a prefill probe's prompt length (words asked for); None otherwise
     first_error: str | None = None  # what the first failed request of the round got
+    gone: str | None = None  # set when the server went away mid-round (what the failures said): it stopped sending
 
 
 def _vals(records: Sequence[Record], name: str) -> np.ndarray:
@@ -65,6 +69,20 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
     records = [r for rnd in rounds for r in rnd.records]
     ok = [r for r in records if r.outcome == "ok"]
     streamed = [r for r in ok if r.streamed]
+    # per-stream figures: the interval over the same unit as the aggregate's, when there are several
+    instances = {rnd.instance for rnd in rounds}
+    per_unit = "instances" if len(instances) > 1 else "rounds" if len(rounds) > 1 else "turns"
+    cluster_of = {id(r): (rnd.instance if per_unit == "instances" else i)
+                  for i, rnd in enumerate(rounds) for r in rnd.records}
+
+    def per_stream(recs: list[Record], values) -> dict[str, Any]:
+        values = list(values)
+        if per_unit == "turns":
+            out = summarize(values).to_dict()
+        else:
+            out = summarize_clustered(values, [cluster_of[id(r)] for r in recs]).to_dict()
+        units = len({cluster_of[id(r)] for r, v in zip(recs, values) if v is not None and v == v})
+        return {**out, "unit": per_unit, "n_units": out["n"] if per_unit == "turns" else units}
     by_instance: dict[int, list[float]] = defaultdict(list)
     for rnd in rounds:
         value = round_aggregate(rnd)
@@ -85,15 +103,15 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
         "level": rounds[0].level, "prompt_len": rounds[0].prompt_len, "rounds": len(rounds), "instances": len({rnd.instance for rnd in rounds}),
         "turns": len(records), "ok": len(ok), "streamed": len(streamed), "errors": dict(errors),
         "sent": sum(rnd.sent for rnd in rounds),
-        "decode_tps": summarize(_vals(streamed, "decode_tps")).to_dict(),
-        "ttft_s": summarize(_vals(streamed, "ttft_s")).to_dict(),
+        "decode_tps": per_stream(streamed, _vals(streamed, "decode_tps")),
+        "ttft_s": per_stream(streamed, _vals(streamed, "ttft_s")),
         "total_s": summarize(_vals(ok, "total_s")).to_dict(),
         "aggregate_tps": {"mean": mean, "ci_low": lo, "ci_high": hi, "n": len(values), "unit": unit},
     }
     if phase == "prefill":
         out["prompt_tokens"] = summarize([r.prompt_tokens if r.prompt_tokens is not None else r.usage_prompt_tokens
                                           for r in streamed]).to_dict()
-        out["prefill_tps"] = summarize([_prefill_tps(r) for r in streamed]).to_dict()
+        out["prefill_tps"] = per_stream(streamed, [_prefill_tps(r) for r in streamed])
     return out
 
 
@@ -120,6 +138,14 @@ def _ci(s: dict[str, Any], fmt: str) -> str:
     return fmt.format(s["median"]) + ci
 
 
+def _over(lv: dict[str, Any]) -> str:
+    """What the intervals are over: one unit when per-stream and aggregate agree, else each's."""
+    agg, ps = lv["aggregate_tps"], lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
+    aggregate = plural(agg["n"], agg["unit"][:-1])
+    per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1])
+    return aggregate if per_stream == aggregate else f"{per_stream} / {aggregate}"
+
+
 def _agg(a: dict[str, Any]) -> str:
     if a["mean"] is None:
         return "-"
@@ -131,27 +157,32 @@ def render_bench(s: dict[str, Any]) -> str:
     lines = []
     phase = s.get("phase")
     for arm in s["arms"]:
-        instances = plural(arm["instances"], "server instance") + (" (restarted before each)" if s["restarts"] else "")
+        unverified = [i for i in s.get("restarts_unverified") or [] if i.startswith(arm["arm"] + "#")]
+        instances = plural(arm["instances"], "server instance") + (
+            "" if not s["restarts"] else " (restarted before each; not verified: the server did not show "
+            "whether each restart started a new process)" if unverified else
+            " (restarted before each, each a new process)")
         lines.append(f"bench arm {arm['arm']}: {instances}; "
                      + (f"{plural(s['warmup_per_instance'], 'warm-up request')} per instance ran first and "
                         "is not counted" if s["warmup_per_instance"] else "no warm-up requests")
                      + (f"; phase probe: {phase}" if phase else ""))
         if phase == "prefill":  # max_tokens 1: no decode to speak of, so no decode or throughput column
             lines.append(f"  {'concurrency':>11} {'prompt tok':>10} {'turns':>6} {'errors':>6}  "
-                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}")
+                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}  intervals over")
         else:
             lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
-                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  over")
+                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  intervals over")
         for lv in arm["levels"]:
             agg, errors_n = lv["aggregate_tps"], sum(lv["errors"].values())
             if phase == "prefill":
                 pt = lv["prompt_tokens"]["median"]
                 lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "
-                             f"{errors_n:>6}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}")
+                             f"{errors_n:>6}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}  "
+                             f"{_over(lv)}")
             else:
                 lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
                              f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  "
-                             f"{_agg(agg):>26}  {plural(agg['n'], agg['unit'][:-1])}")
+                             f"{_agg(agg):>26}  {_over(lv)}")
         errors = defaultdict(int)
         for lv in arm["levels"]:
             for k, v in lv["errors"].items():
@@ -162,7 +193,11 @@ def render_bench(s: dict[str, Any]) -> str:
     if phase != "prefill":
         lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
                      "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
-                     "instances")
+                     "instances; each interval is over the server instances when there are several, else over "
+                     "the rounds (per-stream: over turns for a single round), as the last column says")
+    if s.get("tokenizer") is False:
+        lines.append("  no tokenizer: tokens were not counted, so tok/s are '-' (bench --tokenizer hf:DIR counts "
+                     "them); TTFT, times and errors are measured")
     if phase == "prefill":
         lines.append("  prefill probe (max_tokens 1): prefill tok/s = prompt tokens / TTFT; not a decode figure")
     elif phase == "decode":

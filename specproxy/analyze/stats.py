@@ -64,7 +64,7 @@ from specproxy.analyze.resample import (STATS, boot_instance_ratio, boot_instanc
 from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
-    "Summary", "summarize", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
+    "Summary", "summarize", "summarize_clustered", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
     "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
     "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
     "median_excess", "median_tail", "MEDIAN_EXCESS",
@@ -164,6 +164,28 @@ def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, fl
         return mean, None, None
     half = t_ppf(0.5 + level / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
     return mean, mean - half, mean + half
+
+
+def summarize_clustered(values: Iterable[Any], clusters: Sequence[Any], *, seed: int = 0,
+                        level: float = 0.95) -> Summary:
+    """``summarize``, but the interval of the median is over clusters (server instances, or a benchmark's
+    rounds), not over values: values of one cluster share its offset (a restart's), so pooling them
+    as independent gives an interval that leaves out the cluster-to-cluster variance.
+
+    compare's rule for an arm in several instances (``bootstrap_ratio``): the variance of the log pooled
+    median when whole clusters are resampled, times k/(k-1), and Student t with k - 1 df; the interval is
+    the median times exp(+-t * se). Below 2 clusters, or with a 0 among the bootstrap medians, no interval."""
+    check_level(level)
+    x, lab, uniq = clean_labelled(values, clusters)
+    base = summarize(x, level=level)
+    k = len(uniq)
+    if x.size == 0 or k < 2 or base.median is None or base.median <= 0 or (x < 0).any():
+        return dataclasses.replace(base, ci_low=None, ci_high=None)
+    v = float(log_var(boot_instances(x, lab, "median", 2000, np.random.default_rng(seed)))[0]) * k / (k - 1)
+    if not math.isfinite(v):
+        return dataclasses.replace(base, ci_low=None, ci_high=None)
+    half = t_ppf(0.5 + level / 2, k - 1) * math.sqrt(v)
+    return dataclasses.replace(base, ci_low=base.median * math.exp(-half), ci_high=base.median * math.exp(half))
 
 
 # ----------------------------------------------------------------------------- request-level rule

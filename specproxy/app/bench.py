@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from specproxy.analyze.bench import Round
 from specproxy.app.probes import NONCE
 from specproxy.app.progress import BenchProgress, Quiet
 from specproxy.app.replay import Request
-from specproxy.app.restarts import restart_command, run_restart, wait_ready
+from specproxy.app.restarts import look, new_process, restart_command, run_restart, wait_ready
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.record import Record
@@ -45,6 +46,7 @@ __all__ = ["BenchError", "BenchPlan", "BenchRun", "run_bench", "schedule"]
 
 clock = time.perf_counter  # the proxy's clock: a round's window and its records' stamps compare
 RECORD_WAIT_S = 30.0  # after a round's last response, how long its records may take to be measured
+UNREACHABLE_STOP = 10  # failures to reach the server in a row that end a round: it went away
 
 
 class BenchError(SpecproxyError):
@@ -70,6 +72,9 @@ class BenchPlan:
         """Requests in a round without a duration: the workload once, at least one per stream."""
         return max(len(requests), level)
 
+    def planned_rounds(self) -> int:
+        return len(self.workloads) * len(self.levels) * self.repeats * self.instances * len(self.arms)
+
     def planned_turns(self) -> int | None:
         if self.duration_s is not None:
             return None
@@ -93,6 +98,8 @@ class BenchRun:
     rounds: list[Round] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(2).hex())
     instance_ids: dict[tuple[str, int], str] = field(default_factory=dict)
+    # per block with a restart: True when the server showed it was a new process, None when it cannot tell
+    verified: dict[tuple[str, int], bool | None] = field(default_factory=dict)
 
 
 class _Collector:
@@ -148,7 +155,7 @@ def _session(limit: int = 0) -> aiohttp.ClientSession:
                                  auto_decompress=False, trust_env=False)
 
 
-async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done) -> int:
+async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done, halted) -> int:
     """``level`` workers, each sending its next request when its last one ended. Each worker keeps its
     own connection for the round, so the proxy records its turns as one lane (``conn_id``): the chain
     whose schedule compare replays for aggregate throughput. A shared pool would hand a worker whichever
@@ -161,7 +168,7 @@ async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done) 
         async with _session(limit=1) as own:
             while True:
                 i = next(counter)
-                if (end is None and i >= n) or (end is not None and clock() >= end):
+                if (end is None and i >= n) or (end is not None and clock() >= end) or halted():
                     return
                 sent += 1
                 status, head = await _send(own, url, requests[i % len(requests)], label, timeout_s)
@@ -171,16 +178,19 @@ async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done) 
     return sent
 
 
-async def _open_loop(session, url, requests, label, level, n, end, rate, rng, timeout_s, on_done) -> int:
+async def _open_loop(session, url, requests, label, level, n, end, rate, rng, timeout_s, on_done, halted) -> int:
     slots = asyncio.Semaphore(level)
     tasks: set[asyncio.Task] = set()
     sent = 0
     next_at = clock()
     for i in itertools.count():
-        if (end is None and i >= n) or (end is not None and clock() >= end):
+        if (end is None and i >= n) or (end is not None and clock() >= end) or halted():
             break
         await asyncio.sleep(max(next_at - clock(), 0))  # the schedule of arrivals, not a wait for an event
         await slots.acquire()
+        if halted():
+            slots.release()
+            break
         sent += 1
 
         async def one(req: Request) -> None:
@@ -217,10 +227,16 @@ def _snippet(head: bytes) -> str:
     return " ".join(head.decode("utf-8", "replace").split())[:160]
 
 
+def _stderr_note(line: str) -> None:
+    print(f"specproxy bench: {line}", file=sys.stderr, flush=True)
+
+
 async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: BenchProgress | None = None,
-                    tokenizer=None, on_block: Callable[[str, int], None] | None = None) -> BenchRun:
+                    tokenizer=None, on_block: Callable[[str, int], None] | None = None,
+                    note: Callable[[str], None] = _stderr_note) -> BenchRun:
     """Run ``plan`` through a proxy configured by ``cfg`` (its upstream, database, tokenizer); every
-    measured round is appended to ``run.rounds`` as it ends, so a BenchError leaves them there."""
+    measured round is appended to ``run.rounds`` as it ends, so a BenchError leaves them there. ``note``
+    gets the lines worth saying while it runs (a wait for the server, restarts that cannot be checked)."""
     progress = progress or Quiet()
     service = Service.from_config(cfg) if tokenizer is None else None
     if service is None:
@@ -233,7 +249,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
     service.extra_sinks.append(collector)
     base = str(cfg.upstream_url).rstrip("/")
     rng = random.Random(plan.seed)
-    progress.start(plan.planned_turns())
+    progress.start(plan.planned_turns(), rounds=plan.planned_rounds(), round_s=plan.duration_s)
     try:
         await service.start()
         assert service.proxy is not None
@@ -243,6 +259,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
                 label = arm
                 if plan.restart_cmd is not None:
                     progress.phase(f"{arm} #{k}: restarting the server")
+                    before = await look(session, base)
                     command = restart_command(plan.restart_cmd, arm, k)
                     await asyncio.to_thread(run_restart, command, arm, k, plan.ready_timeout_s)
                     instance = f"bench-{run.run_id}-{arm}-{k}"
@@ -251,7 +268,10 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
                 else:
                     service.proxy.instance_id = default_instance
                 progress.phase(f"{arm} #{k}: waiting for the server")
-                await wait_ready(base, plan.ready_timeout_s)
+                await wait_ready(base, plan.ready_timeout_s, arm=arm, instance=k, fail_fast=plan.restart_cmd is None,
+                                 note=note)
+                if plan.restart_cmd is not None:
+                    await _check_restarted(session, base, before, run, arm, k, note)
                 if on_block is not None:
                     on_block(arm, k)
                 progress.phase(f"{arm} #{k}: warm-up")
@@ -262,6 +282,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
                             what = f"{arm} #{k}: concurrency {level}, repeat {repeat}/{plan.repeats}"
                             progress.phase(what + (f", prompt {prompt_len} words" if prompt_len else ""))
                             rnd = Round(arm=arm, instance=k, level=level, repeat=repeat, prompt_len=prompt_len)
+                            progress.begin_round()
                             try:
                                 await _round(session, service, collector, plan, rnd, requests, label, rng,
                                              progress)
@@ -270,7 +291,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
                                     run.rounds.append(rnd)
                                 raise
                             run.rounds.append(rnd)
-                            _check_round(rnd, what)
+                            _check_round(rnd, what, base)
             await service.proxy.drain_measurements()
     finally:
         progress.stop()
@@ -281,15 +302,26 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
 async def _round(session, service: Service, collector: _Collector, plan: BenchPlan, rnd: Round,
                  requests: list[Request], label: str, rng: random.Random, progress: BenchProgress) -> None:
     responses = 0
+    unreachable = 0  # failures to reach the server in a row (the proxy's 502 upstream_unreachable)
     first_error: list[str] = []
 
     def done(status: int | None, head: bytes) -> None:
-        nonlocal responses
+        nonlocal responses, unreachable
         responses += status is not None  # a response came through the proxy: its turn has a record
         if (status is None or status >= 400) and not first_error:
             first_error.append(f"HTTP {status}: {_snippet(head)}" if status is not None
                                else head.decode("utf-8", "replace")[:160])
+        if status is None or (status == 502 and b'"upstream_unreachable"' in head):
+            unreachable += 1
+            if unreachable == UNREACHABLE_STOP:
+                rnd.gone = f"HTTP {status}: {_snippet(head)}" if status is not None else \
+                    head.decode("utf-8", "replace")[:160]
+        elif not rnd.gone:
+            unreachable = 0
         progress.advance()
+
+    def halted() -> bool:  # the server went away: stop sending, rather than fill the database with failures
+        return rnd.gone is not None
 
     n = plan.round_size(requests, rnd.level)
     t0 = clock()
@@ -297,10 +329,10 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
     try:
         if plan.rate is not None:
             rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end, plan.rate, rng,
-                                        plan.request_timeout_s, done)
+                                        plan.request_timeout_s, done, halted)
         else:
             rnd.sent = await _closed_loop(service.url, requests, label, rnd.level, n, end, plan.request_timeout_s,
-                                          done)
+                                          done, halted)
     except asyncio.CancelledError:  # interrupted: the turns that ended so far, as measured by now
         rnd.records = [r for r in collector.records if r.outcome == "ok" and r.t_request is not None
                        and r.t_request >= t0]
@@ -310,8 +342,33 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
     rnd.first_error = first_error[0] if first_error else None
 
 
-def _check_round(rnd: Round, what: str) -> None:
-    """A round in which no request succeeded ends the run: the server is down or refuses the workload."""
-    if rnd.sent and not any(r.outcome == "ok" for r in rnd.records):
+def _check_round(rnd: Round, what: str, base: str) -> None:
+    """A round in which no request succeeded ends the run: the server is down or refuses the workload; so
+    does a round whose server went away (every later round would only collect failures)."""
+    ok = sum(r.outcome == "ok" for r in rnd.records)
+    if rnd.sent and not ok:
         why = rnd.first_error or "no response"
         raise BenchError(f"{what}: none of {rnd.sent} requests succeeded (first: {why})")
+    if rnd.gone is not None:
+        raise BenchError(f"{what}: the server at {base} went away ({UNREACHABLE_STOP} requests in a row could not "
+                         f"reach it: {rnd.gone}); the round stopped sending, its {ok} completed turns are kept")
+
+
+async def _check_restarted(session, base: str, before, run: BenchRun, arm: str, k: int,
+                           note: Callable[[str], None]) -> None:
+    """After a restart: the server must be a new process, or the interval "over instances" would be a lie.
+    The same process ends the run; a server that cannot tell says so once, and the run's instances are
+    marked unverified."""
+    now = await look(session, base)
+    if now is None:  # ready a moment ago, gone now: the next request will say so
+        run.verified[(arm, k)] = None
+        return
+    new, why = new_process(before, now)
+    if new is False:
+        raise BenchError(f"the restart command for arm {arm} (instance {k}) returned, but the server at {base} is "
+                         f"the same process as before it ({why}): the command must stop the running server and "
+                         "start a new one")
+    if new is None and None not in run.verified.values():
+        note(f"cannot check that the restarts start new server processes ({why}): the instances are marked "
+             "unverified")
+    run.verified[(arm, k)] = new

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+import tempfile
 from typing import Any
 
 import click
@@ -18,7 +20,11 @@ import orjson
 
 from specproxy.errors import ConfigError, SpecproxyError
 
-__all__ = ["export_replay", "register"]
+__all__ = ["NO_TOKENIZER", "export_replay", "register"]
+
+NO_TOKENIZER = ("no --tokenizer: tokens are not counted, so per-stream and aggregate tok/s show '-'; TTFT, times "
+                "and errors are still measured (give --tokenizer hf:DIR, the server's tokenizer directory, or "
+                "tiktoken:o200k_base)")
 
 
 def export_replay(conn, db_path: str, output: str, *, label: str | None, since: float | None,
@@ -27,17 +33,27 @@ def export_replay(conn, db_path: str, output: str, *, label: str | None, since: 
     from specproxy.app.replay import replay_line
     from specproxy.store.captures import captured_requests
 
-    out = sys.stdout.buffer if output == "-" else open(output, "wb")
+    # to a file: written beside it and renamed into place once complete, so an error (nothing captured, a
+    # failed read) leaves no file behind, nor a half-written one over a good file of that name
+    out = sys.stdout.buffer if output == "-" else tempfile.NamedTemporaryFile(
+        "wb", dir=os.path.dirname(os.path.abspath(output)), prefix=os.path.basename(output) + ".", delete=False)
     n = 0
     try:
         for captured in captured_requests(conn, label=label, since=since, until=until):
             out.write(replay_line(captured))
             n += 1
+    except BaseException:
+        n = 0
+        raise
     finally:
         if output == "-":
             out.flush()
         else:
             out.close()
+            if n:
+                os.replace(out.name, output)
+            else:
+                os.unlink(out.name)
     if not n:
         raise ConfigError(f"{db_path}: no captured request bodies{' selected' if label or since or until else ''} "
                           "(run `specproxy serve --capture` to store them)")
@@ -188,6 +204,9 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                                  model=model, seed=seed),
             levels=_ints(levels, "--concurrency"), repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
             instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed)
+        counted = cfg.tokenizer not in (None, "", "none")
+        if not counted:  # said before the run, not after it: the run would otherwise end in a table of "-"
+            click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)
         run = BenchRun()
         install_uvloop()
         error: SpecproxyError | None = None
@@ -204,7 +223,9 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                                    + (f", and its {turns} turns summarised above" if run.rounds else ""))
         summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None)
         summary.update(database=cfg.db, labels=list(arms), instance_ids={f"{a}#{k}": v for (a, k), v in
-                                                                         run.instance_ids.items()})
+                                                                         run.instance_ids.items()},
+                       tokenizer=counted, restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
+                                                               if v is None])
         if as_json:
             click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
         elif run.rounds:
