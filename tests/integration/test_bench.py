@@ -206,6 +206,7 @@ def test_restarts_interleave_arms_and_stamp_each_instance(restarts):
                      "--db", str(db), "--tokenizer", "tiktoken:o200k_base", "--label", "slow,fast",
                      "--restart-cmd", f"{script} {{arm}}", "--instances", "2", "--repeats", "1", "--json")
     assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["restarts_unverified"] == []  # each restart seen to start a new process
     conn = sqlite3.connect(db)
     order = [row[0] for row in conn.execute(
         "SELECT instance_id FROM turns GROUP BY instance_id ORDER BY min(t_request)")]
@@ -234,7 +235,108 @@ def test_a_server_that_never_comes_back_is_one_line(restarts):
     script = restart_script(tmp_path, port, start=False)
     proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
                      "--db", str(tmp_path / "r.db"), "--restart-cmd", str(script), "--ready-timeout", "1")
-    one_line_error(proc, f"the server at http://127.0.0.1:{port} was not ready within 1 s", "connection refused")
+    one_line_error(proc, f"the server at http://127.0.0.1:{port} (arm bench, instance 1) was not ready within 1 s",
+                   "connection refused")
+    # the wait was said as it began: what, where, for which block
+    assert f"waiting for the server at http://127.0.0.1:{port} to be ready (arm bench, instance 1" in proc.stderr
+
+
+def test_a_wrong_port_without_a_restart_command_fails_at_once(tmp_path):
+    """Nothing is starting a server: a refused connection is an error now, not a 300 s silent wait."""
+    import time
+
+    from real.server import free_port
+
+    port = free_port()
+    t0 = time.monotonic()
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
+                     "--db", str(tmp_path / "w.db"), "--tokenizer", "tiktoken:o200k_base", timeout=60)
+    one_line_error(proc, f"nothing answers at http://127.0.0.1:{port} (arm bench, instance 1): connection refused")
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_restart_that_leaves_the_same_server_running_is_refused(tmp_path, upstream_thread):
+    """A restart command that does not restart (here `true`) would make every block the same process and
+    compare's interval "over instances" a fiction: bench sees the same start time and refuses."""
+    up = upstream_thread()
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(tmp_path / "s.db"),
+                     "--restart-cmd", "true", "--instances", "3", "--label", "a,b", "--ready-timeout", "10")
+    one_line_error(proc, "the restart command for arm a (instance 1) returned, but the server at",
+                   "is the same process as before it", "start time")
+    assert up.sent == []  # nothing measured on a server that was not restarted
+
+
+def test_a_hung_restart_command_is_killed_with_its_children(tmp_path):
+    """The command runs in its own session; on the timeout the whole group is killed, not just the shell
+    (a child it started, here a sleep, would otherwise live on)."""
+    import os
+    import time
+
+    from real.server import free_port
+
+    pid_file = tmp_path / "child.pid"
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{free_port()}", "--from", str(workload(tmp_path)),
+                     "--db", str(tmp_path / "h.db"), "--restart-cmd", f"sleep 300 & echo $! > {pid_file}; wait",
+                     "--ready-timeout", "1")
+    one_line_error(proc, "restart command for arm bench (instance 1) did not return within 1 s")
+    child = int(pid_file.read_text())
+
+    def alive() -> bool:  # a killed child is gone, or a zombie until its new parent reaps it
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    still = alive()
+    if still:
+        os.kill(child, 9)
+    assert not still, "the restart command's child outlived the timeout"
+
+
+def test_a_server_that_goes_away_mid_round_ends_the_round(tmp_path, upstream_thread):
+    """The fake stops listening when its 6th request arrives: the round stops sending after a few failures
+    in a row (not thousands over its --duration), says so in one line, and keeps what completed."""
+    import asyncio
+    import time
+
+    holder: list[FakeUpstream] = []
+    count = [0]
+
+    def script(_req: dict) -> Script:
+        count[0] += 1
+        if count[0] == 6:  # the event: the server goes away (its listening socket and idle connections close)
+            asyncio.get_running_loop().create_task(holder[0].close())
+        return Script(pieces=["a", " b", " c"])
+
+    up = upstream_thread(script)
+    holder.append(up)
+    db = tmp_path / "g.db"
+    t0 = time.monotonic()
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--duration", "20", "--concurrency", "2", "--repeats", "1", "--warmup", "0",
+                     "--tokenizer", "tiktoken:o200k_base", "--label", "gone")
+    one_line_error(proc, "went away", "10 requests in a row could not reach it", "completed turns are kept")
+    assert time.monotonic() - t0 < 15  # the round did not run out its 20 s
+    conn = sqlite3.connect(db)
+    outcomes = dict(conn.execute("SELECT outcome, count(*) FROM turns WHERE label = 'gone' GROUP BY outcome"))
+    conn.close()
+    assert outcomes.get("ok", 0) >= 4  # the turns before it, stored
+    failed = sum(v for k, v in outcomes.items() if k != "ok")
+    assert 10 <= failed <= 10 + 2 + 2, outcomes  # the run of failures, and at most what was in flight
+    assert "bench arm gone:" in proc.stdout  # and summarised
+
+
+def test_without_a_tokenizer_bench_says_what_is_missing(tmp_path, upstream_thread):
+    up = upstream_thread()
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(tmp_path / "n.db"),
+                     "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "no --tokenizer" in line]
+    assert len(lines) == 1 and "tok/s show '-'" in lines[0] and "TTFT" in lines[0], proc.stderr
+    assert "no tokenizer: tokens were not counted" in proc.stdout
 
 
 def test_a_server_that_errors_is_one_line(tmp_path, upstream_thread):
@@ -270,6 +372,10 @@ def test_nothing_captured_is_one_line(tmp_path, upstream_thread, make_stack):
     stack.run(stack.service.stop())
     up = upstream_thread()
     one_line_error(specproxy("export", "--db", stack.cfg.db, "--format", "replay"), "no captured request bodies")
+    out = tmp_path / "none.jsonl"
+    one_line_error(specproxy("export", "--db", stack.cfg.db, "--format", "replay", "-o", str(out)),
+                   "no captured request bodies")
+    assert not out.exists() and list(tmp_path.glob("none.jsonl*")) == []  # no file left behind, no temporary
     one_line_error(specproxy("bench", "--upstream", up.url, "--from", "captured", "--db", stack.cfg.db),
                    "no captured request bodies")
 
