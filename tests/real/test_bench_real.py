@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,35 +47,49 @@ def replay_file(path: Path, n: int, max_tokens: int, **extra) -> Path:
     return path
 
 
+def readme_bench_command() -> list[str]:
+    """The README's bench example, as its words."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("specproxy bench ")]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
 def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(llama_server, hf_tokenizer_dir,
                                                                                   tmp_path):
-    """The README's example: a replay file at concurrency 1, 2, 4 with repeats; every level has a per-stream
-    median with its interval, an aggregate with its interval over the rounds, and the turns are in the
-    database, labelled, with none of the warm-up requests."""
+    """The README's example, run as written (its upstream, file and tokenizer directory put in): the printed
+    table has, at concurrency 1, 2 and 4, a per-stream median and an aggregate, each with its interval over
+    the 3 rounds; the turns are in the database, with none of the warm-up requests."""
     db = tmp_path / "sweep.db"
     # 32 tokens, not stopped early: ~0.1 s of decoding on the tiny model, so that a busy machine (the suite's
     # other workers) delaying the proxy's reads cannot merge a whole answer into one read (no decode time)
     work = replay_file(tmp_path / "turns.jsonl", 3, 32, ignore_eos=True)
-    proc = specproxy("bench", "--upstream", llama_server.url, "--from", str(work), "--db", str(db),
-                     "--tokenizer", f"hf:{hf_tokenizer_dir}", "--concurrency", "1,2,4", "--repeats", "3",
-                     "--label", "sweep", "--json")
+    words = readme_bench_command()
+    args = [{"http://127.0.0.1:8000": llama_server.url, "turns.jsonl": str(work),
+             "hf:/path/to/model-dir": f"hf:{hf_tokenizer_dir}"}.get(w, w) for w in words[1:]]
+    assert args[0] == "bench" and {str(work), f"hf:{hf_tokenizer_dir}", llama_server.url} <= set(args)
+    proc = subprocess.run([*SPECPROXY, *args], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "SPECPROXY_DB": str(db)})  # the README's line has no --db
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
-    levels = summary["arms"][0]["levels"]
-    assert [lv["level"] for lv in levels] == [1, 2, 4]
-    for lv in levels:
-        # every request sent is one turn in the database, failed or not (a failure is counted, not hidden)
-        assert lv["turns"] == lv["sent"] and lv["ok"] + sum(lv["errors"].values()) == lv["turns"]
-        # every one ok: llama-server closes its connection after each streamed answer, and a request that
-        # races that close is sent once more on a new connection (wire/upstream.py), never lost
-        assert lv["ok"] == lv["turns"], lv["errors"]
-        assert lv["decode_tps"]["ci_low"] <= lv["decode_tps"]["median"] <= lv["decode_tps"]["ci_high"], lv
-        agg = lv["aggregate_tps"]
-        assert agg["unit"] == "rounds" and agg["n"] == 3 and agg["ci_low"] <= agg["mean"] <= agg["ci_high"]
+    out = proc.stdout
+    assert "1 warm-up request per instance ran first and is not counted" in out, out
+    assert "per-stream tok/s [95% CI]" in out and "aggregate tok/s [95% CI]" in out, out
+    figure = r"(\d+\.\d+) \[(\d+\.\d+), (\d+\.\d+)\]"
+    rows = {}
+    for line in out.splitlines():
+        # concurrency, turns, errors, per-stream [CI], TTFT [CI], aggregate [CI], what the intervals are over
+        m = re.match(rf"\s+(\d+)\s+(\d+)\s+(\d+)\s+{figure}\s+\S+ \[\S+, \S+\]\s+{figure}\s+(.+)$", line)
+        if m:
+            rows[int(m[1])] = m.groups()
+    assert sorted(rows) == [1, 2, 4], out
+    for level, (_, turns, errors, ps, ps_lo, ps_hi, agg, agg_lo, agg_hi, over) in rows.items():
+        assert errors == "0", out
+        assert float(ps_lo) <= float(ps) <= float(ps_hi) and float(ps) > 0, out
+        assert float(agg_lo) <= float(agg) <= float(agg_hi) and float(agg) > 0, out
+        assert over.strip() == "3 rounds", out  # both intervals over the rounds, as the table says
     # the workload (3 requests) at least once per stream, 3 rounds each; the warm-up is not a turn
-    assert [lv["turns"] for lv in levels] == [9, 9, 12]
-    report = json.loads(specproxy("report", "--db", str(db), "--label", "sweep", "--json").stdout)
-    assert report["turns"] == 30 and report["labels"] == ["sweep"]
+    assert [int(rows[level][1]) for level in (1, 2, 4)] == [9, 9, 12], out
+    report = json.loads(specproxy("report", "--db", str(db), "--label", "bench", "--json").stdout)
+    assert report["turns"] == 30 and report["labels"] == ["bench"]
 
 
 @pytest.fixture(scope="module")
