@@ -204,6 +204,52 @@ async def request_once(port: int, data: bytes, *, head_request: bool = False, ti
         writer.close()
 
 
+class KeptClient:
+    """One client connection kept open across requests, as a keep-alive client's: ``ask`` sends a request
+    and returns its response once complete (None if the server closed first). ``head_seen``, when given,
+    is set as soon as the response's head is in: an upstream script waits on it to send the body in a
+    later read than the head (the relay thread takes a body only then)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self._rest = b""
+
+    async def __aenter__(self) -> KeptClient:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    async def ask(self, data: bytes, *, head_request: bool = False, head_seen: asyncio.Event | None = None,
+                  timeout: float = 10) -> Response | None:
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(data)
+        got, self._rest = self._rest, b""
+        while True:
+            if b"\r\n\r\n" in got:
+                if head_seen is not None:
+                    head_seen.set()
+                resp, rest = parse_response(got, head_request=head_request)
+                delimited = resp.header("Content-Length") is not None or resp.header("Transfer-Encoding")
+                if resp.complete and (delimited or head_request or resp.status in (204, 304)):
+                    self._rest = rest
+                    return resp
+            try:
+                piece = await asyncio.wait_for(self.reader.read(65536), timeout)
+            except ConnectionError:
+                piece = b""
+            if not piece:
+                return parse_response(got, head_request=head_request)[0] if got else None
+            got += piece
+
+
 def post_head(path: str, body: bytes, extra: str = "", host: str = "proxy") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body

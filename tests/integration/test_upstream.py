@@ -176,11 +176,12 @@ def test_abandoning_an_exchange_that_is_over_leaves_the_connections_next_one_alo
         port = server.sockets[0].getsockname()[1]
         pool = UpstreamPool(URL(f"http://127.0.0.1:{port}"), connect_timeout_s=5, idle_timeout_s=30)
         try:
-            conn = await asyncio.wait_for(pool.request("POST", b"POST /first HTTP/1.1\r\nHost: x\r\n\r\n"), 5)
+            client = _Client()  # one client connection: its next request reuses the upstream connection
+            conn = await asyncio.wait_for(pool.request("POST", b"POST /first HTTP/1.1\r\nHost: x\r\n\r\n", client), 5)
             first = conn.exchanges
-            conn.attach(_Client(), None, PASS)  # the whole body came with the head: over at once
+            conn.attach(client, None, PASS)  # the whole body came with the head: over at once
             assert conn.outcome == "ok" and conn in pool.idle
-            second = asyncio.ensure_future(pool.request("POST", b"POST /second HTTP/1.1\r\nHost: x\r\n\r\n"))
+            second = asyncio.ensure_future(pool.request("POST", b"POST /second HTTP/1.1\r\nHost: x\r\n\r\n", client))
             await asyncio.wait_for(requests.get(), 5)
             await asyncio.wait_for(requests.get(), 5)  # the second request reached the upstream
             assert conn in pool.active and conn.exchanges == first + 1
