@@ -159,8 +159,10 @@ def parse_response(raw: bytes, *, head_request: bool = False) -> tuple[Response,
     return resp, b""
 
 
-async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
-    """Send ``data`` on a new connection, read until the server closes; (bytes, closed_by_server)."""
+async def exchange(port: int, data: bytes, timeout: float = 10.0,
+                   head_seen: asyncio.Event | None = None) -> tuple[bytes, bool]:
+    """Send ``data`` on a new connection, read until the server closes; (bytes, closed_by_server).
+    ``head_seen``, when given, is set once a response head is in (see ``KeptClient``)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
     got = bytearray()
@@ -174,6 +176,8 @@ async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes
                 closed = True
                 break
             got += piece
+            if head_seen is not None and b"\r\n\r\n" in got:
+                head_seen.set()
     except (asyncio.TimeoutError, TimeoutError):
         pass
     except ConnectionError:
