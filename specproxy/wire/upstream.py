@@ -17,9 +17,10 @@ reuses it, and it is closed once that client has gone (at release, or by a sweep
 Why: bytes an upstream sends after a response it framed wrongly (or past its end, in a later segment)
 cannot be told from the answer to the next request on that connection, by any proxy; kept per client,
 they can confuse at most the client whose own exchange the upstream misframed, never another. A fresh
-connection that never carried an exchange (start-up's probe) may go to anyone. A request is sent twice only when a connection kept alive after an exchange is
-closed by the upstream before one byte of the next answer (its close raced our send): once more, on a
-new connection, never a third time; nothing else is retried. Response heads are parsed strictly
+connection that never carried an exchange (start-up's probe) may go to anyone. A request is sent twice
+only when a connection kept alive after an exchange is closed by the upstream before one byte of the
+next answer (its close raced our send): once more, on a new connection, never a third time; nothing else
+is retried. Response heads are parsed strictly
 (``response_head.py``, llhttp), one size limit per head. Response framing per RFC 9112 6.3:
 ``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
 interim 1xx responses are skipped (at most ``MAX_INTERIM`` of them, their heads inside the one head
