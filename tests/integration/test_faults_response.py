@@ -1,8 +1,9 @@
 """The response side as strict as the request side: no stale response to another client, no ambiguous
 framing downstream, no control characters or oversized heads, no underscore header names.
 
-Both peers are raw sockets scripted byte by byte (faultkit, rawpeers), through each body relay that ships
-(the relay thread, the Python one) and both fronts (the lane, aiohttp's server alone).
+Both peers are raw sockets scripted byte by byte (faultkit, rawpeers), through both fronts (the lane,
+aiohttp's server alone) and, where a chunked body is relayed, each body relay that ships (the relay
+thread, the Python one).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from faultkit import (KeptClient, await_until, chunk, exchange, kernel_queued, p
                       request_once)
 from specproxy.wire.upstream import UpstreamPool
 
-pytestmark = pytest.mark.usefixtures("each_relay", "each_front")
+# each front; each relay for the tests whose bodies the relay thread can take (a chunked one after its
+# head), which assert that it took them: a head refused or a Content-Length body never reaches the thread
+pytestmark = pytest.mark.usefixtures("each_front")
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -30,13 +33,10 @@ def _thread_turns(stack) -> int:
     return stack.service.proxy._pool.thread_turns
 
 
-def _assert_relayed_by(stack, relay: str) -> None:
-    """The relay the test is parametrised for is the one that carried a body: the thread took at least
-    one (a chunked body that came after its head), or, with the Python relay, it took none."""
-    if relay == "thread":
-        assert _thread_turns(stack) >= 1, "the relay thread took no body: the thread case never ran on it"
-    else:
-        assert _thread_turns(stack) == 0
+def _assert_relayed_by(stack, relay: str, bodies: int) -> None:
+    """The relay the test is parametrised for is the one that carried the chunked bodies: the thread took
+    each of the ``bodies`` (each came after its head), or, with the Python relay, it took none."""
+    assert _thread_turns(stack) == (bodies if relay == "thread" else 0), relay
 
 
 PROBE_EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"pro"}}]}\n\n',
@@ -146,7 +146,7 @@ def test_late_bytes_never_reach_another_client(make_stack, each_relay, case):
     stack.settle()
     (rec,) = [r for r in stack.records if r.path == CHAT]
     assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))  # the payload, unframed
-    _assert_relayed_by(stack, each_relay)
+    _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)  # B's body, and A's when chunked
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
@@ -195,8 +195,7 @@ def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_s
     taken, conn = stack.run(go())
     assert taken is None
     assert conn.transport is None or conn.transport.is_closing()
-    if framing == "chunked":
-        _assert_relayed_by(stack, each_relay)
+    _assert_relayed_by(stack, each_relay, 1 if framing == "chunked" else 0)
 
 
 def test_a_client_connection_reuses_its_own_upstream_connection_and_no_other(make_stack, each_relay):
@@ -237,7 +236,7 @@ def test_a_client_connection_reuses_its_own_upstream_connection_and_no_other(mak
 
     first_connections = stack.run(go())
     assert first_connections == 1 and len(upstream.requests) == 3
-    _assert_relayed_by(stack, each_relay)
+    _assert_relayed_by(stack, each_relay, 3)
 
 
 # --- 2. Content-Length beside Transfer-Encoding --------------------------------------------------------
@@ -398,7 +397,7 @@ async def _read_and_drop(port: int, request: bytes) -> int:
 
 
 @pytest.mark.parametrize("measured", [False, True])
-def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
+def test_a_large_response_body_is_not_held_in_memory(make_stack, each_relay, measured):
     """An 80 MB stream through the proxy: unmeasured, nothing of it is kept; measured, only its first
     ``max_measured_bytes`` (1 MiB here), and the record says it was capped. The process's peak resident
     set grows by far less than the body."""
@@ -413,6 +412,7 @@ def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
     stack.settle()
     grew_mb = (_rss_kib("VmHWM") - before) / 1024
     assert got == BIG_CHUNKS * len(BIG_CHUNK) + 5
+    _assert_relayed_by(stack, each_relay, 2)  # the thread takes each body after its first reads
     assert grew_mb < BIG_MB / 4, f"peak RSS grew {grew_mb:.0f} MB for a {BIG_MB} MB body"
     if measured:
         (rec,) = [r for r in stack.records if r.path == CHAT]
