@@ -44,55 +44,68 @@ def _stack(make_stack, tok, respond):
     return make_stack(tok, raw_script=upstream.serve, scrape_interval_s=0), upstream
 
 
-async def _chunked_answer(_req, writer, _i):
-    writer.write(_sse() + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
-    await writer.drain()
-    return True
+class AfterHead:
+    """A chunked answer whose body goes out once the client has the head (``seen[i]``, set by the client
+    for request ``i``): the body then comes in a read of its own, which the relay thread takes."""
+
+    def __init__(self, head: bytes | None = None) -> None:
+        self.head = _sse() if head is None else head
+        self.seen = [asyncio.Event() for _ in range(8)]
+
+    async def respond(self, _req, writer, i):
+        writer.write(self.head)
+        await writer.drain()
+        await asyncio.wait_for(self.seen[i].wait(), 10)
+        writer.write(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+        await writer.drain()
+        return True
 
 
-def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_tok):
-    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead()
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     assert raw.endswith(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
     resp, _ = parse_response(raw)
     assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
 def test_http10_client_gets_the_body_unframed_then_a_close(make_stack, tiktoken_tok):
-    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
-    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/1.0"), timeout=5))
+    answer = AfterHead()
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/1.0"), timeout=5, head_seen=answer.seen[0]))
     head, _, body = raw.partition(b"\r\n\r\n")
     assert closed and head.startswith(b"HTTP/1.0 200")
     assert b"transfer-encoding" not in head.lower() and body == b"".join(EVENTS)
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
+    _assert_relayed_by(stack, "python", 0)  # unframed on the loop, whichever relay is configured
 
 
-def test_interim_responses_are_skipped(make_stack, tiktoken_tok):
-    async def respond(_req, writer, _i):
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n")
-        await writer.drain()
-        return await _chunked_answer(_req, writer, _i)
-
-    stack, _ = _stack(make_stack, tiktoken_tok, respond)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+def test_interim_responses_are_skipped(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+                       + _sse())
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     assert raw.startswith(b"HTTP/1.1 200") and b"103" not in raw.split(b"\r\n\r\n", 1)[0]
     resp, _ = parse_response(raw)
     assert resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
 @pytest.mark.usefixtures("each_front")
-def test_content_length_beside_chunked_is_not_forwarded(make_stack, tiktoken_tok):
-    async def respond(_req, writer, _i):
-        writer.write(_sse(b"Content-Length: 3\r\n") + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
-        await writer.drain()
-        return True
-
-    stack, _ = _stack(make_stack, tiktoken_tok, respond)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+def test_content_length_beside_chunked_is_not_forwarded(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead(_sse(b"Content-Length: 3\r\n"))
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     resp, _ = parse_response(raw)
     assert resp.header("Content-Length") is None and resp.header("Transfer-Encoding") == "chunked"
     assert resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
 def test_bytes_past_the_end_of_a_response_reach_nobody(make_stack, tiktoken_tok, each_relay):
@@ -124,17 +137,19 @@ def test_bytes_past_the_end_of_a_response_reach_nobody(make_stack, tiktoken_tok,
 
 
 @pytest.mark.usefixtures("each_front")
-def test_kept_alive_upstream_connections_are_reused_by_their_client(make_stack, tiktoken_tok):
+def test_kept_alive_upstream_connections_are_reused_by_their_client(make_stack, tiktoken_tok, each_relay):
     """Five requests on one keep-alive client connection: one upstream connection carries them all."""
-    stack, upstream = _stack(make_stack, tiktoken_tok, _chunked_answer)
+    answer = AfterHead()
+    stack, upstream = _stack(make_stack, tiktoken_tok, answer.respond)
 
     async def go():
         async with KeptClient(stack.service.port) as client:
-            return [await client.ask(_request()) for _ in range(5)]
+            return [await client.ask(_request(), head_seen=answer.seen[i]) for i in range(5)]
 
     for resp in stack.run(go()):
         assert resp.complete and resp.body == b"".join(EVENTS)
     assert upstream.connections == 1 and len(upstream.requests) == 5
+    _assert_relayed_by(stack, each_relay, 5)
 
 
 def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
