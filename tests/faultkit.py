@@ -159,8 +159,10 @@ def parse_response(raw: bytes, *, head_request: bool = False) -> tuple[Response,
     return resp, b""
 
 
-async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
-    """Send ``data`` on a new connection, read until the server closes; (bytes, closed_by_server)."""
+async def exchange(port: int, data: bytes, timeout: float = 10.0,
+                   head_seen: asyncio.Event | None = None) -> tuple[bytes, bool]:
+    """Send ``data`` on a new connection, read until the server closes; (bytes, closed_by_server).
+    ``head_seen``, when given, is set once a response head is in (see ``KeptClient``)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
     got = bytearray()
@@ -174,6 +176,8 @@ async def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes
                 closed = True
                 break
             got += piece
+            if head_seen is not None and b"\r\n\r\n" in got:
+                head_seen.set()
     except (asyncio.TimeoutError, TimeoutError):
         pass
     except ConnectionError:
@@ -202,6 +206,52 @@ async def request_once(port: int, data: bytes, *, head_request: bool = False, ti
                 return parse_response(got, head_request=head_request)[0] if got else None
     finally:
         writer.close()
+
+
+class KeptClient:
+    """One client connection kept open across requests, as a keep-alive client's: ``ask`` sends a request
+    and returns its response once complete (None if the server closed first). ``head_seen``, when given,
+    is set as soon as the response's head is in: an upstream script waits on it to send the body in a
+    later read than the head (the relay thread takes a body only then)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self._rest = b""
+
+    async def __aenter__(self) -> KeptClient:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    async def ask(self, data: bytes, *, head_request: bool = False, head_seen: asyncio.Event | None = None,
+                  timeout: float = 10) -> Response | None:
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(data)
+        got, self._rest = self._rest, b""
+        while True:
+            if b"\r\n\r\n" in got:
+                if head_seen is not None:
+                    head_seen.set()
+                resp, rest = parse_response(got, head_request=head_request)
+                delimited = resp.header("Content-Length") is not None or resp.header("Transfer-Encoding")
+                if resp.complete and (delimited or head_request or resp.status in (204, 304)):
+                    self._rest = rest
+                    return resp
+            try:
+                piece = await asyncio.wait_for(self.reader.read(65536), timeout)
+            except ConnectionError:
+                piece = b""
+            if not piece:
+                return parse_response(got, head_request=head_request)[0] if got else None
+            got += piece
 
 
 def post_head(path: str, body: bytes, extra: str = "", host: str = "proxy") -> bytes:

@@ -127,10 +127,15 @@ CONFIG_ONLY: dict[str, str] = {
 @_friendly
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""
-    from specproxy.serve.service import Service, install_uvloop
+    from specproxy.serve.service import FEW_FILES, Service, install_uvloop, raise_open_files_limit
     from specproxy.view.live import LivePages
 
     cfg = load_config(config_path, overrides=flags)
+    files = raise_open_files_limit()
+    if files is not None and files < FEW_FILES:
+        click.echo(f"warning: at most {files} open files (the hard limit, RLIMIT_NOFILE): each client and "
+                   f"upstream connection takes one, so connections past about {files // 2} are refused; "
+                   f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
     service.pages = LivePages(cfg.db)  # the live page at /_specproxy/, drawn from the database it writes
     install_uvloop()

@@ -218,7 +218,9 @@ class Proxy:
         assert self._pool is not None
         try:
             head_bytes = request_head(self._base_path, self._host_header, req, body)
-            conn = await self._pool.request(req.method, head_bytes + body)
+            # the upstream connection stays this client connection's (none if it will not send another)
+            owner = client.transport if req.http11 and req.keep_alive else None
+            conn = await self._pool.request(req.method, head_bytes + body, owner)
             exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response

@@ -154,6 +154,29 @@ def install_uvloop() -> bool:
     return True
 
 
+FEW_FILES = 4096  # an open-file limit below this is said at start: connections would run out first
+
+
+def raise_open_files_limit() -> int | None:
+    """Raise this process's soft limit of open files to its hard limit; return the soft limit now (None
+    where there is no such limit). Why: every client and upstream connection is a descriptor, and the
+    common soft default (1024) is reached by a thousand slow clients, after which connections are refused
+    while the machine has room for many more."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux refuses an unlimited one (nr_open)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft
+    return want
+
+
 @dataclass
 class Service:
     """The running proxy. ``await start()``, then ``await stop()``; ``port`` is the bound port."""

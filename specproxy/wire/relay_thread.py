@@ -72,12 +72,14 @@ class TurnSink:
         self._fd = self._sink.fileno()
         loop.add_reader(self._fd, self._collect)
         self.closed = False
+        self.started = 0  # turns handed to the thread: tests read it to know the thread took a body
 
     def start(self, conn: UpstreamConn, upstream_fd: int, client_fd: int, framing: Any, keep: int):
         """The thread relays the body from now on, keeping its first reads within ``keep`` bytes for
         measuring. Raises OSError (no descriptor left, no thread)."""
         turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing, keep)
         self._conns[turn.id] = conn
+        self.started += 1
         return turn
 
     def forget(self, turn) -> None:

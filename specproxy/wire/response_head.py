@@ -9,7 +9,9 @@ control characters through there) and the HTTP version (only 1.0 and 1.1). One p
 costs a few microseconds; the body is never fed to it (the relay follows the body's framing itself).
 
 Content-Length beside Transfer-Encoding is parsed, not refused (RFC 9112 6.3: Transfer-Encoding
-overrides it); ``ResponseHead.transfer_encoding`` tells ``serve`` to drop the Content-Length.
+overrides it); ``ResponseHead.transfer_encoding`` tells ``serve`` to drop the Content-Length. A transfer
+coding other than ``chunked`` alone (``gzip``, ``gzip, chunked``, ``chunked, chunked``) is refused, as
+nginx refuses it: the client could not be told the truth about the bytes it would get.
 """
 
 from __future__ import annotations
@@ -115,9 +117,11 @@ def parse_head(raw: bytes, method: str) -> ResponseHead:
     if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
         framing = NO_BODY
     elif codings:
-        coding = _comma_tokens(codings)
-        # chunked last: chunked framing; any other final coding: the body runs until close
-        framing = CHUNKED if coding and coding[-1] == b"chunked" else CLOSE
+        # chunked alone, as nginx takes it: a body under another transfer coding (gzip, say) could be
+        # passed on only by telling the client that coding, which HTTP/1.0 cannot and few clients decode
+        if _comma_tokens(codings) != [b"chunked"]:
+            raise UpstreamError("unsupported Transfer-Encoding from the upstream (only chunked is relayed)")
+        framing = CHUNKED
     elif lengths:  # llhttp has refused a repeated or malformed one
         framing, length = LENGTH, int(lengths[0])
     else:

@@ -11,15 +11,23 @@ This module owns the connection, the request and the response head; ``body.BodyR
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining); idle connections are reused newest first
-and closed after ``POOL_IDLE_S``. A request is sent twice only when a connection kept alive after an exchange is
-closed by the upstream before one byte of the next answer (its close raced our send): once more, on a
-new connection, never a third time; nothing else is retried. Response heads are parsed strictly
+and closed after ``POOL_IDLE_S``. A connection that has carried an exchange is private to the client
+connection it served (its ``owner``, as HAProxy's private connections): only that client's next request
+reuses it, and it is closed once that client has gone (at release, or by a sweep every ``SWEEP_S``).
+Why: bytes an upstream sends after a response it framed wrongly (or past its end, in a later segment)
+cannot be told from the answer to the next request on that connection, by any proxy; kept per client,
+they can confuse at most the client whose own exchange the upstream misframed, never another. A fresh
+connection that never carried an exchange (start-up's probe) may go to anyone. A request is sent twice
+only when a connection kept alive after an exchange is closed by the upstream before one byte of the
+next answer (its close raced our send): once more, on a new connection, never a third time; nothing else
+is retried. Response heads are parsed strictly
 (``response_head.py``, llhttp), one size limit per head. Response framing per RFC 9112 6.3:
 ``Content-Length``, ``chunked``, or until the connection closes; HEAD, 1xx, 204 and 304 have no body;
-interim 1xx responses are skipped. Bytes past a response's end are never relayed, and the connection
-that had them is not reused: nor is one after a response with no body by rule or an interim 1xx (an
-upstream that disagrees may send that body later, when the connection carries another client's
-exchange), nor an idle one with bytes waiting or closed when it is taken from the pool (a peek).
+interim 1xx responses are skipped (at most ``MAX_INTERIM`` of them, their heads inside the one head
+limit). Bytes past a response's end are never relayed, and the connection that had them is not reused:
+nor is one after a response with no body by rule or an interim 1xx (an upstream that disagrees may send
+that body later, when the connection carries the next exchange), nor an idle one with bytes waiting or
+closed when it is taken from the pool (a peek; a TLS connection is not peeked).
 Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for the response head and between reads
 of the body (not while the client is the one not reading). There is no total deadline: a long prefill or
 a long answer is not an error.
@@ -63,7 +71,9 @@ __all__ = [
 clock = time.perf_counter
 
 POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long
-MAX_HEAD_BYTES = 65536  # a response head longer than this is refused (502)
+SWEEP_S = 1.0  # how often idle connections kept for client connections are checked for their client gone
+MAX_HEAD_BYTES = 65536  # the heads of one response, interim ones included, longer than this: 502
+MAX_INTERIM = 8  # more interim 1xx responses than this before the answer: 502
 
 
 class UpstreamConn(BodyRelay, asyncio.Protocol):
@@ -101,6 +111,9 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self.reusable = True
         self._turn = None  # the body's _relayc.Turn while the relay thread has it
         self.exchanges = 0  # requests sent on this connection: names the exchange a handler is part of
+        self.owner: asyncio.BaseTransport | None = None  # the client connection of its latest exchange
+        self._head_seen = 0  # bytes of this exchange's interim heads
+        self._interim = 0
         self.unanswered = False  # closed by the upstream while waiting for a head, before any byte of it
 
     # --- asyncio callbacks ----------------------------------------------------------------------------
@@ -164,6 +177,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
             self._pool_timer = None
         self._method = method
         self.exchanges += 1
+        self._head_seen = self._interim = 0
         self.state = _WAIT_HEAD
         self._head_waiter = self.pool.loop.create_future()
         self.transport.write(data)
@@ -172,25 +186,24 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         return self._head_waiter
 
     def _on_head_bytes(self, data: bytes, t_read: float) -> None:
-        """Bytes of the response head. One size limit for a head, however the reads cut it; a head that is
-        not strict HTTP/1.1 (``response_head.parse_head``) gets the client a 502."""
+        """Bytes of the response head. One size limit for the heads of a response (interim ones included),
+        however the reads cut them; a head that is not strict HTTP/1.1 (``response_head.parse_head``) gets
+        the client a 502."""
         buf = self._head_buf + data if self._head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
+                if self._head_seen + len(buf) > MAX_HEAD_BYTES:
                     self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                     return
-                if b"\n\n" in buf:  # a blank line of bare LFs: never a head we take; say so now, not at the deadline
-                    try:
-                        parse_head(buf, self._method)
-                    except UpstreamError as exc:
-                        self._refuse_head(exc)
-                        return
+                if b"\n\n" in buf or b"\n\r\n" in buf:
+                    # a blank line after a bare LF: never a head we take; say so now, not at the deadline
+                    self._refuse_head(UpstreamError("malformed response head from the upstream (bare LF)"))
+                    return
                 self._head_buf = buf
                 return
             end += 4
-            if end > MAX_HEAD_BYTES:
+            if self._head_seen + end > MAX_HEAD_BYTES:
                 self._refuse_head(UpstreamError(f"response head over {MAX_HEAD_BYTES} bytes from the upstream"))
                 return
             try:
@@ -207,6 +220,11 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
                 # an interim response (100 Continue, 103 Early Hints): not the answer. Nor a connection to
                 # reuse: an upstream that gave it a body would leave that body to the next exchange.
                 self.reusable = False
+                self._head_seen += end
+                self._interim += 1
+                if self._interim > MAX_INTERIM:
+                    self._refuse_head(UpstreamError(f"more than {MAX_INTERIM} interim responses from the upstream"))
+                    return
                 buf = rest
                 continue
             if head.framing == NO_BODY:
@@ -313,7 +331,8 @@ def _pending(transport: asyncio.Transport) -> bool:
 
 
 class UpstreamPool:
-    """Connections to the one upstream origin, kept alive between exchanges."""
+    """Connections to the one upstream origin, kept alive between exchanges: each one that has carried an
+    exchange for the client connection that exchange came from, the fresh ones for anyone."""
 
     def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
                  relay_slice_us: int = 100) -> None:
@@ -329,11 +348,23 @@ class UpstreamPool:
         self.idle_timeout_s = idle_timeout_s
         self.relay_thread = relay == "thread" and THREAD_BUILT
         self.relay_slice_us = relay_slice_us
-        self.idle: list[UpstreamConn] = []
+        self.fresh: list[UpstreamConn] = []  # idle, never carried an exchange: for any client
+        self.kept: dict[asyncio.BaseTransport, list[UpstreamConn]] = {}  # idle, by the client they served
         self.active: set[UpstreamConn] = set()
         self.closed = False
         self.last_read = 0.0  # the latest read on the loop, any connection (perf_counter)
         self._turn_sink: TurnSink | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+
+    @property
+    def idle(self) -> list[UpstreamConn]:
+        """Every idle connection, fresh or kept for a client (oldest first within each)."""
+        return [*self.fresh, *(c for conns in self.kept.values() for c in conns)]
+
+    @property
+    def thread_turns(self) -> int:
+        """Bodies handed to the relay thread on this loop so far."""
+        return self._turn_sink.started if self._turn_sink is not None else 0
 
     def turn_sink(self) -> TurnSink:
         """This loop's mailbox for the relay thread (made on first use)."""
@@ -345,23 +376,25 @@ class UpstreamPool:
         """The latest read of any body, on the loop or by the relay thread (the measuring worker waits for a gap)."""
         return max(self.last_read, thread_last_read())
 
-    async def request(self, method: str, data: bytes) -> UpstreamConn:
-        """Send one request (head and body in ``data``); return the connection once its response head is in.
-        Raises ``UpstreamError``."""
-        conn = self._take_idle()
+    async def request(self, method: str, data: bytes, owner: asyncio.BaseTransport | None = None) -> UpstreamConn:
+        """Send one request (head and body in ``data``) for the client connection ``owner`` (its transport;
+        None: a client that will not send another request); return the connection once its response head
+        is in. Raises ``UpstreamError``."""
+        conn = self._take_idle(owner)
         if conn is not None:
             try:
-                return await self._send(conn, method, data)
+                return await self._send(conn, method, data, owner)
             except UpstreamError:
                 if not (conn.unanswered and conn.exchanges > 1):
                     raise
                 # A kept-alive connection the upstream closed as the request went out, before a byte of any
                 # answer: the idle close raced our send (llama-server closes after each streamed response;
                 # the peek at checkout cannot see a close still on its way). Once more, on a new connection.
-        return await self._send(await self._connect(), method, data)
+        return await self._send(await self._connect(), method, data, owner)
 
-    async def _send(self, conn: UpstreamConn, method: str, data: bytes) -> UpstreamConn:
+    async def _send(self, conn: UpstreamConn, method: str, data: bytes, owner) -> UpstreamConn:
         self.active.add(conn)
+        conn.owner = owner
         try:
             await conn.send(method, data)
         except BaseException:
@@ -370,28 +403,38 @@ class UpstreamPool:
             raise
         return conn
 
-    def _take_idle(self) -> UpstreamConn | None:
-        """The newest idle connection fit for another exchange. One that has bytes waiting (the loop has
-        not read them yet) or has been closed by the upstream is dropped: whatever waits there is no answer
-        to the request about to be sent."""
-        while self.idle:
-            conn = self.idle.pop()
-            transport = conn.transport
-            if transport is not None and not transport.is_closing() and conn.state == _IDLE:
-                if not _pending(transport):
-                    return conn
-                conn.close()
-        return None
+    def _take_idle(self, owner: asyncio.BaseTransport | None) -> UpstreamConn | None:
+        """The newest idle connection kept for ``owner``, else a fresh one; never one another client's
+        exchange went over. One that has bytes waiting (the loop has not read them yet) or has been closed
+        by the upstream is dropped: whatever waits there is no answer to the request about to be sent."""
+        mine = self.kept.pop(owner, None) if owner is not None else None
+        try:
+            for conns in (mine, self.fresh):
+                while conns:
+                    conn = conns.pop()
+                    transport = conn.transport
+                    if transport is not None and not transport.is_closing() and conn.state == _IDLE:
+                        if not _pending(transport):
+                            return conn
+                    conn.close()
+            return None
+        finally:
+            if mine:  # the owner's others stay kept for it
+                self.kept[owner] = mine
 
     async def probe(self, timeout_s: float) -> UpstreamError | None:
         """Connect once: None when the upstream accepts a connection within ``timeout_s``, else why not, in
         the words a request's 502 or 504 would use. Nothing is sent. For start-up's check. The connection
-        joins the idle ones, for the first request to use: the check costs the upstream no connection."""
+        joins the fresh idle ones, for the first request to use: the check costs the upstream no connection."""
         try:
             conn = await self._connect(min(timeout_s, self.connect_timeout_s))
         except UpstreamError as exc:
             return exc
-        self._release(conn)
+        if self.closed:
+            conn.close()
+            return None
+        self._idle(conn)
+        self.fresh.append(conn)
         return None
 
     async def _connect(self, timeout_s: float | None = None) -> UpstreamConn:
@@ -415,26 +458,52 @@ class UpstreamPool:
         return conn
 
     def _release(self, conn: UpstreamConn) -> None:
+        """After an exchange that ended well: kept for the client connection it served, if that is still
+        there; else closed."""
         self.active.discard(conn)
-        if self.closed or conn.transport is None:
+        owner = conn.owner
+        if self.closed or conn.transport is None or owner is None or owner.is_closing():
             conn.close()
             return
+        self._idle(conn)
+        self.kept.setdefault(owner, []).append(conn)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
+
+    def _idle(self, conn: UpstreamConn) -> None:
         conn.state = _IDLE
         conn.head = None
         conn._parked = []
         conn.framing = None
         conn._pool_timer = self.loop.call_later(POOL_IDLE_S, conn.close)
-        self.idle.append(conn)
+
+    def _sweep_kept(self) -> None:
+        """Close the connections kept for clients that have gone; again in ``SWEEP_S`` while any are kept."""
+        self._sweep = None
+        for owner in [o for o in self.kept if o.is_closing()]:
+            for conn in self.kept.pop(owner):
+                conn.close()
+        if self.kept and not self.closed:
+            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
 
     def _forget(self, conn: UpstreamConn) -> None:
         self.active.discard(conn)
-        if conn in self.idle:
-            self.idle.remove(conn)
+        if conn in self.fresh:
+            self.fresh.remove(conn)
+        conns = self.kept.get(conn.owner) if conn.owner is not None else None
+        if conns is not None and conn in conns:
+            conns.remove(conn)
+            if not conns:
+                del self.kept[conn.owner]
 
     def close(self) -> None:
         self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in [*self.idle, *self.active]:
             conn.close()
-        self.idle.clear()
+        self.fresh.clear()
+        self.kept.clear()
         if self._turn_sink is not None:
             self._turn_sink.close()

@@ -270,6 +270,38 @@ def test_serve_freezes_what_start_up_made(tmp_path, loop_thread):
     assert state["upstream_idle"] <= 1, state  # at most the start-up check's connection, kept alive
 
 
+def _open_files_limits(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return tuple(-1 if v == "unlimited" else int(v) for v in (soft, hard))  # RLIM_INFINITY is -1
+    raise AssertionError("no open-files line in /proc/<pid>/limits")
+
+
+def test_serve_raises_its_open_files_limit_to_the_hard_one(tmp_path, loop_thread):
+    """A thousand slow clients would pass a soft limit of 1024 open files: ``serve``, started with that
+    soft limit, raises it to the hard one (each connection is a descriptor; the hard limit is the real bound)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit of open files is {hard}: nothing to raise to")
+    upstream = FakeUpstream(Script(pieces=["tok"]))
+    loop_thread.run(upstream.start())
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what serve inherits, as from a default shell
+    try:
+        proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        got_soft, got_hard = _open_files_limits(proc.proc.pid)
+    finally:
+        assert proc.stop() == 0
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux refuses an unlimited soft one
+    assert (got_soft, got_hard) == (want, hard)
+    assert "open files" not in proc.stderr()  # no warning: the limit is ample
+
+
 def test_settle_heap_collects_start_up_garbage_before_freezing():
     """What start-up left as cyclic garbage is freed, not frozen for the life of the process."""
     import gc

@@ -1,8 +1,9 @@
 """The response side as strict as the request side: no stale response to another client, no ambiguous
 framing downstream, no control characters or oversized heads, no underscore header names.
 
-Both peers are raw sockets scripted byte by byte (faultkit, rawpeers), through each body relay that ships
-(the relay thread, the Python one) and both fronts (the lane, aiohttp's server alone).
+Both peers are raw sockets scripted byte by byte (faultkit, rawpeers), through both fronts (the lane,
+aiohttp's server alone) and, where a chunked body is relayed, each body relay that ships (the relay
+thread, the Python one).
 """
 
 from __future__ import annotations
@@ -12,64 +13,84 @@ import asyncio
 import orjson
 import pytest
 
-from faultkit import await_until, exchange, kernel_queued, parse_response, post_head, read_request, request_once
+from faultkit import (KeptClient, await_until, chunk, exchange, kernel_queued, parse_response, post_head, read_request,
+                      request_once)
 from specproxy.wire.upstream import UpstreamPool
 
-pytestmark = pytest.mark.usefixtures("each_relay", "each_front")
+# each front; each relay for the tests whose bodies the relay thread can take (a chunked one after its
+# head), which assert that it took them: a head refused or a Content-Length body never reaches the thread
+pytestmark = pytest.mark.usefixtures("each_front")
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-PROBE = orjson.dumps({"id": "probe", "object": "chat.completion",
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "probe"}}]})
-PROBE_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
-                  % (len(PROBE), PROBE))
 EVIL = b"HTTP/1.1 203 Evil\r\nContent-Length: 4\r\nX-Echo: evil\r\n\r\nEVIL"
 
 
-@pytest.fixture(autouse=True)
-def _not_the_loop_relay(request):
-    if request.getfixturevalue("each_relay") == "loop":
-        pytest.skip("the per-read relay on the loop is being removed")
-
-
 # --- 1. a response's late bytes never reach another client ---------------------------------------------
+
+
+def _thread_turns(stack) -> int:
+    return stack.service.proxy._pool.thread_turns
+
+
+def _assert_relayed_by(stack, relay: str, bodies: int) -> None:
+    """The relay the test is parametrised for is the one that carried the chunked bodies: the thread took
+    each of the ``bodies`` (each came after its head), or, with the Python relay, it took none."""
+    assert _thread_turns(stack) == (bodies if relay == "thread" else 0), relay
+
+
+PROBE_EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"pro"}}]}\n\n',
+                b'data: {"choices":[{"index":0,"delta":{"content":"be"}}]}\n\n', b"data: [DONE]\n\n"]
+PROBE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+PROBE_CHUNKED = b"".join(chunk(e) for e in PROBE_EVENTS) + b"0\r\n\r\n"
+
+# the first client's answer: its head, then its body (if any) once that client has the head
+FIRSTS = {
+    "head": (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b""),
+    "204": (b"HTTP/1.1 204 No Content\r\n\r\n", b""),
+    "304": (b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n", b""),
+    "100": (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"ok"),
+    "length": (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"ok"),
+    "chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"2\r\nok\r\n0\r\n\r\n"),
+}
 
 
 class LateBytes:
     """An upstream whose answer to ``/evil`` is followed, on the same connection, by a whole second
     response (``EVIL``) that it sends only once the next client's request has reached it, on whichever
     connection: the window in which a proxy that reused the connection would relay it to that client.
-    The next client's own answer (``PROBE``) goes out after ``EVIL`` was sent."""
+    The next client's own answer (a chunked stream) goes out after ``EVIL`` was sent, its body once that
+    client has the head. Each answer's body comes after its head has reached the client (``a_head`` and
+    ``b_head``, set by the clients): the relay thread takes such a chunked body."""
 
-    def __init__(self, first: bytes) -> None:
-        self.first = first
+    def __init__(self, first: tuple[bytes, bytes]) -> None:
+        self.head, self.body = first
         self.connections = 0
         self.probe_on_first_connection = False
-        self._probe_arrived: asyncio.Event | None = None
-        self._evil_sent: asyncio.Event | None = None
-
-    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
-        if self._probe_arrived is None:
-            self._probe_arrived, self._evil_sent = asyncio.Event(), asyncio.Event()
-        return self._probe_arrived, self._evil_sent
+        self.a_head = asyncio.Event()
+        self.b_head = asyncio.Event()
+        self._probe_arrived = asyncio.Event()
+        self._evil_sent = asyncio.Event()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        probe_arrived, evil_sent = self._events()
         self.connections += 1
         try:
             req = await read_request(reader)
             if req is None:
                 return
             if b"/evil" not in req.line:  # the probe, on a connection of its own
-                probe_arrived.set()
-                await asyncio.wait_for(evil_sent.wait(), 10)
-                writer.write(PROBE_RESPONSE)
-                await writer.drain()
+                self._probe_arrived.set()
+                await asyncio.wait_for(self._evil_sent.wait(), 10)
+                await self._answer_probe(writer)
                 return
-            writer.write(self.first)
+            writer.write(self.head)
             await writer.drain()
+            if self.body:
+                await asyncio.wait_for(self.a_head.wait(), 10)
+                writer.write(self.body)
+                await writer.drain()
             following = asyncio.ensure_future(read_request(reader))
-            arrived = asyncio.ensure_future(probe_arrived.wait())
+            arrived = asyncio.ensure_future(self._probe_arrived.wait())
             await asyncio.wait({following, arrived}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
             arrived.cancel()
             try:
@@ -77,64 +98,77 @@ class LateBytes:
                 await writer.drain()
             except ConnectionError:
                 pass  # the proxy had closed this connection: nobody can read them
-            evil_sent.set()
+            self._evil_sent.set()
             if following.done() and following.result() is not None:  # the probe came on this connection
                 self.probe_on_first_connection = True
-                writer.write(PROBE_RESPONSE)
-                await writer.drain()
+                await self._answer_probe(writer)
             else:
                 following.cancel()
+                await asyncio.wait({following})
+                await reader.read()  # until the proxy closes it
         finally:
             writer.close()
 
+    async def _answer_probe(self, writer: asyncio.StreamWriter) -> None:
+        writer.write(PROBE_HEAD)
+        await writer.drain()
+        try:
+            await asyncio.wait_for(self.b_head.wait(), 5)
+        except TimeoutError:
+            pass  # the client read another answer (EVIL) as its own: let the test see that
+        writer.write(PROBE_CHUNKED)
+        await writer.drain()
 
-@pytest.mark.parametrize("case", ["head", "204", "304", "100"])
-def test_late_bytes_after_a_bodyless_response_never_reach_the_next_client(make_stack, case):
-    """HEAD, 204 and 304 have no body by rule and an interim 1xx is not the answer: after any of them the
-    connection is not reused, so what the upstream sends later cannot be read as another client's answer."""
-    first = {
-        "head": b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n",
-        "204": b"HTTP/1.1 204 No Content\r\n\r\n",
-        "304": b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n",
-        "100": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
-    }[case]
-    upstream = LateBytes(first)
+
+@pytest.mark.parametrize("case", list(FIRSTS))
+def test_late_bytes_never_reach_another_client(make_stack, each_relay, case):
+    """Client A's answer, then late bytes on its connection once client B's request has reached the
+    upstream. After a body-less response (HEAD, 204, 304) or an interim 1xx the connection is not reused
+    at all; after a Content-Length or chunked body it is kept for A alone (A's connection stays open
+    throughout): either way B, on another connection, gets its own answer and its own record."""
+    upstream = LateBytes(FIRSTS[case])
     stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
     port = stack.service.port
     method = "HEAD" if case == "head" else "GET"
 
     async def go():
-        a = await request_once(port, f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(), head_request=case == "head")
-        b = await request_once(port, post_head(CHAT, BODY))
-        return a, b
+        async with KeptClient(port) as client_a, KeptClient(port) as client_b:
+            a = await client_a.ask(f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(),
+                                   head_request=case == "head", head_seen=upstream.a_head)
+            b = await client_b.ask(post_head(CHAT, BODY), head_seen=upstream.b_head)
+            return a, b
 
     a, b = stack.run(go())
-    assert a.status == {"head": 200, "204": 204, "304": 304, "100": 200}[case]
-    assert (b.status, b.body, b.header("X-Echo")) == (200, PROBE, None)
+    assert a.status == {"head": 200, "204": 204, "304": 304}.get(case, 200)
+    assert a.body == (b"" if case in ("head", "204", "304") else b"ok")
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None)
     assert not upstream.probe_on_first_connection and upstream.connections == 2
     stack.settle()
     (rec,) = [r for r in stack.records if r.path == CHAT]
-    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(PROBE))
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))  # the payload, unframed
+    _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)  # B's body, and A's when chunked
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
-def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, framing):
+def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, each_relay, framing):
     """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
     a Content-Length body or a chunked one's ``0\\r\\n\\r\\n``, which the relay thread carries, just
-    before the next checkout): the checkout peeks, finds them, and opens a new connection instead."""
-    junk_now: list[asyncio.Event] = []
-    answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if framing == "length"
-              else b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+    before the next checkout): the checkout for the same client peeks, finds them, and opens a new
+    connection instead."""
+    junk_now = asyncio.Event()
+    head_seen = asyncio.Event()
+    head, body = FIRSTS[framing]
 
     async def serve(reader, writer):
-        if not junk_now:
-            junk_now.append(asyncio.Event())
         req = await read_request(reader)
         if req is None:
             return
-        writer.write(answer)
+        writer.write(head)
         await writer.drain()
-        await asyncio.wait_for(junk_now[0].wait(), 10)
+        await asyncio.wait_for(head_seen.wait(), 10)
+        writer.write(body)
+        await writer.drain()
+        await asyncio.wait_for(junk_now.wait(), 10)
         writer.write(EVIL)
         await writer.drain()
         await reader.read()  # until the proxy closes it
@@ -144,42 +178,92 @@ def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_s
     pool: UpstreamPool = stack.service.proxy._pool
 
     async def go():
-        a = await request_once(port, b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
-        assert a.body == b"ok"
-        await await_until(lambda: len(pool.idle) == 1, 5, what="the connection back in the pool")
-        conn = pool.idle[0]
-        conn.transport.pause_reading()  # the loop has not got to the bytes yet: the window of the race
-        sock = conn.transport.get_extra_info("socket")
-        ports = {sock.getsockname()[1]}
-        junk_now[0].set()
-        await await_until(lambda: kernel_queued(ports) >= len(EVIL), 5, what="the late bytes queued")
-        taken = pool._take_idle()
-        return taken, conn
+        async with KeptClient(port) as client:
+            a = await client.ask(b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n", head_seen=head_seen)
+            assert a.body == b"ok"
+            await await_until(lambda: len(pool.idle) == 1, 5, what="the connection back in the pool")
+            conn = pool.idle[0]
+            assert conn.owner is not None and not conn.owner.is_closing()  # kept for this client
+            conn.transport.pause_reading()  # the loop has not got to the bytes yet: the window of the race
+            sock = conn.transport.get_extra_info("socket")
+            ports = {sock.getsockname()[1]}
+            junk_now.set()
+            await await_until(lambda: kernel_queued(ports) >= len(EVIL), 5, what="the late bytes queued")
+            taken = pool._take_idle(conn.owner)
+            return taken, conn
 
     taken, conn = stack.run(go())
     assert taken is None
     assert conn.transport is None or conn.transport.is_closing()
+    _assert_relayed_by(stack, each_relay, 1 if framing == "chunked" else 0)
+
+
+def test_a_client_connection_reuses_its_own_upstream_connection_and_no_other(make_stack, each_relay):
+    """Two requests on one keep-alive client connection go over one upstream connection; a second client
+    connection gets an upstream connection of its own; and once a client hangs up, the upstream
+    connection kept for it is closed (the upstream sees it close)."""
+    from faultkit import ScriptedUpstream
+
+    heads_seen = [asyncio.Event() for _ in range(3)]
+
+    async def respond(_req, writer, i):
+        writer.write(PROBE_HEAD)
+        await writer.drain()
+        await asyncio.wait_for(heads_seen[i].wait(), 10)
+        writer.write(PROBE_CHUNKED)
+        await writer.drain()
+        return True
+
+    upstream = ScriptedUpstream(respond)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    port = stack.service.port
+
+    async def go():
+        async with KeptClient(port) as one:
+            for i in range(2):
+                resp = await one.ask(post_head(CHAT, BODY), head_seen=heads_seen[i])
+                assert resp.body == b"".join(PROBE_EVENTS)
+            first_connections = upstream.connections
+            async with KeptClient(port) as two:
+                resp = await two.ask(post_head(CHAT, BODY), head_seen=heads_seen[2])
+                assert resp.body == b"".join(PROBE_EVENTS)
+                assert upstream.connections == first_connections + 1
+                assert upstream.peer_closed_at == []  # kept while their clients are connected
+        # both clients gone: their upstream connections are closed (well before POOL_IDLE_S, 15 s)
+        await await_until(lambda: len(upstream.peer_closed_at) == 2, 5,
+                          what="the upstream connections of the gone clients closed")
+        return first_connections
+
+    first_connections = stack.run(go())
+    assert first_connections == 1 and len(upstream.requests) == 3
+    _assert_relayed_by(stack, each_relay, 3)
 
 
 # --- 2. Content-Length beside Transfer-Encoding --------------------------------------------------------
 
 
-def test_content_length_is_dropped_whenever_transfer_encoding_is_present(make_stack):
+@pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])
+def test_a_transfer_coding_other_than_chunked_gets_502(make_stack, coding):
+    """Content-Length beside ``Transfer-Encoding: gzip``, or gzip under chunked: the proxy could relay the
+    gzipped bytes only by telling the client that transfer coding (HTTP/1.0 cannot; few clients decode
+    it), so, as nginx, it refuses the response: a 502, neither header nor a byte of the body relayed."""
+    body = b"hello" if coding == b"gzip" else b"5\r\nhello\r\n0\r\n\r\n"
+
     async def serve(reader, writer):
         if await read_request(reader) is None:
             return
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: gzip\r\n\r\nhello")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: %b\r\n\r\n%b" % (coding, body))
         await writer.drain()
+        await reader.read()
 
     stack = make_stack(raw_script=serve, scrape_interval_s=0)
-    # Connection: close, so the read ends when the proxy closes after the answer rather than at the timeout
-    got, closed = stack.run(exchange(stack.service.port, b"GET /x HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n",
-                                     timeout=5))
-    assert closed
-    resp, _ = parse_response(got)
-    assert resp.header("Content-Length") is None
-    assert resp.header_all("Transfer-Encoding") == ["chunked"]
-    assert resp.body == b"hello" and resp.complete
+    resp = stack.run(request_once(stack.service.port, post_head(CHAT, BODY)))
+    assert resp.status == 502 and b"hello" not in resp.raw and resp.header("Content-Length") != "5"
+    assert b"unsupported Transfer-Encoding" in resp.raw
+    stack.settle()
+    (rec,) = stack.records
+    assert (rec.status, rec.outcome) == (502, "upstream_unreachable")
+    assert "unsupported Transfer-Encoding" in rec.error
 
 
 # --- 5. control characters in the head; 7. one size limit ----------------------------------------------
@@ -193,6 +277,13 @@ BAD_HEADS = {
     "bare_lf_head": b"HTTP/1.1 200 OK\nX-Injected: 1\nContent-Length: 2\n\nok",
     "nul_in_reason": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok",
     "over_64k_in_one_read": b"HTTP/1.1 200 OK\r\n" + b"X-Pad: %b\r\n" % (b"p" * 70_000) + b"Content-Length: 2\r\n\r\nok",
+    # a bare LF then CRLF as the blank line: neither a strict end nor a bare-LF one; refused at once,
+    # not after idle_timeout_s (the default, 600 s, far past this test's deadline)
+    "lf_then_crlf_blank_line": b"HTTP/1.1 200 OK\r\nX-Injected: 1\r\nContent-Length: 2\n\r\nok",
+    # interim responses without end, or whose heads together pass the one head limit
+    "endless_interim": b"HTTP/1.1 100 Continue\r\nX-Injected: 1\r\n\r\n" * 200,
+    "interim_heads_over_64k": b"HTTP/1.1 103 Early Hints\r\nLink: %b\r\n\r\n" % (b"x" * 20_000) * 4
+                              + b"HTTP/1.1 200 OK\r\nX-Injected: 1\r\nContent-Length: 2\r\n\r\nok",
 }
 
 
@@ -306,7 +397,7 @@ async def _read_and_drop(port: int, request: bytes) -> int:
 
 
 @pytest.mark.parametrize("measured", [False, True])
-def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
+def test_a_large_response_body_is_not_held_in_memory(make_stack, each_relay, measured):
     """An 80 MB stream through the proxy: unmeasured, nothing of it is kept; measured, only its first
     ``max_measured_bytes`` (1 MiB here), and the record says it was capped. The process's peak resident
     set grows by far less than the body."""
@@ -321,6 +412,7 @@ def test_a_large_response_body_is_not_held_in_memory(make_stack, measured):
     stack.settle()
     grew_mb = (_rss_kib("VmHWM") - before) / 1024
     assert got == BIG_CHUNKS * len(BIG_CHUNK) + 5
+    _assert_relayed_by(stack, each_relay, 2)  # the thread takes each body after its first reads
     assert grew_mb < BIG_MB / 4, f"peak RSS grew {grew_mb:.0f} MB for a {BIG_MB} MB body"
     if measured:
         (rec,) = [r for r in stack.records if r.path == CHAT]

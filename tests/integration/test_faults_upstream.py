@@ -40,15 +40,25 @@ def _stack(make_stack, tok, respond, **cfg):
 
 async def _read_stream(url: str, body: bytes = BODY) -> tuple[int, bytes, str]:
     """POST, read everything; (status, body, "complete" | "truncated")."""
-    got = bytearray()
     async with aiohttp.ClientSession(auto_decompress=False) as s:
-        async with s.post(url + CHAT, data=body, headers={"Content-Type": "application/json"}) as r:
-            try:
-                async for data in r.content.iter_any():
-                    got += data
-            except aiohttp.ClientPayloadError:
-                return r.status, bytes(got), "truncated"
-            return r.status, bytes(got), "complete"
+        return await _post_read(s, url, body)
+
+
+async def _post_read(s: aiohttp.ClientSession, url: str, body: bytes = BODY) -> tuple[int, bytes, str]:
+    got = bytearray()
+    async with s.post(url + CHAT, data=body, headers={"Content-Type": "application/json"}) as r:
+        try:
+            async for data in r.content.iter_any():
+                got += data
+        except aiohttp.ClientPayloadError:
+            return r.status, bytes(got), "truncated"
+        return r.status, bytes(got), "complete"
+
+
+async def _read_streams(url: str, n: int) -> list[tuple[int, bytes, str]]:
+    """``n`` POSTs one after another on one kept-alive client connection (``_read_stream``'s results)."""
+    async with aiohttp.ClientSession(auto_decompress=False, connector=aiohttp.TCPConnector(limit=1)) as s:
+        return [await _post_read(s, url) for _ in range(n)]
 
 
 # --- 2. upstream faults --------------------------------------------------------------------------------
@@ -452,9 +462,9 @@ def test_a_kept_alive_connection_closed_before_answering_is_tried_once_more_on_a
         return True
 
     stack, upstream = _stack(make_stack, tiktoken_tok, respond)
-    first = stack.run(_read_stream(stack.url))
+    # one client connection: its upstream connection is kept for it, and reused by its next request
+    first, second = stack.run(_read_streams(stack.url, 2))
     assert first[0] == 200 and first[2] == "complete"
-    second = stack.run(_read_stream(stack.url))
     assert len(upstream.requests) == 3 and upstream.connections == 2  # sent twice: the reused one, a new one
     if second_try == "answers":
         assert second[0] == 200 and second[2] == "complete" and b"answer 2" in second[1]

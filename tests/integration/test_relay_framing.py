@@ -9,9 +9,11 @@ answer has no body even when it announces a length.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from faultkit import ScriptedUpstream, chunk, db_records, exchange, parse_response
+from faultkit import KeptClient, ScriptedUpstream, await_until, chunk, db_records, exchange, kernel_queued, parse_response
 
 pytestmark = pytest.mark.usefixtures("each_relay")  # the relay thread and the Python relay (Config relay)
 
@@ -26,6 +28,13 @@ def _request(version: bytes = b"HTTP/1.1", method: bytes = b"POST", extra: bytes
             % (method, CHAT.encode(), version, len(BODY), extra, BODY))
 
 
+def _assert_relayed_by(stack, relay: str, bodies: int) -> None:
+    """The relay the test is parametrised for carried the chunked bodies: the thread took each of the
+    ``bodies`` (each came after its head had reached the client), or, with the Python relay, none."""
+    turns = stack.service.proxy._pool.thread_turns
+    assert turns == (bodies if relay == "thread" else 0), (relay, turns)
+
+
 def _sse(extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n" + extra + b"\r\n"
 
@@ -35,81 +44,112 @@ def _stack(make_stack, tok, respond):
     return make_stack(tok, raw_script=upstream.serve, scrape_interval_s=0), upstream
 
 
-async def _chunked_answer(_req, writer, _i):
-    writer.write(_sse() + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
-    await writer.drain()
-    return True
+class AfterHead:
+    """A chunked answer whose body goes out once the client has the head (``seen[i]``, set by the client
+    for request ``i``): the body then comes in a read of its own, which the relay thread takes."""
+
+    def __init__(self, head: bytes | None = None) -> None:
+        self.head = _sse() if head is None else head
+        self.seen = [asyncio.Event() for _ in range(8)]
+
+    async def respond(self, _req, writer, i):
+        writer.write(self.head)
+        await writer.drain()
+        await asyncio.wait_for(self.seen[i].wait(), 10)
+        writer.write(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+        await writer.drain()
+        return True
 
 
-def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_tok):
-    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead()
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     assert raw.endswith(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
     resp, _ = parse_response(raw)
     assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
 def test_http10_client_gets_the_body_unframed_then_a_close(make_stack, tiktoken_tok):
-    stack, _ = _stack(make_stack, tiktoken_tok, _chunked_answer)
-    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/1.0"), timeout=5))
+    answer = AfterHead()
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/1.0"), timeout=5, head_seen=answer.seen[0]))
     head, _, body = raw.partition(b"\r\n\r\n")
     assert closed and head.startswith(b"HTTP/1.0 200")
     assert b"transfer-encoding" not in head.lower() and body == b"".join(EVENTS)
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
+    _assert_relayed_by(stack, "python", 0)  # unframed on the loop, whichever relay is configured
 
 
-def test_interim_responses_are_skipped(make_stack, tiktoken_tok):
-    async def respond(_req, writer, _i):
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n")
-        await writer.drain()
-        return await _chunked_answer(_req, writer, _i)
-
-    stack, _ = _stack(make_stack, tiktoken_tok, respond)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+def test_interim_responses_are_skipped(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+                       + _sse())
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     assert raw.startswith(b"HTTP/1.1 200") and b"103" not in raw.split(b"\r\n\r\n", 1)[0]
     resp, _ = parse_response(raw)
     assert resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
-def test_content_length_beside_chunked_is_not_forwarded(make_stack, tiktoken_tok):
-    async def respond(_req, writer, _i):
-        writer.write(_sse(b"Content-Length: 3\r\n") + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
-        await writer.drain()
-        return True
-
-    stack, _ = _stack(make_stack, tiktoken_tok, respond)
-    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
+@pytest.mark.usefixtures("each_front")
+def test_content_length_beside_chunked_is_not_forwarded(make_stack, tiktoken_tok, each_relay):
+    answer = AfterHead(_sse(b"Content-Length: 3\r\n"))
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
     resp, _ = parse_response(raw)
     assert resp.header("Content-Length") is None and resp.header("Transfer-Encoding") == "chunked"
     assert resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
 
 
-def test_bytes_past_the_end_of_a_response_reach_nobody(make_stack, tiktoken_tok):
-    """An upstream that writes a stray response after the one asked for: the client gets exactly its
-    answer, and the next request goes to a new connection rather than reading the stray bytes."""
+def test_bytes_past_the_end_of_a_response_reach_nobody(make_stack, tiktoken_tok, each_relay):
+    """An upstream that writes a stray response right after the end of the one asked for, in the same
+    write as the chunked body's end (the body comes once the client has the head: the relay thread takes
+    it): the client gets exactly its answer, and its next request, on the same client connection, goes to
+    a new upstream connection rather than reading the stray bytes."""
     stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray"
+    heads_seen = [asyncio.Event(), asyncio.Event()]
 
     async def respond(req, writer, i):
-        writer.write(_sse() + b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" + (stray if i == 0 else b""))
+        writer.write(_sse())
+        await writer.drain()
+        await asyncio.wait_for(heads_seen[i].wait(), 10)
+        writer.write(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" + (stray if i == 0 else b""))
         await writer.drain()
         return True
 
     stack, upstream = _stack(make_stack, tiktoken_tok, respond)
-    first, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
-    second, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
-    for raw in (first, second):
-        resp, rest = parse_response(raw)
-        assert resp.complete and resp.body == b"".join(EVENTS) and rest == b"" and b"stray" not in raw
-    assert upstream.connections == 2
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            return [await client.ask(_request(), head_seen=heads_seen[i]) for i in range(2)]
+
+    for resp in stack.run(go()):
+        assert resp.complete and resp.body == b"".join(EVENTS) and b"stray" not in resp.raw
+    assert upstream.connections == 2 and len(upstream.requests) == 2
+    _assert_relayed_by(stack, each_relay, 2)
 
 
-def test_kept_alive_upstream_connections_are_reused(make_stack, tiktoken_tok):
-    stack, upstream = _stack(make_stack, tiktoken_tok, _chunked_answer)
-    for _ in range(5):
-        raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5))
-        assert parse_response(raw)[0].complete
+@pytest.mark.usefixtures("each_front")
+def test_kept_alive_upstream_connections_are_reused_by_their_client(make_stack, tiktoken_tok, each_relay):
+    """Five requests on one keep-alive client connection: one upstream connection carries them all."""
+    answer = AfterHead()
+    stack, upstream = _stack(make_stack, tiktoken_tok, answer.respond)
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            return [await client.ask(_request(), head_seen=answer.seen[i]) for i in range(5)]
+
+    for resp in stack.run(go()):
+        assert resp.complete and resp.body == b"".join(EVENTS)
     assert upstream.connections == 1 and len(upstream.requests) == 5
+    _assert_relayed_by(stack, each_relay, 5)
 
 
 def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
@@ -131,8 +171,9 @@ def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
 
 
 # Malformed chunked framing, each shape a lenient relay passed on: the head is out first and the body
-# comes in later reads (so the relay thread, not the loop, takes it when it is the relay picked), the
-# second piece after a pause (its own read). Through each relay and each front.
+# comes in later reads (so the relay thread, not the loop, takes it when it is the relay picked), each
+# piece once the proxy has read the one before from the kernel (its own read). Through each relay and
+# each front, and unframed for an HTTP/1.0 client (the Python relay's DECHUNK path, whatever the relay).
 MALFORMED_BODIES = {
     "bare LF size lines": [b"5\nhello\r\n0\n\n"],
     "LF alone after the data": [b"5\r\nhello\n10\r\n\r\n"],
@@ -142,28 +183,39 @@ MALFORMED_BODIES = {
 
 
 @pytest.mark.usefixtures("each_front")
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
 @pytest.mark.parametrize("pieces", list(MALFORMED_BODIES.values()), ids=list(MALFORMED_BODIES))
-def test_malformed_chunked_framing_closes_both_sides_and_fails_the_turn(make_stack, tiktoken_tok, pieces):
+def test_malformed_chunked_framing_closes_both_sides_and_fails_the_turn(make_stack, tiktoken_tok, each_relay,
+                                                                          pieces, version):
     """Nothing ambiguous reaches the client: no complete body, its connection closed (not kept for another
     request); the upstream's connection closed too; the turn recorded as truncated with the reason."""
-    import asyncio
+    head_seen = asyncio.Event()
 
     async def respond(_req, writer, _i):
         writer.write(_sse())
         await writer.drain()
+        await asyncio.wait_for(head_seen.wait(), 10)
+        port = {writer.get_extra_info("sockname")[1]}
         for piece in pieces:
-            await asyncio.sleep(0.05)  # each piece its own read, after the head
+            await await_until(lambda: kernel_queued(port) == 0, 5, what="the proxy read what came before")
             writer.write(piece)
             await writer.drain()
         return True  # keep: whether the connection is dropped is the proxy's to decide
 
     stack, upstream = _stack(make_stack, tiktoken_tok, respond)
-    raw, closed = stack.run(exchange(stack.service.port, _request(), timeout=5))
-    resp, _ = parse_response(raw)
+    raw, closed = stack.run(exchange(stack.service.port, _request(b"HTTP/" + version.encode()), timeout=5,
+                                     head_seen=head_seen))
     assert closed, "the client's connection was kept open after malformed framing"
-    assert resp.status == 200 and not resp.complete and b"0\r\n\r\n" not in raw.partition(b"\r\n\r\n")[2]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if version == "1.1":
+        resp, _ = parse_response(raw)
+        assert resp.status == 200 and not resp.complete and b"0\r\n\r\n" not in body
+    else:  # unframed: the client sees the end by the close alone, so nothing past the valid payload may come
+        assert head.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head.lower()
+        assert body in (b"", b"hello") and b"0\r\n" not in body
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "upstream_truncated"
     assert "malformed chunked framing from the upstream" in rec["error"] and "CRLF" in rec["error"]
     stack.settle()
     assert upstream.peer_closed_at, "the upstream's connection was kept after malformed framing"
+    _assert_relayed_by(stack, each_relay if version == "1.1" else "python", 1)  # HTTP/1.0: unframed on the loop
