@@ -116,6 +116,7 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
                     g.chunks += nonempty
                     # (t_first is set: a template is derived from a chunk with text)
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
+                    _tick_run(g.acc, tmpl, buf, cum, times, pos, size, count, nonempty)
                 i += count
                 pos += size
                 if count < width:
@@ -161,6 +162,7 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
                     tmpl.texts.append(text)
                     g.chunks += nonempty
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
+                    _tick_run(g.acc, tmpl, buf, cum, times, pos, size, count, nonempty)
                 pos += size
                 if count >= _PAYING_RUN:
                     g.derive = 3
@@ -179,6 +181,33 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
         if not g.event(seg, t):
             return None
     return g.texts()
+
+
+def _tick_run(acc: Texts, tmpl: _Template, buf: bytes, cum: list[int], times: list[float], pos: int, size: int,
+              count: int, nonempty: int) -> None:
+    """Time the text-carrying chunks of a template's run (``buf[pos:pos + size]``, ``count`` events):
+    each by the read holding its blank line's LF, as every other event. When all carry text (the usual
+    run) the events ending in each read are counted with one ``bytes.count`` per read, not one step per
+    event (an event's JSON line holds no raw LF, so its end is the only ``\n\n``); a run with empty
+    contents is walked event by event (the events whose body is empty carry no text)."""
+    end = pos + size
+    if nonempty == count:
+        r = bisect_right(cum, pos)
+        while True:
+            lo = cum[r - 1] - 1 if r else 0  # an end whose first LF closes the previous read is this read's
+            n = buf.count(b"\n\n", lo if lo > pos else pos, min(end, cum[r]))
+            if n:
+                acc.tick(times[r], n)
+            if cum[r] >= end:
+                return
+            r += 1
+    fixed = len(tmpl.head) + tmpl.dlen + len(tmpl.closing)  # an event's bytes after its body, before its LF
+    plen = tmpl.plen
+    while pos < end:
+        lf = buf.find(b"\n", pos)
+        if lf - fixed - pos - plen > 0:
+            acc.tick(times[bisect_right(cum, lf + 1)])
+        pos = lf + 2
 
 
 class _Gather:
@@ -206,6 +235,8 @@ class _Gather:
         if not payload:
             return True
         acc = self.acc
+        if acc.t_first_event is None:
+            acc.t_first_event = t
         if b"[DONE]" in payload and payload.decode("utf-8", "replace").strip() == "[DONE]":
             acc.saw_done = True  # str.strip(), as the reference: Unicode whitespace counts
             return True
@@ -244,6 +275,7 @@ class _Gather:
                                 self.cur_idx, self.cur = idx, lst
                             self.cur.append(content)
                             self.chunks += 1
+                            acc.tick(t)
                             if acc.t_first is None:
                                 acc.first_text(t, {(idx, "content"): len(content)})
                             self.t_last = t
@@ -263,6 +295,7 @@ class _Gather:
                 else:
                     lst.append(text)
             self.chunks += 1
+            acc.tick(t)
             if acc.t_first is None:
                 acc.first_text(t, {k: len(v) for k, v in dt.items()})
             self.t_last = t
