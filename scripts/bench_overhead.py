@@ -83,13 +83,16 @@ ROOT = Path(__file__).resolve().parent.parent
 class Watcher:
     """``--watch``: someone looking at specproxy while it relays: the live page's event stream read
     throughout (``/_specproxy/events``) and ``/_specproxy/metrics`` scraped once a second, as a browser
-    tab and a Prometheus server would. Counts what it got, so a window where it got nothing is visible."""
+    tab and a Prometheus server would. Counts what it got (pictures: the events' ``data:`` messages, not
+    the bytes, since a stream of keep-alive comments is bytes too; scrapes that answered Prometheus
+    text), so a window where it got nothing is visible."""
 
     def __init__(self, port: int, until_ns: int) -> None:
         import threading
 
         self.port, self.until_ns = port, until_ns
         self.events_bytes = 0
+        self.pictures = 0
         self.scrapes = 0
         self.errors: list[str] = []
         self._threads = [threading.Thread(target=f, daemon=True) for f in (self._events, self._metrics)]
@@ -104,11 +107,15 @@ class Watcher:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
             conn.request("GET", "/_specproxy/events")
             resp = conn.getresponse()
+            tail = b""  # a message's start may be cut between two reads
             while now_ns() < self.until_ns:
                 data = resp.read1(65536)
                 if not data:
                     break
                 self.events_bytes += len(data)
+                seen = tail + data
+                self.pictures += seen.count(b"\ndata: ")  # the stream opens with a comment: each follows a LF
+                tail = seen[-6:]  # shorter than the marker: no message is counted twice
             conn.close()
         except OSError as exc:
             self.errors.append(f"events: {type(exc).__name__}: {exc}")
@@ -121,7 +128,7 @@ class Watcher:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/_specproxy/metrics")
                 resp = conn.getresponse()
-                if resp.status == 200 and resp.read():
+                if resp.status == 200 and b"# TYPE specproxy_turns_total counter" in resp.read():
                     self.scrapes += 1
                 else:
                     self.errors.append(f"metrics: HTTP {resp.status}")
@@ -133,7 +140,8 @@ class Watcher:
     def join(self) -> dict:
         for t in self._threads:
             t.join(timeout=10)
-        return {"events_bytes": self.events_bytes, "scrapes": self.scrapes, "errors": self.errors[:5]}
+        return {"events_bytes": self.events_bytes, "pictures": self.pictures, "scrapes": self.scrapes,
+                "errors": self.errors[:5]}
 
 
 def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pids: list[int], load_cores, seed: int) -> dict:
@@ -172,8 +180,9 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     res["conns"] = conns
     if watcher is not None:
         res["watch"] = watcher.join()
-        print(f"  watched: {res['watch']['events_bytes']} B of live-page events, {res['watch']['scrapes']} metrics "
-              f"scrapes, errors {res['watch']['errors'] or 'none'}", flush=True)
+        w = res["watch"]
+        print(f"  watched: {w['pictures']} live-page pictures ({w['events_bytes']} B of events), {w['scrapes']} "
+              f"metrics scrapes, errors {w['errors'] or 'none'}", flush=True)
     res["proxy_cpu_s"] = c1 - c0 if pids else None
     res["cpu_us_per_chunk"] = (c1 - c0) / res["chunks"] * 1e6 if pids and res["chunks"] else None
     res["sched_us_per_chunk"] = (s1 - s0) / res["chunks"] * 1e6 if pids and res["chunks"] else None

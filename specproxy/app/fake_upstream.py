@@ -60,8 +60,8 @@ class Script:
     """Delay before the first text chunk (after the request body was read)."""
     prefill_tps: float | None = None
     """When set, add (prompt characters / 4) / prefill_tps seconds to the TTFT, like a real prefill."""
-    interval_s: float = 0.0
-    """Delay between text chunks."""
+    interval_s: float | Sequence[float] = 0.0
+    """Delay between text chunks; a sequence is cycled (the n-th gap, from 0, is ``interval_s[n % len]``)."""
     tokens_per_chunk: int | Sequence[int] = 1
     """Pieces per chunk; a sequence is cycled (speculative decoding sends a varying number)."""
     role_chunk: bool = True
@@ -107,6 +107,11 @@ class Sent:
     path: str = ""
 
 
+def _gap(interval_s: float | Sequence[float], n: int) -> float:
+    """The n-th delay between text chunks (from 0) of a Script's ``interval_s``."""
+    return interval_s if isinstance(interval_s, (int, float)) else interval_s[n % len(interval_s)]
+
+
 def pieces_of(text: str, tokenizer: Any) -> list[str]:
     """Split ``text`` into one piece per token of ``tokenizer`` (a specproxy Tokenizer)."""
     ends = tokenizer.token_ends(text)
@@ -121,6 +126,9 @@ class FakeUpstream:
         self.script = script
         self.model = model
         self.sent: list[Sent] = []
+        # every request that reached the fake, whatever its route (method, target as sent): what a test
+        # of what is never forwarded reads (``sent`` holds only the completions it answered)
+        self.received: list[tuple[str, str]] = []
         self.started = time.time()
         self.counters = {"prompt": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.processing = 0
@@ -134,7 +142,7 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> FakeUpstream:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._receive])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -154,6 +162,11 @@ class FakeUpstream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @web.middleware
+    async def _receive(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        self.received.append((request.method, request.raw_path))
+        return await handler(request)
 
     # --- endpoints -------------------------------------------------------------------------------
 
@@ -305,7 +318,7 @@ class FakeUpstream:
         named = False  # the tool call's first delta (which names it) was sent
         for n, (kind, text, k) in enumerate(groups):
             if n:
-                await asyncio.sleep(script.interval_s)
+                await asyncio.sleep(_gap(script.interval_s, n - 1))
             if script.ping_every and n % script.ping_every == 0:
                 await emit(event(shape.ping()) if shape is not None else b": ping" + nl + nl)
             if shape is not None:
@@ -349,7 +362,7 @@ class FakeUpstream:
 
     async def _whole(self, script: Script, sent: Sent, chat: bool, ttft: float, prompt_tokens: int,
                      shape=None) -> web.Response:
-        await asyncio.sleep(ttft + script.interval_s * max(len(self._groups(script)) - 1, 0))
+        await asyncio.sleep(ttft + sum(_gap(script.interval_s, n) for n in range(len(self._groups(script)) - 1)))
         texts = {"content": "".join(script.pieces), "reasoning": "".join(script.reasoning_pieces),
                  "tool_args": "".join(script.tool_args_pieces)}
         n = len(script.pieces) + len(script.reasoning_pieces) + len(script.tool_args_pieces)

@@ -17,6 +17,11 @@ template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonem
     JSON string's inside that is valid UTF-8 and needs no decision (no lone surrogate escape); their
     bytes with blank lines, their bodies' text joined, how many had text, and the bytes up to the end
     of the last that had. It stops before the first event that is not one; the caller reads that one.
+
+event_ends(buf, cum) -> list[int]
+    Per read (read i holds buf[cum[i-1]:cum[i]]), how many blank lines end in it: LF LF pairs, counted
+    without overlap from the start (as bytes.count), each in the read that holds its second LF. In a
+    stream the fast parse reads, each is one event's end: when the chunks arrived (fast_texts._chunk_clock).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -291,7 +296,59 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnNnn)", count, pos - start, text, nonempty, text_end - start);
 }
 
+static PyObject *
+event_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "event_ends(buf, cum): bytes, list of int");
+        return NULL;
+    }
+    const char *buf = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    PyObject *cum = args[1];
+    Py_ssize_t nreads = PyList_GET_SIZE(cum);
+    PyObject *out = PyList_New(nreads);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t pos = 0, start = 0, last_end = -1; /* last_end: the second LF of the last pair counted */
+    for (Py_ssize_t r = 0; r < nreads; r++) {
+        Py_ssize_t end = PyLong_AsSsize_t(PyList_GET_ITEM(cum, r));
+        if (end == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (end < start || end > n) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_ValueError, "event_ends: cum must be nondecreasing offsets within buf");
+            return NULL;
+        }
+        long count = 0;
+        while (pos < end) {
+            const char *lf = memchr(buf + pos, '\n', (size_t)(end - pos));
+            if (lf == NULL)
+                break;
+            Py_ssize_t i = lf - buf;
+            if (i > 0 && buf[i - 1] == '\n' && i - 1 != last_end) {
+                count++;
+                last_end = i;
+            }
+            pos = i + 1;
+        }
+        pos = end;
+        PyObject *c = PyLong_FromLong(count);
+        if (c == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, r, c);
+        start = end;
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"event_ends", (PyCFunction)(void (*)(void))event_ends, METH_FASTCALL,
+     "event_ends(buf, cum) -> list[int]: per read, the blank lines (LF LF) whose second LF it holds."},
     {"join_frames", (PyCFunction)join_frames, METH_O,
      "join_frames(reads) -> (payload, ends, complete) or None: chunked reads, dechunked."},
     {"template_run", (PyCFunction)(void (*)(void))template_run, METH_FASTCALL,

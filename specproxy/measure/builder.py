@@ -27,6 +27,7 @@ import orjson
 
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
+from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
 from specproxy.measure.content import classify
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, parse_json
@@ -74,6 +75,7 @@ class RecordBuilder:
         "t_request",
         "t_upstream_headers",
         "t_wall",
+        "timing",
         "write_times",
     )
 
@@ -136,6 +138,7 @@ class RecordBuilder:
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
+        self.timing: StreamTiming | None = None  # set by build for a stream: the metrics', not stored
         self._ended = False
 
     # --- the forwarding path: cheap, no parsing --------------------------------------------------
@@ -292,6 +295,10 @@ class RecordBuilder:
         decode_tps = None
         if counts and decode and decode > 0:
             decode_tps = (counts["completion"] - counts["first"]) / decode
+        if streamed:  # what the per-chunk metrics need, handed beside the record (chunk_gaps.py)
+            gaps = gap_buckets(texts.chunk_times, texts.chunk_counts)
+            self.timing = StreamTiming(texts.t_first_event - t_req if texts.t_first_event is not None else None,
+                                       gaps[0] if gaps else None, gaps[1] if gaps else 0.0)
         delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read
         client = client_of(self.headers, self.client_header)
         session = session_of(client, request.model, request.parts)

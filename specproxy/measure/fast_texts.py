@@ -17,6 +17,10 @@ the events that make up almost all of a stream; those are read by C calls over m
   common shape nor a template's (its delta holds ``tool_calls``), so ``read_chunk`` reads every one:
   the names of the tools called (``Texts.calls``) cost nothing on the chunks that have none.
 
+* When the text-carrying chunks arrived (``Texts.chunk_times``, for the per-chunk metrics): counted per
+  read once the events are read (``_chunk_clock``), from the blank lines that end events in each read,
+  less the events read one by one that carried no text; no step per chunk.
+
 With ``specproxy.frames._scanc`` built (``_stream_texts_c``, what ships), the same reading walks the joined
 payload by positions instead of splitting it into lines, and a template's run is one C call
 (``_scanc.template_run``) that checks each event's bytes, decodes its JSON string and joins the text: no
@@ -33,8 +37,10 @@ that ``template_run`` takes exactly the strings orjson reads.
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import eq
 
+import numpy as np
 import orjson
 
 from specproxy.frames.chunked import _scanc  # the per-chunk scans in C; None when not built (the Python paths below)
@@ -99,7 +105,7 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
         segs.append(tail)  # the SSE decoder's finish() dispatches it, timed by the last read
     # an event is timed by the read holding its blank line's LF: bisect the reads' running end offsets
     cum = list(accumulate(map(len, reads)))  # read i holds buf[cum[i-1]:cum[i]]
-    g = _Gather()
+    g = _Gather(c_scans=False)
     tmpl: _Template | None = None
     stop = 0  # the template's runs end before this event (the trailing ones that cannot be its own)
     last = _WINDOWS[1]  # the length of the last run
@@ -116,6 +122,8 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
                     g.chunks += nonempty
                     # (t_first is set: a template is derived from a chunk with text)
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
+                if nonempty < count:
+                    g.skip_empty(tmpl, buf, cum, pos, size)
                 i += count
                 pos += size
                 if count < width:
@@ -126,18 +134,24 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
                 g.derive = 3
             if last:
                 continue
-        t = times[bisect_right(cum, pos + len(seg) + 1)] if i < nevents else times[nreads - 1]
+        r = bisect_right(cum, pos + len(seg) + 1) if i < nevents else -1
         pos += len(seg) + 2
         i += 1
-        if not g.event(seg, t):
+        before = g.chunks
+        if not g.event(seg, times[r] if r >= 0 else times[nreads - 1]):
             return None
+        if g.chunks == before:
+            if r >= 0:
+                g.skip.append(r)
+        elif r < 0:
+            g.tail_text = True
         if g.tmpl is not tmpl:
             tmpl = g.tmpl
             # the last events of a stream (finish, usage, [DONE]) end its runs
             stop = nevents
             while stop > i and stop > nevents - _TRAILING and not segs[stop - 1].startswith(tmpl.prefix):
                 stop -= 1
-    return g.texts()
+    return g.texts(buf, cum, times)
 
 
 def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | None:
@@ -147,7 +161,7 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
     nreads = len(cum)
     if len(times) < nreads or b"\r" in buf:
         return None
-    g = _Gather()
+    g = _Gather(c_scans=True)
     run = _scanc.template_run
     find = buf.find
     n = len(buf)
@@ -161,6 +175,8 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
                     tmpl.texts.append(text)
                     g.chunks += nonempty
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
+                if nonempty < count:
+                    g.skip_empty(tmpl, buf, cum, pos, size)
                 pos += size
                 if count >= _PAYING_RUN:
                     g.derive = 3
@@ -168,17 +184,23 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
         lf = find(b"\n", pos)
         if lf < 0:  # the tail: the SSE decoder's finish() dispatches it, timed by the last read
             seg = buf[pos:]
-            t = times[nreads - 1]
+            r = -1
             pos = n
         elif lf + 1 < n and buf[lf + 1] == 10:  # an event line and a blank line
             seg = buf[pos:lf]
-            t = times[bisect_right(cum, lf + 1)]
+            r = bisect_right(cum, lf + 1)
             pos = lf + 2
         else:  # lines that are not event, blank, event, blank, ...
             return None
-        if not g.event(seg, t):
+        before = g.chunks
+        if not g.event(seg, times[r] if r >= 0 else times[nreads - 1]):
             return None
-    return g.texts()
+        if g.chunks == before:
+            if r >= 0:
+                g.skip.append(r)
+        elif r < 0:
+            g.tail_text = True
+    return g.texts(buf, cum, times)
 
 
 class _Gather:
@@ -186,9 +208,11 @@ class _Gather:
     joined once at the end; the common chunk shape read inline, any other by ``read_chunk``; and the
     template derived from a plain content chunk (``tmpl``, at most ``derive`` more derivations)."""
 
-    __slots__ = ("acc", "chunks", "cur", "cur_idx", "derive", "parts", "t_last", "tmpl")
+    __slots__ = ("acc", "c_scans", "chunks", "cur", "cur_idx", "derive", "parts", "skip", "t_last", "tail_text",
+                 "tmpl")
 
-    def __init__(self) -> None:
+    def __init__(self, *, c_scans: bool) -> None:
+        self.c_scans = c_scans  # which path reads: the chunks' times are counted by the same (_chunk_clock)
         self.acc = Texts(saw_done=False)  # t_first, usage, timings, finish_reason, saw_done, bad_events
         self.parts: dict[tuple[int, str], list[str]] = {}
         self.chunks = 0
@@ -197,6 +221,8 @@ class _Gather:
         self.cur: list[str] = []
         self.tmpl: _Template | None = None
         self.derive = 3  # template derivations left, so that a shape that keeps changing is not re-derived forever
+        self.skip: list[int] = []  # the read of each event ended by a blank line that carried no text
+        self.tail_text = False  # the stream's tail (an event not ended by a blank line) carried text
 
     def event(self, seg: bytes, t: float) -> bool:
         """Read one event line timed ``t``; False when it is not a ``data: `` line (the reference decides)."""
@@ -206,6 +232,8 @@ class _Gather:
         if not payload:
             return True
         acc = self.acc
+        if acc.t_first_event is None:
+            acc.t_first_event = t
         if b"[DONE]" in payload and payload.decode("utf-8", "replace").strip() == "[DONE]":
             acc.saw_done = True  # str.strip(), as the reference: Unicode whitespace counts
             return True
@@ -269,9 +297,51 @@ class _Gather:
         _take_accounting(acc, delta)
         return True
 
-    def texts(self) -> Texts:
+    def skip_empty(self, tmpl: _Template, buf: bytes, cum: list[int], pos: int, size: int) -> None:
+        """A template's run ``buf[pos:pos + size]`` had events with an empty body (no text): note their
+        reads, walking its events one by one (rare: a server seldom sends empty content mid-stream)."""
+        end = pos + size
+        fixed = tmpl.plen + len(tmpl.head) + tmpl.dlen + len(tmpl.closing)  # an event's bytes but its body's
+        while pos < end:
+            lf = buf.find(b"\n", pos)
+            if lf - pos == fixed:
+                self.skip.append(bisect_right(cum, lf + 1))
+            pos = lf + 2
+
+    def texts(self, buf: bytes, cum: list[int], times: list[float]) -> Texts:
         out = self.acc
         out.texts = {key: "".join(lst) for key, lst in self.parts.items()}
         out.chunks = self.chunks
         out.t_last = self.t_last
+        if self.chunks:
+            _chunk_clock(out, buf, cum, times, self.skip, self.tail_text, self.c_scans)
         return out
+
+
+def _chunk_clock(acc: Texts, buf: bytes, cum: list[int], times: list[float], skip: list[int], tail_text: bool,
+                 c_scans: bool) -> None:
+    """``acc.chunk_times`` and ``chunk_counts``: how many text-carrying chunks each read completed, with no
+    Python step per chunk. In a stream the fast paths read, every event is one line ended by a blank
+    line and no line holds a raw LF, so each ``\\n\\n`` ends one event: the events ending in each read
+    are counted (``_scanc.event_ends``, or numpy without the C scans), less those that carried no text
+    (``skip``), plus the tail when it carried text (timed by the last read, as the SSE decoder's
+    ``finish`` does)."""
+    nreads = len(cum)
+    if c_scans and C_BUILT:
+        per_read = _scanc.event_ends(buf, cum)
+    else:
+        lf = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
+        second = lf[1:][np.diff(lf) == 1]  # (no LF LF LF in such a stream: the pairs cannot overlap)
+        per_read = np.bincount(np.searchsorted(np.asarray(cum, dtype=np.int64), second, side="right"),
+                               minlength=nreads).tolist()
+    for r in skip:
+        per_read[r] -= 1
+    if tail_text:
+        per_read[nreads - 1] += 1
+    chunk_times = list(compress(times[:nreads], per_read))
+    if any(map(eq, chunk_times, chunk_times[1:])):  # two reads at one time: one entry, as Texts.tick keeps
+        for t, c in zip(chunk_times, filter(None, per_read)):
+            acc.tick(t, c)
+        return
+    acc.chunk_times = chunk_times
+    acc.chunk_counts = list(filter(None, per_read))

@@ -36,6 +36,11 @@ class Texts:
     error: str | None = None  # an error event's type (Messages, Responses)
     unreadable: str | None = None  # why the body could not be read: its figures are unknown, not zero
     calls: list[str] = field(default_factory=list)  # the distinct tools the output called, first call first
+    t_first_event: float | None = None  # the first event with data (any: a role-only chunk too), streamed
+    # when the text-carrying chunks arrived: chunk_counts[i] of them completed at chunk_times[i] (times
+    # distinct and increasing; measure/chunk_gaps.py buckets their gaps)
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_counts: list[int] = field(default_factory=list)
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one
@@ -44,12 +49,22 @@ class Texts:
         self.t_first = t
         self.first_lens = first_lens
 
+    def tick(self, t: float, n: int = 1) -> None:
+        """``n`` text-carrying chunks completed by the read timed ``t`` (the one rule for every path)."""
+        times = self.chunk_times
+        if times and times[-1] == t:
+            self.chunk_counts[-1] += n
+        else:
+            times.append(t)
+            self.chunk_counts.append(n)
+
     def add(self, delta_texts: dict[tuple[int, str], str], t: float) -> None:
         if not delta_texts:
             return
         for key, text in delta_texts.items():
             self.texts[key] = self.texts.get(key, "") + text
         self.chunks += 1
+        self.tick(t)
         if self.t_first is None:
             self.first_text(t, {k: len(v) for k, v in self.texts.items()})
         self.t_last = t
@@ -65,6 +80,8 @@ def stream_texts_reference(reads: list[bytes], times: list[float], read=read_chu
     events.extend(decoder.finish())
     for ev in events:
         data = ev.data
+        if texts.t_first_event is None and data:  # the first chunk, whatever it carries ([DONE] too)
+            texts.t_first_event = times[min(ev.read_index, len(times) - 1)]
         if data.strip() == "[DONE]":
             texts.saw_done = True
             continue

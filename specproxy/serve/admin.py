@@ -5,7 +5,10 @@ Both fronts keep the prefix from the upstream: the lane declines a request under
 and aiohttp's handler (``Proxy.handle``) sends it here before anything is forwarded.
 
 Routes: ``/_specproxy/`` the live page, ``/_specproxy/events`` its server-sent events,
-``/_specproxy/metrics`` Prometheus text. The page's pictures come from above this layer (``Pages``,
+``/_specproxy/metrics`` Prometheus text, each at exactly that path. Any other path that is, or may mean
+to the proxy or a server behind it, something under the prefix (``reserved``: escapes decoded, doubled
+slashes and dot segments read both ways) is answered 404 here: never forwarded, and never a route by
+way of dot segments. The page's pictures come from above this layer (``Pages``,
 composed in by ``view.live``): serve does not import the analysis.
 
 Who may read them (``allowed``): with ``admin_token`` set, a request that presents it (``Authorization:
@@ -28,9 +31,11 @@ import hmac
 import ipaddress
 import logging
 import posixpath
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import orjson
 from aiohttp import web
@@ -51,14 +56,26 @@ WRITE_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 
 
-def reserved(path: str) -> bool:
-    """Whether a (decoded) request path is under the prefix, dot segments resolved."""
+def reserved(raw_path: str) -> bool:
+    """Whether a request path (as sent: percent-escapes kept, no query) is or may mean something under the
+    prefix, to the proxy or to any server behind it: read with every escape decoded (``%2F`` and
+    ``%2E`` too), runs of slashes as one, and both as written and with dot segments resolved. Such a
+    path is answered here (``Admin.handle``: 404 unless it is exactly a route), never forwarded."""
+    path = unquote(raw_path) if "%" in raw_path else raw_path
+    if "//" in path:
+        path = _SLASHES.sub("/", path)
     if path == PREFIX or path.startswith(PREFIX + "/"):
         return True
-    if "/." in path or "//" in path:
+    if "/." in path:
         norm = posixpath.normpath(path)
         return norm == PREFIX or norm.startswith(PREFIX + "/")
     return False
+
+
+# the routes, by the exact path as sent: a path that only normalizes to one (dot segments, escapes, doubled
+# slashes) is reserved, and answered 404
+ROUTES = {PREFIX: "page", PREFIX + "/": "page", PREFIX + "/events": "events", PREFIX + "/metrics": "metrics"}
+_SLASHES = re.compile("/{2,}")
 
 
 def is_loopback(host: str | None) -> bool:
@@ -126,21 +143,22 @@ class Admin:
         if request.method not in ("GET", "HEAD"):
             return _json(405, {"error": {"message": "specproxy: only GET here", "type": "method_not_allowed",
                                          "code": 405}}, {"Allow": "GET, HEAD"})
-        route = posixpath.normpath(request.rel_url.path)[len(PREFIX):].strip("/")
+        route = ROUTES.get(request.rel_url.raw_path)
         if route == "metrics":
             body = await asyncio.to_thread(self.metrics.exposition)  # formatting grows with the series
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
-        if route in ("", "events") and self.pages is None:
+        if route in ("page", "events") and self.pages is None:
             return _json(404, {"error": {"message": "specproxy: no live page in this process",
                                          "type": "not_found", "code": 404}})
-        if route == "":
+        if route == "page":
             body = await asyncio.to_thread(self.pages.document)
             return web.Response(text=body, content_type="text/html",
                                 headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
         if route == "events":
             return await self._events(request)
-        return _json(404, {"error": {"message": f"specproxy: nothing at {PREFIX}/{route}", "type": "not_found",
-                                     "code": 404}})
+        return _json(404, {"error": {"message": f"specproxy: nothing at that path under {PREFIX}/ (the routes: "
+                                                f"{PREFIX}/, {PREFIX}/events, {PREFIX}/metrics)",
+                                     "type": "not_found", "code": 404}})
 
     async def _events(self, request: web.BaseRequest) -> web.StreamResponse:
         if self.viewers >= self.max_viewers:

@@ -79,7 +79,7 @@ class AiohttpFront:
         if refused is not None:
             proxy.rejected_bad += 1
             return refused.as_response()
-        if reserved(request.rel_url.path):  # specproxy's own pages: never forwarded (admin.py)
+        if reserved(request.rel_url.raw_path):  # specproxy's own pages: never forwarded (admin.py)
             return await proxy.admin(request) if proxy.admin is not None else _not_here()
         body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
         if not isinstance(body, bytes):

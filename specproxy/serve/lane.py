@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import http_parser as _aiohttp_parser
 
-from specproxy.serve.admin import PREFIX
+from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
 from specproxy.serve.proxy import Incoming
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
@@ -77,7 +77,8 @@ def read_head(buf: bytes, end: int, max_body: int) -> tuple[Incoming, int, int] 
     if m is None or m.end() > end + 2 or m.end() > MAX_LINE_BYTES:
         return None
     method, target = m.groups()
-    if method not in _METHODS or b"//" in target or b"/." in target or target.startswith(_RESERVED):
+    if (method not in _METHODS or b"//" in target or b"/." in target or target.startswith(_RESERVED)
+            or (b"%" in target and reserved(target.partition(b"?")[0].decode("latin-1")))):
         return None  # (the reserved prefix: specproxy's own pages, answered behind aiohttp's server)
     start = m.end()
     raw: list[tuple[bytes, bytes]] = []

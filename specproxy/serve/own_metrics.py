@@ -2,29 +2,38 @@
 
 Why a collector of our own rather than prometheus_client's Histogram objects: a record arrives on the
 event loop (the measuring worker hands its batch there), and each observation must cost next to nothing
-there; here it is a bisect and two additions, no lock, and a turn's output chunks are added to the
-per-chunk histogram at once rather than one call per chunk. prometheus_client formats the page.
+there; here it is a bisect and two additions, no lock. The one histogram with an observation per chunk
+(``time_per_output_chunk``) takes a turn's bucket counts, bucketed in the measuring thread
+(``measure/chunk_gaps.py``): a turn costs the loop one addition per bucket, never one step per chunk.
+prometheus_client formats the page.
 
 Names follow the OpenTelemetry GenAI semantic conventions as a Prometheus exporter writes them (dots to
 underscores, the unit as a suffix) where one exists; figures the conventions do not define are
-``specproxy_*``. The conventions' ``time_to_first_chunk`` and ``time_per_output_chunk`` are per chunk;
-the per-token figures (time per output token, per-stream decode speed, tokens per chunk) sit beside
-them under their own names, never in their place (docs/operations.md lists every name).
+``specproxy_*``. The conventions' ``time_to_first_chunk`` (to the response's first event, whatever it
+carries) and ``time_per_output_chunk`` (one observation per text-carrying chunk: the time since the
+previous one) are per chunk; the per-token figures (time to first token, time per output token,
+per-stream decode speed, tokens per chunk) sit beside them under their own names, never in their place
+(docs/operations.md lists every name).
 
-Labels are the model the request named, the API (from the path) and the outcome: never text, never a
-header. A client chooses the model string, so it is cut to ``MODEL_CHARS`` and at most ``MAX_MODELS``
-distinct ones get their own series; the rest share ``"other"`` (the series cannot grow without bound).
+Labels are the model the request named, the API and the outcome: never text, never a header. The API
+is the record's ``api`` (``chat``, ``completions``, ``messages``, ``responses``: the four are told
+apart) in the label ``api``, and the conventions' ``gen_ai_operation_name`` beside it (``chat``, or
+``text_completion`` for completions): a function of the API, so it adds no series. A client chooses the
+model string, so it is cut to ``MODEL_CHARS`` and at most ``MAX_MODELS`` distinct ones get their own
+series; the rest share ``"other"`` (the series cannot grow without bound).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from operator import add
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
@@ -34,15 +43,15 @@ MAX_MODELS = 32
 MODEL_CHARS = 64
 OTHER_MODEL = "other"
 
-APIS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
-        "/v1/completions": "text_completion", "/completions": "text_completion"}
-LABELS = ("gen_ai_request_model", "gen_ai_operation_name", "outcome")
+# the record's api -> the conventions' operation name; a record without one (its measuring failed) is "unknown"
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "messages": "chat", "responses": "chat"}
+UNKNOWN = "unknown"
+LABELS = ("gen_ai_request_model", "gen_ai_operation_name", "api", "outcome")
 
 # bucket bounds: the conventions' advice where they give it, finer at the low end for per-chunk times
 DURATION_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 FIRST_CHUNK_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-PER_CHUNK_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-               0.75, 1.0, 2.5)
+PER_CHUNK_S = GAP_BOUNDS_S
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 SPEED_TPS = (1, 2, 5, 10, 15, 20, 30, 40, 50, 60, 80, 100, 150, 200, 300, 500, 1000)
 PER_CHUNK_TOKENS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
@@ -66,6 +75,14 @@ class _Histogram:
             s = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
         s[0][bisect_left(self.bounds, value)] += count  # le: a value equal to a bound is in its bucket
         s[1] += value * count if total is None else total
+
+    def add_counts(self, key: tuple[str, ...], counts: tuple[int, ...], total: float) -> None:
+        """Observations already bucketed by these bounds (``counts``), and their sum."""
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
+        s[0] = list(map(add, s[0], counts))
+        s[1] += total
 
     def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=(*LABELS, *self.extra))
@@ -100,10 +117,14 @@ class OwnMetrics:
                              "Tokens per turn, counted with the model's tokenizer: input = the prompt as the "
                              "server sees it, output = delivered tokens", TOKENS, ("gen_ai_token_type",))
         self.first_chunk = h("gen_ai_client_operation_time_to_first_chunk_seconds",
-                             "Streamed turns: request read to the first chunk carrying output text", FIRST_CHUNK_S)
+                             "Streamed turns: request read to the response's first event (a role-only chunk "
+                             "counts)", FIRST_CHUNK_S)
+        self.first_token = h("specproxy_time_to_first_token_seconds",
+                             "Streamed turns: request read to the first chunk carrying output text (TTFT)",
+                             FIRST_CHUNK_S)
         self.per_chunk = h("gen_ai_client_operation_time_per_output_chunk_seconds",
-                           "Streamed turns: time between consecutive text-carrying chunks after the first; _sum "
-                           "and _count exact, each turn's gaps bucketed at its mean gap", PER_CHUNK_S)
+                           "Streamed turns: one observation per text-carrying chunk after the first, the "
+                           "time since the previous one (0 for chunks that arrived in one read)", PER_CHUNK_S)
         self.per_token = h("specproxy_time_per_output_token_seconds",
                            "Streamed turns: 1 / per-stream decode speed (tokens after the first chunk over "
                            "decode time), one observation per turn", PER_CHUNK_S)
@@ -115,7 +136,8 @@ class OwnMetrics:
                                   "Streamed turns: delivered tokens / text-carrying chunks", PER_CHUNK_TOKENS)
         self.prompt_parts = h("specproxy_prompt_part_tokens",
                               "Prompt make-up per turn: system, tools, history, new", TOKENS, ("part",))
-        self.histograms = (self.duration, self.token_usage, self.first_chunk, self.per_chunk, self.per_token,
+        self.histograms = (self.duration, self.token_usage, self.first_chunk, self.first_token, self.per_chunk,
+                           self.per_token,
                            self.decode_time, self.decode_speed, self.tokens_per_chunk, self.prompt_parts)
 
     def _model(self, model: str | None) -> str:
@@ -127,9 +149,11 @@ class OwnMetrics:
             return m
         return OTHER_MODEL
 
-    def record(self, r: Record) -> None:
-        """One turn, as it goes to the store (the sink's call, on the loop)."""
-        key = (self._model(r.model), APIS.get(r.path, "other"), r.outcome)
+    def record(self, r: Record, timing: StreamTiming | None = None) -> None:
+        """One turn the store took (the sink's call, on the loop); ``timing``: its stream's per-chunk
+        times, bucketed in the measuring thread."""
+        api = r.api or UNKNOWN
+        key = (self._model(r.model), OPERATIONS.get(api, UNKNOWN), api, r.outcome)
         self.turns[key] = self.turns.get(key, 0) + 1
         if r.completion_tokens is not None:
             self.tokens[key] = self.tokens.get(key, 0) + r.completion_tokens
@@ -145,11 +169,14 @@ class OwnMetrics:
         if not r.streamed:
             return
         if r.ttft_s is not None:
-            self.first_chunk.add(key, r.ttft_s)
+            self.first_token.add(key, r.ttft_s)
+        if timing is not None:
+            if timing.first_chunk_s is not None:
+                self.first_chunk.add(key, timing.first_chunk_s)
+            if timing.gap_counts is not None:
+                self.per_chunk.add_counts(key, timing.gap_counts, timing.gap_sum)
         if r.decode_s is not None:
             self.decode_time.add(key, r.decode_s)
-            if r.chunks is not None and r.chunks > 1:  # the gaps between chunks sum to decode_s exactly
-                self.per_chunk.add(key, r.decode_s / (r.chunks - 1), r.chunks - 1, r.decode_s)
         if r.decode_tps:
             self.decode_speed.add(key, r.decode_tps)
             self.per_token.add(key, 1.0 / r.decode_tps)
@@ -157,8 +184,8 @@ class OwnMetrics:
             self.tokens_per_chunk.add(key, r.tokens_per_chunk)
 
     def collect(self) -> Iterator[Metric]:
-        turns = CounterMetricFamily("specproxy_turns", "Measured turns, by outcome (the store's rows)",
-                                    labels=LABELS)
+        turns = CounterMetricFamily("specproxy_turns", "Measured turns the store took, by outcome (its rows; "
+                                    "turns it dropped are specproxy_dropped_records_store)", labels=LABELS)
         for key, n in list(self.turns.items()):
             turns.add_metric(list(key), n)
         yield turns

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
+from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import host_header, request_head, response_head
@@ -72,7 +73,7 @@ class Proxy:
         cfg: Config,
         *,
         tokenizer: Tokenizer | None,
-        sink: Callable[[Record], Any],
+        sink: Callable[[Record, StreamTiming | None], Any],
         instance_id: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.cfg = cfg
@@ -84,7 +85,7 @@ class Proxy:
         self._client_header = cfg.client_header.strip().lower().encode()
         self._c_scans = cfg.scan == "c"  # each turn's measuring scans (RecordBuilder's c_scans)
         self.tokenizer = tokenizer
-        self.sink = sink
+        self.sink = sink  # (record, its stream's StreamTiming for the metrics or None): never blocks
         self.instance_id = instance_id
         self.in_flight = 0  # every request being handled
         self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
@@ -288,9 +289,9 @@ class Proxy:
                 self.measure_errors += 1
                 why = f"{type(exc).__name__} ({where(exc)})" if exc is not None else "no record"
                 log.error("measuring a turn failed: %s", why)
-                self.sink(builder.unmeasured(f"measuring failed: {why}"))
+                self.sink(builder.unmeasured(f"measuring failed: {why}"), None)
             else:
-                self.sink(record)
+                self.sink(record, builder.timing)
             if self.on_built is not None and builder.measured:
                 self.on_built(builder)
 

@@ -33,6 +33,7 @@ from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.aiohttp_front import AiohttpFront
 from specproxy.serve.lane import Lane, Lanes
+from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
@@ -214,13 +215,12 @@ class Service:
                 sock.close()
             raise
 
-    def _sink(self, record: Record) -> None:
-        if self.writer is not None:
-            self.writer.put(record)
+    def _sink(self, record: Record, timing: StreamTiming | None = None) -> None:
+        stored = self.writer.put(record) if self.writer is not None else True
         if not record.measured:  # another path's row: stored, but no turn of the figures or observers
             return
-        if self.metrics is not None:
-            self.metrics.record(record)
+        if self.metrics is not None and stored:  # the metrics count the store's rows, not those it dropped
+            self.metrics.record(record, timing)
         for sink in self.extra_sinks:
             try:
                 sink(record)

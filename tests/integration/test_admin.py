@@ -76,8 +76,9 @@ def test_metrics_parse_and_count_what_the_database_holds(make_stack, tiktoken_to
     turns = {x.labels["outcome"]: x.value for x in s["specproxy_turns_total"]}
     assert turns == {o: n for o, n, _, _ in rows} == {"ok": 3}
     labels = s["specproxy_turns_total"][0].labels
-    assert set(labels) == {"gen_ai_request_model", "gen_ai_operation_name", "outcome"}
+    assert set(labels) == {"gen_ai_request_model", "gen_ai_operation_name", "api", "outcome"}
     assert labels["gen_ai_request_model"] == "m" and labels["gen_ai_operation_name"] == "chat"
+    assert labels["api"] == "chat"
     assert sum(x.value for x in s["specproxy_delivered_tokens_total"]) == rows[0][2]
     assert s["gen_ai_client_operation_duration_seconds_count"][0].value == 3
     assert s["gen_ai_client_operation_time_to_first_chunk_seconds_count"][0].value == 3
@@ -93,19 +94,40 @@ def test_metrics_parse_and_count_what_the_database_holds(make_stack, tiktoken_to
     assert "Be brief" not in body.decode() and "sk-test" not in body.decode()  # never text, never keys
 
 
+# paths that are, or mean to some server, something under the prefix, but no route: answered 404 by the
+# proxy, on both fronts (the lane declines them, aiohttp's handler answers)
+NOT_ROUTES = (
+    "/_specproxy/v1/chat/completions", "/_specproxy/nothing", "/%5Fspecproxy/v1/chat/completions",
+    "/v1/../_specproxy/v1/chat/completions", "//_specproxy/metrics", "//_specproxy/", "///_specproxy/metrics",
+    "/_specproxy/./metrics", "/_specproxy//metrics", "/%2F_specproxy/metrics", "/%2f_specproxy/metrics",
+    "/_specproxy/%2e%2e/v1/models", "/_specproxy/%2E%2E/v1/models", "/_specproxy/../v1/models",
+    "/v1/%2e%2e/_specproxy/metrics", "/v1/.%2E/_specproxy/metrics", "/_specproxy/%2e/metrics",
+    "/_specproxy/metrics/", "/_specproxy%2Fmetrics", "/_specproxy/events/../metrics",
+)
+
+
 def test_the_reserved_prefix_never_reaches_the_upstream(make_stack, tiktoken_tok):
-    stack = make_stack(tiktoken_tok)
-    for path in ("/_specproxy/v1/chat/completions", "/_specproxy", "/%5Fspecproxy/v1/chat/completions",
-                 "/v1/../_specproxy/v1/chat/completions", "/_specproxy/nothing"):
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0)  # no polls: every request the fake gets is a leak
+    before = len(stack.upstream.received)
+    for path in NOT_ROUTES:
         status, body = _get(stack.url, path)
-        assert status == 404, (path, status, body)  # ours: no live page in this process, or no such route
-        assert b"specproxy" in body
-    post = _raw(stack.url, b"POST /_specproxy/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                           b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
-    assert post.startswith(b"HTTP/1.1 405")
-    assert stack.upstream.sent == []  # not one of them was forwarded
+        assert status == 404 and b"nothing at that path" in body, (path, status, body)
+    for path in ("/_specproxy", "/_specproxy/", "/_specproxy/events"):  # routes, and no page in this process
+        status, body = _get(stack.url, path)
+        assert status == 404 and b"no live page" in body, (path, status, body)
+    for path in ("/_specproxy/metrics", "/_specproxy/metrics?x=1"):
+        assert _get(stack.url, path)[0] == 200, path
+    for path in ("/_specproxy/v1/chat/completions", "//_specproxy/metrics", "/%2F_specproxy/metrics"):
+        post = _raw(stack.url, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               f"Content-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+        assert post.startswith(b"HTTP/1.1 405"), (path, post[:200])
+    assert stack.upstream.received[before:] == []  # not one of them reached the upstream, on any route
     _chat(stack, tiktoken_tok, 1)  # and the proxy still forwards everything else
     assert len(stack.upstream.sent) == 1
+    for path in ("/_specproxyx/v1/models", "/v1/models/_specproxy", "/v1/_specproxy/metrics"):  # not the prefix
+        before = len(stack.upstream.received)
+        _get(stack.url, path)
+        assert stack.upstream.received[before:] == [("GET", path)], path
 
 
 def test_a_configured_token_is_needed(make_stack, tiktoken_tok):

@@ -77,7 +77,8 @@ def test_a_short_run_measures_every_path(tmp_path):
     sp = runs["specproxy"]
     assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
     # --watch: the live page's events were read and /_specproxy/metrics scraped while specproxy relayed
-    assert sp["watch"]["scrapes"] >= 1 and sp["watch"]["errors"] == [], sp["watch"]
+    assert sp["watch"]["scrapes"] >= 1 and sp["watch"]["pictures"] >= 1 and sp["watch"]["errors"] == [], sp["watch"]
+    assert f"watched: {sp['watch']['pictures']} live-page pictures" in proc.stdout
     assert "watch" not in runs["direct"]
     assert "| 4 | specproxy |" in proc.stdout
     assert "MainThread" in sp["thread_names"].values(), sp["thread_names"]  # the busy threads, by name

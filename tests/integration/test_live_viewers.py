@@ -134,3 +134,28 @@ async def test_at_most_max_viewers_watch_at_once(serve_admin):
     finally:
         for sock in viewers:
             sock.close()
+
+
+async def raw_get(port: int, path: str) -> tuple[int, bytes]:
+    """One GET of ``path`` exactly as written (a client library would resolve its dot segments)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        async with asyncio.timeout(10):
+            data = await reader.read()
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+async def test_only_the_page_s_own_path_serves_the_page(serve_admin):
+    """A path under the prefix with dot segments, escapes or doubled slashes is answered 404, even when
+    it would resolve to a route: the routes are exact paths."""
+    port = await serve_admin(Admin(Config(), OwnMetrics(), lambda: 1, Pictures(10)))
+    for path in ("/_specproxy", "/_specproxy/"):
+        assert await raw_get(port, path) == (200, b"<html>live</html>"), path
+    for path in ("/_specproxy/%2e%2e/v1/models", "/_specproxy/../v1/models", "/_specproxy/./",
+                 "/_specproxy/%2e/", "/_specproxy//", "/_specproxy/x/..", "/_specproxy/events/.."):
+        status, body = await raw_get(port, path)
+        assert status == 404 and b"live" not in body, (path, status, body)

@@ -325,3 +325,28 @@ def test_digits_the_record_reads_never_vary_in_a_template(each_scan, monkeypatch
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
 
+
+
+def _chunk(content: str) -> bytes:
+    return b"data: " + (HEAD + json.dumps({"index": 0, "delta": {"content": content}}) + "]}").encode()
+
+
+def test_chunk_times_count_each_read_s_text_chunks(each_scan):
+    """When each text-carrying chunk arrived (``chunk_times``, ``chunk_counts``), as the reference times
+    them: by the read that ended each event; events without text (a role-only chunk, empty content in a
+    run, ``[DONE]``) are not chunks; a stream's tail not ended by a blank line is timed by the last read."""
+    role = b"data: " + (HEAD + '{"index":0,"delta":{"role":"assistant","content":""}}]}').encode() + b"\n\n"
+    events = [role] + [_chunk(w) + b"\n\n" for w in ("a", " b", "", " c", " d", "", "", " e")]
+    reads = [events[0], b"".join(events[1:3]), events[3] + events[4][:5], events[4][5:] + events[5],
+             b"".join(events[6:8]), events[8][:-2] + b"\n", b"\ndata: [DONE]\n\n"]
+    tail = [role, _chunk("a") + b"\n\n", _chunk(" b") + b"\n\n", _chunk(" c")]  # the last has no blank line
+    c = each_scan == "c"
+    for stream in (reads, tail):
+        times = [float(i) for i in range(len(stream))]
+        ref = texts_mod.stream_texts_reference(stream, times)
+        assert fast_texts.stream_texts(stream, times, c_scans=c) == ref
+        assert sum(ref.chunk_counts) == ref.chunks
+    ref = texts_mod.stream_texts_reference(reads, [float(i) for i in range(len(reads))])
+    assert (ref.chunk_times, ref.chunk_counts, ref.t_first_event) == ([1.0, 3.0, 6.0], [2, 2, 1], 0.0)
+    ref = texts_mod.stream_texts_reference(tail, [0.0, 1.0, 2.0, 3.0])
+    assert (ref.chunk_times, ref.chunk_counts) == ([1.0, 2.0, 3.0], [1, 1, 1])

@@ -44,6 +44,7 @@ class _Watch:
 
             class _Recorded:
                 join_frames = staticmethod(scanc.join_frames)
+                event_ends = staticmethod(scanc.event_ends)
 
                 @staticmethod
                 def template_run(*args):

@@ -3,7 +3,8 @@
 The streams it reads are checked against the reference in test_measure_fast.py (every test there that
 says ``each_scan`` runs with the C scans and without) and the join against the state machine in
 test_chunked.py. Here: that CI builds it; that ``template_run`` takes exactly the content strings
-orjson reads (the reference parses each event with orjson), reading them as orjson does; and that
+orjson reads (the reference parses each event with orjson), reading them as orjson does; that
+``event_ends`` counts per read the blank lines bytes.count finds; and that
 whether the C scans or the Python ones read a turn is that turn's setting, from its proxy's Config
 (``scan``), not the process's.
 """
@@ -193,3 +194,21 @@ def test_two_proxies_in_one_process_scan_as_their_own_configs_say(make_stack, tm
     c_stack = make_stack(None, scrape_interval_s=0, scan="c")
     python_stack = make_stack(None, scrape_interval_s=0, scan="python", db=str(tmp_path / "python.db"))
     assert [_turn_through(s, counts) for s in (c_stack, python_stack, c_stack)] == ["c", "python", "c"]
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(buf=st.lists(st.sampled_from([b"\n", b"a", b"\n\n", b"data: x"]), max_size=40).map(b"".join),
+       cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_event_ends_counts_each_blank_line_in_the_read_holding_its_second_lf(buf, cuts):
+    """Per read, the LF LF pairs bytes.count finds (without overlap, from the start) whose second LF the
+    read holds: empty reads and pairs cut between two reads included."""
+    cum = sorted({min(c, len(buf)) for c in cuts} | {len(buf)})
+    pairs, i = [], buf.find(b"\n\n")
+    while i >= 0:
+        pairs.append(i + 1)
+        i = buf.find(b"\n\n", i + 2)
+    want = [sum(1 for p in pairs if (cum[r - 1] if r else 0) <= p < cum[r]) for r in range(len(cum))]
+    assert _scanc.event_ends(buf, cum) == want
+    assert _scanc.event_ends(buf, [0, *cum]) == [0, *want]  # an empty first read
+    with pytest.raises(ValueError):
+        _scanc.event_ends(buf, [len(buf) + 1])
