@@ -116,6 +116,96 @@ def test_capture_then_export_then_bench_sends_the_same_bytes(make_stack, tmp_pat
         assert received == [(b, "") for b in BODIES] + [(BODIES[0], "gzip")]
 
 
+# one body of each API, as a client would write it, bare (the API inferred from its fields) and wrapped
+API_BODIES = {
+    "chat": ("/v1/chat/completions",
+             b'{"model": "m", "max_tokens": 8, "stream": true, "messages": [{"role": "system", "content": "terse"}, '
+             b'{"role": "user", "content": "hi"}]}'),
+    "completions": ("/v1/completions", b'{"model": "m", "prompt": "Once upon", "stream": true}'),
+    "messages": ("/v1/messages",
+                 b'{"model": "m", "max_tokens": 64, "system": "Be brief.", "stream": true,\n'
+                 b' "messages": [{"role": "user", "content": "hi"}]}'),
+    "responses": ("/v1/responses", b'{"model": "m", "instructions": "Be brief.", "input": "hi", "stream": true}'),
+}
+
+
+def test_bodies_of_every_api_go_to_their_path_bare_or_wrapped(tmp_path, upstream_thread):
+    """A hand-written file of all four APIs' bodies: each bare one is sent to its API's path (inferred from
+    its fields), each wrapped one to the path it names, byte for byte, and stored with its API."""
+    lines, expect = [], []
+    for api, (path, body) in API_BODIES.items():
+        lines.append(body.replace(b"\n", b""))  # a bare body is one line
+        expect.append((path, body.replace(b"\n", b""), api))
+        lines.append(json.dumps({"body": body.decode()}).encode())  # wrapped, path inferred as for a bare one
+        expect.append((path, body, api))
+    lines.append(json.dumps({"path": "/v1/messages", "body": '{"model": "m", "max_tokens": 9, "stream": true, '
+                                                             '"messages": [{"role": "user", "content": "hi"}]}'}).encode())
+    expect.append(("/v1/messages", json.loads(lines[-1])["body"].encode(), "messages"))  # shared shape, path named
+    work = tmp_path / "apis.jsonl"
+    work.write_bytes(b"\n".join(lines) + b"\n")
+    up = upstream_thread()
+    db = tmp_path / "apis.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--repeats", "1",
+                     "--warmup", "0", "--label", "apis")
+    assert proc.returncode == 0, proc.stderr
+    assert [(s.path, s.request_body) for s in up.sent] == [(p, b) for p, b, _ in expect]
+    conn = sqlite3.connect(db)
+    stored = conn.execute("SELECT path, api, outcome FROM turns ORDER BY t_request").fetchall()
+    conn.close()
+    assert stored == [(p, api, "ok") for p, _, api in expect]
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    # signs of two APIs: a chat role and an Anthropic top-level system prompt
+    (b'{"system": "s", "messages": [{"role": "system", "content": "x"}]}', 'write it as {"path": "/v1/messages"'),
+    (b'{"messages": [], "input": "x"}', 'both "messages" and "input"'),
+    (b'{"body": {"prompt": "x", "input": "y"}}', 'no "path", and the body has both "prompt" and "input"'),
+])
+def test_a_body_of_no_one_api_asks_for_its_path(tmp_path, upstream_thread, line, needle):
+    up = upstream_thread()
+    work = tmp_path / "two.jsonl"
+    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db"))
+    one_line_error(proc, f"{work}:2", needle, '"path"')
+    assert up.sent == []
+
+
+def test_captured_messages_and_responses_turns_replay_byte_for_byte(make_stack, tmp_path, upstream_thread):
+    """Turns of the Anthropic Messages and OpenAI Responses APIs captured through the proxy, exported, and
+    replayed by bench: the same bytes reach the same paths, and bench stores them as the same APIs."""
+    stack = make_stack(None, capture=True, label="agents")
+    sent = [(API_BODIES[api][0] + ("?beta=true" if api == "messages" else ""), API_BODIES[api][1])
+            for api in ("messages", "responses", "messages")]
+
+    async def send() -> None:
+        async with aiohttp.ClientSession() as session:
+            for path, body in sent:
+                async with session.post(stack.url + path, data=body, headers={
+                        "x-api-key": "sk-ant-secret-456", "Content-Type": "application/json"}) as r:
+                    assert r.status == 200
+                    await r.read()
+
+    stack.run(send())
+    stack.settle()
+    stack.run(stack.service.stop())
+    db = Path(stack.cfg.db)
+    replay = tmp_path / "agents.jsonl"
+    proc = specproxy("export", "--db", str(db), "--format", "replay", "-o", str(replay))
+    assert proc.returncode == 0, proc.stderr
+    assert b"sk-ant-secret-456" not in replay.read_bytes()
+    up = upstream_thread()
+    out = tmp_path / "replayed.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(replay), "--db", str(out), "--repeats", "1",
+                     "--warmup", "0", "--label", "replayed")
+    assert proc.returncode == 0, proc.stderr
+    # the captured path is without its query string: what the proxy measures by
+    assert [(s.path, s.request_body) for s in up.sent] == [(p.partition("?")[0], b) for p, b in sent]
+    conn = sqlite3.connect(out)
+    apis = [r[0] for r in conn.execute("SELECT api FROM turns ORDER BY t_request")]
+    conn.close()
+    assert apis == ["messages", "responses", "messages"]
+
+
 def test_bench_records_labelled_turns_per_concurrency_without_the_warm_up(tmp_path, upstream_thread):
     up = upstream_thread()
     work = tmp_path / "w.jsonl"
