@@ -101,8 +101,7 @@ def _workloads(source: str | None, phase: str | None, db: str, *, prompt_lengths
     else:
         requests = read_replay_file(source)
     if phase is not None:
-        fields = probes.phase_fields(phase, max_tokens)
-        requests = [r.with_fields(**fields) for r in requests]
+        requests = [probes.for_phase(r, phase, max_tokens) for r in requests]
     return [(None, requests)]
 
 
@@ -146,8 +145,9 @@ def register(group: click.Group, *, friendly, db_option) -> None:
     @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
                   help="Open loop: start requests at this many per second (exponential gaps), at most --concurrency "
                        "in flight [default: closed loop]")
-    @click.option("--label", "labels", default="bench", show_default=True,
-                  help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on)")
+    @click.option("--label", "labels", default=None,
+                  help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on) "
+                       "[default: bench, or bench-prefill / bench-decode for a phase probe]")
     @click.option("--restart-cmd", default=None,
                   help="Shell command that restarts the server (in the background) and returns; {arm} and "
                        "{instance} are replaced, SPECPROXY_ARM and SPECPROXY_INSTANCE set")
@@ -170,7 +170,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                   help="TOML config file (as serve's; its upstream, db and tokenizer are used)")
     @friendly
     def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str,
-              repeats: int, duration_s: float | None, rate: float | None, labels: str, restart_cmd: str | None,
+              repeats: int, duration_s: float | None, rate: float | None, labels: str | None,
+              restart_cmd: str | None,
               instances: int, ready_timeout_s: float, warmup: int, phase: str | None, prompt_lengths: str,
               max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None) -> None:
         """Send requests at each concurrency through the measuring proxy; per-stream and aggregate figures.
@@ -192,7 +193,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
             "upstream": upstream, "db": db, "tokenizer": tokenizer, "host": "127.0.0.1", "port": 0, "capture": False,
             "store_text": False, "scrape_interval_s": 1.0, "cadence_poll": "off"})
         base = str(cfg.upstream_url).rstrip("/")  # ConfigError without an upstream
-        arms = _arms(labels)
+        # a probe's turns carry their phase in their label, so report, compare and roofline never mix the phases
+        arms = _arms(labels if labels is not None else "bench" + (f"-{phase}" if phase else ""))
         if len(arms) > 1 and restart_cmd is None:
             raise ConfigError("several arms (--label A,B) need --restart-cmd: each arm is a server setting")
         if instances > 1 and restart_cmd is None:
@@ -226,6 +228,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                                                                          run.instance_ids.items()},
                        tokenizer=counted, restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
                                                                if v is None])
+        for warning in summary.get("warnings", ()):
+            click.echo(f"specproxy: warning: {warning}", err=True)
         if as_json:
             click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
         elif run.rounds:

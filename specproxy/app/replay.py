@@ -57,14 +57,6 @@ class Request:
             return None
         return obj if isinstance(obj, dict) else None
 
-    def with_fields(self, **fields: object) -> Request:
-        """The same request with body fields set (a phase probe's max_tokens, stream): re-serialised, so no
-        longer byte for byte the original. Raises ConfigError for a body that is not a JSON object."""
-        obj = self.json()
-        if obj is None:
-            raise ConfigError(f"{self.where}: the body is not a JSON object, so it cannot be changed for a phase probe")
-        return Request(self.path, orjson.dumps({**obj, **fields}), "", self.where)
-
 
 # What only one API's body has. A chat message may carry role system, developer or tool, tool calls, and
 # parts an Anthropic message cannot; an Anthropic body may carry a top-level system prompt, its

@@ -510,6 +510,62 @@ def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)
 
 
+def test_a_prefill_probe_says_so_in_its_label_and_never_gives_a_decode_figure(tmp_path, upstream_thread):
+    """Each phase's turns are labelled with it by default, so report, compare and roofline can tell them
+    apart; a prefill probe's JSON has no decode speed or aggregate throughput (one token out); and a server
+    that ignores max_tokens 1 (the fake does: it sends its whole script) gets a one-line warning."""
+    up = upstream_thread()  # 12 pieces, whatever max_tokens says
+    db = tmp_path / "p.db"
+    common = ("--upstream", up.url, "--db", str(db), "--tokenizer", "tiktoken:o200k_base", "--repeats", "1",
+              "--warmup", "0", "--json")
+    proc = specproxy("bench", "--phase", "prefill", "--prompt-lengths", "30", *common)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("specproxy: warning:")]
+    assert len(warnings) == 1 and "1 of 1 prefill probe turns got more than one output token" in warnings[0]
+    summary = json.loads(proc.stdout)
+    (level,) = summary["arms"][0]["levels"]
+    assert summary["labels"] == ["bench-prefill"] and summary["warnings"] == [warnings[0].split("warning: ", 1)[1]]
+    assert "decode_tps" not in level and "aggregate_tps" not in level and level["prefill_tps"]["median"] > 0
+    proc = specproxy("bench", "--phase", "decode", "--max-tokens", "12", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr and json.loads(proc.stdout)["arms"][0]["levels"][0]["decode_tps"]
+    conn = sqlite3.connect(db)
+    labels = conn.execute("SELECT label, count(*) FROM turns GROUP BY label ORDER BY label").fetchall()
+    conn.close()
+    assert labels == [("bench-decode", 1), ("bench-prefill", 1)]
+    one = upstream_thread(Script(pieces=["a"]))  # a server that honours max_tokens 1: no warning
+    proc = specproxy("bench", "--phase", "prefill", "--prompt-lengths", "30", *common[2:], "--upstream", one.url)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_probe_of_a_replayed_workload_sets_each_apis_own_fields(tmp_path, upstream_thread, phase):
+    """--from with --phase: chat and completions get max_tokens, stream_options (and ignore_eos to
+    decode), a chat body's max_completion_tokens is dropped; Anthropic Messages gets max_tokens and
+    stream only; Responses gets max_output_tokens and stream, no max_tokens or stream_options."""
+    chat = json.loads(API_BODIES["chat"][1])
+    chat["max_completion_tokens"] = 500
+    work = tmp_path / "apis.jsonl"
+    work.write_bytes(b"\n".join([json.dumps(chat).encode(), *(API_BODIES[api][1].replace(b"\n", b"")
+                                                             for api in ("completions", "messages", "responses"))]))
+    up = upstream_thread()
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "p.db"),
+                     "--phase", phase, "--max-tokens", "40", "--repeats", "1", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    limit = 1 if phase == "prefill" else 40
+    sent = {s.path: json.loads(s.request_body) for s in up.sent}
+    openai = {"max_tokens": limit, "stream": True, "stream_options": {"include_usage": True},
+              **({"ignore_eos": True} if phase == "decode" else {})}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert {k: sent[path].get(k) for k in openai} == openai
+        assert "max_completion_tokens" not in sent[path]
+    messages, responses = sent["/v1/messages"], sent["/v1/responses"]
+    assert (messages["max_tokens"], messages["stream"], messages["system"]) == (limit, True, "Be brief.")
+    assert not {"stream_options", "ignore_eos", "max_output_tokens"} & messages.keys()
+    assert (responses["max_output_tokens"], responses["stream"], responses["input"]) == (limit, True, "hi")
+    assert not {"stream_options", "ignore_eos", "max_tokens"} & responses.keys()
+
+
 def stored_turns(db: Path, label: str) -> int:
     if not db.exists():
         return 0
