@@ -257,15 +257,31 @@ def register(group: click.Group, *, friendly, db_option) -> None:
         from specproxy.analyze.roofline import render_roofline
         from specproxy.analyze.roofline import roofline as ceiling
 
-        measured_fps = measured_tps = None
+        measured_fps = measured_tps = used = mal_source = None
+        levels: list[dict[str, Any]] = []
+        if mal is not None:
+            mal_source = "--mal"
         if db is not None:
             report: dict[str, Any] = _cli()._report(db, label)
+            if label is None and len(report["labels"]) > 1:  # arms and phases: a median over them is none of them
+                raise ConfigError(f"{db}: its turns carry several labels ({', '.join(report['labels'])}): give "
+                                  "--label to measure one of them")
             measured_tps = report["user"]["decode_tps"]["median"]
             if measured_tps is None:
                 raise ConfigError(f"{db}: no streamed turns with a decode speed{f' labelled {label}' if label else ''} "
                                   "(a tokenizer is needed to count tokens)")
             if mal is None:
-                mal = ((report.get("server") or {}).get("window") or {}).get("mal")
+                window = (report.get("server") or {}).get("window") or {}
+                mal = window.get("mal")
+                gauge = window.get("mal_source") == "gauge"
+                mal_source = (f"from the server's {'acceptance-length gauge' if gauge else 'counters'}"
+                              if mal is not None else None)
             measured_fps = measured_tps / (mal or 1.0)
+            used = {"database": db, "label": label or (report["labels"] or [None])[0],
+                    "turns": report["user"]["decode_tps"]["n"]}
+            levels = [{"concurrency": row["concurrency"], "turns": row["per_stream_tps"]["n"],
+                       "decode_tps": row["per_stream_tps"]["median"]} for row in report["by_concurrency"]
+                      if row["per_stream_tps"]["n"]]
         _cli()._echo(ceiling(active_params, bits, bandwidth_gbs, mal=mal, measured_fps=measured_fps,
-                          measured_tps=measured_tps), render_roofline, as_json)
+                             measured_tps=measured_tps, used=used, mal_source=mal_source, by_concurrency=levels),
+                     render_roofline, as_json)

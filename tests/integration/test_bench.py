@@ -489,6 +489,49 @@ def test_roofline_beside_the_measured_forward_passes(tmp_path, upstream_thread):
     assert r["share"] == pytest.approx(r["measured_passes_per_s"] / (273e9 / 4e9))
 
 
+def test_roofline_reads_the_mal_from_the_counters_and_says_which_turns_it_measured(tmp_path, upstream_thread):
+    """No --mal: the MAL is the server's counters' over the turns' window (the fake drafts one token per
+    two-token chunk, all accepted: MAL 2); the text says the share of the ceiling, which turns the median
+    is over, and each concurrency level's own figure; a database of two labels is refused without --label."""
+    up = upstream_thread(Script(pieces=["a", " b", " c", " d"] * 4, tokens_per_chunk=2, drafts_per_chunk=1,
+                                interval_s=0.005))
+    db = tmp_path / "b.db"
+    # long enough for the proxy's scraper (once a second) to read the counters on both sides of the turns
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--tokenizer", "tiktoken:o200k_base", "--repeats", "1", "--concurrency", "1,2",
+                     "--duration", "1.5", "--label", "spec")
+    assert proc.returncode == 0, proc.stderr
+    args = ("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273", "--db", str(db))
+    proc = specproxy(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    report = json.loads(specproxy("report", "--db", str(db), "--json").stdout)
+    assert r["mal"] == pytest.approx(2.0) and report["server"]["window"]["mal"] == r["mal"]
+    assert r["mal_source"] == "from the server's counters"
+    assert r["measured_passes_per_s"] == pytest.approx(report["user"]["decode_tps"]["median"] / 2)
+    assert r["measured_over"] == {"database": str(db), "label": "spec", "turns": report["user"]["decode_tps"]["n"]}
+    assert [row["concurrency"] for row in r["by_concurrency"]] == ["1", "2"]
+    ceiling = 273e9 / 4e9
+    text = specproxy(*args)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert f"{r['measured_passes_per_s']:.1f} forward passes/s = {r['share']:.0%} of the ceiling" in text.stdout
+    assert f"at most {ceiling:.1f} forward passes/s" in lines[0]
+    assert f"x MAL 2.00 (from the server's counters) = {ceiling * 2:.1f} tok/s" in lines[1]
+    assert (f"over: the median of {r['measured_over']['turns']} streamed turns labelled spec in {db}, "
+            "at concurrency 1, 2") in text.stdout
+    for row in r["by_concurrency"]:
+        assert (f"at concurrency {row['concurrency']}: {row['passes_per_s']:.1f} forward passes/s = "
+                f"{row['share']:.0%} of the ceiling ({row['turns']} turns)") in text.stdout
+    # a second label in the database: the median over both would describe neither
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--tokenizer", "tiktoken:o200k_base", "--repeats", "1", "--label", "other")
+    assert proc.returncode == 0, proc.stderr
+    one_line_error(specproxy(*args), "several labels (other, spec)", "--label")
+    proc = specproxy(*args, "--label", "spec", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["measured_over"]["label"] == "spec", proc.stderr
+
+
 def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     """prefill: max_tokens 1 at each prompt length, every prompt new (no cache hit); the output has the
     prefill column and no decode one. decode: ignore_eos to --max-tokens."""
