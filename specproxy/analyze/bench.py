@@ -108,11 +108,28 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
         "total_s": summarize(_vals(ok, "total_s")).to_dict(),
         "aggregate_tps": {"mean": mean, "ci_low": lo, "ci_high": hi, "n": len(values), "unit": unit},
     }
-    if phase == "prefill":
+    if phase == "prefill":  # one token out: no decode speed or throughput, which must not pass for one
+        del out["decode_tps"], out["aggregate_tps"]
         out["prompt_tokens"] = summarize([r.prompt_tokens if r.prompt_tokens is not None else r.usage_prompt_tokens
                                           for r in streamed]).to_dict()
         out["prefill_tps"] = per_stream(streamed, [_prefill_tps(r) for r in streamed])
+        out["more_than_one_token"] = sum((_out_tokens(r) or 0) > 1 for r in ok)
     return out
+
+
+def _out_tokens(r: Record) -> int | None:
+    return r.completion_tokens if r.completion_tokens is not None else r.usage_completion_tokens
+
+
+def _prefill_warning(levels: list[dict[str, Any]]) -> str | None:
+    """A prefill probe asks for one token; a server that sent more ignored the limit, and its turns
+    were not prefill plus one step."""
+    over = sum(lv["more_than_one_token"] for lv in levels)
+    if not over:
+        return None
+    ok = sum(lv["ok"] for lv in levels)
+    return (f"{over} of {ok} prefill probe turns got more than one output token: the server ignored the probe's "
+            "limit of 1, so their turns are not prefill plus one step (TTFT and prefill tok/s still stand)")
 
 
 def summarize_bench(rounds: Sequence[Round], *, phase: str | None = None, warmup: int = 0,
@@ -122,12 +139,16 @@ def summarize_bench(rounds: Sequence[Round], *, phase: str | None = None, warmup
     for rnd in rounds:
         arms.setdefault(rnd.arm, {}).setdefault((rnd.level, rnd.prompt_len or 0), []).append(rnd)
     out: dict[str, Any] = {"phase": phase, "warmup_per_instance": warmup, "restarts": restarts, "arms": []}
+    warnings = []
     for arm, levels in arms.items():
         out["arms"].append({
             "arm": arm,
             "instances": len({rnd.instance for ls in levels.values() for rnd in ls}),
             "levels": [_level_summary(levels[level], phase) for level in sorted(levels)],
         })
+        if phase == "prefill" and (warning := _prefill_warning(out["arms"][-1]["levels"])):
+            warnings.append(f"arm {arm}: {warning}" if len(arms) > 1 else warning)
+    out["warnings"] = warnings
     return out
 
 
@@ -140,9 +161,11 @@ def _ci(s: dict[str, Any], fmt: str) -> str:
 
 def _over(lv: dict[str, Any]) -> str:
     """What the intervals are over: one unit when per-stream and aggregate agree, else each's."""
-    agg, ps = lv["aggregate_tps"], lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
-    aggregate = plural(agg["n"], agg["unit"][:-1])
+    agg, ps = lv.get("aggregate_tps"), lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
     per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1])
+    if agg is None:  # a prefill probe: no aggregate
+        return per_stream
+    aggregate = plural(agg["n"], agg["unit"][:-1])
     return aggregate if per_stream == aggregate else f"{per_stream} / {aggregate}"
 
 
@@ -173,7 +196,7 @@ def render_bench(s: dict[str, Any]) -> str:
             lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
                          f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  intervals over")
         for lv in arm["levels"]:
-            agg, errors_n = lv["aggregate_tps"], sum(lv["errors"].values())
+            agg, errors_n = lv.get("aggregate_tps"), sum(lv["errors"].values())
             if phase == "prefill":
                 pt = lv["prompt_tokens"]["median"]
                 lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "

@@ -1,7 +1,8 @@
 """``specproxy compare A B``: an A/B verdict that survives noise and restarts.
 
 Why: the same config varies a lot from run to run (docs/statistics.md), and two restarts of one config can give
-non-overlapping intervals. So every ratio B/A comes with a 95% interval and a verdict (faster,
+non-overlapping intervals. So every ratio B/A comes with an interval (95% unless ``level`` says
+otherwise: every row, and every rule under it, takes the same level) and a verdict (faster,
 slower, or not distinguishable when the interval contains 1); requests are grouped by server
 instance, and when an arm spans several instances the interval is computed over instances. An arm
 that ran in one instance only is flagged: an A/B inside one server instance is confounded with it.
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze import arrays
 from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
 from specproxy.store.dataset import Turns, load_turns, parse_time
 from specproxy.store.queries import Connection
@@ -35,7 +37,7 @@ from specproxy.analyze.stats import (
     plural,
 )
 
-__all__ = ["Arm", "compare", "negative_control_report", "parse_arm", "render_compare"]
+__all__ = ["Arm", "check_level", "compare", "negative_control_report", "parse_arm", "render_compare"]
 
 # (key, column, label, higher is better): over streamed turns in both arms
 METRICS = (
@@ -101,7 +103,7 @@ def _lanes(turns: Turns) -> list | None:
     return [None if math.isnan(i) else int(i) for i in ids.tolist()]
 
 
-def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
+def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, Any]:
     """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
     their start and end (aggregate.py says why and how); instances as in every other row."""
     def arm(t: Turns):
@@ -114,15 +116,15 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int) -> dict[str, Any]:
         return busy_throughput(tokens[known], start[known], end[known])
 
     r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), lanes_a=_lanes(a),
-                        lanes_b=_lanes(b), seed=seed)
+                        lanes_b=_lanes(b), seed=seed, level=level)
     return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
             "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 
-def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int) -> dict[str, Any]:
+def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
     key, col, label, higher = metric
     r = bootstrap_ratio(a.num[col], b.num[col], higher_is_better=higher, clusters_a=_clusters(a),
-                        clusters_b=_clusters(b), seed=seed)
+                        clusters_b=_clusters(b), seed=seed, level=level)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
             "a_median": _median(a.num[col]), "b_median": _median(b.num[col]), **r.to_dict()}
 
@@ -139,50 +141,64 @@ def _kind_counts(streamed: Turns, whole: Turns, arm: str) -> dict[str, int]:
     return {f"streamed_{arm}": len(streamed), f"non_streamed_{arm}": len(whole)}
 
 
-def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
+def check_level(level: float) -> None:
+    """A confidence level the intervals can be computed at (``arrays.check_level``'s rule): ConfigError,
+    one line, otherwise."""
+    try:
+        arrays.check_level(level)
+    except ValueError:
+        raise ConfigError(f"--level must be between 0.5 and 1 (e.g. 0.95 or 0.99), got {level:g}") from None
+
+
+def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False,
+            level: float = 0.95) -> dict[str, Any]:
+    check_level(level)
     ta, tb = _load(conn, a, cache), _load(conn, b, cache)
     if not len(ta) or not len(tb):
         empty = a.name if not len(ta) else b.name
         raise ConfigError(f"arm {empty!r} has no completed turns in this database")
     ca, cb = _clusters(ta), _clusters(tb)
     (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
-    rows = [_ratio_row(metric, sa, sb, "streamed", seed) for metric in METRICS]
+    rows = [_ratio_row(metric, sa, sb, "streamed", seed, level) for metric in METRICS]
     if len(na) and len(nb):
-        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, "non_streamed", seed))
-    agg = _aggregate_ratio(ta, tb, seed)
+        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, "non_streamed", seed, level))
+    agg = _aggregate_ratio(ta, tb, seed, level)
     rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
                  "higher_is_better": True,
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
                  "ci_high": agg["ci_high"], "verdict": agg["verdict"], "method": agg["method"],
-                 "warnings": _fit_instance_warning(agg["warnings"], ca, cb),
+                 "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
-    return {"a": a.name, "b": b.name, "n_a": len(ta), "n_b": len(tb),
+    return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
             **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
             "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
             "rows": rows}
 
 
-def _control_row(metric: tuple, turns: Turns, population: str, seed: int) -> dict[str, Any]:
+def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
     key, col, label, higher = metric
-    r = negative_control(turns.num[col], _clusters(turns), seed=seed)
+    r = negative_control(turns.num[col], _clusters(turns), seed=seed, level=level)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
             "a_median": None, "b_median": None, **r.to_dict()}
 
 
-def negative_control_report(conn: Connection, a: Arm, *, seed: int = 0, cache: bool = False) -> dict[str, Any]:
+def negative_control_report(conn: Connection, a: Arm, *, seed: int = 0, cache: bool = False,
+                            level: float = 0.95) -> dict[str, Any]:
     """A against A: the arm split into random halves (by instance when it has several), within each
     kind: the stream rows split the streamed turns, the non-streamed row the non-streamed ones, so a
     half is never streamed turns against non-streamed ones."""
+    check_level(level)
     ta = _load(conn, a, cache)
     if not len(ta):
         raise ConfigError(f"arm {a.name!r} has no completed turns in this database")
     ca = _clusters(ta)
     streamed, whole = _kinds(ta)
-    rows = [_control_row(metric, streamed, "streamed", seed) for metric in METRICS]
+    rows = [_control_row(metric, streamed, "streamed", seed, level) for metric in METRICS]
     if len(whole) >= 2:  # a half each
-        rows.append(_control_row(NON_STREAMED_METRIC, whole, "non_streamed", seed))
-    return {"a": a.name, "b": f"{a.name} (other half)", "n_a": len(ta), "n_b": len(ta), "negative_control": True,
+        rows.append(_control_row(NON_STREAMED_METRIC, whole, "non_streamed", seed, level))
+    return {"a": a.name, "b": f"{a.name} (other half)", "level": level, "n_a": len(ta), "n_b": len(ta),
+            "negative_control": True,
             **_kind_counts(streamed, whole, "a"),
             "instances_a": None if ca is None else len(set(ca)), "instances_b": None, "rows": rows}
 
@@ -211,7 +227,8 @@ def render_compare(r: dict[str, Any]) -> str:
                      f"({_arm_text(r, 'a', 'server instance')}). Every row should be 'not distinguishable'.")
     else:
         lines.append(f"compare B={r['b']} ({_arm_text(r, 'b')}) against A={r['a']} ({_arm_text(r, 'a')})")
-    lines.append(f"  {'figure':34} {'A':>10} {'B':>10} {'B/A':>7}  {'95% CI':>16}  verdict")
+    ci_head = f"{r.get('level', 0.95) * 100:g}% CI"
+    lines.append(f"  {'figure':34} {'A':>10} {'B':>10} {'B/A':>7}  {ci_head:>16}  verdict")
     warnings: list[str] = []
     for row in r["rows"]:
         ci = f"[{_f(row['ci_low'])}, {_f(row['ci_high'])}]" if row.get("ci_low") is not None else "-"

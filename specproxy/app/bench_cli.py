@@ -101,8 +101,7 @@ def _workloads(source: str | None, phase: str | None, db: str, *, prompt_lengths
     else:
         requests = read_replay_file(source)
     if phase is not None:
-        fields = probes.phase_fields(phase, max_tokens)
-        requests = [r.with_fields(**fields) for r in requests]
+        requests = [probes.for_phase(r, phase, max_tokens) for r in requests]
     return [(None, requests)]
 
 
@@ -146,8 +145,9 @@ def register(group: click.Group, *, friendly, db_option) -> None:
     @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
                   help="Open loop: start requests at this many per second (exponential gaps), at most --concurrency "
                        "in flight [default: closed loop]")
-    @click.option("--label", "labels", default="bench", show_default=True,
-                  help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on)")
+    @click.option("--label", "labels", default=None,
+                  help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on) "
+                       "[default: bench, or bench-prefill / bench-decode for a phase probe]")
     @click.option("--restart-cmd", default=None,
                   help="Shell command that restarts the server (in the background) and returns; {arm} and "
                        "{instance} are replaced, SPECPROXY_ARM and SPECPROXY_INSTANCE set")
@@ -170,7 +170,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                   help="TOML config file (as serve's; its upstream, db and tokenizer are used)")
     @friendly
     def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str,
-              repeats: int, duration_s: float | None, rate: float | None, labels: str, restart_cmd: str | None,
+              repeats: int, duration_s: float | None, rate: float | None, labels: str | None,
+              restart_cmd: str | None,
               instances: int, ready_timeout_s: float, warmup: int, phase: str | None, prompt_lengths: str,
               max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None) -> None:
         """Send requests at each concurrency through the measuring proxy; per-stream and aggregate figures.
@@ -192,7 +193,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
             "upstream": upstream, "db": db, "tokenizer": tokenizer, "host": "127.0.0.1", "port": 0, "capture": False,
             "store_text": False, "scrape_interval_s": 1.0, "cadence_poll": "off"})
         base = str(cfg.upstream_url).rstrip("/")  # ConfigError without an upstream
-        arms = _arms(labels)
+        # a probe's turns carry their phase in their label, so report, compare and roofline never mix the phases
+        arms = _arms(labels if labels is not None else "bench" + (f"-{phase}" if phase else ""))
         if len(arms) > 1 and restart_cmd is None:
             raise ConfigError("several arms (--label A,B) need --restart-cmd: each arm is a server setting")
         if instances > 1 and restart_cmd is None:
@@ -226,6 +228,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                                                                          run.instance_ids.items()},
                        tokenizer=counted, restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
                                                                if v is None])
+        for warning in summary.get("warnings", ()):
+            click.echo(f"specproxy: warning: {warning}", err=True)
         if as_json:
             click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
         elif run.rounds:
@@ -253,15 +257,31 @@ def register(group: click.Group, *, friendly, db_option) -> None:
         from specproxy.analyze.roofline import render_roofline
         from specproxy.analyze.roofline import roofline as ceiling
 
-        measured_fps = measured_tps = None
+        measured_fps = measured_tps = used = mal_source = None
+        levels: list[dict[str, Any]] = []
+        if mal is not None:
+            mal_source = "--mal"
         if db is not None:
             report: dict[str, Any] = _cli()._report(db, label)
+            if label is None and len(report["labels"]) > 1:  # arms and phases: a median over them is none of them
+                raise ConfigError(f"{db}: its turns carry several labels ({', '.join(report['labels'])}): give "
+                                  "--label to measure one of them")
             measured_tps = report["user"]["decode_tps"]["median"]
             if measured_tps is None:
                 raise ConfigError(f"{db}: no streamed turns with a decode speed{f' labelled {label}' if label else ''} "
                                   "(a tokenizer is needed to count tokens)")
             if mal is None:
-                mal = ((report.get("server") or {}).get("window") or {}).get("mal")
+                window = (report.get("server") or {}).get("window") or {}
+                mal = window.get("mal")
+                gauge = window.get("mal_source") == "gauge"
+                mal_source = (f"from the server's {'acceptance-length gauge' if gauge else 'counters'}"
+                              if mal is not None else None)
             measured_fps = measured_tps / (mal or 1.0)
+            used = {"database": db, "label": label or (report["labels"] or [None])[0],
+                    "turns": report["user"]["decode_tps"]["n"]}
+            levels = [{"concurrency": row["concurrency"], "turns": row["per_stream_tps"]["n"],
+                       "decode_tps": row["per_stream_tps"]["median"]} for row in report["by_concurrency"]
+                      if row["per_stream_tps"]["n"]]
         _cli()._echo(ceiling(active_params, bits, bandwidth_gbs, mal=mal, measured_fps=measured_fps,
-                          measured_tps=measured_tps), render_roofline, as_json)
+                             measured_tps=measured_tps, used=used, mal_source=mal_source, by_concurrency=levels),
+                     render_roofline, as_json)

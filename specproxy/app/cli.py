@@ -317,25 +317,28 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
 @click.option("--negative-control", is_flag=True,
               help="Compare A against itself (random halves, by instance when it has several)")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap")
+@click.option("--level", type=float, default=0.95, show_default=True,
+              help="Confidence level of every interval (e.g. 0.99: a verdict on an A/A is then wrong 1% of the time)")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
 @cache_option
 @_friendly
-def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, as_json: bool,
-                cache: bool) -> None:
-    """Ratio B/A with 95% intervals and a verdict: faster, slower or not distinguishable.
+def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, level: float,
+                as_json: bool, cache: bool) -> None:
+    """Ratio B/A with 95% intervals (--level) and a verdict: faster, slower or not distinguishable.
 
     An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
     (ISO 8601, UTC unless a zone is given), e.g. @2026-11-29T08:00..2026-11-29T09:00.
     """
-    from specproxy.analyze.compare import compare, negative_control_report, parse_arm, render_compare
+    from specproxy.analyze.compare import check_level, compare, negative_control_report, parse_arm, render_compare
 
+    check_level(level)
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     with _open(db) as conn:
         if negative_control:
-            r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache)
+            r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache, level=level)
         else:
-            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache)
+            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache, level=level)
     _echo(r, render_compare, as_json)
 
 

@@ -5,8 +5,8 @@ Why two shapes of line: a file written by hand is most naturally the request bod
 8k-token prefix a client sends, with its own key order and spacing, possibly not one line), which
 only a string can hold. So a line is either:
 
-* a request body: a chat completion (has ``messages``) or a completion (has ``prompt``); the bytes
-  sent are the line's own, without its line end;
+* a request body of any API specproxy measures, its path inferred from its fields (``infer_path``);
+  the bytes sent are the line's own, without its line end;
 * a wrapper ``{"path": "/v1/chat/completions", "body": "<the body, as a JSON string>"}``: the bytes
   sent are the string's UTF-8; ``"body"`` may also be an object (sent as compact JSON), and a body that
   is not UTF-8, or was sent compressed, is ``"body_b64"`` (with its ``"content_encoding"``).
@@ -29,10 +29,12 @@ from specproxy.errors import ConfigError
 from specproxy.measure.builder import is_measured
 from specproxy.store.captures import Captured
 
-__all__ = ["Request", "read_replay_file", "replay_line", "requests_from_captures"]
+__all__ = ["Request", "infer_path", "read_replay_file", "replay_line", "requests_from_captures"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,25 +57,79 @@ class Request:
             return None
         return obj if isinstance(obj, dict) else None
 
-    def with_fields(self, **fields: object) -> Request:
-        """The same request with body fields set (a phase probe's max_tokens, stream): re-serialised, so no
-        longer byte for byte the original. Raises ConfigError for a body that is not a JSON object."""
-        obj = self.json()
-        if obj is None:
-            raise ConfigError(f"{self.where}: the body is not a JSON object, so it cannot be changed for a phase probe")
-        return Request(self.path, orjson.dumps({**obj, **fields}), "", self.where)
+
+# What only one API's body has. A chat message may carry role system, developer or tool, tool calls, and
+# parts an Anthropic message cannot; an Anthropic body may carry a top-level system prompt, its
+# version, stop sequences, tools with an input_schema, and content blocks chat has no word for.
+_CHAT_ROLES = frozenset({"system", "developer", "tool", "function"})
+_CHAT_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal"})
+_CHAT_PARTS = frozenset({"image_url", "input_audio", "file", "refusal"})
+_MESSAGES_TOP = frozenset({"system", "anthropic_version", "stop_sequences"})
+_MESSAGES_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "redacted_thinking", "document", "image",
+                              "server_tool_use", "web_search_tool_result", "search_result"})
 
 
-def _infer_path(obj: dict) -> str | None:
-    if "messages" in obj:
-        return CHAT
-    if "prompt" in obj:
+def _api_signs(obj: dict) -> tuple[str | None, str | None]:
+    """(the first thing in a ``messages`` body that only chat completions has, the first that only the
+    Anthropic Messages API has), each None when there is none."""
+    chat = messages = None
+    found = [k for k in _MESSAGES_TOP if k in obj]
+    if found:
+        messages = f'top-level "{sorted(found)[0]}"'
+    tools = obj.get("tools")
+    if isinstance(tools, list):
+        for tool in tools:
+            if isinstance(tool, dict) and "input_schema" in tool and messages is None:
+                messages = 'a tool with "input_schema"'
+            if isinstance(tool, dict) and "function" in tool and chat is None:
+                chat = 'a tool with "function"'
+    for msg in obj["messages"] if isinstance(obj["messages"], list) else ():
+        if not isinstance(msg, dict):
+            continue
+        if chat is None and msg.get("role") in _CHAT_ROLES:
+            chat = f'a message with role "{msg["role"]}"'
+        if chat is None and _CHAT_MESSAGE_KEYS & msg.keys():
+            chat = f'a message with "{sorted(_CHAT_MESSAGE_KEYS & msg.keys())[0]}"'
+        content = msg.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if chat is None and kind in _CHAT_PARTS:
+                chat = f'a "{kind}" part'
+            if messages is None and (kind in _MESSAGES_BLOCKS or (isinstance(part, dict) and "cache_control" in part)):
+                messages = f'a "{kind}" block' if kind in _MESSAGES_BLOCKS else 'a block with "cache_control"'
+    return chat, messages
+
+
+def infer_path(obj: dict) -> str:
+    """The path a bare request body is sent to, from the fields only one API has; ConfigError (to be
+    completed into a sentence by the caller: "the body " + message) when it has none or signs of two APIs.
+
+    The rule (docs/bench.md): ``prompt`` is a completion, ``input`` a Responses request; ``messages`` is
+    an Anthropic Messages request when it has something only that API has (a top-level ``system``,
+    ``anthropic_version`` or ``stop_sequences``, a tool with ``input_schema``, a ``tool_use``,
+    ``tool_result``, ``thinking``, ``image`` or ``document`` block, a block with ``cache_control``), else
+    a chat completion. A body both APIs accept as it is (user and assistant turns of plain text, with
+    ``max_tokens``) is sent as a chat completion: the wrapper's ``"path"`` says otherwise."""
+    keys = [k for k in ("messages", "prompt", "input") if k in obj]
+    if not keys:
+        raise ConfigError('has none of "messages" (chat completions, Anthropic Messages), "prompt" (completions) '
+                          'and "input" (Responses)')
+    if len(keys) > 1:
+        raise ConfigError(f'has both "{keys[0]}" and "{keys[1]}": {_NAME_IT}')
+    if keys[0] == "prompt":
         return COMPLETIONS
-    return None
+    if keys[0] == "input":
+        return RESPONSES
+    chat, messages = _api_signs(obj)
+    if chat and messages:
+        raise ConfigError(f"has {chat} (chat completions) and {messages} (Anthropic Messages): {_NAME_IT}")
+    return MESSAGES if messages else CHAT
 
 
-_NOT_A_REQUEST = ("not a request: expected a request body (an object with \"messages\" or \"prompt\") or "
-                  "{\"path\": ..., \"body\": ...}")
+_NAME_IT = f'write it as {{"path": "{MESSAGES}", "body": ...}} (or whichever path it is for) to say which API'
+_NOT_A_REQUEST = ('not a request: expected a request body (an object with "messages", "prompt" or "input") or '
+                  '{"path": ..., "body": ...}')
+_WRAP = 'or write {"path": ..., "body": ...}'
 
 
 def parse_line(raw: bytes, where: str) -> Request:
@@ -85,10 +141,11 @@ def parse_line(raw: bytes, where: str) -> Request:
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: {_NOT_A_REQUEST}")
     if "body" not in obj and "body_b64" not in obj:
-        path = _infer_path(obj)
-        if path is None:
-            raise ConfigError(f"{where}: {_NOT_A_REQUEST}")
-        return Request(path, raw, "", where)
+        try:
+            return Request(infer_path(obj), raw, "", where)
+        except ConfigError as exc:
+            lead = "not a request: the object" if "none of" in str(exc) else "the body"
+            raise ConfigError(f"{where}: {lead} {exc}" + (f" ({_WRAP})" if "none of" in str(exc) else "")) from None
     encoding = obj.get("content_encoding") or ""
     if not isinstance(encoding, str):
         raise ConfigError(f"{where}: \"content_encoding\" must be a string")
@@ -113,11 +170,15 @@ def parse_line(raw: bytes, where: str) -> Request:
             raise ConfigError(f"{where}: the body is not a JSON object")
     path = obj.get("path")
     if path is None:
-        path = _infer_path(inner) if inner is not None else None
-        if path is None:
-            raise ConfigError(f"{where}: no \"path\", and the body has neither \"messages\" nor \"prompt\"")
+        if inner is None:
+            raise ConfigError(f"{where}: no \"path\", and a compressed body cannot say which API it is for")
+        try:
+            path = infer_path(inner)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: no \"path\", and the body {exc}") from None
     if not isinstance(path, str) or not is_measured("POST", path):
-        raise ConfigError(f"{where}: path {path!r} is not one specproxy measures (e.g. {CHAT}, {COMPLETIONS})")
+        raise ConfigError(f"{where}: path {path!r} is not one specproxy measures (e.g. {CHAT}, {COMPLETIONS}, "
+                          f"{MESSAGES}, {RESPONSES})")
     return Request(path, body, encoding, where)
 
 

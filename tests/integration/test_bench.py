@@ -116,6 +116,96 @@ def test_capture_then_export_then_bench_sends_the_same_bytes(make_stack, tmp_pat
         assert received == [(b, "") for b in BODIES] + [(BODIES[0], "gzip")]
 
 
+# one body of each API, as a client would write it, bare (the API inferred from its fields) and wrapped
+API_BODIES = {
+    "chat": ("/v1/chat/completions",
+             b'{"model": "m", "max_tokens": 8, "stream": true, "messages": [{"role": "system", "content": "terse"}, '
+             b'{"role": "user", "content": "hi"}]}'),
+    "completions": ("/v1/completions", b'{"model": "m", "prompt": "Once upon", "stream": true}'),
+    "messages": ("/v1/messages",
+                 b'{"model": "m", "max_tokens": 64, "system": "Be brief.", "stream": true,\n'
+                 b' "messages": [{"role": "user", "content": "hi"}]}'),
+    "responses": ("/v1/responses", b'{"model": "m", "instructions": "Be brief.", "input": "hi", "stream": true}'),
+}
+
+
+def test_bodies_of_every_api_go_to_their_path_bare_or_wrapped(tmp_path, upstream_thread):
+    """A hand-written file of all four APIs' bodies: each bare one is sent to its API's path (inferred from
+    its fields), each wrapped one to the path it names, byte for byte, and stored with its API."""
+    lines, expect = [], []
+    for api, (path, body) in API_BODIES.items():
+        lines.append(body.replace(b"\n", b""))  # a bare body is one line
+        expect.append((path, body.replace(b"\n", b""), api))
+        lines.append(json.dumps({"body": body.decode()}).encode())  # wrapped, path inferred as for a bare one
+        expect.append((path, body, api))
+    lines.append(json.dumps({"path": "/v1/messages", "body": '{"model": "m", "max_tokens": 9, "stream": true, '
+                                                             '"messages": [{"role": "user", "content": "hi"}]}'}).encode())
+    expect.append(("/v1/messages", json.loads(lines[-1])["body"].encode(), "messages"))  # shared shape, path named
+    work = tmp_path / "apis.jsonl"
+    work.write_bytes(b"\n".join(lines) + b"\n")
+    up = upstream_thread()
+    db = tmp_path / "apis.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(db), "--repeats", "1",
+                     "--warmup", "0", "--label", "apis")
+    assert proc.returncode == 0, proc.stderr
+    assert [(s.path, s.request_body) for s in up.sent] == [(p, b) for p, b, _ in expect]
+    conn = sqlite3.connect(db)
+    stored = conn.execute("SELECT path, api, outcome FROM turns ORDER BY t_request").fetchall()
+    conn.close()
+    assert stored == [(p, api, "ok") for p, _, api in expect]
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    # signs of two APIs: a chat role and an Anthropic top-level system prompt
+    (b'{"system": "s", "messages": [{"role": "system", "content": "x"}]}', 'write it as {"path": "/v1/messages"'),
+    (b'{"messages": [], "input": "x"}', 'both "messages" and "input"'),
+    (b'{"body": {"prompt": "x", "input": "y"}}', 'no "path", and the body has both "prompt" and "input"'),
+])
+def test_a_body_of_no_one_api_asks_for_its_path(tmp_path, upstream_thread, line, needle):
+    up = upstream_thread()
+    work = tmp_path / "two.jsonl"
+    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db"))
+    one_line_error(proc, f"{work}:2", needle, '"path"')
+    assert up.sent == []
+
+
+def test_captured_messages_and_responses_turns_replay_byte_for_byte(make_stack, tmp_path, upstream_thread):
+    """Turns of the Anthropic Messages and OpenAI Responses APIs captured through the proxy, exported, and
+    replayed by bench: the same bytes reach the same paths, and bench stores them as the same APIs."""
+    stack = make_stack(None, capture=True, label="agents")
+    sent = [(API_BODIES[api][0] + ("?beta=true" if api == "messages" else ""), API_BODIES[api][1])
+            for api in ("messages", "responses", "messages")]
+
+    async def send() -> None:
+        async with aiohttp.ClientSession() as session:
+            for path, body in sent:
+                async with session.post(stack.url + path, data=body, headers={
+                        "x-api-key": "sk-ant-secret-456", "Content-Type": "application/json"}) as r:
+                    assert r.status == 200
+                    await r.read()
+
+    stack.run(send())
+    stack.settle()
+    stack.run(stack.service.stop())
+    db = Path(stack.cfg.db)
+    replay = tmp_path / "agents.jsonl"
+    proc = specproxy("export", "--db", str(db), "--format", "replay", "-o", str(replay))
+    assert proc.returncode == 0, proc.stderr
+    assert b"sk-ant-secret-456" not in replay.read_bytes()
+    up = upstream_thread()
+    out = tmp_path / "replayed.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(replay), "--db", str(out), "--repeats", "1",
+                     "--warmup", "0", "--label", "replayed")
+    assert proc.returncode == 0, proc.stderr
+    # the captured path is without its query string: what the proxy measures by
+    assert [(s.path, s.request_body) for s in up.sent] == [(p.partition("?")[0], b) for p, b in sent]
+    conn = sqlite3.connect(out)
+    apis = [r[0] for r in conn.execute("SELECT api FROM turns ORDER BY t_request")]
+    conn.close()
+    assert apis == ["messages", "responses", "messages"]
+
+
 def test_bench_records_labelled_turns_per_concurrency_without_the_warm_up(tmp_path, upstream_thread):
     up = upstream_thread()
     work = tmp_path / "w.jsonl"
@@ -399,6 +489,49 @@ def test_roofline_beside_the_measured_forward_passes(tmp_path, upstream_thread):
     assert r["share"] == pytest.approx(r["measured_passes_per_s"] / (273e9 / 4e9))
 
 
+def test_roofline_reads_the_mal_from_the_counters_and_says_which_turns_it_measured(tmp_path, upstream_thread):
+    """No --mal: the MAL is the server's counters' over the turns' window (the fake drafts one token per
+    two-token chunk, all accepted: MAL 2); the text says the share of the ceiling, which turns the median
+    is over, and each concurrency level's own figure; a database of two labels is refused without --label."""
+    up = upstream_thread(Script(pieces=["a", " b", " c", " d"] * 4, tokens_per_chunk=2, drafts_per_chunk=1,
+                                interval_s=0.005))
+    db = tmp_path / "b.db"
+    # long enough for the proxy's scraper (once a second) to read the counters on both sides of the turns
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--tokenizer", "tiktoken:o200k_base", "--repeats", "1", "--concurrency", "1,2",
+                     "--duration", "1.5", "--label", "spec")
+    assert proc.returncode == 0, proc.stderr
+    args = ("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273", "--db", str(db))
+    proc = specproxy(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    report = json.loads(specproxy("report", "--db", str(db), "--json").stdout)
+    assert r["mal"] == pytest.approx(2.0) and report["server"]["window"]["mal"] == r["mal"]
+    assert r["mal_source"] == "from the server's counters"
+    assert r["measured_passes_per_s"] == pytest.approx(report["user"]["decode_tps"]["median"] / 2)
+    assert r["measured_over"] == {"database": str(db), "label": "spec", "turns": report["user"]["decode_tps"]["n"]}
+    assert [row["concurrency"] for row in r["by_concurrency"]] == ["1", "2"]
+    ceiling = 273e9 / 4e9
+    text = specproxy(*args)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert f"{r['measured_passes_per_s']:.1f} forward passes/s = {r['share']:.0%} of the ceiling" in text.stdout
+    assert f"at most {ceiling:.1f} forward passes/s" in lines[0]
+    assert f"x MAL 2.00 (from the server's counters) = {ceiling * 2:.1f} tok/s" in lines[1]
+    assert (f"over: the median of {r['measured_over']['turns']} streamed turns labelled spec in {db}, "
+            "at concurrency 1, 2") in text.stdout
+    for row in r["by_concurrency"]:
+        assert (f"at concurrency {row['concurrency']}: {row['passes_per_s']:.1f} forward passes/s = "
+                f"{row['share']:.0%} of the ceiling ({row['turns']} turns)") in text.stdout
+    # a second label in the database: the median over both would describe neither
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                     "--tokenizer", "tiktoken:o200k_base", "--repeats", "1", "--label", "other")
+    assert proc.returncode == 0, proc.stderr
+    one_line_error(specproxy(*args), "several labels (other, spec)", "--label")
+    proc = specproxy(*args, "--label", "spec", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["measured_over"]["label"] == "spec", proc.stderr
+
+
 def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     """prefill: max_tokens 1 at each prompt length, every prompt new (no cache hit); the output has the
     prefill column and no decode one. decode: ignore_eos to --max-tokens."""
@@ -418,6 +551,62 @@ def test_phase_probes_send_what_they_measure(tmp_path, upstream_thread):
     assert proc.returncode == 0, proc.stderr
     body = json.loads(up.sent[-1].request_body)
     assert (body["max_tokens"], body["ignore_eos"], body["stream"], body["model"]) == (40, True, True, up.model)
+
+
+def test_a_prefill_probe_says_so_in_its_label_and_never_gives_a_decode_figure(tmp_path, upstream_thread):
+    """Each phase's turns are labelled with it by default, so report, compare and roofline can tell them
+    apart; a prefill probe's JSON has no decode speed or aggregate throughput (one token out); and a server
+    that ignores max_tokens 1 (the fake does: it sends its whole script) gets a one-line warning."""
+    up = upstream_thread()  # 12 pieces, whatever max_tokens says
+    db = tmp_path / "p.db"
+    common = ("--upstream", up.url, "--db", str(db), "--tokenizer", "tiktoken:o200k_base", "--repeats", "1",
+              "--warmup", "0", "--json")
+    proc = specproxy("bench", "--phase", "prefill", "--prompt-lengths", "30", *common)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("specproxy: warning:")]
+    assert len(warnings) == 1 and "1 of 1 prefill probe turns got more than one output token" in warnings[0]
+    summary = json.loads(proc.stdout)
+    (level,) = summary["arms"][0]["levels"]
+    assert summary["labels"] == ["bench-prefill"] and summary["warnings"] == [warnings[0].split("warning: ", 1)[1]]
+    assert "decode_tps" not in level and "aggregate_tps" not in level and level["prefill_tps"]["median"] > 0
+    proc = specproxy("bench", "--phase", "decode", "--max-tokens", "12", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr and json.loads(proc.stdout)["arms"][0]["levels"][0]["decode_tps"]
+    conn = sqlite3.connect(db)
+    labels = conn.execute("SELECT label, count(*) FROM turns GROUP BY label ORDER BY label").fetchall()
+    conn.close()
+    assert labels == [("bench-decode", 1), ("bench-prefill", 1)]
+    one = upstream_thread(Script(pieces=["a"]))  # a server that honours max_tokens 1: no warning
+    proc = specproxy("bench", "--phase", "prefill", "--prompt-lengths", "30", *common[2:], "--upstream", one.url)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_probe_of_a_replayed_workload_sets_each_apis_own_fields(tmp_path, upstream_thread, phase):
+    """--from with --phase: chat and completions get max_tokens, stream_options (and ignore_eos to
+    decode), a chat body's max_completion_tokens is dropped; Anthropic Messages gets max_tokens and
+    stream only; Responses gets max_output_tokens and stream, no max_tokens or stream_options."""
+    chat = json.loads(API_BODIES["chat"][1])
+    chat["max_completion_tokens"] = 500
+    work = tmp_path / "apis.jsonl"
+    work.write_bytes(b"\n".join([json.dumps(chat).encode(), *(API_BODIES[api][1].replace(b"\n", b"")
+                                                             for api in ("completions", "messages", "responses"))]))
+    up = upstream_thread()
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "p.db"),
+                     "--phase", phase, "--max-tokens", "40", "--repeats", "1", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    limit = 1 if phase == "prefill" else 40
+    sent = {s.path: json.loads(s.request_body) for s in up.sent}
+    openai = {"max_tokens": limit, "stream": True, "stream_options": {"include_usage": True},
+              **({"ignore_eos": True} if phase == "decode" else {})}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert {k: sent[path].get(k) for k in openai} == openai
+        assert "max_completion_tokens" not in sent[path]
+    messages, responses = sent["/v1/messages"], sent["/v1/responses"]
+    assert (messages["max_tokens"], messages["stream"], messages["system"]) == (limit, True, "Be brief.")
+    assert not {"stream_options", "ignore_eos", "max_output_tokens"} & messages.keys()
+    assert (responses["max_output_tokens"], responses["stream"], responses["input"]) == (limit, True, "hi")
+    assert not {"stream_options", "ignore_eos", "max_tokens"} & responses.keys()
 
 
 def stored_turns(db: Path, label: str) -> int:

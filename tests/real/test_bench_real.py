@@ -10,7 +10,7 @@ mismatched draft gives, large enough to be decided at K = 3 (a draft that agrees
 about what it saves on these tiny CPU models, and its direction changes from run to run). Each arm runs
 on 3 server instances, interleaved, so ``compare`` gets its interval over instances: spec on against
 off must be "slower", and one setting against itself (a third arm, in the same run) must get "not
-distinguishable".
+distinguishable" at level 0.99 (so about 1% of runs fail it by design; docs/statistics.md).
 """
 
 from __future__ import annotations
@@ -146,12 +146,15 @@ def restart_runs(restart_script, hf_tokenizer_dir, tmp_path_factory) -> dict:
     assert time.monotonic() - t0 < 180
     summary = json.loads(proc.stdout)
 
-    def compare(a: str, b: str) -> dict:
-        out = specproxy("compare", a, b, "--db", str(db), "--json")
+    def compare(a: str, b: str, level: str) -> dict:
+        out = specproxy("compare", a, b, "--db", str(db), "--json", "--level", level)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    return {"summary": summary, "ab": compare("off", "spec"), "aa": compare("off", "again")}
+    # the A/B at the default 95%, where its threefold slowdown is decided at K = 3 (at 99% the interval over 3
+    # instances can reach past 1 on a busy machine: docs/bench.md); the A/A at 99%, as an assertion of "not
+    # distinguishable" on one run fails at 1 - level of runs by design
+    return {"summary": summary, "ab": compare("off", "spec", "0.95"), "aa": compare("off", "again", "0.99")}
 
 
 def decode_row(compare: dict) -> dict:
@@ -172,7 +175,11 @@ def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(rest
 
 @pytest.mark.alone  # the restart bench (in its first test's set-up) measures speed: no other test meanwhile
 def test_a_restart_aa_of_one_setting_is_not_distinguishable(restart_runs):
+    """One setting against itself over 3 instances each, at ``compare --level 0.99``: the interval is
+    calibrated, so this run reads "faster" or "slower" in about 1% of runs by design (the expected false
+    verdict rate; at the default 95% it would be 5%, seen once in practice). A failure rate well above
+    1% would mean the interval over instances is too narrow."""
     compare = restart_runs["aa"]
-    assert compare["instances_a"] == compare["instances_b"] == 3
+    assert compare["level"] == 0.99 and compare["instances_a"] == compare["instances_b"] == 3
     row = decode_row(compare)
     assert row["ci_low"] is not None and row["verdict"] == "not distinguishable", row

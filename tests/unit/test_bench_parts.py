@@ -16,7 +16,7 @@ from specproxy.analyze.roofline import roofline
 from specproxy.analyze.stats import mean_ci
 from specproxy.app.bench import schedule
 from specproxy.app.fake_upstream import make_record
-from specproxy.app.replay import CHAT, COMPLETIONS, parse_line, read_replay_file, replay_line
+from specproxy.app.replay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, parse_line, read_replay_file, replay_line
 from specproxy.app.restarts import RestartError, restart_command, run_restart
 from specproxy.errors import ConfigError
 from specproxy.store.captures import Captured
@@ -56,6 +56,46 @@ def test_a_bare_body_is_sent_as_its_own_bytes_and_its_path_inferred():
     assert parse_line(b'{"prompt": "x"}', "f:1").path == COMPLETIONS
     wrapped = parse_line(b'{"body": {"prompt": "x", "n": 1}}', "f:1")
     assert (wrapped.path, orjson.loads(wrapped.body)) == (COMPLETIONS, {"prompt": "x", "n": 1})
+
+
+@pytest.mark.parametrize(("body", "path"), [
+    # the shape both chat completions and Anthropic Messages accept: chat completions, as documented
+    ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, CHAT),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}]},
+     CHAT),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, CHAT),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, CHAT),
+    ({"model": "m", "max_tokens": 8, "system": "s", "messages": [{"role": "user", "content": "hi"}]}, MESSAGES),
+    ({"anthropic_version": "vertex-2023-10-16", "max_tokens": 8, "messages": []}, MESSAGES),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     MESSAGES),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]}]}, MESSAGES),
+    ({"max_tokens": 8, "tools": [{"name": "t", "input_schema": {}}], "messages": []}, MESSAGES),
+    ({"model": "m", "input": "hi"}, RESPONSES),
+    ({"input": [{"role": "user", "content": "hi"}], "instructions": "s"}, RESPONSES),
+    ({"prompt": "x", "max_tokens": 3}, COMPLETIONS),
+])
+def test_a_bare_body_goes_to_the_api_only_it_fits(body, path):
+    raw = orjson.dumps(body)
+    assert (parse_line(raw, "f:1").path, parse_line(raw, "f:1").body) == (path, raw)
+    assert parse_line(orjson.dumps({"body": raw.decode()}), "f:1").path == path
+
+
+@pytest.mark.parametrize("body", [
+    {"system": "s", "messages": [{"role": "tool", "content": "x"}]},
+    {"tools": [{"type": "function", "function": {}}], "messages": [{"role": "user", "content": [{"type": "thinking"}]}]},
+    {"messages": [], "prompt": "x"},
+    {"input": "x", "prompt": "y"},
+])
+def test_a_body_that_fits_two_apis_must_name_its_path(body):
+    with pytest.raises(ConfigError) as err:
+        parse_line(orjson.dumps(body), "f:7")
+    message = str(err.value)
+    assert message.startswith("f:7: the body has ") and '{"path": "/v1/messages", "body": ...}' in message
+    assert "\n" not in message
+    # naming the path settles it
+    assert parse_line(orjson.dumps({"path": RESPONSES, "body": body}), "f:7").path == RESPONSES
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -102,6 +102,9 @@ def test_time_window_arms(db):
     (["compare", "old"], "needs two arms"),
     (["compare", "old", "nope"], "has no completed turns"),
     (["compare", "@yesterday", "old"], "@START..END"),
+    (["compare", "old", "new", "--level", "1.5"], "--level must be between 0.5 and 1"),
+    (["compare", "old", "new", "--level", "0.5"], "--level must be between 0.5 and 1"),
+    (["compare", "old", "--negative-control", "--level", "nan"], "--level must be between 0.5 and 1"),
 ])
 def test_compare_errors_are_one_line(db, args, message):
     proc = cli(*args, "--db", str(db))
@@ -251,3 +254,35 @@ def test_few_turns_carrying_most_tokens_get_no_interval(lumpy_db):
     text = cli("compare", "lumpy-a", "lumpy-b", "--db", str(lumpy_db)).stdout
     line = next(line for line in text.splitlines() if line.strip().startswith("aggregate throughput"))
     assert line.endswith(why) and " - " in line
+
+
+def intervals(path: Path, *args: str) -> dict[str, tuple[float, float]]:
+    out = {}
+    for level in ("0.95", "0.99"):
+        proc = cli("compare", *args, "--db", str(path), "--json", "--level", level)
+        assert proc.returncode == 0, proc.stderr
+        r = json.loads(proc.stdout)
+        assert r["level"] == float(level) and all(row["level"] == float(level) for row in r["rows"])
+        out[level] = {row["metric"]: (row["ci_low"], row["ci_high"], row["method"]) for row in r["rows"]}
+    return out
+
+
+@pytest.mark.parametrize("arms", [
+    ("old", "new"),  # both arms over instances: t over the instances' bootstrap
+    ("kept-a", "kept-b"),  # request level: the median's calibrated percentile tail; the aggregate's lane replay
+    ("unknown-a", "unknown-b"),  # the aggregate's jackknife over turns
+    ("old", "--negative-control"),
+])
+def test_a_99_percent_interval_holds_the_95_percent_one_in_every_row(db, lanes_db, arms):
+    """--level reaches every row and every rule under it: each row's 99% interval contains its 95% one,
+    wider on both sides, by the same method."""
+    path = db if arms[0] == "old" else lanes_db
+    got = intervals(path, *arms)
+    assert got["0.95"].keys() == got["0.99"].keys()
+    for metric, (lo95, hi95, method) in got["0.95"].items():
+        lo99, hi99, method99 = got["0.99"][metric]
+        assert lo95 is not None, metric
+        assert lo99 < lo95 and hi99 > hi95, (metric, (lo95, hi95), (lo99, hi99))
+        assert method99 == method
+    text = cli("compare", *arms, "--db", str(path), "--level", "0.99").stdout
+    assert "99% CI" in text and "95% CI" not in text

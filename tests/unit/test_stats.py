@@ -340,3 +340,25 @@ def test_vectorised_buckets_agree_with_the_scalar_ones():
     toks = np.array([0, 1023, 1024, 4095, 4096, 16383, 16384, 65535, 65536, 10**6, np.nan])
     idx = prompt_buckets(toks)
     assert [PROMPT_BUCKETS[i] if i >= 0 else None for i in idx] == [prompt_bucket(t) if np.isfinite(t) else None for t in toks]
+
+
+@pytest.mark.parametrize("stat", ["median", "mean", "p95"])
+@pytest.mark.parametrize("instances", [False, True])
+def test_a_99_percent_ratio_interval_holds_the_95_percent_one(stat, instances):
+    """Every rule under compare's rows honours ``level``: the median's calibrated percentile tail, the
+    t/normal rule on bootstrap variances, over requests or over instances."""
+    rng = np.random.default_rng(7)
+    a, b = rng.lognormal(0.0, SIG15, 120), 1.1 * rng.lognormal(0.0, SIG15, 120)
+    clusters = {"clusters_a": np.repeat(["a1", "a2", "a3", "a4"], 30),
+                "clusters_b": np.repeat(["b1", "b2", "b3", "b4"], 30)} if instances else {}
+    r95, r99 = (bootstrap_ratio(a, b, higher_is_better=True, stat=stat, level=level, **clusters)
+                for level in (0.95, 0.99))
+    assert r99.ci_low < r95.ci_low <= r95.estimate <= r95.ci_high < r99.ci_high
+    assert (r95.level, r99.level, r99.method) == (0.95, 0.99, r95.method)
+
+
+def test_the_median_tail_and_order_statistic_interval_widen_with_the_level():
+    assert median_tail(30, 30, 0.99) < median_tail(30, 30, 0.95) / 3
+    x = np.random.default_rng(3).lognormal(0.0, SIG15, 50)
+    (lo95, hi95), (lo99, hi99) = median_ci(x, 0.95), median_ci(x, 0.99)
+    assert lo99 < lo95 < hi95 < hi99
