@@ -7,10 +7,11 @@ The proxy spends at most ``RENDER_SHARE`` of one core on the live page (``serve/
 ``render_gap``): a picture that took ``c`` CPU seconds is followed by the next no sooner than
 ``max(1 s, c / RENDER_SHARE)``. This script fills a database with ``-n`` synthetic turns (bench_report's
 columns) spread over the live page's window ending now, plus a scrape every 5 s, then draws the page's
-picture as the proxy does (``LivePages.fragment`` in a thread's CPU time, the first one apart: it builds
-the column cache) and prints the CPU per picture, the gap ``render_gap`` gives it, and, to read the figure
-on a noisy shared machine, its ratio to a baseline measured in the same run (the window's report columns
-``SELECT``ed into Python lists).
+picture as the proxy does (``LivePages.fragment``, in the thread's CPU time as ``serve/admin.py`` counts
+it, the first one apart) and prints the CPU per picture, the gap ``render_gap`` gives it, and, to read
+the figure on a noisy shared machine, its ratio to a baseline measured in the same run (the window's
+report columns ``SELECT``ed into Python lists); then the same picture with every turn of the window
+drawn (no ``MAX_TURNS`` cap), for comparison.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def main() -> None:
               f"(min {min(times):.3f}); {med / base:.2f}x the baseline ({base:.3f} s: the window's report columns "
               f"read into Python lists)")
         print(f"render_gap: a picture every {render_gap(med):.1f} s at that cost")
+        whole = statistics.median(cpu(LivePages(str(db), max_turns=args.n + 1).fragment) for _ in range(args.repeat))
+        print(f"without the cap of {pages.max_turns} turns (all {args.n} drawn): {whole:.3f} s CPU, a picture every "
+              f"{render_gap(whole):.1f} s")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ body{font:14px/1.4 system-ui,sans-serif;margin:1.2em;color:#222;background:#fcfc
 h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
 .grid{display:flex;flex-wrap:wrap;gap:1.2em}.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em}
 table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right}th{font-weight:600}td:first-child,th:first-child{text-align:left}
-svg text{font:11px system-ui,sans-serif;fill:#444}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
+svg text{font:11px system-ui,sans-serif;fill:#444}svg text.mark,.ceiling text{paint-order:stroke;stroke:#fff;stroke-width:3px}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
 .muted{color:#777}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
 .legend i{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
 """
@@ -105,8 +105,9 @@ def _header(r: dict[str, Any]) -> str:
     outcomes = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["outcomes"].items())) or "none"
     labels = f"; labels {escape(', '.join(r['labels']))}" if r.get("labels") else ""
     win = r.get("window") or {}
-    said = "".join(f"; {k} {escape(str(win[k]))}" for k in ("label",) if win.get(k) is not None)
-    said += "".join(f"; {k} {_utc(win[k])} UTC" for k in ("since", "until") if win.get(k) is not None)
+    parts = [f"label {escape(str(win['label']))}"] if win.get("label") is not None else []
+    parts += [f"{k} {_utc(win[k])} UTC" for k in ("since", "until") if win.get(k) is not None]
+    said = f"; window: {', '.join(parts)}" if parts else ""
     attrs = "".join(f' data-window-{k}="{escape(repr(win[k]) if k != "label" else win[k])}"'
                     for k in ("label", "since", "until") if win.get(k) is not None)
     return (f'<p class="window"{attrs}><b data-figure="turns" data-value="{r["turns"]}">{r["turns"]}</b> turns '
@@ -262,11 +263,14 @@ def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
     body = (_polyline(points, x0, x1, top, DECODE_COLOR, cls="curve") + _dots(points, x0, x1, top, DECODE_COLOR, "curve")
             + _polyline([(x0, x0), (x1, x1)], x0, x1, top, "#ccc", "2 3", cls="diagonal"))
     if finite:
+        # on scale: labelled above its line at the right, clear of the curve that nears it there; off scale:
+        # a line along the top, labelled below it at the left, where the curve starts low
         y = _xy(x0, ceiling, x0, x1, top)[1] if on_scale else MT
         say = f"ceiling {ceiling:.2f}x" + ("" if on_scale else " \u2191 above this scale")
+        tx, ty, anchor = (W - MR, y - 4, "end") if on_scale else (ML + 4, y + 12, "start")
         body += (f'<g class="ceiling" data-value="{ceiling!r}" data-on-scale="{int(on_scale)}">'
                  f'<line x1="{ML}" y1="{y:.1f}" x2="{W - MR}" y2="{y:.1f}" stroke="{TTFT_COLOR}" stroke-width="2" '
-                 f'stroke-dasharray="5 3"/><text x="{W - MR}" y="{y + 12:.1f}" text-anchor="end" fill="{TTFT_COLOR}">'
+                 f'stroke-dasharray="5 3"/><text x="{tx}" y="{ty:.1f}" text-anchor="{anchor}" fill="{TTFT_COLOR}">'
                  f'{say}</text></g>')
     elif ceiling is not None:  # no TTFT at all: nothing caps the speedup
         body += f'<text class="ceiling" x="{W - MR}" y="{MT + 12}" text-anchor="end">no ceiling (no time before the first token)</text>'

@@ -8,6 +8,7 @@ skip, unless ``SPECPROXY_REQUIRE_BROWSER=1`` (CI sets it), which makes the skip 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -69,11 +70,19 @@ TOOLS = [{"type": "function", "function": {
     for i in range(3)]
 
 
-def _speculative(tok) -> Script:
-    """Like the demo's upstream: several tokens per chunk, drafts accepted in llama.cpp's counters, and a
-    TTFT long enough that turns started together overlap."""
-    return Script(pieces=pieces_of(ANSWERS[0], tok), ttft_s=0.15, interval_s=0.003,
-                  tokens_per_chunk=(1, 3, 2, 4, 2, 1, 3), drafts_per_chunk=3, usage="last")
+def _speculative(tok):
+    """Like the demo's upstream: several tokens per chunk (how many varies from turn to turn), drafts
+    accepted in llama.cpp's counters, and a TTFT long enough that turns started together overlap."""
+    answers = [pieces_of(a, tok) for a in ANSWERS]
+    cycles = ((1, 3, 2, 4, 2, 1, 3), (2, 4, 4, 3), (1, 1, 2), (3, 4, 2, 4, 4))
+    turn = itertools.count()
+
+    def script(_request: dict) -> Script:
+        i = next(turn)
+        return Script(pieces=answers[i % len(answers)], ttft_s=0.15, interval_s=0.003,
+                      tokens_per_chunk=cycles[i % len(cycles)], drafts_per_chunk=4, usage="last")
+
+    return script
 
 
 def _conversation(stack, turns: int, label: str | None = None, start: threading.Barrier | None = None) -> None:
@@ -220,6 +229,7 @@ def _check_charts(page, rows: list[dict], report: dict) -> None:
         for count, lo, hi in drawn:
             assert count == sum(lo <= v < hi or (hi == top and v == hi) for v in values), (key, lo, hi)
     assert report["user"]["tokens_per_chunk"]["median"] > 1.5  # several tokens per chunk, not always 1.00
+    assert sum(1 for _ in page.query_selector_all(".dist-tokens_per_chunk rect.bin")) >= 2  # nor one for all
     # the operating point: completed turns per level in flight
     levels = dict(page.eval_on_selector_all(".dist-concurrency rect.level",
                                             "rs => rs.map(r => [+r.dataset.concurrency, +r.dataset.count])"))
@@ -296,6 +306,7 @@ def test_the_live_page_draws_the_turns_and_updates_live(make_stack, tiktoken_tok
     _committed(stack, n + 1)
     page.wait_for_function(f"document.querySelectorAll('.turns .turn').length === {n + 1}", timeout=20_000)
     assert page.evaluate("window.notReloaded") is True  # the same page, updated by its event stream
+    since = float(page.get_attribute(".window", "data-window-since"))  # moves with the clock
     report = _report_json(stack.cfg.db, "--since", repr(since))
     assert _check_figures(page, report) >= 30
     _check_charts(page, _rows(stack.cfg.db, since), report)
