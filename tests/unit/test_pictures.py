@@ -104,32 +104,3 @@ def test_distributions_are_over_completed_streamed_turns_only():
     assert d["ttft_s"]["n"] == 2 and d["ttft_s"]["edges"][0] == 0.1 and d["ttft_s"]["edges"][-1] == 0.3
     assert d["tokens_per_chunk"]["counts"][0] == 2 and d["decode_tps"]["n"] == 0
 
-
-def _ceiling(svg: str) -> tuple[str, float, str]:
-    """The drawn ceiling's on-scale flag, its line's y and its label."""
-    import re
-
-    m = re.search(r'<g class="ceiling" data-value="([^"]+)" data-on-scale="(\d)"><line [^>]*y1="([^"]+)"[^>]*/>'
-                  r'<text[^>]*>([^<]+)</text>', svg)
-    assert m, svg
-    return m.group(2), float(m.group(3)), m.group(4)
-
-
-@pytest.mark.parametrize("ttft, decode, on_scale", [(1.0, 1.0, "1"), (1.0, 25.0, "0")])
-def test_the_speedup_curve_always_draws_its_ceiling_inside_the_chart(ttft, decode, on_scale):
-    """A ceiling within reach of the axis is drawn at its height; one far above (26x over a curve that
-    reaches ~6x) is marked at the chart's top and says so, never left off."""
-    from specproxy.view import html
-
-    p = pictures(turns([{"ttft_s": ttft, "decode_s": decode}]))
-    ceiling = (ttft + decode) / ttft
-    w = {"speedups": {}, "max_speedup": ceiling, "ttft_share": ttft / (ttft + decode)}
-    flag, y, text = _ceiling(html._speedup(p["speedup_curve"], w))
-    assert flag == on_scale and f"ceiling {ceiling:.2f}x" in text
-    assert html.MT <= y <= html.H - html.MB
-    if on_scale == "0":
-        assert y == html.MT and "above this scale" in text
-    else:
-        top = max(v for _, v in p["speedup_curve"]["points"] if v is not None) * 1.08
-        assert y == pytest.approx(html.H - html.MB - ceiling / max(top, ceiling * 1.08) * (html.H - html.MT - html.MB),
-                                  abs=0.06)
