@@ -37,7 +37,8 @@ body{font:14px/1.4 system-ui,sans-serif;margin:1.2em;color:#222;background:#fcfc
 h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
 .grid{display:flex;flex-wrap:wrap;gap:1.2em}.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em}
 table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right}th{font-weight:600}td:first-child,th:first-child{text-align:left}
-svg text{font:11px system-ui,sans-serif;fill:#444}svg text.mark,.ceiling text{paint-order:stroke;stroke:#fff;stroke-width:3px}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
+svg text{font:11px system-ui,sans-serif;fill:#444}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
+svg text.mark,.ceiling text{paint-order:stroke;stroke:#fff;stroke-width:3px}
 .muted{color:#777}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
 .legend i{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
 """
@@ -208,7 +209,8 @@ def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
     hi = max(max(values), MIN_CONCURRENCY_SLOTS)  # one value alone is a bar, not a block across the chart
     pw, ph = W - ML - MR, H - MT - MB
     bw = pw / hi
-    bars = "".join(f'<rect class="level" data-concurrency="{v}" data-count="{n}" x="{ML + (v - 1) * bw:.1f}" y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
+    bars = "".join(f'<rect class="level" data-concurrency="{v}" data-count="{n}" x="{ML + (v - 1) * bw:.1f}" '
+                   f'y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
                    f'height="{n / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{v} in flight: {n} turns</title></rect>'
                    for v, n in zip(values, counts))
     return _svg(bars + _axes("1", str(hi), str(top)), title, cls="dist dist-concurrency")
@@ -241,8 +243,10 @@ def _timeline(rows: list[dict[str, Any]]) -> str:
         return _svg('<text x="60" y="80">no completed turns</text>', title, cls="timeline")
     x0, x1 = rows[0]["t_wall"], rows[-1]["t_wall"]
     top = max(v for _, v in per + agg) * 1.1 or 1.0
-    body = (_polyline(agg, x0, x1, top, DECODE_COLOR, cls="aggregate") + _dots(agg, x0, x1, top, DECODE_COLOR, "aggregate")
-            + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3", cls="per-stream") + _dots(per, x0, x1, top, TTFT_COLOR, "per-stream")
+    body = (_polyline(agg, x0, x1, top, DECODE_COLOR, cls="aggregate")
+            + _dots(agg, x0, x1, top, DECODE_COLOR, "aggregate")
+            + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3", cls="per-stream")
+            + _dots(per, x0, x1, top, TTFT_COLOR, "per-stream")
             + _axes(_utc(x0)[11:], _utc(x1)[11:], f"{top:.0f}")
             + f'<text x="{W // 2}" y="{H - 8}" text-anchor="middle"><tspan fill="{DECODE_COLOR}">aggregate</tspan> '
               f'<tspan fill="{TTFT_COLOR}">per stream</tspan></text>')
