@@ -60,6 +60,13 @@ def recent_turns(conn: Connection, fields: Sequence[str], where: str, params: Se
     return rows[::-1]
 
 
+def nth_newest_t_wall(conn: Connection, where: str, params: Sequence[Any], n: int) -> float | None:
+    """The start time of the ``n``-th newest turn a ``dataset.where_clause`` selects (None: fewer turns)."""
+    row = conn.execute(f"SELECT t_wall FROM turns{where} ORDER BY t_wall DESC LIMIT 1 OFFSET ?",
+                       (*params, n - 1)).fetchone()
+    return None if row is None else float(row[0])
+
+
 def vacuum(conn: Connection) -> None:
     """Give the space of deleted rows back to the file system."""
     conn.execute("VACUUM")

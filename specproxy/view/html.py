@@ -38,6 +38,7 @@ h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
 .grid{display:flex;flex-wrap:wrap;gap:1.2em}.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em}
 table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right}th{font-weight:600}td:first-child,th:first-child{text-align:left}
 svg text{font:11px system-ui,sans-serif;fill:#444}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
+svg text.mark,.ceiling text{paint-order:stroke;stroke:#fff;stroke-width:3px}
 .muted{color:#777}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
 .legend i{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
 """
@@ -83,8 +84,10 @@ def _utc(t: float | None) -> str:
     return "-" if t is None else datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _svg(body: str, title: str, w: int = W, h: int = H, cls: str = "") -> str:
-    return (f'<svg class="{cls}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+def _svg(body: str, title: str, w: int = W, h: int = H, cls: str = "", data: dict[str, float] | None = None) -> str:
+    """A chart; ``data``: its scales as ``data-*`` attributes (pixels per unit), for a reader to check."""
+    attrs = "".join(f' data-{k}="{v!r}"' for k, v in (data or {}).items())
+    return (f'<svg class="{cls}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img"{attrs} '
             f'aria-label="{escape(title)}"><text x="{ML}" y="12" font-weight="600">{escape(title)}</text>{body}</svg>')
 
 
@@ -102,9 +105,15 @@ def _axes(x_lo: str, x_hi: str, y_hi: str, w: int = W, h: int = H) -> str:
 def _header(r: dict[str, Any]) -> str:
     outcomes = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["outcomes"].items())) or "none"
     labels = f"; labels {escape(', '.join(r['labels']))}" if r.get("labels") else ""
-    return (f'<p><b data-figure="turns" data-value="{r["turns"]}">{r["turns"]}</b> turns ({outcomes}), '
-            f'{_utc(r["first_t_wall"])} to {_utc(r["last_t_wall"])} UTC; tokenizer '
-            f'{escape(", ".join(r["tokenizers"]) or "none")}{labels}</p>')
+    win = r.get("window") or {}
+    parts = [f"label {escape(str(win['label']))}"] if win.get("label") is not None else []
+    parts += [f"{k} {_utc(win[k])} UTC" for k in ("since", "until") if win.get(k) is not None]
+    said = f"; window: {', '.join(parts)}" if parts else ""
+    attrs = "".join(f' data-window-{k}="{escape(repr(win[k]) if k != "label" else win[k])}"'
+                    for k in ("label", "since", "until") if win.get(k) is not None)
+    return (f'<p class="window"{attrs}><b data-figure="turns" data-value="{r["turns"]}">{r["turns"]}</b> turns '
+            f'({outcomes}), {_utc(r["first_t_wall"])} to {_utc(r["last_t_wall"])} UTC; tokenizer '
+            f'{escape(", ".join(r["tokenizers"]) or "none")}{labels}{said}</p>')
 
 
 def _figures(r: dict[str, Any]) -> str:
@@ -140,10 +149,11 @@ def _turns(recent: list[dict[str, Any]]) -> str:
                 rects.append(f'<rect class="{kind}" x="{x:.1f}" y="{y}" width="{px:.1f}" height="{row_h}" fill="{color}"/>')
             x += px
         x = left + bar_w + 20
-        for field, _, color in PARTS:
+        for field, name, color in PARTS:
             px = (t[field] or 0) / p_max * part_w
             if px > 0:
-                rects.append(f'<rect x="{x:.1f}" y="{y}" width="{px:.1f}" height="{row_h}" fill="{color}"/>')
+                rects.append(f'<rect class="part part-{name}" x="{x:.1f}" y="{y}" width="{px:.1f}" height="{row_h}" '
+                             f'fill="{color}"/>')
             x += px
         title = (f'{t["outcome"]}: TTFT {_f(t["ttft_s"])} s, decode {_f(t["decode_s"])} s, total {_f(t["total_s"])} s; '
                  f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
@@ -158,7 +168,7 @@ def _turns(recent: list[dict[str, Any]]) -> str:
               + f' &nbsp; <span class="muted">(longest turn {t_max:.2f} s, largest prompt {p_max:.0f} tokens;'
                 ' click a turn for its record)</span></p>')
     svg = _svg("".join(out), f"The newest {len(recent)} turns, oldest first", w=left + bar_w + 20 + part_w + 10, h=h,
-               cls="turns")
+               cls="turns", data={"px-per-s": bar_w / t_max, "px-per-token": part_w / p_max})
     return f'<h2>Recent turns</h2><div class="card">{svg}{legend}</div>'
 
 
@@ -170,17 +180,22 @@ def _histogram(key: str, d: dict[str, Any], summary: dict[str, Any] | None) -> s
     top = max(counts) or 1
     pw, ph = W - ML - MR, H - MT - MB
     bw = pw / len(counts)
-    bars = "".join(f'<rect x="{ML + i * bw:.1f}" y="{H - MB - c / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
+    bars = "".join(f'<rect class="bin" data-count="{c}" data-lo="{edges[i]!r}" data-hi="{edges[i + 1]!r}" '
+                   f'x="{ML + i * bw:.1f}" y="{H - MB - c / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
                    f'height="{c / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{c}</title></rect>'
                    for i, c in enumerate(counts) if c)
     marks = ""
     if summary is not None and summary.get("median") is not None and edges[-1] > edges[0]:
-        for name, color in (("median", "#000"), ("p95", TTFT_COLOR)):
+        for row, (name, color) in enumerate((("median", "#000"), ("p95", TTFT_COLOR))):
             v = summary[name]
             if v is not None:
                 x = ML + (v - edges[0]) / (edges[-1] - edges[0]) * pw
+                # each label on its own row; right of its line, or left of it near the right edge
+                right = x > ML + pw * 0.6
+                tx, anchor = (x - 3, "end") if right else (x + 3, "start")
                 marks += (f'<line x1="{x:.1f}" y1="{MT}" x2="{x:.1f}" y2="{H - MB}" stroke="{color}" stroke-dasharray="3 2"/>'
-                          f'<text x="{x + 3:.1f}" y="{MT + 10}" fill="{color}">{name} {_f(v, fmt)}</text>')
+                          f'<text class="mark mark-{name}" x="{tx:.1f}" y="{MT + 10 + 14 * row}" text-anchor="{anchor}" '
+                          f'fill="{color}">{name} {_f(v, fmt)}</text>')
     body = bars + marks + _axes(_f(edges[0], fmt), _f(edges[-1], fmt), str(top))
     return _svg(body, f"{title}: {d['n']} streamed turns", cls=f"dist dist-{key}")
 
@@ -194,18 +209,30 @@ def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
     hi = max(max(values), MIN_CONCURRENCY_SLOTS)  # one value alone is a bar, not a block across the chart
     pw, ph = W - ML - MR, H - MT - MB
     bw = pw / hi
-    bars = "".join(f'<rect x="{ML + (v - 1) * bw:.1f}" y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
+    bars = "".join(f'<rect class="level" data-concurrency="{v}" data-count="{n}" x="{ML + (v - 1) * bw:.1f}" '
+                   f'y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
                    f'height="{n / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{v} in flight: {n} turns</title></rect>'
                    for v, n in zip(values, counts))
     return _svg(bars + _axes("1", str(hi), str(top)), title, cls="dist dist-concurrency")
 
 
-def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y1: float, color: str, dash: str = "") -> str:
-    pw, ph = W - ML - MR, H - MT - MB
-    xs = x1 - x0 or 1.0
-    pts = " ".join(f"{ML + (x - x0) / xs * pw:.1f},{H - MB - y / y1 * ph:.1f}" for x, y in points)
+def _xy(x: float, y: float, x0: float, x1: float, y1: float) -> tuple[float, float]:
+    """A point's place in a chart whose x axis runs from x0 to x1 and y axis from 0 to y1."""
+    return ML + (x - x0) / (x1 - x0 or 1.0) * (W - ML - MR), H - MB - y / y1 * (H - MT - MB)
+
+
+def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y1: float, color: str, dash: str = "",
+              cls: str = "") -> str:
+    pts = " ".join("{:.1f},{:.1f}".format(*_xy(x, y, x0, x1, y1)) for x, y in points)
     extra = f' stroke-dasharray="{dash}"' if dash else ""
-    return f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"{extra}/>'
+    return f'<polyline class="{cls}" points="{pts}" fill="none" stroke="{color}" stroke-width="2"{extra}/>'
+
+
+def _dots(points: list[tuple[float, float]], x0: float, x1: float, y1: float, color: str, cls: str) -> str:
+    """A marker on each point of a line, carrying its numbers (``data-x``, ``data-value``): a line of one
+    point is then still seen, and each point can be read back."""
+    return "".join('<circle class="{}" data-x="{!r}" data-value="{!r}" cx="{:.1f}" cy="{:.1f}" r="2.5" fill="{}"/>'
+                   .format(cls, x, y, *_xy(x, y, x0, x1, y1), color) for x, y in points)
 
 
 def _timeline(rows: list[dict[str, Any]]) -> str:
@@ -216,11 +243,14 @@ def _timeline(rows: list[dict[str, Any]]) -> str:
         return _svg('<text x="60" y="80">no completed turns</text>', title, cls="timeline")
     x0, x1 = rows[0]["t_wall"], rows[-1]["t_wall"]
     top = max(v for _, v in per + agg) * 1.1 or 1.0
-    body = (_polyline(agg, x0, x1, top, DECODE_COLOR) + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3")
+    body = (_polyline(agg, x0, x1, top, DECODE_COLOR, cls="aggregate")
+            + _dots(agg, x0, x1, top, DECODE_COLOR, "aggregate")
+            + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3", cls="per-stream")
+            + _dots(per, x0, x1, top, TTFT_COLOR, "per-stream")
             + _axes(_utc(x0)[11:], _utc(x1)[11:], f"{top:.0f}")
             + f'<text x="{W // 2}" y="{H - 8}" text-anchor="middle"><tspan fill="{DECODE_COLOR}">aggregate</tspan> '
               f'<tspan fill="{TTFT_COLOR}">per stream</tspan></text>')
-    return _svg(body, title, cls="timeline")
+    return _svg(body, title, cls="timeline", data={"x0": x0, "x1": x1, "top": top})
 
 
 def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
@@ -230,12 +260,24 @@ def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
         return _svg('<text x="60" y="80">no streamed turns with TTFT and decode time</text>', title, cls="speedup")
     ceiling = curve["max_speedup"]
     finite = ceiling is not None and math.isfinite(ceiling)
-    top = max(max(v for _, v in points), ceiling if finite and ceiling < 2 * points[-1][1] else 0) * 1.08
+    # the y axis reaches the ceiling when that leaves the curve readable; else the ceiling is marked at the top
+    on_scale = finite and ceiling < 2 * points[-1][1]
+    top = max(max(v for _, v in points), ceiling if on_scale else 0) * 1.08
     x0, x1 = points[0][0], points[-1][0]
-    body = _polyline(points, x0, x1, top, DECODE_COLOR) + _polyline([(x0, x0), (x1, x1)], x0, x1, top, "#ccc", "2 3")
-    if finite and ceiling <= top:
-        body += _polyline([(x0, ceiling), (x1, ceiling)], x0, x1, top, TTFT_COLOR, "5 3")
-        body += f'<text x="{W - MR}" y="{H - MB - ceiling / top * (H - MT - MB) - 4:.1f}" text-anchor="end">ceiling {ceiling:.2f}x</text>'
+    body = (_polyline(points, x0, x1, top, DECODE_COLOR, cls="curve") + _dots(points, x0, x1, top, DECODE_COLOR, "curve")
+            + _polyline([(x0, x0), (x1, x1)], x0, x1, top, "#ccc", "2 3", cls="diagonal"))
+    if finite:
+        # on scale: labelled above its line at the right, clear of the curve that nears it there; off scale:
+        # a line along the top, labelled below it at the left, where the curve starts low
+        y = _xy(x0, ceiling, x0, x1, top)[1] if on_scale else MT
+        say = f"ceiling {ceiling:.2f}x" + ("" if on_scale else " \u2191 above this scale")
+        tx, ty, anchor = (W - MR, y - 4, "end") if on_scale else (ML + 4, y + 12, "start")
+        body += (f'<g class="ceiling" data-value="{ceiling!r}" data-on-scale="{int(on_scale)}">'
+                 f'<line x1="{ML}" y1="{y:.1f}" x2="{W - MR}" y2="{y:.1f}" stroke="{TTFT_COLOR}" stroke-width="2" '
+                 f'stroke-dasharray="5 3"/><text x="{tx}" y="{ty:.1f}" text-anchor="{anchor}" fill="{TTFT_COLOR}">'
+                 f'{say}</text></g>')
+    elif ceiling is not None:  # no TTFT at all: nothing caps the speedup
+        body += f'<text class="ceiling" x="{W - MR}" y="{MT + 12}" text-anchor="end">no ceiling (no time before the first token)</text>'
     body += _axes(f"decode {x0:g}x", f"{x1:g}x", f"{top:.2f}x")
     cells = "".join(f'<tr><td>engine decode {s}x</td>{_fig(f"whole_turn/speedups/{s}", v, "{:.2f}")}</tr>'
                     for s, v in w["speedups"].items())
@@ -243,7 +285,7 @@ def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
     table = (f'<table><tr><th>decode speedup</th><th>whole turn</th></tr>{cells}'
              f'<tr><td>ceiling (decode infinitely fast)</td>{_fig("whole_turn/max_speedup", w["max_speedup"], "{:.2f}")}</tr>'
              f'<tr><td>TTFT share of users\' time</td>{_fig("whole_turn/ttft_share", share, "{:.3f}")}</tr></table>')
-    return f'<div>{_svg(body, title, cls="speedup")}{table}</div>'
+    return f'<div>{_svg(body, title, cls="speedup", data={"x0": x0, "x1": x1, "top": top})}{table}</div>'
 
 
 def _server(s: dict[str, Any] | None) -> str:
@@ -259,13 +301,14 @@ def _server(s: dict[str, Any] | None) -> str:
             ("delivered", "server/window/delivered_tps", w["delivered_tps"])]
     top = max((v for _, _, v in bars if v), default=0.0) or 1.0
     body = "".join(f'<text x="{ML}" y="{MT + 14 + i * 34}">{name}</text>'
-                   f'<rect x="{ML + 100}" y="{MT + 4 + i * 34}" width="{(v or 0) / top * (W - ML - MR - 170):.1f}" '
+                   f'<rect class="rate" data-figure="{path}" data-value="{"" if v is None else repr(float(v))}" '
+                   f'x="{ML + 100}" y="{MT + 4 + i * 34}" width="{(v or 0) / top * (W - ML - MR - 170):.1f}" '
                    f'height="14" fill="{DECODE_COLOR}"/><text x="{W - MR}" y="{MT + 15 + i * 34}" '
-                   f'text-anchor="end">{_f(v, "{:.1f}")} tok/s</text>' for i, (name, _, v) in enumerate(bars))
+                   f'text-anchor="end">{_f(v, "{:.1f}")} tok/s</text>' for i, (name, path, v) in enumerate(bars))
     table = "".join(f'<tr><td>{name} tok/s</td>{_fig(path, v, "{:.1f}")}</tr>' for name, path, v in bars)
     table += (f'<tr><td>MAL ({escape(str(w["mal_source"] or "no counters"))})</td>{_fig("server/window/mal", w["mal"], "{:.2f}")}</tr>'
               f'<tr><td>forward passes/s</td>{_fig("server/window/forward_passes_per_s", w["forward_passes_per_s"], "{:.1f}")}</tr>')
-    chart = _svg(body, f"over {w['seconds']:.1f} s", h=130, cls="server")
+    chart = _svg(body, f"over {w['seconds']:.1f} s", h=130, cls="server", data={"px-per-tps": (W - ML - MR - 170) / top})
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
 

@@ -3,36 +3,52 @@
 Why from the database rather than from records in memory: the page then shows exactly what
 ``specproxy report`` says of the same window (the server's counters and the lone turns' joins are only
 there), and it costs the proxy nothing between renderings. The proxy calls these methods in a thread,
-at most once a second and only while someone watches (``serve/admin.py``).
+only while someone watches, and spaces them by what they cost (``serve/admin.py`` ``render_gap``: at
+most once a second, and at most 1% of one core).
+
+Why at most ``MAX_TURNS`` turns: a picture's CPU grows with the turns it reads (the report over them
+and their columns from SQLite), and the 1% rule turns that cost into the wait before the next picture.
+Under heavy traffic the last 15 minutes hold 100,000 turns and more, which would leave the page still
+for minutes; the newest ``MAX_TURNS`` keep a picture's cost bounded whatever the traffic, so the page
+stays live. The window drawn is said on the page and is an ordinary ``since``: ``specproxy report
+--since`` that time gives the same figures. ``scripts/bench_page.py`` measures a picture's cost.
 """
 
 from __future__ import annotations
 
 import time
 
+from specproxy.store.dataset import where_clause
 from specproxy.store.db import connect
+from specproxy.store.queries import nth_newest_t_wall
 from specproxy.view.html import document, fragment
 from specproxy.view.snapshot import snapshot
 
-__all__ = ["LivePages", "WINDOW_S"]
+__all__ = ["MAX_TURNS", "LivePages", "WINDOW_S"]
 
 WINDOW_S = 15 * 60.0  # the live page shows the last this many seconds of turns
+MAX_TURNS = 2000  # and of those at most the newest this many
 
 
 class LivePages:
-    def __init__(self, db: str, *, window_s: float = WINDOW_S) -> None:
+    def __init__(self, db: str, *, window_s: float = WINDOW_S, max_turns: int = MAX_TURNS) -> None:
         self.db = db
         self.window_s = window_s
+        self.max_turns = max_turns
 
     def _snapshot(self) -> dict:
         conn = connect(self.db, readonly=True)
         try:
-            return snapshot(conn, source=self.db, since=time.time() - self.window_s)
+            since = time.time() - self.window_s
+            where, params = where_clause(since=since)
+            nth = nth_newest_t_wall(conn, where, params, self.max_turns)
+            return snapshot(conn, source=self.db, since=since if nth is None else max(since, nth))
         finally:
             conn.close()
 
     def document(self) -> str:
-        title = f"specproxy live: the last {self.window_s / 60:g} minutes of {self.db}"
+        title = (f"specproxy live: the last {self.window_s / 60:g} minutes of {self.db} "
+                 f"(at most its newest {self.max_turns} turns)")
         return document(self._snapshot(), live=True, title=title)
 
     def fragment(self) -> str:

@@ -8,19 +8,27 @@ skip, unless ``SPECPROXY_REQUIRE_BROWSER=1`` (CI sets it), which makes the skip 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
 
 import openai
 import orjson
 import pytest
 
+from specproxy.app.demo import ANSWERS, QUESTIONS, SYSTEM_PROMPT
 from specproxy.app.fake_upstream import Script, pieces_of
+from specproxy.store.db import connect
+from specproxy.view.html import document
 from specproxy.view.live import LivePages
+from specproxy.view.snapshot import snapshot
 from waits import wait_for
 
 REQUIRE_ENV = "SPECPROXY_REQUIRE_BROWSER"
@@ -55,14 +63,59 @@ def chromium():
         p.stop()
 
 
-def _chat(stack, tok, n: int, first: int = 0) -> None:
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0, timeout=30)
-    for i in range(first, first + n):
-        stack.upstream.script = Script(pieces=pieces_of("word " * (5 + 3 * i), tok), interval_s=0.002)
-        stream = client.chat.completions.create(model="m", stream=True, messages=[
-            {"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {i}."}])
+TOKEN = "t0ken-for-the-live-page-test"
+LEVELS = (1, 3)  # turns run alone, then this many at once: two levels of the operating point
+SLOTS = 24  # the timeline's slots (analyze/pictures.py)
+PART_FIELDS = ("prompt_system_tokens", "prompt_tools_tokens", "prompt_history_tokens", "prompt_new_tokens")
+TOOLS = [{"type": "function", "function": {
+    "name": f"workspace_tool_{i}", "description": "Reads, searches or edits a file in the user's workspace.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    for i in range(3)]
+
+
+def _speculative(tok):
+    """Like the demo's upstream: several tokens per chunk (how many varies from turn to turn), drafts
+    accepted in llama.cpp's counters, and a TTFT long enough that turns started together overlap."""
+    answers = [pieces_of(a, tok) for a in ANSWERS]
+    cycles = ((1, 3, 2, 4, 2, 1, 3), (2, 4, 4, 3), (1, 1, 2), (3, 4, 2, 4, 4))
+    turn = itertools.count()
+
+    def script(_request: dict) -> Script:
+        i = next(turn)
+        return Script(pieces=answers[i % len(answers)], ttft_s=0.15, interval_s=0.003,
+                      tokens_per_chunk=cycles[i % len(cycles)], drafts_per_chunk=4, usage="last")
+
+    return script
+
+
+def _conversation(stack, turns: int, label: str | None = None, start: threading.Barrier | None = None) -> None:
+    """A chat client as the demo's: a system prompt and tools on every turn and a growing history, so each
+    of the prompt's four parts is there."""
+    headers = {"X-Specproxy-Label": label} if label else None
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0, timeout=30,
+                           default_headers=headers)
+    history = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! What can I do?"}]
+    if start is not None:
+        start.wait(timeout=30)
+    for i in range(turns):
+        question = {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}
+        stream = client.chat.completions.create(model="m", stream=True, tools=TOOLS, messages=[
+            {"role": "system", "content": SYSTEM_PROMPT}, *history, question])
         for _ in stream:
             pass
+        history += [question, {"role": "assistant", "content": ANSWERS[i % len(ANSWERS)]}]
+
+
+def _traffic(stack, label: str | None = None) -> int:
+    """Turns at each of LEVELS (two turns per client); how many."""
+    for level in LEVELS:
+        barrier = threading.Barrier(level)
+        threads = [threading.Thread(target=_conversation, args=(stack, 2, label, barrier)) for _ in range(level)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    return 2 * sum(LEVELS)
 
 
 def _committed(stack, n: int) -> None:
@@ -70,9 +123,9 @@ def _committed(stack, n: int) -> None:
     assert wait_for(lambda: stack.service.writer.written >= n), "the writer did not commit the turns"
 
 
-def _report_json(db: str) -> dict:
-    out = subprocess.run([SPECPROXY, "report", "--db", db, "--json", "--no-cache"], capture_output=True, text=True,
-                         timeout=60, check=True)
+def _report_json(db: str, *window: str) -> dict:
+    out = subprocess.run([SPECPROXY, "report", "--db", db, "--json", "--no-cache", *window], capture_output=True,
+                         text=True, timeout=60, check=True)
     return orjson.loads(out.stdout)
 
 
@@ -99,60 +152,227 @@ def _check_figures(page, report: dict, skip: str = "") -> int:
     return compared
 
 
+def _rows(db: str, since: float | None = None, label: str | None = None) -> list[dict]:
+    """The measured turns of a window, read from the database by the test itself."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute(
+            "SELECT * FROM turns WHERE measured IS NOT 0 AND t_wall >= ? AND (? IS NULL OR label IS ?) "
+            "ORDER BY t_wall, rowid", (since if since is not None else -1.0, label, label))]
+    finally:
+        conn.close()
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def _close(a: float, b: float, tol: float = 1e-9) -> bool:
+    return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
+
+
+def _inside(page, selector: str) -> None:
+    """Each element's box lies inside its chart, and no two of them overlap (labels readable)."""
+    boxes = page.eval_on_selector_all(selector, """els => els.map(e => {
+        const b = e.getBoundingClientRect(), s = e.closest('svg').getBoundingClientRect();
+        return [b.left, b.top, b.right, b.bottom, s.left, s.top, s.right, s.bottom, e.closest('svg').className.baseVal];
+    })""")
+    assert boxes, selector
+    for l, t, r, b, sl, st, sr, sb, _ in boxes:
+        assert sl <= l and r <= sr + 0.5 and st <= t and b <= sb + 0.5, (selector, (l, t, r, b), (sl, st, sr, sb))
+    for i, one in enumerate(boxes):
+        for other in boxes[i + 1:]:
+            if one[8] == other[8] and one[4:8] == other[4:8]:  # the same chart
+                apart = one[2] <= other[0] or other[2] <= one[0] or one[3] <= other[1] or other[3] <= one[1]
+                assert apart, (selector, one, other)
+
+
+def _check_charts(page, rows: list[dict], report: dict) -> None:
+    """Each chart against the turns the test read itself and against ``report --json``: the bars' widths,
+    the histograms' bins, the operating point's levels, the throughput timeline, the speedup curve and its
+    ceiling (numbers the page carries on each mark as data-*, tied to what is drawn)."""
+    ok = [r for r in rows if r["outcome"] == "ok"]
+    streamed = [r for r in ok if r["streamed"] == 1]
+    by_id = {r["id"]: r for r in rows}
+    # recent turns: TTFT and decode drawn in proportion to the record; the prompt's four parts beside
+    per_s, per_tok = (float(page.get_attribute(".turns", a)) for a in ("data-px-per-s", "data-px-per-token"))
+    bars = page.eval_on_selector_all(".turns .turn", """gs => gs.map(g => [g.dataset.turnId,
+        [...g.querySelectorAll('rect[class]')].map(r => [r.getAttribute('class'), +r.getAttribute('width')])])""")
+    assert [i for i, _ in bars] == [r["id"] for r in rows][-len(bars):]  # the newest, oldest first
+    longest = max(by_id[i]["total_s"] for i, _ in bars)
+    largest = max(by_id[i]["prompt_tokens"] for i, _ in bars)
+    for turn_id, rects in bars:
+        r, w = by_id[turn_id], dict(rects)
+        assert abs(w["ttft"] - r["ttft_s"] * per_s) <= 0.051 and abs(w["decode"] - r["decode_s"] * per_s) <= 0.051
+        if r["total_s"] == longest:  # the longest turn spans the whole bar
+            assert abs(sum(v for k, v in rects if k in ("ttft", "decode", "rest")) - longest * per_s) <= 0.16
+        for field, name in zip(PART_FIELDS, ("system", "tools", "history", "new")):
+            assert r[field] > 0 and abs(w[f"part part-{name}"] - r[field] * per_tok) <= 0.051, (field, r[field])
+        if r["prompt_tokens"] == largest:
+            assert abs(sum(v for k, v in rects if k.startswith("part")) - largest * per_tok) <= 0.25
+    # distributions: every streamed turn in exactly its bin; totals are report --json's n
+    for key in ("ttft_s", "decode_tps", "tokens_per_chunk"):
+        drawn = page.eval_on_selector_all(f".dist-{key} rect.bin", "rs => rs.map(r => [+r.dataset.count, "
+                                          "+r.dataset.lo, +r.dataset.hi])")
+        values = [r[key] for r in streamed if r[key] is not None]
+        top = max(hi for _, _, hi in drawn)
+        assert sum(c for c, _, _ in drawn) == report["user"][key]["n"] == len(values), key
+        for count, lo, hi in drawn:
+            assert count == sum(lo <= v < hi or (hi == top and v == hi) for v in values), (key, lo, hi)
+    assert report["user"]["tokens_per_chunk"]["median"] > 1.5  # several tokens per chunk, not always 1.00
+    assert sum(1 for _ in page.query_selector_all(".dist-tokens_per_chunk rect.bin")) >= 2  # nor one for all
+    # the operating point: completed turns per level in flight
+    levels = dict(page.eval_on_selector_all(".dist-concurrency rect.level",
+                                            "rs => rs.map(r => [+r.dataset.concurrency, +r.dataset.count])"))
+    assert levels == dict(Counter(int(r["concurrency"]) for r in ok))
+    assert 1 in levels and max(levels) >= 2 and sum(levels.values()) == report["operating_point"]["concurrency"]["n"]
+    # throughput over time: each turn in the slot of wall time it started in (SLOTS equal slots from the
+    # first start to the last); per stream the slot's median decode speed over its streamed turns,
+    # aggregate its delivered tokens over the time at least one of its turns was in flight
+    t0, t1 = ok[0]["t_wall"], ok[-1]["t_wall"]
+    width = max((t1 - t0) / SLOTS, 1e-9)
+    slots: dict[int, list[dict]] = {}
+    for r in ok:
+        slots.setdefault(min(int((r["t_wall"] - t0) / width), SLOTS - 1), []).append(r)
+    want_agg = [(t0 + (i + 0.5) * width, sum(r["completion_tokens"] for r in cell)
+                 / _busy([(r["t_wall"], r["t_wall"] + r["total_s"]) for r in cell])) for i, cell in sorted(slots.items())]
+    want_per = [(t0 + (i + 0.5) * width, _median([r["decode_tps"] for r in cell if r["streamed"] == 1]))
+                for i, cell in sorted(slots.items()) if any(r["streamed"] == 1 for r in cell)]
+    for cls, want in (("aggregate", want_agg), ("per-stream", want_per)):
+        dots = page.eval_on_selector_all(f".timeline circle.{cls}", "cs => cs.map(c => [+c.dataset.x, +c.dataset.value, "
+                                         "+c.getAttribute('cx'), +c.getAttribute('cy')])")
+        assert len(dots) == len(want) >= 2, cls
+        for (x, v, _, _), (wx, wv) in zip(dots, want):
+            assert _close(x, wx, 1e-6) and _close(v, wv, 1e-6), (cls, (x, v), (wx, wv))
+        line = page.get_attribute(f".timeline polyline.{cls}", "points").split()
+        assert line == [f"{cx:.1f},{cy:.1f}" for _, _, cx, cy in dots]  # the line drawn goes through them
+        ranked = sorted(dots, key=lambda d: d[1])
+        assert all(a[3] >= b[3] for a, b in zip(ranked, ranked[1:]))  # higher values drawn higher
+    # the whole-turn speedup curve: report --json's speedups on it, and its ceiling drawn and said
+    curve = dict(page.eval_on_selector_all(".speedup circle.curve", "cs => cs.map(c => [c.dataset.x, +c.dataset.value])"))
+    for s, v in report["whole_turn"]["speedups"].items():
+        assert _close(curve[repr(float(s))], v, 1e-12), s
+    ceiling = report["whole_turn"]["max_speedup"]
+    assert _close(float(page.get_attribute(".speedup .ceiling", "data-value")), ceiling, 1e-12)
+    assert f"ceiling {ceiling:.2f}x" in page.text_content(".speedup .ceiling text")
+    _inside(page, ".speedup .ceiling text")
+    _inside(page, ".dist text.mark")  # the median and p95 labels: inside their chart, apart
+
+
+def _check_server(page, report: dict) -> None:
+    """Generated, accepted-draft and delivered tokens/s drawn as report --json has them; MAL said."""
+    w = report["server"]["window"]
+    assert w["accepted_draft_tps"] > 0 and w["mal"] > 1.5  # drafts were accepted: a speculative server
+    per = float(page.get_attribute(".server", "data-px-per-tps"))
+    bars = page.eval_on_selector_all(".server rect.rate", "rs => rs.map(r => [r.dataset.figure, +r.dataset.value, "
+                                     "+r.getAttribute('width')])")
+    assert [f for f, _, _ in bars] == [f"server/window/{k}" for k in ("generated_tps", "accepted_draft_tps",
+                                                                      "delivered_tps")]
+    for figure, value, width in bars:
+        assert _close(value, _lookup(report, figure), 1e-12) and width > 0 and abs(width - value * per) <= 0.051
+    mal = page.get_attribute("[data-figure='server/window/mal']", "data-value")
+    assert _close(float(mal), w["mal"], 1e-12)
+
+
 def test_the_live_page_draws_the_turns_and_updates_live(make_stack, tiktoken_tok, chromium):
-    stack = make_stack(tiktoken_tok)
+    stack = make_stack(tiktoken_tok, admin_token=TOKEN, scrape_interval_s=0.2)
     stack.service.admin.pages = LivePages(stack.cfg.db)  # what `specproxy serve` composes in
-    _chat(stack, tiktoken_tok, 3)
-    _committed(stack, 3)
+    stack.upstream.script = _speculative(tiktoken_tok)
+    n = _traffic(stack)
+    _committed(stack, n)
     browser = chromium()
     page = browser.new_page(viewport={"width": 1300, "height": 1000})
-    page.goto(stack.url + "/_specproxy/")
+    assert page.goto(stack.url + "/_specproxy/").status == 401  # admin_token set: none presented
+    page.goto(stack.url + f"/_specproxy/?token={TOKEN}")  # the page's event stream carries it on
     page.wait_for_selector("body:not([data-updates='0'])")  # the event stream delivered its first picture
-    assert page.locator(".turns .turn").count() == 3
-    assert page.locator(".dist rect").count() > 0 and page.locator(".speedup polyline").count() >= 1
+    assert page.locator(".turns .turn").count() == n
+    since = float(page.get_attribute(".window", "data-window-since"))  # the window the page draws
+    report = _report_json(stack.cfg.db, "--since", repr(since))
     # the figures on the page are report --json's (the server's counters move with each scrape: not compared)
-    assert _check_figures(page, _report_json(stack.cfg.db), skip="server/") >= 25
+    assert _check_figures(page, report, skip="server/") >= 25
+    _check_charts(page, _rows(stack.cfg.db, since), report)
     page.evaluate("window.notReloaded = true")
-    _chat(stack, tiktoken_tok, 1, first=3)
-    _committed(stack, 4)
-    page.wait_for_function("document.querySelectorAll('.turns .turn').length === 4", timeout=20_000)
+    stack.run(stack.service.watch.stop())  # the counters still now: the server's figures can be compared
+    _conversation(stack, 1)
+    _committed(stack, n + 1)
+    page.wait_for_function(f"document.querySelectorAll('.turns .turn').length === {n + 1}", timeout=20_000)
     assert page.evaluate("window.notReloaded") is True  # the same page, updated by its event stream
-    assert _check_figures(page, _report_json(stack.cfg.db), skip="server/") >= 25
+    since = float(page.get_attribute(".window", "data-window-since"))  # moves with the clock
+    report = _report_json(stack.cfg.db, "--since", repr(since))
+    assert _check_figures(page, report) >= 30
+    _check_charts(page, _rows(stack.cfg.db, since), report)
+    _check_server(page, report)
     last = page.locator(".turns .turn").last
     turn_id = last.get_attribute("data-turn-id")
     last.click()
     assert page.locator("#record").get_attribute("data-turn-id") == turn_id
     assert turn_id in page.locator("#record").inner_text()
-    assert "Count to" not in page.content() and "sk-test" not in page.content()  # no text, no keys
+    assert "tokens per second" not in page.content() and "sk-test" not in page.content()  # no text, no keys
+    assert TOKEN not in page.inner_text("body")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "live-page.png"), full_page=True)
     page.close()
 
 
-def test_the_html_report_opens_offline_with_the_same_figures(make_stack, tiktoken_tok, chromium, tmp_path):
+def test_the_html_report_of_a_window_opens_offline_with_the_same_figures(make_stack, tiktoken_tok, chromium,
+                                                                          tmp_path):
     stack = make_stack(tiktoken_tok, scrape_interval_s=0.2)
-    _chat(stack, tiktoken_tok, 5)
-    _committed(stack, 5)
+    stack.upstream.script = _speculative(tiktoken_tok)
+    _conversation(stack, 2, label="other")  # outside the window: another label
+    _conversation(stack, 1, label="arm")  # outside the window: before --since
+    _committed(stack, 3)
+    n = _traffic(stack, label="arm")
+    _committed(stack, n + 3)
     assert wait_for(lambda: len(stack.service.watch.recent) >= 3)  # the server's counters, scraped
     stack.run(stack.service.watch.stop())
     stack.service.writer.close()  # every turn and scrape is in the file: both reports read the same rows
     db = stack.cfg.db
+    since = _rows(db, label="arm")[1]["t_wall"]
+    window = ("--label", "arm", "--since", repr(since))
     html = tmp_path / "report.html"
-    subprocess.run([SPECPROXY, "report", "--db", db, "--html", str(html), "--no-cache"], capture_output=True,
+    subprocess.run([SPECPROXY, "report", "--db", db, "--html", str(html), "--no-cache", *window], capture_output=True,
                    timeout=60, check=True)
-    report = _report_json(db)
+    report = _report_json(db, *window)
+    rows = _rows(db, since, label="arm")
+    assert report["turns"] == len(rows) == n
+    conn = connect(db, readonly=True)  # before the browser: its event loop runs in this thread
+    try:
+        snap = snapshot(conn, source=db, label="arm", since=since)
+    finally:
+        conn.close()
     context = chromium().new_context(offline=True)
     fetched: list[str] = []
     context.on("request", lambda r: fetched.append(r.url))
     page = context.new_page()
     page.goto(html.as_uri())
     assert fetched == [html.as_uri()]  # nothing but the file itself
-    assert page.locator(".turns .turn").count() == 5
-    assert _check_figures(page, report) >= 25
-    assert page.locator(".server rect").count() == 3  # generated, accepted, delivered tokens/s
+    assert page.locator(".turns .turn").count() == n
+    assert page.get_attribute(".window", "data-window-label") == "arm"
+    assert float(page.get_attribute(".window", "data-window-since")) == since
+    assert _check_figures(page, report) >= 30
+    _check_charts(page, rows, report)
+    _check_server(page, report)
     page.locator(".turns .turn").first.click()
     assert page.locator("#record").get_attribute("data-turn-id") == page.locator(".turns .turn").first.get_attribute(
         "data-turn-id")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "html-report.png"), full_page=True)
+    # the labels' worst cases: median and p95 equal, at either edge of their histogram
+    for key, edge in (("ttft_s", 0), ("decode_tps", -1), ("tokens_per_chunk", -1)):
+        at = snap["pictures"]["distributions"][key]["edges"][edge]
+        snap["report"]["user"][key].update(median=at, p95=at)
+    page.set_content(document(snap, live=False, title="labels at the edges"))
+    _inside(page, ".dist text.mark")
     context.close()

@@ -1,9 +1,15 @@
-"""The concurrency chart's geometry: bars sit at their value on the axis, one value alone is one bar."""
+"""The charts' geometry: the concurrency bars sit at their value on the axis, one value alone is one bar;
+the speedup curve's ceiling is drawn inside the chart whether the axis reaches it or not."""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
+import pytest
+
+from specproxy.analyze.pictures import pictures
+from specproxy.store.dataset import NUMERIC, Turns
 from specproxy.view import html
 
 PLOT_W = html.W - html.ML - html.MR
@@ -11,7 +17,7 @@ PLOT_W = html.W - html.ML - html.MR
 
 def bars(values: list[int], counts: list[int]) -> list[tuple[float, float]]:
     svg = html._concurrency({"n": sum(counts), "values": values, "counts": counts}, {"median": values[0]})
-    return [(float(x), float(w)) for x, w in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', svg)]
+    return [(float(x), float(w)) for x, w in re.findall(r'<rect class="level"[^>]* x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', svg)]
 
 
 def test_a_single_value_is_one_narrow_bar_not_the_whole_width():
@@ -28,3 +34,36 @@ def test_a_bar_stands_at_its_value_on_the_axis():
 def test_many_values_share_the_width():
     drawn = bars(list(range(1, 33)), [1] * 32)
     assert len(drawn) == 32 and drawn[-1][0] + drawn[-1][1] <= html.ML + PLOT_W + 0.1
+
+
+def _ceiling(svg: str) -> tuple[str, float, str]:
+    """The drawn ceiling's on-scale flag, its line's y and its label."""
+    m = re.search(r'<g class="ceiling" data-value="([^"]+)" data-on-scale="(\d)"><line [^>]*y1="([^"]+)"[^>]*/>'
+                  r'<text[^>]*>([^<]+)</text>', svg)
+    assert m, svg
+    return m.group(2), float(m.group(3)), m.group(4)
+
+
+@pytest.mark.parametrize("ttft, decode, on_scale", [(1.0, 1.0, "1"), (1.0, 25.0, "0")])
+def test_the_speedup_curve_always_draws_its_ceiling_inside_the_chart(ttft, decode, on_scale):
+    """A ceiling within reach of the axis is drawn at its height; one far above (26x over a curve that
+    reaches ~6x) is marked at the chart's top and says so, never left off."""
+    p = pictures(turns([{"ttft_s": ttft, "decode_s": decode}]))
+    ceiling = (ttft + decode) / ttft
+    w = {"speedups": {}, "max_speedup": ceiling, "ttft_share": ttft / (ttft + decode)}
+    flag, y, text = _ceiling(html._speedup(p["speedup_curve"], w))
+    assert flag == on_scale and f"ceiling {ceiling:.2f}x" in text
+    assert html.MT <= y <= html.H - html.MB
+    if on_scale == "0":
+        assert y == html.MT and "above this scale" in text
+    else:
+        top = max(v for _, v in p["speedup_curve"]["points"] if v is not None) * 1.08
+        assert y == pytest.approx(html.H - html.MB - ceiling / max(top, ceiling * 1.08) * (html.H - html.MT - html.MB),
+                                  abs=0.06)
+
+
+def turns(rows: list[dict]) -> Turns:
+    """Completed streamed turns started at 0 with the given columns; the rest NaN."""
+    default = {"streamed": 1.0, "t_wall": 0.0}
+    num = {k: np.array([float(r.get(k, default.get(k, np.nan))) for r in rows]) for k in NUMERIC}
+    return Turns(num, {"outcome": np.array(["ok"] * len(rows), dtype=object)})
