@@ -94,7 +94,8 @@ def worker_lock(lock_dir: str | None, exclusive: bool) -> Iterator[None]:
 # out in the order they are collected, and a long file taken last keeps one worker busy while the other
 # has nothing left to do.
 LONGEST_FIRST = ("unit/test_aa_calibration.py", "real/test_bench_real.py", "integration/test_faults_bytes.py",
-                 "integration/test_bench.py", "integration/test_cli.py", "unit/test_column_cache.py")
+                 "integration/test_bench.py", "integration/test_bench_failures.py", "integration/test_cli.py",
+                 "unit/test_column_cache.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001

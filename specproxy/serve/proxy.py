@@ -35,7 +35,8 @@ from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import host_header, request_head, response_head
 from specproxy.serve.measuring import MeasuringWorker
 from specproxy.serve.refusals import Refusal, busy, error_response
-from specproxy.wire.upstream import CHUNKED, UpstreamError, UpstreamPool
+from specproxy.wire.pool import UpstreamPool
+from specproxy.wire.upstream import CHUNKED, UpstreamError
 
 __all__ = ["Client", "Incoming", "Proxy", "conn_id", "where"]
 

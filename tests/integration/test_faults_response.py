@@ -15,7 +15,7 @@ import pytest
 
 from faultkit import (KeptClient, await_until, chunk, exchange, kernel_queued, parse_response, post_head, read_request,
                       request_once)
-from specproxy.wire.upstream import UpstreamPool
+from specproxy.wire.pool import UpstreamPool
 
 # each front; each relay for the tests whose bodies the relay thread can take (a chunked one after its
 # head), which assert that it took them: a head refused or a Content-Length body never reaches the thread

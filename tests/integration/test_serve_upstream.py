@@ -19,7 +19,7 @@ from specproxy.store.dataset import load_turns
 from specproxy.analyze.report import build_report, render_text
 from specproxy.observe.scrape import FAIL_LOG_EVERY_S, _worth_a_line
 from specproxy.app.fake_upstream import Script
-from specproxy.wire.upstream import UpstreamPool
+from specproxy.wire.pool import UpstreamPool
 from waits import wait_for
 
 

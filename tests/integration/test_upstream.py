@@ -161,7 +161,8 @@ def test_abandoning_an_exchange_that_is_over_leaves_the_connections_next_one_alo
 
     from yarl import URL
 
-    from specproxy.wire.upstream import PASS, UpstreamPool
+    from specproxy.wire.pool import UpstreamPool
+    from specproxy.wire.upstream import PASS
 
     async def main():
         requests = asyncio.Queue()
