@@ -51,7 +51,7 @@ PREFIX = "/_specproxy"
 MAX_VIEWERS = 16
 TICK_S = 0.5
 MIN_RENDER_S = 1.0
-RENDER_SHARE = 0.01  # of one core, at most, spent drawing pictures: the wait after one is 1/share its time
+RENDER_SHARE = 0.005  # of one core, at most, spent drawing pictures: the wait after one is 1/share its time
 WRITE_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 

@@ -4,7 +4,7 @@ Why from the database rather than from records in memory: the page then shows ex
 ``specproxy report`` says of the same window (the server's counters and the lone turns' joins are only
 there), and it costs the proxy nothing between renderings. The proxy calls these methods in a thread,
 only while someone watches, and spaces them by what they cost (``serve/admin.py`` ``render_gap``: at
-most once a second, and at most 1% of one core).
+most once a second, and at most half a percent of one core).
 
 Why at most ``MAX_TURNS`` turns: a picture's CPU grows with the turns it reads (the report over them
 and their columns from SQLite), and the 1% rule turns that cost into the wait before the next picture.
