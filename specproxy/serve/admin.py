@@ -52,6 +52,7 @@ MAX_VIEWERS = 16
 TICK_S = 0.5
 MIN_RENDER_S = 1.0
 RENDER_SHARE = 0.005  # of one core, at most, spent drawing pictures: the wait after one is 1/share its time
+FORMAT_SHARE = 0.005  # and formatting /metrics: a scrape sooner than 1/share its last cost gets that page again
 WRITE_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 
@@ -126,6 +127,9 @@ class Admin:
         self._rendering: asyncio.Task | None = None
         self._rendered_at = 0.0
         self._render_s = 0.0  # CPU the latest picture took to draw
+        self._metrics_page: bytes | None = None
+        self._formatted_at = 0.0
+        self._format_s = 0.0  # CPU the latest metrics page took to format
 
     def close(self) -> None:
         """End every event stream (before the server shuts down: they would hold it up)."""
@@ -145,8 +149,8 @@ class Admin:
                                          "code": 405}}, {"Allow": "GET, HEAD"})
         route = ROUTES.get(request.rel_url.raw_path)
         if route == "metrics":
-            body = await asyncio.to_thread(self.metrics.exposition)  # formatting grows with the series
-            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
+            return web.Response(body=await self._metrics_text(),
+                                headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
         if route in ("page", "events") and self.pages is None:
             return _json(404, {"error": {"message": "specproxy: no live page in this process",
                                          "type": "not_found", "code": 404}})
@@ -195,6 +199,17 @@ class Admin:
         async with asyncio.timeout(self.write_timeout_s):
             await resp.write(data)
 
+    async def _metrics_text(self) -> bytes:
+        """The Prometheus page, formatted afresh (in a thread: it grows with the series) unless the last
+        one was formatted so recently that formatting again would take more than ``FORMAT_SHARE`` of a
+        core: then that page again, at most ``format_gap`` of its cost old. A Prometheus server scrapes
+        every 15 s or so, and is served fresh; a scrape every second of many series reads some twice."""
+        if self._metrics_page is not None and time.monotonic() < self._formatted_at + format_gap(self._format_s):
+            return self._metrics_page
+        body, self._format_s = await asyncio.to_thread(_timed, self.metrics.exposition)
+        self._metrics_page, self._formatted_at = body, time.monotonic()
+        return body
+
     async def _picture_for(self, version: Any) -> tuple[Any, str]:
         """The newest picture, and the version it shows: rendered once for every viewer, in a thread."""
         if self._picture is None or self._picture[0] != version:
@@ -228,7 +243,13 @@ def render_gap(render_s: float) -> float:
     return max(MIN_RENDER_S, render_s / RENDER_SHARE)
 
 
-def _timed(draw: Any) -> tuple[str, float]:
+def format_gap(format_s: float) -> float:
+    """Seconds a metrics page is served again after one that took ``format_s`` of CPU to format: no
+    longer than it takes for formatting to stay within ``FORMAT_SHARE`` of a core (0 when it is cheap)."""
+    return format_s / FORMAT_SHARE
+
+
+def _timed(draw: Any) -> tuple[Any, float]:
     """``draw()`` and the CPU time this thread spent on it."""
     t0 = time.thread_time()
     html = draw()

@@ -162,3 +162,38 @@ def test_drawing_the_page_never_takes_more_than_its_share_of_a_core():
     assert render_gap(0.0) == render_gap(MIN_RENDER_S * RENDER_SHARE / 2) == MIN_RENDER_S
     for cost in (0.02, 0.1, 0.5):
         assert cost / render_gap(cost) <= RENDER_SHARE + 1e-12
+
+
+def test_formatting_the_metrics_never_takes_more_than_its_share_of_a_core(monkeypatch):
+    """Scraped every second with many series, formatting the page would cost the proxy CPU: a scrape
+    sooner than the last formatting's cost / FORMAT_SHARE gets that page again; a later one, a fresh one."""
+    import asyncio
+
+    from specproxy.config import Config
+    from specproxy.serve import admin
+
+    class Counting:
+        formatted = 0
+
+        def exposition(self) -> bytes:
+            self.formatted += 1
+            return f"page {self.formatted}\n".encode()
+
+    clock = [100.0]
+    monkeypatch.setattr(admin.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(admin, "_timed", lambda f: (f(), 0.01))  # each formatting costs 10 ms of CPU
+    metrics = Counting()
+    page = admin.Admin(Config(), metrics, lambda: 0)  # type: ignore[arg-type]
+    gap = admin.format_gap(0.01)
+    assert gap == 0.01 / admin.FORMAT_SHARE
+
+    async def scrapes():
+        seen = [await page._metrics_text()]
+        clock[0] += gap * 0.9
+        seen.append(await page._metrics_text())  # too soon: the same page, not formatted again
+        clock[0] += gap * 0.2
+        seen.append(await page._metrics_text())  # the share allows another
+        return seen
+
+    assert asyncio.run(scrapes()) == [b"page 1\n", b"page 1\n", b"page 2\n"]
+    assert metrics.formatted == 2
