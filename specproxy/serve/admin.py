@@ -52,7 +52,8 @@ MAX_VIEWERS = 16
 TICK_S = 0.5
 MIN_RENDER_S = 1.0
 RENDER_SHARE = 0.005  # of one core, at most, spent drawing pictures: the wait after one is 1/share its time
-FORMAT_SHARE = 0.005  # and formatting /metrics: a scrape sooner than 1/share its last cost gets that page again
+FORMAT_SHARE = 0.005  # and formatting /metrics: a scrape sooner than 1/share its last cost gets that page again,
+MAX_REUSE_S = 2.0  # if it is at most this old
 WRITE_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 
@@ -60,9 +61,12 @@ KEEPALIVE_S = 15.0
 def reserved(raw_path: str) -> bool:
     """Whether a request path (as sent: percent-escapes kept, no query) is or may mean something under the
     prefix, to the proxy or to any server behind it: read with every escape decoded (``%2F`` and
-    ``%2E`` too), runs of slashes as one, and both as written and with dot segments resolved. Such a
-    path is answered here (``Admin.handle``: 404 unless it is exactly a route), never forwarded."""
+    ``%2E`` too), segment parameters dropped (``/_specproxy;x/metrics``, ``/v1/..;/_specproxy/``: servlet
+    containers read ``;`` so), runs of slashes as one, and both as written and with dot segments resolved.
+    Such a path is answered here (``Admin.handle``: 404 unless it is exactly a route), never forwarded."""
     path = unquote(raw_path) if "%" in raw_path else raw_path
+    if ";" in path:
+        path = _PARAMS.sub("", path)
     if "//" in path:
         path = _SLASHES.sub("/", path)
     if path == PREFIX or path.startswith(PREFIX + "/"):
@@ -77,6 +81,7 @@ def reserved(raw_path: str) -> bool:
 # slashes) is reserved, and answered 404
 ROUTES = {PREFIX: "page", PREFIX + "/": "page", PREFIX + "/events": "events", PREFIX + "/metrics": "metrics"}
 _SLASHES = re.compile("/{2,}")
+_PARAMS = re.compile(";[^/]*")  # a path segment's parameters, up to the next slash
 
 
 def is_loopback(host: str | None) -> bool:
@@ -202,8 +207,9 @@ class Admin:
     async def _metrics_text(self) -> bytes:
         """The Prometheus page, formatted afresh (in a thread: it grows with the series) unless the last
         one was formatted so recently that formatting again would take more than ``FORMAT_SHARE`` of a
-        core: then that page again, at most ``format_gap`` of its cost old. A Prometheus server scrapes
-        every 15 s or so, and is served fresh; a scrape every second of many series reads some twice."""
+        core: then that page again, at most ``format_gap`` of its cost old (``MAX_REUSE_S`` at most). A
+        Prometheus server scrapes every 15 s or so, and is served fresh; a scrape every second of many
+        series reads some pages twice."""
         if self._metrics_page is not None and time.monotonic() < self._formatted_at + format_gap(self._format_s):
             return self._metrics_page
         body, self._format_s = await asyncio.to_thread(_timed, self.metrics.exposition)
@@ -244,9 +250,10 @@ def render_gap(render_s: float) -> float:
 
 
 def format_gap(format_s: float) -> float:
-    """Seconds a metrics page is served again after one that took ``format_s`` of CPU to format: no
-    longer than it takes for formatting to stay within ``FORMAT_SHARE`` of a core (0 when it is cheap)."""
-    return format_s / FORMAT_SHARE
+    """Seconds a metrics page is served again after one that took ``format_s`` of CPU to format: as long
+    as it takes for formatting to stay within ``FORMAT_SHARE`` of a core (0 when it is cheap), and never
+    more than ``MAX_REUSE_S``: a page is never older than that, however many series it has."""
+    return min(format_s / FORMAT_SHARE, MAX_REUSE_S)
 
 
 def _timed(draw: Any) -> tuple[Any, float]:

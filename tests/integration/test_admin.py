@@ -103,6 +103,7 @@ NOT_ROUTES = (
     "/_specproxy/%2e%2e/v1/models", "/_specproxy/%2E%2E/v1/models", "/_specproxy/../v1/models",
     "/v1/%2e%2e/_specproxy/metrics", "/v1/.%2E/_specproxy/metrics", "/_specproxy/%2e/metrics",
     "/_specproxy/metrics/", "/_specproxy%2Fmetrics", "/_specproxy/events/../metrics",
+    "/_specproxy;x/metrics", "/_specproxy;/metrics", "/v1/..;/_specproxy/metrics", "/_specproxy%3Bx/metrics",
 )
 
 
@@ -197,3 +198,18 @@ def test_formatting_the_metrics_never_takes_more_than_its_share_of_a_core(monkey
 
     assert asyncio.run(scrapes()) == [b"page 1\n", b"page 1\n", b"page 2\n"]
     assert metrics.formatted == 2
+
+    # however costly the formatting (many models' series), a page is never more than MAX_REUSE_S old
+    monkeypatch.setattr(admin, "_timed", lambda f: (f(), 1.3))
+    assert admin.format_gap(1.3) == admin.MAX_REUSE_S
+
+    async def costly():
+        seen = [await page._metrics_text()]
+        clock[0] += admin.MAX_REUSE_S * 0.9
+        seen.append(await page._metrics_text())
+        clock[0] += admin.MAX_REUSE_S * 0.2
+        seen.append(await page._metrics_text())
+        return seen
+
+    clock[0] += 100
+    assert asyncio.run(costly()) == [b"page 3\n", b"page 3\n", b"page 4\n"]
