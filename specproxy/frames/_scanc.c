@@ -1,10 +1,12 @@
-/* _scanc: the measuring's two per-chunk scans in C.
+/* _scanc: the measuring's per-chunk scans in C.
 
 Why: at many concurrent streams about half of the measuring thread's cost per chunk was in
 chunked.dechunk_reads and fast_texts.stream_texts (docs/performance.md, "Design figures"), which are C calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
 do the same reading with one pass over the bytes and no object per chunk. The Python code stays the
 reference and the fallback (this module is optional at install); tests/unit/test_measure_fast.py checks
-that both paths give the reference's Texts and Records.
+that both paths give the reference's Texts and Records. chunk_gaps does in one pass what the
+per-chunk metrics need of a turn (when its chunks arrived, bucketed), which in Python builds lists per
+chunk and costs a numpy call chain per turn; test_measure_fast.py checks it gives the reference's.
 
 join_frames(reads) -> (payload, ends, complete) | None
     HTTP/1.1 chunked reads through the native framing parser (_chunked.h, the relay's): the payloads
@@ -18,10 +20,16 @@ template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonem
     bytes with blank lines, their bodies' text joined, how many had text, and the bytes up to the end
     of the last that had. It stops before the first event that is not one; the caller reads that one.
 
-event_ends(buf, cum) -> list[int]
-    Per read (read i holds buf[cum[i-1]:cum[i]]), how many blank lines end in it: LF LF pairs, counted
-    without overlap from the start (as bytes.count), each in the read that holds its second LF. In a
-    stream the fast parse reads, each is one event's end: when the chunks arrived (fast_texts._chunk_clock).
+chunk_gaps(buf, cum, times, skip, tail_text, bounds) -> ((count per bucket, ...), gap_sum) | None
+    When a stream's text-carrying chunks arrived, bucketed, with no object per chunk: per read (read i
+    holds buf[cum[i-1]:cum[i]], timed times[i]) the blank lines that end in it (LF LF pairs, counted
+    without overlap from the start, as bytes.count, each in the read holding its second LF: in a stream
+    the fast parse reads, each ends one event), less one per entry of skip (a read that ended an event
+    with no text), plus one in the last read when tail_text (the tail event carried text). The gaps
+    between consecutive reads that completed chunks are counted per bucket of bounds (bisect_left: a
+    gap equal to a bound is in its bucket; the last count is over the last bound), a read's further
+    chunks as gaps of 0; gap_sum is the last such read's time less the first's. None with fewer than
+    two chunks. The same as fast_texts._chunk_clock then chunk_gaps.gap_buckets (the Python reference).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -296,31 +304,64 @@ template_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnNnn)", count, pos - start, text, nonempty, text_end - start);
 }
 
-static PyObject *
-event_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* ---- chunk_gaps ---------------------------------------------------------------------------------- */
+
+#define MAX_BOUNDS 64
+
+/* bisect.bisect_left over bounds[0:n]: the first index whose bound is not below x (a gap equal to a
+   bound falls in that bound's bucket, le); the same steps as CPython's, so equal for any input */
+static inline Py_ssize_t
+bisect_left(const double *bounds, Py_ssize_t n, double x)
 {
-    if (nargs != 2 || !PyBytes_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "event_ends(buf, cum): bytes, list of int");
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (bounds[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static PyObject *
+chunk_gaps(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyBytes_CheckExact(args[0]) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])
+        || !PyList_CheckExact(args[3]) || !PyTuple_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chunk_gaps(buf, cum, times, skip, tail_text, bounds): bytes, list, list, list, bool, tuple");
         return NULL;
     }
     const char *buf = PyBytes_AS_STRING(args[0]);
     Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
-    PyObject *cum = args[1];
-    Py_ssize_t nreads = PyList_GET_SIZE(cum);
-    PyObject *out = PyList_New(nreads);
-    if (out == NULL)
+    PyObject *cum = args[1], *times = args[2], *skip = args[3];
+    int tail_text = PyObject_IsTrue(args[4]);
+    if (tail_text < 0)
         return NULL;
+    Py_ssize_t nreads = PyList_GET_SIZE(cum), nbounds = PyTuple_GET_SIZE(args[5]);
+    if (PyList_GET_SIZE(times) < nreads || nbounds > MAX_BOUNDS) {
+        PyErr_SetString(PyExc_ValueError, "chunk_gaps: fewer times than reads, or too many bounds");
+        return NULL;
+    }
+    double bounds[MAX_BOUNDS];
+    for (Py_ssize_t b = 0; b < nbounds; b++) {
+        bounds[b] = PyFloat_AsDouble(PyTuple_GET_ITEM(args[5], b));
+        if (bounds[b] == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    /* per read, the events it ended: LF LF pairs counted without overlap, each in the read holding its second LF */
+    long *per_read = PyMem_Calloc(nreads > 0 ? (size_t)nreads : 1, sizeof(long));
+    if (per_read == NULL)
+        return PyErr_NoMemory();
     Py_ssize_t pos = 0, start = 0, last_end = -1; /* last_end: the second LF of the last pair counted */
     for (Py_ssize_t r = 0; r < nreads; r++) {
         Py_ssize_t end = PyLong_AsSsize_t(PyList_GET_ITEM(cum, r));
-        if (end == -1 && PyErr_Occurred()) {
-            Py_DECREF(out);
-            return NULL;
-        }
+        if (end == -1 && PyErr_Occurred())
+            goto fail;
         if (end < start || end > n) {
-            Py_DECREF(out);
-            PyErr_SetString(PyExc_ValueError, "event_ends: cum must be nondecreasing offsets within buf");
-            return NULL;
+            PyErr_SetString(PyExc_ValueError, "chunk_gaps: cum must be nondecreasing offsets within buf");
+            goto fail;
         }
         long count = 0;
         while (pos < end) {
@@ -335,20 +376,69 @@ event_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             pos = i + 1;
         }
         pos = end;
-        PyObject *c = PyLong_FromLong(count);
-        if (c == NULL) {
+        per_read[r] = count;
+        start = end;
+    }
+    /* less the events that carried no text, plus the tail when it did (timed by the last read) */
+    for (Py_ssize_t k = 0, nskip = PyList_GET_SIZE(skip); k < nskip; k++) {
+        Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(skip, k));
+        if (r == -1 && PyErr_Occurred())
+            goto fail;
+        if (r < 0 || r >= nreads || per_read[r] == 0) {
+            PyErr_SetString(PyExc_ValueError, "chunk_gaps: skip names a read that ended no event left");
+            goto fail;
+        }
+        per_read[r]--;
+    }
+    if (tail_text) {
+        if (nreads == 0) {
+            PyErr_SetString(PyExc_ValueError, "chunk_gaps: a tail with no read");
+            goto fail;
+        }
+        per_read[nreads - 1]++;
+    }
+    /* the gaps between consecutive reads that completed chunks; a read's further chunks: gaps of 0 */
+    long long counts[MAX_BOUNDS + 1] = {0};
+    long long total = 0;
+    double first = 0.0, prev = 0.0;
+    for (Py_ssize_t r = 0; r < nreads; r++) {
+        long c = per_read[r];
+        if (c == 0)
+            continue;
+        double t = PyFloat_AsDouble(PyList_GET_ITEM(times, r));
+        if (t == -1.0 && PyErr_Occurred())
+            goto fail;
+        if (total == 0)
+            first = t;
+        else
+            counts[bisect_left(bounds, nbounds, t - prev)]++;
+        counts[0] += c - 1;
+        total += c;
+        prev = t;
+    }
+    PyMem_Free(per_read);
+    if (total < 2)
+        Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(nbounds + 1);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t b = 0; b <= nbounds; b++) {
+        PyObject *v = PyLong_FromLongLong(counts[b]);
+        if (v == NULL) {
             Py_DECREF(out);
             return NULL;
         }
-        PyList_SET_ITEM(out, r, c);
-        start = end;
+        PyTuple_SET_ITEM(out, b, v);
     }
-    return out;
+    return Py_BuildValue("(Nd)", out, prev - first);
+fail:
+    PyMem_Free(per_read);
+    return NULL;
 }
 
 static PyMethodDef module_methods[] = {
-    {"event_ends", (PyCFunction)(void (*)(void))event_ends, METH_FASTCALL,
-     "event_ends(buf, cum) -> list[int]: per read, the blank lines (LF LF) whose second LF it holds."},
+    {"chunk_gaps", (PyCFunction)(void (*)(void))chunk_gaps, METH_FASTCALL,
+     "chunk_gaps(buf, cum, times, skip, tail_text, bounds) -> ((count per bucket, ...), gap_sum) or None."},
     {"join_frames", (PyCFunction)join_frames, METH_O,
      "join_frames(reads) -> (payload, ends, complete) or None: chunked reads, dechunked."},
     {"template_run", (PyCFunction)(void (*)(void))template_run, METH_FASTCALL,

@@ -296,7 +296,8 @@ class RecordBuilder:
         if counts and decode and decode > 0:
             decode_tps = (counts["completion"] - counts["first"]) / decode
         if streamed:  # what the per-chunk metrics need, handed beside the record (chunk_gaps.py)
-            gaps = gap_buckets(texts.chunk_times, texts.chunk_counts)
+            # bucketed by the C scans already, else (every other path) from when the chunks arrived
+            gaps = texts.gaps if texts.gaps is not None else gap_buckets(texts.chunk_times, texts.chunk_counts)
             self.timing = StreamTiming(texts.t_first_event - t_req if texts.t_first_event is not None else None,
                                        gaps[0] if gaps else None, gaps[1] if gaps else 0.0)
         delays = sorted(map(sub, self.write_times, self.read_times))  # per read: write done - read

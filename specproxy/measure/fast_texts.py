@@ -17,9 +17,11 @@ the events that make up almost all of a stream; those are read by C calls over m
   common shape nor a template's (its delta holds ``tool_calls``), so ``read_chunk`` reads every one:
   the names of the tools called (``Texts.calls``) cost nothing on the chunks that have none.
 
-* When the text-carrying chunks arrived (``Texts.chunk_times``, for the per-chunk metrics): counted per
-  read once the events are read (``_chunk_clock``), from the blank lines that end events in each read,
-  less the events read one by one that carried no text; no step per chunk.
+* When the text-carrying chunks arrived (for the per-chunk metrics): counted per read once the events
+  are read, from the blank lines that end events in each read, less the events that carried no text;
+  no step per chunk. With the C scans one call (``_scanc.chunk_gaps``) counts them and buckets the gaps
+  between them (``Texts.gaps``); the Python path fills ``Texts.chunk_times`` (``_chunk_clock``, numpy)
+  and the builder buckets them (``chunk_gaps.gap_buckets``): the plain reference of the C call.
 
 With ``specproxy.frames._scanc`` built (``_stream_texts_c``, what ships), the same reading walks the joined
 payload by positions instead of splitting it into lines, and a template's run is one C call
@@ -44,6 +46,7 @@ import numpy as np
 import orjson
 
 from specproxy.frames.chunked import _scanc  # the per-chunk scans in C; None when not built (the Python paths below)
+from specproxy.measure.chunk_gaps import GAP_BOUNDS_S
 from specproxy.measure.chunk_templates import _Template, _content_template
 from specproxy.measure.openai import read_chunk
 from specproxy.measure.texts import Texts, _take_accounting, stream_texts_reference
@@ -212,7 +215,7 @@ class _Gather:
                  "tmpl")
 
     def __init__(self, *, c_scans: bool) -> None:
-        self.c_scans = c_scans  # which path reads: the chunks' times are counted by the same (_chunk_clock)
+        self.c_scans = c_scans  # which path reads: the chunks' times are counted by the same (``texts``)
         self.acc = Texts(saw_done=False)  # t_first, usage, timings, finish_reason, saw_done, bad_events
         self.parts: dict[tuple[int, str], list[str]] = {}
         self.chunks = 0
@@ -314,26 +317,26 @@ class _Gather:
         out.chunks = self.chunks
         out.t_last = self.t_last
         if self.chunks:
-            _chunk_clock(out, buf, cum, times, self.skip, self.tail_text, self.c_scans)
+            if self.c_scans:  # counted and bucketed in one call: the builder takes them as they are
+                out.gaps = _scanc.chunk_gaps(buf, cum, times, self.skip, self.tail_text, GAP_BOUNDS_S)
+            else:
+                _chunk_clock(out, buf, cum, times, self.skip, self.tail_text)
         return out
 
 
-def _chunk_clock(acc: Texts, buf: bytes, cum: list[int], times: list[float], skip: list[int], tail_text: bool,
-                 c_scans: bool) -> None:
+def _chunk_clock(acc: Texts, buf: bytes, cum: list[int], times: list[float], skip: list[int],
+                 tail_text: bool) -> None:
     """``acc.chunk_times`` and ``chunk_counts``: how many text-carrying chunks each read completed, with no
-    Python step per chunk. In a stream the fast paths read, every event is one line ended by a blank
-    line and no line holds a raw LF, so each ``\\n\\n`` ends one event: the events ending in each read
-    are counted (``_scanc.event_ends``, or numpy without the C scans), less those that carried no text
-    (``skip``), plus the tail when it carried text (timed by the last read, as the SSE decoder's
-    ``finish`` does)."""
+    Python step per chunk (the Python scans; ``_scanc.chunk_gaps`` does this and the bucketing in C).
+    In a stream the fast paths read, every event is one line ended by a blank line and no line holds a
+    raw LF, so each ``\\n\\n`` ends one event: the events ending in each read are counted, less those
+    that carried no text (``skip``), plus the tail when it carried text (timed by the last read, as the
+    SSE decoder's ``finish`` does)."""
     nreads = len(cum)
-    if c_scans and C_BUILT:
-        per_read = _scanc.event_ends(buf, cum)
-    else:
-        lf = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
-        second = lf[1:][np.diff(lf) == 1]  # (no LF LF LF in such a stream: the pairs cannot overlap)
-        per_read = np.bincount(np.searchsorted(np.asarray(cum, dtype=np.int64), second, side="right"),
-                               minlength=nreads).tolist()
+    lf = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
+    second = lf[1:][np.diff(lf) == 1]  # (no LF LF LF in such a stream: the pairs cannot overlap)
+    per_read = np.bincount(np.searchsorted(np.asarray(cum, dtype=np.int64), second, side="right"),
+                           minlength=nreads).tolist()
     for r in skip:
         per_read[r] -= 1
     if tail_text:

@@ -38,9 +38,12 @@ class Texts:
     calls: list[str] = field(default_factory=list)  # the distinct tools the output called, first call first
     t_first_event: float | None = None  # the first event with data (any: a role-only chunk too), streamed
     # when the text-carrying chunks arrived: chunk_counts[i] of them completed at chunk_times[i] (times
-    # distinct and increasing; measure/chunk_gaps.py buckets their gaps)
-    chunk_times: list[float] = field(default_factory=list)
-    chunk_counts: list[int] = field(default_factory=list)
+    # distinct and increasing; measure/chunk_gaps.py buckets their gaps), or, read with the C scans,
+    # their gaps bucketed already (``gap_buckets``' result; the lists left empty). Not compared: the
+    # paths keep them in different forms; tests compare what the builder makes of them (StreamTiming).
+    chunk_times: list[float] = field(default_factory=list, compare=False)
+    chunk_counts: list[int] = field(default_factory=list, compare=False)
+    gaps: tuple[tuple[int, ...], float] | None = field(default=None, compare=False)
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one

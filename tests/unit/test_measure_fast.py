@@ -12,6 +12,7 @@ look at events more than it needs to) is checked in test_measure_fast_work.py.
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 
 import orjson
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +23,7 @@ from specproxy.measure import fast_texts
 from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads
 from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, StreamTiming
 from measurekit import builder, counting_loads
 from readsplit import split
 
@@ -156,10 +158,12 @@ def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
     example once (drawing is most of these tests' time) and each scan still gets every example."""
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     ref_record = b._build(tok, fast=False)
+    ref_timing = b.timing
     for c in (True, False) if fast_texts.C_BUILT else (False,):
         assert fast_texts.stream_texts(list(payload), b.read_times, c_scans=c) == ref, "C scans" if c else "Python scans"
         b.c_scans = c  # the turn's own setting (the proxy gives it Config scan's)
         assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
+        assert b.timing == ref_timing, "C scans" if c else "Python scans"
 
 
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -340,13 +344,70 @@ def test_chunk_times_count_each_read_s_text_chunks(each_scan):
     reads = [events[0], b"".join(events[1:3]), events[3] + events[4][:5], events[4][5:] + events[5],
              b"".join(events[6:8]), events[8][:-2] + b"\n", b"\ndata: [DONE]\n\n"]
     tail = [role, _chunk("a") + b"\n\n", _chunk(" b") + b"\n\n", _chunk(" c")]  # the last has no blank line
-    c = each_scan == "c"
     for stream in (reads, tail):
         times = [float(i) for i in range(len(stream))]
         ref = texts_mod.stream_texts_reference(stream, times)
-        assert fast_texts.stream_texts(stream, times, c_scans=c) == ref
+        assert fast_texts.stream_texts(stream, times) == ref
         assert sum(ref.chunk_counts) == ref.chunks
     ref = texts_mod.stream_texts_reference(reads, [float(i) for i in range(len(reads))])
     assert (ref.chunk_times, ref.chunk_counts, ref.t_first_event) == ([1.0, 3.0, 6.0], [2, 2, 1], 0.0)
     ref = texts_mod.stream_texts_reference(tail, [0.0, 1.0, 2.0, 3.0])
     assert (ref.chunk_times, ref.chunk_counts) == ([1.0, 2.0, 3.0], [1, 1, 1])
+    # what the builder hands the metrics, with each scan (the reads timed 1.0 + i): between the reads that
+    # completed chunks, gaps of 2 s (in the 2.5 s bucket) and 3 s (over the last bound), or 1 s and 1 s;
+    # the chunks that came with another in one read, gaps of 0 (the first bucket)
+    def bucketed(**at: int) -> tuple[int, ...]:
+        out = [0] * (len(GAP_BOUNDS_S) + 1)
+        for bound, n in at.items():
+            out[GAP_BOUNDS_S.index(float(bound[1:].replace("_", "."))) if bound != "over" else -1] += n
+        return tuple(out)
+
+    for stream, want in ((reads, StreamTiming(0.5, bucketed(b0_001=2, b2_5=1, over=1), 5.0)),
+                         (tail, StreamTiming(0.5, bucketed(b1_0=2), 2.0))):
+        b = builder(stream, False, each_scan)
+        b._build(None, fast=True)
+        fast = b.timing
+        b._build(None, fast=False)
+        assert fast == b.timing == want
+
+
+@st.composite
+def timed_stream(draw):
+    """The common stream shape, as the per-chunk metrics time it: a role chunk, content chunks (some
+    empty: no text, inside template runs too), reasoning chunks (read one by one), a finish chunk, and
+    either ``[DONE]`` or a tail event not ended by a blank line; cut into reads at random points (empty
+    reads too), read at nondecreasing times: repeated, at the buckets' bounds apart, or anything."""
+    reasoning = b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}\n\n'
+    events = [b"data: " + (HEAD + '{"index":0,"delta":{"role":"assistant","content":""}}]}').encode() + b"\n\n"]
+    for i in range(draw(st.integers(0, 60))):
+        kind = draw(st.integers(0, 9))
+        events.append(reasoning if kind == 0 else _chunk("" if kind == 1 else f" w{i}") + b"\n\n")
+    events.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
+    if draw(st.booleans()):
+        events.append(b"data: [DONE]\n\n")
+    else:
+        events.append(_chunk(" tail"))  # dispatched at the end of the stream, timed by the last read
+    data = b"".join(events)
+    reads = split(data, draw(st.lists(st.integers(0, len(data)), max_size=40)), empty_reads=True)
+    steps = draw(st.lists(st.one_of(st.sampled_from([0.0, 0.0, *GAP_BOUNDS_S]), st.floats(0.0, 5.0)),
+                          min_size=len(reads), max_size=len(reads)))
+    times = list(accumulate(steps, initial=draw(st.sampled_from([1.0, 1.0001, 1234.5678]))))[1:]
+    return reads, times
+
+
+# each_scan only names the scans (nothing in it to reset between examples)
+@settings(max_examples=examples(300), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(stream_times=timed_stream())
+def test_the_gaps_the_metrics_get_equal_the_reference_s(each_scan, stream_times):
+    """What a streamed turn hands the per-chunk metrics (``StreamTiming``: the gaps bucketed, their sum),
+    read with the scans of Config ``scan`` (in C: counted and bucketed by ``_scanc.chunk_gaps``), is
+    exactly what the reference parse's chunk times bucketed by ``gap_buckets`` give."""
+    reads, times = stream_times
+    b = builder(reads, False, each_scan, times)
+    b._build(None, fast=True)
+    fast = b.timing
+    b._build(None, fast=False)
+    assert fast == b.timing
+    texts = texts_mod.stream_texts_reference(reads, times)
+    assert sum(fast.gap_counts or ()) == max(texts.chunks - 1, 0)

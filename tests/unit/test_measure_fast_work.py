@@ -44,7 +44,7 @@ class _Watch:
 
             class _Recorded:
                 join_frames = staticmethod(scanc.join_frames)
-                event_ends = staticmethod(scanc.event_ends)
+                chunk_gaps = staticmethod(scanc.chunk_gaps)
 
                 @staticmethod
                 def template_run(*args):

@@ -4,14 +4,16 @@ The streams it reads are checked against the reference in test_measure_fast.py (
 says ``each_scan`` runs with the C scans and without) and the join against the state machine in
 test_chunked.py. Here: that CI builds it; that ``template_run`` takes exactly the content strings
 orjson reads (the reference parses each event with orjson), reading them as orjson does; that
-``event_ends`` counts per read the blank lines bytes.count finds; and that
+``chunk_gaps`` counts and buckets what the Python chunk clock does; and that
 whether the C scans or the Python ones read a turn is that turn's setting, from its proxy's Config
 (``scan``), not the process's.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from itertools import accumulate
 
 import aiohttp
 import orjson
@@ -23,6 +25,8 @@ from budget import examples
 from measurekit import builder
 from specproxy.app.fake_upstream import Script
 from specproxy.measure import chunk_templates, fast_texts
+from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, gap_buckets
+from specproxy.measure.texts import Texts
 
 _scanc = fast_texts._scanc
 pytestmark = pytest.mark.skipif(_scanc is None, reason="specproxy.frames._scanc is not built")
@@ -196,19 +200,49 @@ def test_two_proxies_in_one_process_scan_as_their_own_configs_say(make_stack, tm
     assert [_turn_through(s, counts) for s in (c_stack, python_stack, c_stack)] == ["c", "python", "c"]
 
 
+@st.composite
+def clocked(draw):
+    """Events ended by blank lines (some without text: ``skip`` names the read holding their second LF),
+    maybe a tail event after them, cut into reads (empty ones too), at nondecreasing times: repeated,
+    the buckets' bounds apart (from 0.0, exactly), or anything."""
+    events = draw(st.lists(st.tuples(st.sampled_from([b"data: x", b"a", b"data: {}"]), st.booleans()), max_size=30))
+    tail = draw(st.sampled_from([b"", b"data: t"]))
+    buf = b"".join(body + b"\n\n" for body, _ in events) + tail
+    cum = sorted(min(c, len(buf)) for c in draw(st.lists(st.integers(0, len(buf)), max_size=12))) + [len(buf)]
+    skip, end = [], 0
+    for body, text in events:
+        end += len(body) + 2
+        if not text:
+            skip.append(next(r for r, c in enumerate(cum) if c >= end))
+    steps = draw(st.lists(st.one_of(st.sampled_from([0.0, 0.0, *GAP_BOUNDS_S]), st.floats(0.0, 5.0)),
+                          min_size=len(cum), max_size=len(cum)))
+    times = list(accumulate(steps, initial=draw(st.sampled_from([0.0, 1.0, 1234.5678]))))[1:]
+    return buf, cum, times, skip, bool(tail) and draw(st.booleans())
+
+
 @settings(max_examples=examples(300), deadline=None)
-@given(buf=st.lists(st.sampled_from([b"\n", b"a", b"\n\n", b"data: x"]), max_size=40).map(b"".join),
-       cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_event_ends_counts_each_blank_line_in_the_read_holding_its_second_lf(buf, cuts):
-    """Per read, the LF LF pairs bytes.count finds (without overlap, from the start) whose second LF the
-    read holds: empty reads and pairs cut between two reads included."""
-    cum = sorted({min(c, len(buf)) for c in cuts} | {len(buf)})
-    pairs, i = [], buf.find(b"\n\n")
-    while i >= 0:
-        pairs.append(i + 1)
-        i = buf.find(b"\n\n", i + 2)
-    want = [sum(1 for p in pairs if (cum[r - 1] if r else 0) <= p < cum[r]) for r in range(len(cum))]
-    assert _scanc.event_ends(buf, cum) == want
-    assert _scanc.event_ends(buf, [0, *cum]) == [0, *want]  # an empty first read
+@given(case=clocked())
+def test_chunk_gaps_equal_the_python_chunk_clock_bucketed(case):
+    """``chunk_gaps``: the chunks each read completed (blank lines ended in it, less ``skip``, plus the
+    tail) and their gaps bucketed, exactly as ``fast_texts._chunk_clock`` then ``gap_buckets`` give them."""
+    buf, cum, times, skip, tail_text = case
+    ref = Texts()
+    fast_texts._chunk_clock(ref, buf, cum, times, skip, tail_text)
+    assert _scanc.chunk_gaps(buf, cum, times, skip, tail_text, GAP_BOUNDS_S) == gap_buckets(
+        ref.chunk_times, ref.chunk_counts)
+
+
+def test_chunk_gaps_put_a_gap_equal_to_a_bound_in_its_bucket():
+    """``le``: a gap equal to a bound is in its bucket, one a hair above it in the next; fewer than two
+    chunks have no gaps; a read that ended no event cannot have one without text."""
+    buf, cum = b"a\n\nb\n\n", [3, 6]
+    for i, bound in enumerate(GAP_BOUNDS_S):
+        for gap, bucket in ((bound, i), (math.nextafter(bound, 9.0), i + 1)):
+            counts, total = _scanc.chunk_gaps(buf, cum, [0.0, gap], [], False, GAP_BOUNDS_S)
+            assert (counts.index(1), sum(counts), total) == (bucket, 1, gap)
+    assert _scanc.chunk_gaps(buf, cum, [0.0, 1.0], [1], False, GAP_BOUNDS_S) is None
+    assert _scanc.chunk_gaps(buf + b"data: t", [3, 6, 13], [0.0, 0.0, 0.0], [0, 1], True, GAP_BOUNDS_S) is None
     with pytest.raises(ValueError):
-        _scanc.event_ends(buf, [len(buf) + 1])
+        _scanc.chunk_gaps(buf, [3, 6], [0.0, 1.0], [0, 0], False, GAP_BOUNDS_S)
+    with pytest.raises(ValueError):
+        _scanc.chunk_gaps(buf, [len(buf) + 1], [0.0], [], False, GAP_BOUNDS_S)
