@@ -29,7 +29,7 @@ from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
 from specproxy.analyze.stats import summarize
 
-__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask"]
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask", "why_empty"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
 WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -244,7 +244,7 @@ def _utc(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _empty(r: dict[str, Any]) -> str:
+def why_empty(r: dict[str, Any]) -> str:
     """Why there is nothing to report: an empty database, or a window that selects none of its turns."""
     db = r.get("database_turns")
     if not db or not db["n"]:
@@ -276,7 +276,7 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append(f"other paths: {r['unmeasured']} requests forwarded and recorded without figures "
                      "(not measured, not in any figure below)")
     if not r["turns"]:  # no tokenizer line: with no turns there is nothing to say which tokenizer counted
-        lines.append(_empty(r))
+        lines.append(why_empty(r))
         return "\n".join(lines) + "\n"
     tok = ", ".join(r["tokenizers"]) or "none (token counts missing: start serve with --tokenizer)"
     lines.append(f"tokenizer: {tok}" + (f"; labels: {', '.join(r['labels'])}" if r["labels"] else ""))

@@ -76,6 +76,18 @@ CONFIG_ONLY: dict[str, str] = {
 }
 
 
+def _pages_line(cfg: Config, url: str) -> str:
+    """Where the live page and specproxy's own metrics are, and what opening them takes."""
+    from specproxy.serve.admin import is_loopback
+
+    pages = f"live page {url}/_specproxy/, Prometheus {url}/_specproxy/metrics"
+    if cfg.admin_token is not None:
+        return f"{pages} (admin_token needed)"
+    if not is_loopback(cfg.host):
+        return "live page and Prometheus metrics closed (listening beyond loopback: set admin_token to open them)"
+    return pages
+
+
 @main.command()
 @click.option("--upstream", "upstream",
               help="Base URL of the inference server, e.g. http://127.0.0.1:8000 "
@@ -165,8 +177,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; "
             f"cadence poll {poll}; measuring scans {scans}\n"
-            f"point your client's base URL at {svc.url}/v1; live page {svc.url}/_specproxy/, Prometheus "
-            f"{svc.url}/_specproxy/metrics{' (admin_token needed)' if cfg.admin_token else ''}; Ctrl-C to stop",
+            f"point your client's base URL at {svc.url}/v1; {_pages_line(cfg, svc.url)}; Ctrl-C to stop",
             err=True,
         )
 

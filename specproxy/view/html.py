@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from specproxy.analyze.report import why_empty
+
 __all__ = ["document", "fragment"]
 
 W, H = 560, 170  # a chart's size; margins inside it
@@ -264,8 +266,9 @@ def _speedup(curve: dict[str, Any], w: dict[str, Any]) -> str:
     on_scale = finite and ceiling < 2 * points[-1][1]
     top = max(max(v for _, v in points), ceiling if on_scale else 0) * 1.08
     x0, x1 = points[0][0], points[-1][0]
+    d1 = min(x1, top)  # the diagonal (whole turns as fast as the engine) ends where it leaves the chart
     body = (_polyline(points, x0, x1, top, DECODE_COLOR, cls="curve") + _dots(points, x0, x1, top, DECODE_COLOR, "curve")
-            + _polyline([(x0, x0), (x1, x1)], x0, x1, top, "#ccc", "2 3", cls="diagonal"))
+            + (_polyline([(x0, x0), (d1, d1)], x0, x1, top, "#ccc", "2 3", cls="diagonal") if d1 > x0 else ""))
     if finite:
         # on scale: labelled above its line at the right, clear of the curve that nears it there; off scale:
         # a line along the top, labelled below it at the left, where the curve starts low
@@ -316,7 +319,7 @@ def fragment(snap: dict[str, Any]) -> str:
     """The content of the page: what each live event replaces."""
     r, p = snap["report"], snap["pictures"]
     if not r["turns"]:
-        return _header(r) + '<p class="muted">no turns in this window yet: point a client at the proxy\'s /v1</p>'
+        return _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
     return (_header(r) + _figures(r) + _turns(snap["recent"])
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'

@@ -346,6 +346,10 @@ def test_the_html_report_of_a_window_opens_offline_with_the_same_figures(make_st
                    timeout=60, check=True)
     report = _report_json(db, *window)
     rows = _rows(db, since, label="arm")
+    empty = tmp_path / "empty.html"  # a window with no turns says why, as the text report does
+    subprocess.run([SPECPROXY, "report", "--db", db, "--html", str(empty), "--no-cache", "--label", "no-such-arm"],
+                   capture_output=True, timeout=60, check=True)
+    assert "no turns in this window (label no-such-arm); the database holds " in empty.read_text()
     assert report["turns"] == len(rows) == n
     conn = connect(db, readonly=True)  # before the browser: its event loop runs in this thread
     try:

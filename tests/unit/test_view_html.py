@@ -67,3 +67,13 @@ def turns(rows: list[dict]) -> Turns:
     default = {"streamed": 1.0, "t_wall": 0.0}
     num = {k: np.array([float(r.get(k, default.get(k, np.nan))) for r in rows]) for k in NUMERIC}
     return Turns(num, {"outcome": np.array(["ok"] * len(rows), dtype=object)})
+
+
+def test_the_diagonal_stays_inside_the_speedup_chart():
+    """Engine speedups on x reach 3x while what users feel stays near 1.5x: the y = x reference line
+    ends where it leaves the chart instead of running through the title."""
+    svg = html._speedup({"points": [(1.25, 1.1), (1.5, 1.2), (2.0, 1.35), (3.0, 1.55)], "max_speedup": 2.2},
+                        {"speedups": {}, "max_speedup": 2.2, "ttft_share": 0.45})
+    (pts,) = re.findall(r'<polyline class="diagonal" points="([^"]+)"', svg)
+    ys = [float(p.split(",")[1]) for p in pts.split()]
+    assert min(ys) >= html.MT - 0.01  # no higher than the plot's top
