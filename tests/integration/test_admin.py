@@ -155,6 +155,46 @@ def test_who_may_read_without_a_token():
     assert not allowed("127.0.0.1", "127.0.0.1", TOKEN, None)  # a configured token is needed by everyone
 
 
+def test_a_costly_picture_spaces_out_the_next_one(monkeypatch):
+    """The page's drawing waits after a picture in proportion to what it cost, so under heavy traffic it
+    stays within RENDER_SHARE of a core: drive Admin's own rendering with a picture of known CPU cost."""
+    import asyncio
+
+    from specproxy.config import Config
+    from specproxy.serve import admin
+
+    clock = [1000.0]
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:  # the waiting the rule asks for, taken on a clock the test moves
+        slept.append(s)
+        clock[0] += s
+
+    class Pages:
+        drawn = 0
+
+        def fragment(self) -> str:
+            self.drawn += 1
+            return f"picture {self.drawn}"
+
+    monkeypatch.setattr(admin.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(admin.asyncio, "sleep", sleep)
+    monkeypatch.setattr(admin, "_timed", lambda f: (f(), 0.05))  # each picture costs 50 ms of CPU
+    version = [0]
+    page = admin.Admin(Config(), None, lambda: version[0], Pages())  # type: ignore[arg-type]
+
+    async def two_pictures():
+        first = await page._picture_for(version[0])
+        version[0] += 1  # the store committed something: a new picture is due
+        second = await page._picture_for(version[0])
+        return first, second
+
+    first, second = asyncio.run(two_pictures())
+    assert first[1] == "picture 1" and second[1] == "picture 2"
+    assert slept == [pytest.approx(0.05 / admin.RENDER_SHARE)]  # 10 s between two 50 ms pictures
+    assert 0.05 / slept[0] <= admin.RENDER_SHARE + 1e-9
+
+
 def test_drawing_the_page_never_takes_more_than_its_share_of_a_core():
     """Under heavy traffic the page's 15-minute window holds many turns; a picture that takes longer to
     draw spaces the next one out, so drawing stays at most RENDER_SHARE of one core."""
