@@ -218,20 +218,20 @@ def render_bench(s: dict[str, Any]) -> str:
                      + (f"; phase probe: {phase}" if phase else ""))
         if phase == "prefill":  # max_tokens 1: no decode to speak of, so no decode or throughput column
             lines.append(f"  {'concurrency':>11} {'prompt tok':>10} {'turns':>6} {'errors':>6}  "
-                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}  intervals over")
+                         f"{'TTFT s [95% CI]':>26}  {'prefill tok/s [95% CI]':>28}  intervals over")
         else:
             lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
-                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  intervals over")
+                         f"{'TTFT s [95% CI]':>26}  {'aggregate tok/s [95% CI]':>26}  intervals over")
         for lv in arm["levels"]:
             agg, errors_n = lv.get("aggregate_tps"), sum(lv["errors"].values())
             if phase == "prefill":
                 pt = lv["prompt_tokens"]["median"]
                 lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "
-                             f"{errors_n:>6}  {_ci(lv['ttft_s'], _sig3):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}  "
+                             f"{errors_n:>6}  {_ci(lv['ttft_s'], _sig3):>26}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}  "
                              f"{_over(lv)}")
             else:
                 lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
-                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], _sig3):>24}  "
+                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], _sig3):>26}  "
                              f"{_agg(agg):>26}  {_over(lv)}")
         errors = defaultdict(int)
         for lv in arm["levels"]:
