@@ -189,7 +189,9 @@ def _ci(s: dict[str, Any], fmt) -> str:
 def _over(lv: dict[str, Any]) -> str:
     """What the intervals are over: one unit when per-stream and aggregate agree, else each's."""
     agg, ps = lv.get("aggregate_tps"), lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
-    per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1]) + (f" ({ps['note']})" if ps.get("note") else "")
+    per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1])
+    if ps.get("note"):  # why over turns when there were rounds
+        per_stream += f" ({ps['note']})"
     if agg is None:  # a prefill probe: no aggregate
         return per_stream
     aggregate = plural(agg["n"], agg["unit"][:-1])
