@@ -4,17 +4,21 @@ Why apart from the report: ``specproxy report`` reads the operating point a turn
 a benchmark set it, and ran each operating point in rounds (repeats, on one or several server
 instances). So here the unit of the aggregate is the round: delivered tokens over the round's span
 (first request to last byte, on the proxy's clock), one value per round, and its interval is over
-rounds, or over server instances (each instance's mean) when the arm ran in several, because
-restart-to-restart variation is what a second instance would show. Per-stream figures are medians
-over every completed streamed turn of the level; their interval is over the same unit (instances,
-else rounds: compare's clustered rule, since turns of one instance or round share its offset and
-pooling them would leave that variance out), and over turns (the median's order-statistic interval)
-only for a level that ran in one round.
+rounds, or over server instances (each instance's mean) when the arm ran in several. The two units
+catch different variance: instances catch restart-to-restart variation (what a second start of the
+same server would show); rounds of one instance catch only run-to-run drift within that instance, so
+with one instance the output says restart variance is not in its intervals. Per-stream figures are
+medians over every completed streamed turn of the level; their interval is over the same unit
+(instances, else rounds: compare's clustered rule, since turns of one instance or round share its
+offset and pooling them would leave that variance out), and over turns (the median's order-statistic
+interval) for a level that ran in fewer than ``MIN_ROUNDS`` rounds of one instance: a t interval on
+one degree of freedom is too wide to read.
 Turns are the proxy's own Records: every figure was decided where it is for proxied traffic.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +29,13 @@ import numpy as np
 from specproxy.analyze.stats import mean_ci, plural, summarize, summarize_clustered
 from specproxy.record import Record
 
-__all__ = ["Round", "render_bench", "summarize_bench"]
+__all__ = ["MIN_ROUNDS", "ONE_INSTANCE_NOTE", "Round", "render_bench", "summarize_bench"]
+
+# Fewer rounds of one instance than this: per-stream intervals over turns. Over 2 rounds the t quantile
+# (1 df) is 12.7, so the interval spans a factor of several even when the rounds agree closely.
+MIN_ROUNDS = 3
+ONE_INSTANCE_NOTE = ("one server instance: restart-to-restart variance is not in these intervals; use --restart-cmd "
+                     "with --instances K")
 
 
 @dataclass
@@ -71,7 +81,7 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
     streamed = [r for r in ok if r.streamed]
     # per-stream figures: the interval over the same unit as the aggregate's, when there are several
     instances = {rnd.instance for rnd in rounds}
-    per_unit = "instances" if len(instances) > 1 else "rounds" if len(rounds) > 1 else "turns"
+    per_unit = "instances" if len(instances) > 1 else "rounds" if len(rounds) >= MIN_ROUNDS else "turns"
     cluster_of = {id(r): (rnd.instance if per_unit == "instances" else i)
                   for i, rnd in enumerate(rounds) for r in rnd.records}
 
@@ -82,7 +92,10 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
         else:
             out = summarize_clustered(values, [cluster_of[id(r)] for r in recs]).to_dict()
         units = len({cluster_of[id(r)] for r, v in zip(recs, values) if v is not None and v == v})
-        return {**out, "unit": per_unit, "n_units": out["n"] if per_unit == "turns" else units}
+        out = {**out, "unit": per_unit, "n_units": out["n"] if per_unit == "turns" else units}
+        if per_unit == "turns" and len(rounds) > 1:
+            out["note"] = f"fewer than {MIN_ROUNDS} rounds"  # said in the table, beside "N turns"
+        return out
     by_instance: dict[int, list[float]] = defaultdict(list)
     for rnd in rounds:
         value = round_aggregate(rnd)
@@ -149,20 +162,36 @@ def summarize_bench(rounds: Sequence[Round], *, phase: str | None = None, warmup
         if phase == "prefill" and (warning := _prefill_warning(out["arms"][-1]["levels"])):
             warnings.append(f"arm {arm}: {warning}" if len(arms) > 1 else warning)
     out["warnings"] = warnings
+    # rounds of one instance share its start: an interval over them has no restart in it
+    single = any(arm["instances"] == 1 for arm in out["arms"])
+    out["restart_variance_note"] = (ONE_INSTANCE_NOTE.replace("instance:", "instance per arm:", 1)
+                                    if single and len(arms) > 1 else ONE_INSTANCE_NOTE if single else None)
     return out
 
 
-def _ci(s: dict[str, Any], fmt: str) -> str:
+def _sig3(v: float) -> str:
+    """Three significant digits, never fewer decimals than that needs: a TTFT bound of 0.0004 s must not
+    print as 0.000, which reads as a measured zero."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:.3f}"
+    return f"{v:.{max(0, 2 - math.floor(math.log10(abs(v))))}f}"
+
+
+def _ci(s: dict[str, Any], fmt) -> str:
+    """Median [low, high]; ``fmt`` a format string or a function of the value."""
     if s.get("median") is None:
         return "-"
-    ci = (f" [{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]" if s.get("ci_low") is not None else "")
-    return fmt.format(s["median"]) + ci
+    f = fmt.format if isinstance(fmt, str) else fmt
+    ci = f" [{f(s['ci_low'])}, {f(s['ci_high'])}]" if s.get("ci_low") is not None else ""
+    return f(s["median"]) + ci
 
 
 def _over(lv: dict[str, Any]) -> str:
     """What the intervals are over: one unit when per-stream and aggregate agree, else each's."""
     agg, ps = lv.get("aggregate_tps"), lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
     per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1])
+    if ps.get("note"):  # why over turns when there were rounds
+        per_stream += f" ({ps['note']})"
     if agg is None:  # a prefill probe: no aggregate
         return per_stream
     aggregate = plural(agg["n"], agg["unit"][:-1])
@@ -191,20 +220,20 @@ def render_bench(s: dict[str, Any]) -> str:
                      + (f"; phase probe: {phase}" if phase else ""))
         if phase == "prefill":  # max_tokens 1: no decode to speak of, so no decode or throughput column
             lines.append(f"  {'concurrency':>11} {'prompt tok':>10} {'turns':>6} {'errors':>6}  "
-                         f"{'TTFT s [95% CI]':>24}  {'prefill tok/s [95% CI]':>28}  intervals over")
+                         f"{'TTFT s [95% CI]':>26}  {'prefill tok/s [95% CI]':>28}  intervals over")
         else:
             lines.append(f"  {'concurrency':>11} {'turns':>6} {'errors':>6}  {'per-stream tok/s [95% CI]':>26}  "
-                         f"{'TTFT s [95% CI]':>24}  {'aggregate tok/s [95% CI]':>26}  intervals over")
+                         f"{'TTFT s [95% CI]':>26}  {'aggregate tok/s [95% CI]':>26}  intervals over")
         for lv in arm["levels"]:
             agg, errors_n = lv.get("aggregate_tps"), sum(lv["errors"].values())
             if phase == "prefill":
                 pt = lv["prompt_tokens"]["median"]
                 lines.append(f"  {lv['level']:>11} {'-' if pt is None else f'{pt:.0f}':>10} {lv['turns']:>6} "
-                             f"{errors_n:>6}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}  "
+                             f"{errors_n:>6}  {_ci(lv['ttft_s'], _sig3):>26}  {_ci(lv['prefill_tps'], '{:.0f}'):>28}  "
                              f"{_over(lv)}")
             else:
                 lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
-                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], '{:.3f}'):>24}  "
+                             f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], _sig3):>26}  "
                              f"{_agg(agg):>26}  {_over(lv)}")
         errors = defaultdict(int)
         for lv in arm["levels"]:
@@ -217,7 +246,9 @@ def render_bench(s: dict[str, Any]) -> str:
         lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
                      "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
                      "instances; each interval is over the server instances when there are several, else over "
-                     "the rounds (per-stream: over turns for a single round), as the last column says")
+                     f"the rounds (per-stream: over turns below {MIN_ROUNDS} rounds), as the last column says")
+    if s.get("restart_variance_note"):
+        lines.append(f"  {s['restart_variance_note']}")
     if s.get("tokenizer") is False:
         lines.append("  no tokenizer: tokens were not counted, so tok/s are '-' (bench --tokenizer hf:DIR counts "
                      "them); TTFT, times and errors are measured")

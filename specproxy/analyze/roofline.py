@@ -20,7 +20,27 @@ from typing import Any
 
 from specproxy.errors import ConfigError
 
-__all__ = ["render_roofline", "roofline"]
+__all__ = ["no_decode_speed", "render_roofline", "roofline"]
+
+
+def no_decode_speed(report: dict[str, Any], db: str, label: str | None) -> str:
+    """Why ``report`` (a ``specproxy report`` of the selected turns) has no per-stream decode speed to put
+    beside the ceiling, in one line: the first thing missing, of turns, completed streamed ones, their
+    token counts (a tokenizer) and a decode time (more than one token)."""
+    which = f" labelled {label}" if label else ""
+    if not report["turns"]:
+        held = (report.get("database_turns") or {}).get("n")
+        return (f"{db}: no turns{which}" + (f" (it holds {held} turns in all)" if label and held else "")
+                + ": nothing measured to put beside the ceiling (bench or serve records turns there)")
+    streamed = report["completed_turns"]["streamed"]
+    if not streamed:
+        return (f"{db}: {report['turns']} turns{which}, none a completed streamed one: a decode speed needs a "
+                "streamed answer")
+    if not report["user"]["completion_tokens"]["n"]:
+        return (f"{db}: {streamed} streamed turns{which}, none with a token count: they were measured without a "
+                "tokenizer (give bench or serve --tokenizer)")
+    return (f"{db}: {streamed} streamed turns{which}, none with a decode speed: each delivered its answer in one "
+            "read (one token, as a prefill probe's, has no decode time)")
 
 
 def roofline(active_params: float, bits: float, bandwidth_gbs: float, *, mal: float | None = None,

@@ -169,8 +169,10 @@ def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, fl
 def summarize_clustered(values: Iterable[Any], clusters: Sequence[Any], *, seed: int = 0,
                         level: float = 0.95) -> Summary:
     """``summarize``, but the interval of the median is over clusters (server instances, or a benchmark's
-    rounds), not over values: values of one cluster share its offset (a restart's), so pooling them
-    as independent gives an interval that leaves out the cluster-to-cluster variance.
+    rounds), not over values: values of one cluster share its offset (an instance's from its start, a
+    round's from drift within an instance), so pooling them as independent gives an interval that leaves
+    out the cluster-to-cluster variance. Which variance that is depends on the clusters: instances carry
+    restart-to-restart variation, rounds of one instance only run-to-run drift.
 
     compare's rule for an arm in several instances (``bootstrap_ratio``): the variance of the log pooled
     median when whole clusters are resampled, times k/(k-1), and Student t with k - 1 df; the interval is

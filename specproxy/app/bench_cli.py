@@ -247,16 +247,20 @@ def register(group: click.Group, *, friendly, db_option) -> None:
     @click.option("--bandwidth-gbs", type=float, required=True, help="Memory bandwidth in GB/s (e.g. 273)")
     @click.option("--mal", type=float, default=None,
                   help="Mean acceptance length (tokens per forward pass) [default: from --db's counters, else 1]")
-    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling")
+    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling [default: none, "
+                                             "the ceiling alone]")
     @click.option("--label", default=None, help="Only turns with this label (with --db)")
     @click.option("--json", "as_json", is_flag=True, help="Print as JSON")
     @friendly
     def roofline(active_params: float, bits: float, bandwidth_gbs: float, mal: float | None, db: str | None,
                  label: str | None, as_json: bool) -> None:
         """The bandwidth ceiling of decoding: bytes per forward pass, passes/s and tokens/s at most."""
-        from specproxy.analyze.roofline import render_roofline
+        from specproxy.analyze.roofline import no_decode_speed, render_roofline
         from specproxy.analyze.roofline import roofline as ceiling
 
+        if label is not None and db is None:  # roofline reads a database only when told which
+            raise ConfigError("--label selects the measured turns of --db: give --db too (without it, roofline "
+                              "gives the ceiling alone)")
         measured_fps = measured_tps = used = mal_source = None
         levels: list[dict[str, Any]] = []
         if mal is not None:
@@ -268,8 +272,7 @@ def register(group: click.Group, *, friendly, db_option) -> None:
                                   "--label to measure one of them")
             measured_tps = report["user"]["decode_tps"]["median"]
             if measured_tps is None:
-                raise ConfigError(f"{db}: no streamed turns with a decode speed{f' labelled {label}' if label else ''} "
-                                  "(a tokenizer is needed to count tokens)")
+                raise ConfigError(no_decode_speed(report, db, label))
             if mal is None:
                 window = (report.get("server") or {}).get("window") or {}
                 mal = window.get("mal")

@@ -20,6 +20,7 @@ import itertools
 import random
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -103,7 +104,11 @@ class Sent:
     body: bytearray = field(default_factory=bytearray)
     write_times: list[float] = field(default_factory=list)
     request_headers: dict[str, str] = field(default_factory=dict)
+    #: the request body as read (a gzip or deflate one inflated, as a server reads it)
     request_body: bytes = b""
+    #: the request body's bytes as they arrived, before any decoding: what a test of byte-for-byte
+    #: forwarding compares
+    raw_request_body: bytes = b""
     path: str = ""
 
 
@@ -146,7 +151,8 @@ class FakeUpstream:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # bodies read as they arrived (``_handle`` inflates them itself), so the raw bytes can be recorded
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
@@ -210,8 +216,10 @@ class FakeUpstream:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if not request.path.endswith("completions") and shape_for(request.path, self.model) is None:
             return web.json_response({"error": {"message": f"no route {request.path}"}}, status=404)
-        body = await request.read()
-        sent = Sent(t_received=clock(), request_headers=dict(request.headers), request_body=body, path=request.path)
+        raw = await request.read()
+        body = _inflated(raw, request.headers.get("Content-Encoding", ""))
+        sent = Sent(t_received=clock(), request_headers=dict(request.headers), request_body=body,
+                    raw_request_body=raw, path=request.path)
         self.sent.append(sent)
         try:
             req = orjson.loads(body) if body else {}
@@ -398,6 +406,17 @@ class FakeUpstream:
             self.counters["drafts"] += 1
             self.counters["draft_tokens"] += script.drafts_per_chunk
             self.counters["accepted"] += min(tokens - 1, script.drafts_per_chunk)
+
+
+def _inflated(raw: bytes, encoding: str) -> bytes:
+    """A gzip or deflate (zlib) body inflated; any other body as it is. A body that does not inflate is
+    kept as sent: the fake answers it as JSON it cannot parse, as a server would refuse it."""
+    if encoding.strip().lower() not in ("gzip", "x-gzip", "deflate") or not raw:
+        return raw
+    try:
+        return zlib.decompress(raw, zlib.MAX_WBITS | 32)  # a gzip or zlib header, either
+    except zlib.error:
+        return raw
 
 
 def _utf8_cut(data: bytes) -> int:

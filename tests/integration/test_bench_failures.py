@@ -199,14 +199,37 @@ def test_a_server_that_goes_away_mid_round_ends_the_round(tmp_path, upstream_thr
     assert "bench arm gone:" in proc.stdout  # and summarised
 
 
-def test_without_a_tokenizer_bench_says_what_is_missing(tmp_path, upstream_thread):
+def test_without_a_tokenizer_bench_and_roofline_say_what_is_missing(tmp_path, upstream_thread):
     up = upstream_thread()
-    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(tmp_path / "n.db"),
+    db = tmp_path / "n.db"
+    proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
                      "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "no --tokenizer" in line]
     assert len(lines) == 1 and "tok/s show '-'" in lines[0] and "TTFT" in lines[0], proc.stderr
     assert "no tokenizer: tokens were not counted" in proc.stdout
+    # roofline on those turns: what is missing is their token counts; on another label, the turns themselves
+    roofline = ("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273", "--db", str(db))
+    one_line_error(specproxy(*roofline), "streamed turns", "none with a token count", "without a tokenizer")
+    held = json.loads(specproxy("report", "--db", str(db), "--json").stdout)["turns"]
+    error = one_line_error(specproxy(*roofline, "--label", "other"), "no turns labelled other",
+                           f"(it holds {held} turns in all)")
+    assert held and "tokenizer" not in error.replace(str(db), "DB")
+
+
+def test_roofline_says_what_is_missing_for_the_measured_figure(tmp_path):
+    """A database with no turns gets "no turns", not a tokenizer it may well have had; --label without
+    --db (which roofline reads only when given) is refused rather than ignored."""
+    from specproxy.store.db import open_store
+
+    db = tmp_path / "empty.db"
+    open_store(db).close()
+    args = ("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273")
+    error = one_line_error(specproxy(*args, "--db", str(db)), f"{db}: no turns", "nothing measured")
+    assert "tokenizer" not in error.replace(str(db), "DB")
+    one_line_error(specproxy(*args, "--label", "spec"), "--label", "give --db")
+    proc = specproxy(*args)  # the ceiling alone, as before
+    assert proc.returncode == 0 and "at most 68.2 forward passes/s" in proc.stdout, proc.stderr
 
 
 def test_a_server_that_errors_is_one_line(tmp_path, upstream_thread):
