@@ -20,12 +20,12 @@ template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonem
     bytes with blank lines, their bodies' text joined, how many had text, and the bytes up to the end
     of the last that had. It stops before the first event that is not one; the caller reads that one.
 
-chunk_gaps(buf, cum, times, skip, tail_text, bounds) -> ((count per bucket, ...), gap_sum) | None
-    When a stream's text-carrying chunks arrived, bucketed, with no object per chunk: per read (read i
-    holds buf[cum[i-1]:cum[i]], timed times[i]) the blank lines that end in it (LF LF pairs, counted
-    without overlap from the start, as bytes.count, each in the read holding its second LF: in a stream
-    the fast parse reads, each ends one event), less one per entry of skip (a read that ended an event
-    with no text), plus one in the last read when tail_text (the tail event carried text). The gaps
+chunk_gaps(buf, cum, times, skip, tail_chunk, bounds) -> ((count per bucket, ...), gap_sum) | None
+    When a stream's chunks (events with data) arrived, bucketed, with no object per chunk: per read
+    (read i holds buf[cum[i-1]:cum[i]], timed times[i]) the blank lines that end in it (LF LF pairs,
+    counted without overlap from the start, as bytes.count, each in the read holding its second LF: in
+    a stream the fast parse reads, each ends one event), less one per entry of skip (a read that ended
+    an event with no data), plus one in the last read when tail_chunk (the tail event had data). The gaps
     between consecutive reads that completed chunks are counted per bucket of bounds (bisect_left: a
     gap equal to a bound is in its bucket; the last count is over the last bound), a read's further
     chunks as gaps of 0; gap_sum is the last such read's time less the first's. None with fewer than
@@ -330,14 +330,14 @@ chunk_gaps(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 6 || !PyBytes_CheckExact(args[0]) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])
         || !PyList_CheckExact(args[3]) || !PyTuple_CheckExact(args[5])) {
         PyErr_SetString(PyExc_TypeError,
-                        "chunk_gaps(buf, cum, times, skip, tail_text, bounds): bytes, list, list, list, bool, tuple");
+                        "chunk_gaps(buf, cum, times, skip, tail_chunk, bounds): bytes, list, list, list, bool, tuple");
         return NULL;
     }
     const char *buf = PyBytes_AS_STRING(args[0]);
     Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
     PyObject *cum = args[1], *times = args[2], *skip = args[3];
-    int tail_text = PyObject_IsTrue(args[4]);
-    if (tail_text < 0)
+    int tail_chunk = PyObject_IsTrue(args[4]);
+    if (tail_chunk < 0)
         return NULL;
     Py_ssize_t nreads = PyList_GET_SIZE(cum), nbounds = PyTuple_GET_SIZE(args[5]);
     if (PyList_GET_SIZE(times) < nreads || nbounds > MAX_BOUNDS) {
@@ -379,7 +379,7 @@ chunk_gaps(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         per_read[r] = count;
         start = end;
     }
-    /* less the events that carried no text, plus the tail when it did (timed by the last read) */
+    /* less the events that had no data, plus the tail when it had (timed by the last read) */
     for (Py_ssize_t k = 0, nskip = PyList_GET_SIZE(skip); k < nskip; k++) {
         Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(skip, k));
         if (r == -1 && PyErr_Occurred())
@@ -390,7 +390,7 @@ chunk_gaps(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         per_read[r]--;
     }
-    if (tail_text) {
+    if (tail_chunk) {
         if (nreads == 0) {
             PyErr_SetString(PyExc_ValueError, "chunk_gaps: a tail with no read");
             goto fail;
@@ -438,7 +438,7 @@ fail:
 
 static PyMethodDef module_methods[] = {
     {"chunk_gaps", (PyCFunction)(void (*)(void))chunk_gaps, METH_FASTCALL,
-     "chunk_gaps(buf, cum, times, skip, tail_text, bounds) -> ((count per bucket, ...), gap_sum) or None."},
+     "chunk_gaps(buf, cum, times, skip, tail_chunk, bounds) -> ((count per bucket, ...), gap_sum) or None."},
     {"join_frames", (PyCFunction)join_frames, METH_O,
      "join_frames(reads) -> (payload, ends, complete) or None: chunked reads, dechunked."},
     {"template_run", (PyCFunction)(void (*)(void))template_run, METH_FASTCALL,

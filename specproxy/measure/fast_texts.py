@@ -17,9 +17,9 @@ the events that make up almost all of a stream; those are read by C calls over m
   common shape nor a template's (its delta holds ``tool_calls``), so ``read_chunk`` reads every one:
   the names of the tools called (``Texts.calls``) cost nothing on the chunks that have none.
 
-* When the text-carrying chunks arrived (for the per-chunk metrics): counted per read once the events
-  are read, from the blank lines that end events in each read, less the events that carried no text;
-  no step per chunk. With the C scans one call (``_scanc.chunk_gaps``) counts them and buckets the gaps
+* When the chunks arrived (for the per-chunk metrics; a chunk is any event with data, ``[DONE]`` too):
+  counted per read once the events are read, from the blank lines that end events in each read, less
+  the events with no data (a bare ``data: ``, rare); no step per chunk. With the C scans one call (``_scanc.chunk_gaps``) counts them and buckets the gaps
   between them (``Texts.gaps``); the Python path fills ``Texts.chunk_times`` (``_chunk_clock``, numpy)
   and the builder buckets them (``chunk_gaps.gap_buckets``): the plain reference of the C call.
 
@@ -125,8 +125,6 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
                     g.chunks += nonempty
                     # (t_first is set: a template is derived from a chunk with text)
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
-                if nonempty < count:
-                    g.skip_empty(tmpl, buf, cum, pos, size)
                 i += count
                 pos += size
                 if count < width:
@@ -140,14 +138,13 @@ def _stream_texts_fast(reads: list[bytes], times: list[float], *, c_scans: bool 
         r = bisect_right(cum, pos + len(seg) + 1) if i < nevents else -1
         pos += len(seg) + 2
         i += 1
-        before = g.chunks
         if not g.event(seg, times[r] if r >= 0 else times[nreads - 1]):
             return None
-        if g.chunks == before:
+        if len(seg) == 6:  # "data: " with no data: no chunk
             if r >= 0:
                 g.skip.append(r)
         elif r < 0:
-            g.tail_text = True
+            g.tail_chunk = True
         if g.tmpl is not tmpl:
             tmpl = g.tmpl
             # the last events of a stream (finish, usage, [DONE]) end its runs
@@ -178,8 +175,6 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
                     tmpl.texts.append(text)
                     g.chunks += nonempty
                     g.t_last = times[bisect_right(cum, pos + text_size - 1)]
-                if nonempty < count:
-                    g.skip_empty(tmpl, buf, cum, pos, size)
                 pos += size
                 if count >= _PAYING_RUN:
                     g.derive = 3
@@ -195,14 +190,13 @@ def _stream_texts_c(buf: bytes, cum: list[int], times: list[float]) -> Texts | N
             pos = lf + 2
         else:  # lines that are not event, blank, event, blank, ...
             return None
-        before = g.chunks
         if not g.event(seg, times[r] if r >= 0 else times[nreads - 1]):
             return None
-        if g.chunks == before:
+        if len(seg) == 6:  # "data: " with no data: no chunk
             if r >= 0:
                 g.skip.append(r)
         elif r < 0:
-            g.tail_text = True
+            g.tail_chunk = True
     return g.texts(buf, cum, times)
 
 
@@ -211,7 +205,7 @@ class _Gather:
     joined once at the end; the common chunk shape read inline, any other by ``read_chunk``; and the
     template derived from a plain content chunk (``tmpl``, at most ``derive`` more derivations)."""
 
-    __slots__ = ("acc", "c_scans", "chunks", "cur", "cur_idx", "derive", "parts", "skip", "t_last", "tail_text",
+    __slots__ = ("acc", "c_scans", "chunks", "cur", "cur_idx", "derive", "parts", "skip", "t_last", "tail_chunk",
                  "tmpl")
 
     def __init__(self, *, c_scans: bool) -> None:
@@ -224,8 +218,8 @@ class _Gather:
         self.cur: list[str] = []
         self.tmpl: _Template | None = None
         self.derive = 3  # template derivations left, so that a shape that keeps changing is not re-derived forever
-        self.skip: list[int] = []  # the read of each event ended by a blank line that carried no text
-        self.tail_text = False  # the stream's tail (an event not ended by a blank line) carried text
+        self.skip: list[int] = []  # the read of each event ended by a blank line that had no data (no chunk)
+        self.tail_chunk = False  # the stream's tail (an event not ended by a blank line) had data: a chunk
 
     def event(self, seg: bytes, t: float) -> bool:
         """Read one event line timed ``t``; False when it is not a ``data: `` line (the reference decides)."""
@@ -300,38 +294,27 @@ class _Gather:
         _take_accounting(acc, delta)
         return True
 
-    def skip_empty(self, tmpl: _Template, buf: bytes, cum: list[int], pos: int, size: int) -> None:
-        """A template's run ``buf[pos:pos + size]`` had events with an empty body (no text): note their
-        reads, walking its events one by one (rare: a server seldom sends empty content mid-stream)."""
-        end = pos + size
-        fixed = tmpl.plen + len(tmpl.head) + tmpl.dlen + len(tmpl.closing)  # an event's bytes but its body's
-        while pos < end:
-            lf = buf.find(b"\n", pos)
-            if lf - pos == fixed:
-                self.skip.append(bisect_right(cum, lf + 1))
-            pos = lf + 2
-
     def texts(self, buf: bytes, cum: list[int], times: list[float]) -> Texts:
         out = self.acc
         out.texts = {key: "".join(lst) for key, lst in self.parts.items()}
         out.chunks = self.chunks
         out.t_last = self.t_last
-        if self.chunks:
+        if out.t_first_event is not None:  # a chunk came (an event with data)
             if self.c_scans:  # counted and bucketed in one call: the builder takes them as they are
-                out.gaps = _scanc.chunk_gaps(buf, cum, times, self.skip, self.tail_text, GAP_BOUNDS_S)
+                out.gaps = _scanc.chunk_gaps(buf, cum, times, self.skip, self.tail_chunk, GAP_BOUNDS_S)
             else:
-                _chunk_clock(out, buf, cum, times, self.skip, self.tail_text)
+                _chunk_clock(out, buf, cum, times, self.skip, self.tail_chunk)
         return out
 
 
 def _chunk_clock(acc: Texts, buf: bytes, cum: list[int], times: list[float], skip: list[int],
-                 tail_text: bool) -> None:
-    """``acc.chunk_times`` and ``chunk_counts``: how many text-carrying chunks each read completed, with no
-    Python step per chunk (the Python scans; ``_scanc.chunk_gaps`` does this and the bucketing in C).
-    In a stream the fast paths read, every event is one line ended by a blank line and no line holds a
-    raw LF, so each ``\\n\\n`` ends one event: the events ending in each read are counted, less those
-    that carried no text (``skip``), plus the tail when it carried text (timed by the last read, as the
-    SSE decoder's ``finish`` does)."""
+                 tail_chunk: bool) -> None:
+    """``acc.chunk_times`` and ``chunk_counts``: how many chunks (events with data) each read completed,
+    with no Python step per chunk (the Python scans; ``_scanc.chunk_gaps`` does this and the bucketing
+    in C). In a stream the fast paths read, every event is one line ended by a blank line and no line
+    holds a raw LF, so each ``\\n\\n`` ends one event: the events ending in each read are counted, less
+    those that had no data (``skip``: a bare ``data: ``), plus the tail when it had data (timed by the
+    last read, as the SSE decoder's ``finish`` does)."""
     nreads = len(cum)
     lf = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
     second = lf[1:][np.diff(lf) == 1]  # (no LF LF LF in such a stream: the pairs cannot overlap)
@@ -339,7 +322,7 @@ def _chunk_clock(acc: Texts, buf: bytes, cum: list[int], times: list[float], ski
                            minlength=nreads).tolist()
     for r in skip:
         per_read[r] -= 1
-    if tail_text:
+    if tail_chunk:
         per_read[nreads - 1] += 1
     chunk_times = list(compress(times[:nreads], per_read))
     if any(map(eq, chunk_times, chunk_times[1:])):  # two reads at one time: one entry, as Texts.tick keeps

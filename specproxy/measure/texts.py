@@ -37,10 +37,11 @@ class Texts:
     unreadable: str | None = None  # why the body could not be read: its figures are unknown, not zero
     calls: list[str] = field(default_factory=list)  # the distinct tools the output called, first call first
     t_first_event: float | None = None  # the first event with data (any: a role-only chunk too), streamed
-    # when the text-carrying chunks arrived: chunk_counts[i] of them completed at chunk_times[i] (times
-    # distinct and increasing; measure/chunk_gaps.py buckets their gaps), or, read with the C scans,
-    # their gaps bucketed already (``gap_buckets``' result; the lists left empty). Not compared: the
-    # paths keep them in different forms; tests compare what the builder makes of them (StreamTiming).
+    # when the stream's chunks arrived, a chunk being any event with data (the one meaning of both
+    # per-chunk metrics; measure/chunk_gaps.py): chunk_counts[i] of them completed at chunk_times[i]
+    # (times distinct and increasing; chunk_gaps buckets their gaps), or, read with the C scans, their
+    # gaps bucketed already (``gap_buckets``' result; the lists left empty). Not compared: the paths
+    # keep them in different forms; tests compare what the builder makes of them (StreamTiming).
     chunk_times: list[float] = field(default_factory=list, compare=False)
     chunk_counts: list[int] = field(default_factory=list, compare=False)
     gaps: tuple[tuple[int, ...], float] | None = field(default=None, compare=False)
@@ -53,7 +54,7 @@ class Texts:
         self.first_lens = first_lens
 
     def tick(self, t: float, n: int = 1) -> None:
-        """``n`` text-carrying chunks completed by the read timed ``t`` (the one rule for every path)."""
+        """``n`` events with data completed by the read timed ``t`` (the one rule for every path)."""
         times = self.chunk_times
         if times and times[-1] == t:
             self.chunk_counts[-1] += n
@@ -67,7 +68,6 @@ class Texts:
         for key, text in delta_texts.items():
             self.texts[key] = self.texts.get(key, "") + text
         self.chunks += 1
-        self.tick(t)
         if self.t_first is None:
             self.first_text(t, {k: len(v) for k, v in self.texts.items()})
         self.t_last = t
@@ -83,19 +83,21 @@ def stream_texts_reference(reads: list[bytes], times: list[float], read=read_chu
     events.extend(decoder.finish())
     for ev in events:
         data = ev.data
-        if texts.t_first_event is None and data:  # the first chunk, whatever it carries ([DONE] too)
-            texts.t_first_event = times[min(ev.read_index, len(times) - 1)]
+        if not data:
+            continue
+        t = times[min(ev.read_index, len(times) - 1)]
+        if texts.t_first_event is None:  # the first chunk, whatever it carries ([DONE] too)
+            texts.t_first_event = t
+        texts.tick(t)  # every event with data is a chunk the client received ([DONE] too)
         if data.strip() == "[DONE]":
             texts.saw_done = True
-            continue
-        if not data:
             continue
         try:
             delta = read(parse_json(data))
         except (ValueError, RecursionError):
             texts.bad_events += 1
             continue
-        texts.add(delta.texts, times[min(ev.read_index, len(times) - 1)])
+        texts.add(delta.texts, t)
         _take_accounting(texts, delta)
     return texts
 

@@ -9,9 +9,10 @@ prometheus_client formats the page.
 
 Names follow the OpenTelemetry GenAI semantic conventions as a Prometheus exporter writes them (dots to
 underscores, the unit as a suffix) where one exists; figures the conventions do not define are
-``specproxy_*``. The conventions' ``time_to_first_chunk`` (to the response's first event, whatever it
-carries) and ``time_per_output_chunk`` (one observation per text-carrying chunk: the time since the
-previous one) are per chunk; the per-token figures (time to first token, time per output token,
+``specproxy_*``. The conventions' ``time_to_first_chunk`` (to the response's first chunk) and
+``time_per_output_chunk`` (one observation per chunk after the first: the time since the previous one)
+share one meaning of chunk, an event with data whatever it carries (``measure/chunk_gaps.py``); the
+per-token figures (time to first token, time per output token,
 per-stream decode speed, tokens per chunk) sit beside them under their own names, never in their place
 (docs/operations.md lists every name).
 
@@ -33,7 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, StreamTiming
+from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
@@ -48,9 +49,10 @@ OPERATIONS = {"chat": "chat", "completions": "text_completion", "messages": "cha
 UNKNOWN = "unknown"
 LABELS = ("gen_ai_request_model", "gen_ai_operation_name", "api", "outcome")
 
-# bucket bounds: the conventions' advice where they give it, finer at the low end for per-chunk times
-DURATION_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
-FIRST_CHUNK_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# bucket bounds: the conventions' advice where they give it; for the two per-chunk times (advised the
+# same bounds as the duration) a superset with finer bounds below 0.08 s (chunk_gaps.GAP_BOUNDS_S)
+DURATION_S = ADVISED_BOUNDS_S
+FIRST_CHUNK_S = GAP_BOUNDS_S
 PER_CHUNK_S = GAP_BOUNDS_S
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 SPEED_TPS = (1, 2, 5, 10, 15, 20, 30, 40, 50, 60, 80, 100, 150, 200, 300, 500, 1000)
@@ -117,14 +119,15 @@ class OwnMetrics:
                              "Tokens per turn, counted with the model's tokenizer: input = the prompt as the "
                              "server sees it, output = delivered tokens", TOKENS, ("gen_ai_token_type",))
         self.first_chunk = h("gen_ai_client_operation_time_to_first_chunk_seconds",
-                             "Streamed turns: request read to the response's first event (a role-only chunk "
-                             "counts)", FIRST_CHUNK_S)
+                             "Streamed turns: request read to the response's first chunk (an event with "
+                             "data, whatever it carries: a role-only chunk counts)", FIRST_CHUNK_S)
         self.first_token = h("specproxy_time_to_first_token_seconds",
                              "Streamed turns: request read to the first chunk carrying output text (TTFT)",
                              FIRST_CHUNK_S)
         self.per_chunk = h("gen_ai_client_operation_time_per_output_chunk_seconds",
-                           "Streamed turns: one observation per text-carrying chunk after the first, the "
-                           "time since the previous one (0 for chunks that arrived in one read)", PER_CHUNK_S)
+                           "Streamed turns: one observation per chunk (an event with data, [DONE] too) "
+                           "after the first, the time since the previous one (0 for chunks that arrived in "
+                           "one read)", PER_CHUNK_S)
         self.per_token = h("specproxy_time_per_output_token_seconds",
                            "Streamed turns: 1 / per-stream decode speed (tokens after the first chunk over "
                            "decode time), one observation per turn", PER_CHUNK_S)

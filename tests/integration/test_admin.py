@@ -82,8 +82,9 @@ def test_metrics_parse_and_count_what_the_database_holds(make_stack, tiktoken_to
     assert sum(x.value for x in s["specproxy_delivered_tokens_total"]) == rows[0][2]
     assert s["gen_ai_client_operation_duration_seconds_count"][0].value == 3
     assert s["gen_ai_client_operation_time_to_first_chunk_seconds_count"][0].value == 3
-    # per chunk: one observation per text-carrying chunk after the first, as the convention says
-    assert s["gen_ai_client_operation_time_per_output_chunk_seconds_count"][0].value == rows[0][3] - 3
+    # per chunk: one observation per chunk after a turn's first, as the convention says; a chunk is an
+    # event with data: each turn's text chunks and its role chunk, finish chunk and [DONE]
+    assert s["gen_ai_client_operation_time_per_output_chunk_seconds_count"][0].value == rows[0][3] + 3 * 3 - 3
     assert s["specproxy_time_per_output_token_seconds_count"][0].value == 3  # per turn, under its own name
     usage = {x.labels["gen_ai_token_type"]: x.value for x in s["gen_ai_client_token_usage_sum"]}
     assert usage["output"] == rows[0][2] and usage["input"] > 0

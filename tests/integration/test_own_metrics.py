@@ -82,23 +82,32 @@ def test_each_api_has_its_own_series(make_stack, tiktoken_tok):
 
 
 def test_time_per_output_chunk_holds_each_gap(make_stack, tiktoken_tok):
-    """Two turns: gaps of about 0 and 0.3 s taking turns, then three of 0.1 s. Each gap is one
-    observation in its own bucket; a turn's gaps bucketed at their mean (0.15 s) would leave none
-    under 0.05 s."""
+    """Two chat turns, each a role-only chunk, its text chunks 0.45 s later, a finish chunk carrying
+    usage and ``[DONE]``: every one is a chunk the client receives, so each gap after a turn's first
+    chunk is one observation. Turn one's text gaps are about 0 and 0.25 s taking turns, turn two's
+    0.1 s. Counting only the gaps between text chunks (7) would miss the two of 0.45 s and the four
+    before the finish chunk and ``[DONE]``."""
     stack = make_stack(tiktoken_tok, scrape_interval_s=0)
-    turn(stack, "chat", Script(pieces=("a", " b", " c", " d", " e"), interval_s=(0.0, 0.3)))
-    turn(stack, "chat", Script(pieces=("a", " b", " c", " d"), interval_s=0.1))
+    turn(stack, "chat", Script(pieces=("a", " b", " c", " d", " e"), interval_s=(0.0, 0.25), ttft_s=0.45))
+    turn(stack, "chat", Script(pieces=("a", " b", " c", " d"), interval_s=0.1, ttft_s=0.45))
     stack.service.writer.close()
     with sqlite3.connect(stack.cfg.db) as conn:
-        chunks, decode = conn.execute("SELECT sum(chunks), sum(decode_s) FROM turns").fetchone()
+        chunks, decode, ttft, total_s = conn.execute(
+            "SELECT sum(chunks), sum(decode_s), sum(ttft_s), sum(total_s) FROM turns").fetchone()
     s = samples(stack.run(get(stack.url)))
     b = buckets(s, "gen_ai_client_operation_time_per_output_chunk_seconds")
-    assert chunks == 9 and b["+Inf"] == 7  # one observation per text-carrying chunk after a turn's first
-    assert b["0.05"] == 2  # the two gaps of 0 s
-    assert b["0.075"] == 2 and b["0.2"] == 5  # the three of 0.1 s (they take at least that)
-    assert b["0.5"] == 7  # the two of 0.3 s
+    # turn one: role, 5 texts, finish, [DONE] (8 chunks, 7 gaps); turn two: role, 4 texts, finish, [DONE] (7, 6)
+    assert chunks == 9 and b["+Inf"] == 13
+    # about 0: turn one's two text gaps of 0 and both turns' finish chunk and [DONE] right after the last text
+    assert b["0.06"] == 6
+    assert b["0.08"] == 6 and b["0.16"] == 9  # the three of 0.1 s (they take at least that)
+    assert b["0.32"] == 11  # the two of 0.25 s
+    assert b["0.64"] == 13  # the two of 0.45 s, role chunk to first text
     (total,) = s["gen_ai_client_operation_time_per_output_chunk_seconds_sum"]
-    assert total.value == pytest.approx(decode, abs=1e-9)  # the gaps sum to first-to-last-text exactly
+    (first_chunk,) = s["gen_ai_client_operation_time_to_first_chunk_seconds_sum"]
+    # the gaps sum to first chunk to last chunk: first chunk to first text, the decode, last text to [DONE]
+    assert ttft - first_chunk.value + decode - 1e-9 <= total.value <= total_s - first_chunk.value + 1e-9
+    assert total.value >= decode + 0.9
 
 
 @pytest.mark.parametrize("api", ["chat", "messages"])
@@ -113,11 +122,11 @@ def test_first_chunk_is_the_first_event_and_first_token_the_first_text(make_stac
     assert ttft >= 0.3
     s = samples(stack.run(get(stack.url)))
     first_chunk = buckets(s, "gen_ai_client_operation_time_to_first_chunk_seconds")
-    assert first_chunk["+Inf"] == 1 and first_chunk["0.25"] == 1  # before the text's 0.3 s
+    assert first_chunk["+Inf"] == 1 and first_chunk["0.16"] == 1  # before the text's 0.3 s
     first_token = buckets(s, "specproxy_time_to_first_token_seconds")
-    assert first_token["+Inf"] == 1 and first_token["0.25"] == 0
+    assert first_token["+Inf"] == 1 and first_token["0.16"] == 0
     assert s["specproxy_time_to_first_token_seconds_sum"][0].value == pytest.approx(ttft, abs=1e-9)
-    assert s["gen_ai_client_operation_time_to_first_chunk_seconds_sum"][0].value < ttft - 0.25
+    assert s["gen_ai_client_operation_time_to_first_chunk_seconds_sum"][0].value < ttft - 0.14
 
 
 def test_counts_agree_with_the_store_when_it_drops_records(make_stack, tiktoken_tok):

@@ -335,35 +335,35 @@ def _chunk(content: str) -> bytes:
     return b"data: " + (HEAD + json.dumps({"index": 0, "delta": {"content": content}}) + "]}").encode()
 
 
-def test_chunk_times_count_each_read_s_text_chunks(each_scan):
-    """When each text-carrying chunk arrived (``chunk_times``, ``chunk_counts``), as the reference times
-    them: by the read that ended each event; events without text (a role-only chunk, empty content in a
-    run, ``[DONE]``) are not chunks; a stream's tail not ended by a blank line is timed by the last read."""
+def test_chunk_times_count_each_read_s_events_with_data(each_scan):
+    """When each chunk arrived (``chunk_times``, ``chunk_counts``), as the reference times them: a chunk
+    is any event with data, whatever it carries (a role-only chunk, empty content in a run, ``[DONE]``,
+    as well as text), timed by the read that ended it; a bare ``data: `` is none; a stream's tail not
+    ended by a blank line is timed by the last read."""
     role = b"data: " + (HEAD + '{"index":0,"delta":{"role":"assistant","content":""}}]}').encode() + b"\n\n"
     events = [role] + [_chunk(w) + b"\n\n" for w in ("a", " b", "", " c", " d", "", "", " e")]
     reads = [events[0], b"".join(events[1:3]), events[3] + events[4][:5], events[4][5:] + events[5],
-             b"".join(events[6:8]), events[8][:-2] + b"\n", b"\ndata: [DONE]\n\n"]
+             b"".join(events[6:8]), events[8][:-2] + b"\n", b"\ndata: \n\ndata: [DONE]\n\n"]
     tail = [role, _chunk("a") + b"\n\n", _chunk(" b") + b"\n\n", _chunk(" c")]  # the last has no blank line
     for stream in (reads, tail):
         times = [float(i) for i in range(len(stream))]
-        ref = texts_mod.stream_texts_reference(stream, times)
-        assert fast_texts.stream_texts(stream, times) == ref
-        assert sum(ref.chunk_counts) == ref.chunks
+        assert fast_texts.stream_texts(stream, times) == texts_mod.stream_texts_reference(stream, times)
     ref = texts_mod.stream_texts_reference(reads, [float(i) for i in range(len(reads))])
-    assert (ref.chunk_times, ref.chunk_counts, ref.t_first_event) == ([1.0, 3.0, 6.0], [2, 2, 1], 0.0)
+    assert (ref.chunk_times, ref.chunk_counts, ref.t_first_event, ref.chunks) == (
+        [0.0, 1.0, 2.0, 3.0, 4.0, 6.0], [1, 2, 1, 2, 2, 2], 0.0, 5)  # ten chunks, five with text
     ref = texts_mod.stream_texts_reference(tail, [0.0, 1.0, 2.0, 3.0])
-    assert (ref.chunk_times, ref.chunk_counts) == ([1.0, 2.0, 3.0], [1, 1, 1])
-    # what the builder hands the metrics, with each scan (the reads timed 1.0 + i): between the reads that
-    # completed chunks, gaps of 2 s (in the 2.5 s bucket) and 3 s (over the last bound), or 1 s and 1 s;
-    # the chunks that came with another in one read, gaps of 0 (the first bucket)
+    assert (ref.chunk_times, ref.chunk_counts) == ([0.0, 1.0, 2.0, 3.0], [1, 1, 1, 1])
+    # what the builder hands the metrics, with each scan (the reads timed 1.0 + i, the request at 0.5):
+    # between the reads that completed chunks, gaps of 1 s (the 1.28 s bucket) and 2 s (the 2.56 s
+    # one); the chunks that came with another in one read, gaps of 0 (the first bucket)
     def bucketed(**at: int) -> tuple[int, ...]:
         out = [0] * (len(GAP_BOUNDS_S) + 1)
         for bound, n in at.items():
-            out[GAP_BOUNDS_S.index(float(bound[1:].replace("_", "."))) if bound != "over" else -1] += n
+            out[GAP_BOUNDS_S.index(float(bound[1:].replace("_", ".")))] += n
         return tuple(out)
 
-    for stream, want in ((reads, StreamTiming(0.5, bucketed(b0_001=2, b2_5=1, over=1), 5.0)),
-                         (tail, StreamTiming(0.5, bucketed(b1_0=2), 2.0))):
+    for stream, want in ((reads, StreamTiming(0.5, bucketed(b0_001=4, b1_28=4, b2_56=1), 6.0)),
+                         (tail, StreamTiming(0.5, bucketed(b1_28=3), 3.0))):
         b = builder(stream, False, each_scan)
         b._build(None, fast=True)
         fast = b.timing
@@ -374,14 +374,15 @@ def test_chunk_times_count_each_read_s_text_chunks(each_scan):
 @st.composite
 def timed_stream(draw):
     """The common stream shape, as the per-chunk metrics time it: a role chunk, content chunks (some
-    empty: no text, inside template runs too), reasoning chunks (read one by one), a finish chunk, and
-    either ``[DONE]`` or a tail event not ended by a blank line; cut into reads at random points (empty
+    empty: no text, inside template runs too), reasoning chunks (read one by one), bare ``data: ``
+    events (no chunk), a finish chunk, and either ``[DONE]`` or a tail event not ended by a blank line; cut into reads at random points (empty
     reads too), read at nondecreasing times: repeated, at the buckets' bounds apart, or anything."""
     reasoning = b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}\n\n'
     events = [b"data: " + (HEAD + '{"index":0,"delta":{"role":"assistant","content":""}}]}').encode() + b"\n\n"]
     for i in range(draw(st.integers(0, 60))):
-        kind = draw(st.integers(0, 9))
-        events.append(reasoning if kind == 0 else _chunk("" if kind == 1 else f" w{i}") + b"\n\n")
+        kind = draw(st.integers(0, 11))
+        events.append(reasoning if kind == 0 else b"data: \n\n" if kind == 11
+                      else _chunk("" if kind == 1 else f" w{i}") + b"\n\n")
     events.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
     if draw(st.booleans()):
         events.append(b"data: [DONE]\n\n")
@@ -409,5 +410,5 @@ def test_the_gaps_the_metrics_get_equal_the_reference_s(each_scan, stream_times)
     fast = b.timing
     b._build(None, fast=False)
     assert fast == b.timing
-    texts = texts_mod.stream_texts_reference(reads, times)
-    assert sum(fast.gap_counts or ()) == max(texts.chunks - 1, 0)
+    chunks = sum(1 for e in b"".join(reads).split(b"\n\n") if len(e) > 6)  # events with data (not a bare "data: ")
+    assert sum(fast.gap_counts or ()) == max(chunks - 1, 0)

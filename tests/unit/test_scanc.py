@@ -202,7 +202,7 @@ def test_two_proxies_in_one_process_scan_as_their_own_configs_say(make_stack, tm
 
 @st.composite
 def clocked(draw):
-    """Events ended by blank lines (some without text: ``skip`` names the read holding their second LF),
+    """Events ended by blank lines (some without data: ``skip`` names the read holding their second LF),
     maybe a tail event after them, cut into reads (empty ones too), at nondecreasing times: repeated,
     the buckets' bounds apart (from 0.0, exactly), or anything."""
     events = draw(st.lists(st.tuples(st.sampled_from([b"data: x", b"a", b"data: {}"]), st.booleans()), max_size=30))
@@ -225,19 +225,19 @@ def clocked(draw):
 def test_chunk_gaps_equal_the_python_chunk_clock_bucketed(case):
     """``chunk_gaps``: the chunks each read completed (blank lines ended in it, less ``skip``, plus the
     tail) and their gaps bucketed, exactly as ``fast_texts._chunk_clock`` then ``gap_buckets`` give them."""
-    buf, cum, times, skip, tail_text = case
+    buf, cum, times, skip, tail_chunk = case
     ref = Texts()
-    fast_texts._chunk_clock(ref, buf, cum, times, skip, tail_text)
-    assert _scanc.chunk_gaps(buf, cum, times, skip, tail_text, GAP_BOUNDS_S) == gap_buckets(
+    fast_texts._chunk_clock(ref, buf, cum, times, skip, tail_chunk)
+    assert _scanc.chunk_gaps(buf, cum, times, skip, tail_chunk, GAP_BOUNDS_S) == gap_buckets(
         ref.chunk_times, ref.chunk_counts)
 
 
 def test_chunk_gaps_put_a_gap_equal_to_a_bound_in_its_bucket():
     """``le``: a gap equal to a bound is in its bucket, one a hair above it in the next; fewer than two
-    chunks have no gaps; a read that ended no event cannot have one without text."""
+    chunks have no gaps; a read that ended no event cannot have one without data."""
     buf, cum = b"a\n\nb\n\n", [3, 6]
     for i, bound in enumerate(GAP_BOUNDS_S):
-        for gap, bucket in ((bound, i), (math.nextafter(bound, 9.0), i + 1)):
+        for gap, bucket in ((bound, i), (math.nextafter(bound, math.inf), i + 1)):
             counts, total = _scanc.chunk_gaps(buf, cum, [0.0, gap], [], False, GAP_BOUNDS_S)
             assert (counts.index(1), sum(counts), total) == (bucket, 1, gap)
     assert _scanc.chunk_gaps(buf, cum, [0.0, 1.0], [1], False, GAP_BOUNDS_S) is None
