@@ -266,6 +266,34 @@ def test_a_transfer_coding_other_than_chunked_gets_502(make_stack, coding):
     assert "unsupported Transfer-Encoding" in rec.error
 
 
+@pytest.mark.parametrize("framing", [b"Content-Length: 5\r\n", b"Transfer-Encoding: chunked\r\n",
+                                     b"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"])
+def test_a_204_reaches_the_client_without_a_length(make_stack, framing):
+    """RFC 9110 8.6: a 204 carries no Content-Length (nor Transfer-Encoding); an upstream's is dropped, as
+    nginx does, so no client waits for a body that never comes. The other headers pass; the client
+    connection stays usable for its next request."""
+    async def serve(reader, writer):
+        while (req := await read_request(reader)) is not None:
+            if b"/second" in req.line:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            else:
+                writer.write(b"HTTP/1.1 204 No Content\r\nX-Kept: 1\r\n%b\r\n" % framing)
+            await writer.drain()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            first = await client.ask(b"DELETE /v1/thing HTTP/1.1\r\nHost: p\r\nContent-Length: 0\r\n\r\n")
+            second = await client.ask(b"GET /second HTTP/1.1\r\nHost: p\r\n\r\n")
+            return first, second
+
+    first, second = stack.run(go())
+    assert first.status == 204 and first.header("X-Kept") == "1" and first.body == b""
+    assert first.header("Content-Length") is None and first.header("Transfer-Encoding") is None, first.raw
+    assert (second.status, second.body) == (200, b"ok")
+
+
 # --- 5. control characters in the head; 7. one size limit ----------------------------------------------
 
 
