@@ -149,6 +149,35 @@ def test_late_bytes_never_reach_another_client(make_stack, each_relay, case):
     _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)  # B's body, and A's when chunked
 
 
+@pytest.mark.parametrize("case", ["head", "204", "304", "100"])
+def test_no_reuse_after_a_bodiless_or_interim_response_even_for_the_same_client(make_stack, each_relay, case):
+    """The rule per-client ownership does not cover: one kept-alive client sends ``/evil`` (answered by a
+    HEAD's 200, a 204, a 304, or a 100 then a 200), then its next request on the SAME client connection;
+    the upstream sends a late whole response on the first connection only once that next request has
+    reached it. Reusing the connection for its own client would hand that client the late bytes as its
+    answer: it gets its own answer and record instead, over a second upstream connection."""
+    upstream = LateBytes(FIRSTS[case])
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    method = "HEAD" if case == "head" else "GET"
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            a = await client.ask(f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(),
+                                 head_request=case == "head", head_seen=upstream.a_head)
+            b = await client.ask(post_head(CHAT, BODY), head_seen=upstream.b_head)
+            return a, b
+
+    a, b = stack.run(go())
+    assert a.status == {"head": 200, "204": 204, "304": 304}.get(case, 200)
+    assert a.body == (b"ok" if case == "100" else b"")
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
+    assert not upstream.probe_on_first_connection and upstream.connections == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
+    _assert_relayed_by(stack, each_relay, 1)  # the second answer's chunked body
+
+
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, each_relay, framing):
     """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
