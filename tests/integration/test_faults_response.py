@@ -178,6 +178,72 @@ def test_no_reuse_after_a_bodiless_or_interim_response_even_for_the_same_client(
     _assert_relayed_by(stack, each_relay, 1)  # the second answer's chunked body
 
 
+def test_stray_bytes_on_an_idle_connection_send_the_next_request_elsewhere(make_stack, each_relay):
+    """End to end, nothing reached into: one kept-alive client, a Content-Length answer, then the upstream
+    writes a whole stray response on that connection, idle in the pool; once the write is done (on
+    loopback: in the proxy's socket) and the proxy either holds the bytes unread or has dropped the
+    connection for them, the same client sends its next request. It gets its own answer (a chunked stream,
+    which the relay thread takes when it is the relay) from a new upstream connection, and its record.
+    With the upstream on the proxy's loop, the loop reads such bytes as soon as they are in, before any
+    checkout, and drops the connection for them (``UpstreamConn.data_received`` when idle); the checkout's
+    peek covers bytes that arrive in the same loop turn as the checkout, which only the white-box test
+    below can hold still."""
+    stray_now = asyncio.Event()
+    stray_sent = asyncio.Event()
+    b_head = asyncio.Event()
+    ports: set[int] = set()
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        req = await read_request(reader)
+        if req is None:
+            return
+        if b"/a " in req.line:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.wait_for(stray_now.wait(), 10)
+            ports.add(writer.get_extra_info("peername")[1])
+            writer.write(EVIL)
+            await writer.drain()
+            stray_sent.set()
+            following = await read_request(reader)  # a proxy that reused this connection sends it here
+            if following is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nreuse")
+                await writer.drain()
+            await reader.read()
+            return
+        writer.write(PROBE_HEAD)
+        await writer.drain()
+        await asyncio.wait_for(b_head.wait(), 10)
+        writer.write(PROBE_CHUNKED)
+        await writer.drain()
+        await reader.read()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    pool: UpstreamPool = stack.service.proxy._pool
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            a = await client.ask(b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
+            await await_until(lambda: len(pool.idle) == 1, 5, what="the connection idle in the pool")
+            stray_now.set()
+            await asyncio.wait_for(stray_sent.wait(), 10)
+            await await_until(lambda: kernel_queued(ports) >= len(EVIL) or not pool.idle, 5,
+                              what="the stray bytes in the proxy's socket, or the connection dropped for them")
+            b = await client.ask(post_head(CHAT, BODY), head_seen=b_head)
+            return a, b
+
+    a, b = stack.run(go())
+    assert (a.status, a.body) == (200, b"ok")
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
+    assert len(connections) == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
+    _assert_relayed_by(stack, each_relay, 1)
+
+
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, each_relay, framing):
     """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
