@@ -8,9 +8,12 @@ at the same read, whatever the read boundaries (tests/unit/test_relayc.py, tests
 Strict, because a proxy that passes framing on verbatim must not pass on framing the client could read
 differently: every line ends with CRLF (a bare LF or a bare CR is malformed), chunk data is followed by
 CRLF (checked even when it falls in the next read), a size is 1 to 15 hex digits (no sign, no leading
-space; spaces before an extension or the CRLF are allowed), and no size or trailer line is longer than
-CHUNKED_MAX_LINE bytes, decided as soon as it is certain, whatever the read sizes. Extensions and
-trailer fields are passed over unread.
+space; spaces before an extension or the CRLF are allowed), a chunk extension follows RFC 9112 7.1.1
+(`*( BWS ";" BWS token [ BWS "=" BWS ( token / quoted-string ) ] )`), a trailer line is a header field (a
+token, a colon, a value with no control byte but HTAB), and no size or trailer line is longer than
+CHUNKED_MAX_LINE bytes, decided as soon as it is certain, whatever the read sizes. A control byte in an
+extension or a trailer, or a trailer line a client could read as something else, is refused rather than
+passed on. Each line is checked once, when it is complete: nothing is added per payload byte.
 
 It touches no Python object and never allocates, so the relay thread runs it without the interpreter lock;
 a line split across reads waits in the state's own buffer (at most CHUNKED_MAX_LINE + 1 bytes). */
@@ -37,6 +40,91 @@ static const char CHUNKED_BARE_LF[] = "a chunk-size or trailer line not ended by
 static const char CHUNKED_BARE_CR[] = "a bare CR in a chunk-size or trailer line";
 static const char CHUNKED_BAD_SIZE[] = "malformed chunk size";
 static const char CHUNKED_NO_CRLF[] = "chunk data not followed by CRLF";
+static const char CHUNKED_BAD_EXT[] = "malformed chunk extension";
+static const char CHUNKED_BAD_TRAILER[] = "malformed trailer field";
+
+/* RFC 9110 5.6.2 tchar */
+static inline int
+chunked_tchar(unsigned char c)
+{
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (c != 0 && memchr("!#$%&'*+-.^_`|~", c, 15) != NULL);
+}
+
+/* The end of the token starting at p (p itself when there is none). */
+static inline const char *
+chunked_token(const char *p, const char *end)
+{
+    while (p < end && chunked_tchar((unsigned char)*p))
+        p++;
+    return p;
+}
+
+static inline const char *
+chunked_bws(const char *p, const char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t'))
+        p++;
+    return p;
+}
+
+/* The extensions p[0:end] (from the first ';'; the CR is not in it) well formed: 1, else 0. */
+static int
+chunked_ext_ok(const char *p, const char *end)
+{
+    while (p < end) {
+        if (*p != ';')
+            return 0;
+        p = chunked_bws(p + 1, end);
+        const char *t = chunked_token(p, end);
+        if (t == p)
+            return 0;
+        p = chunked_bws(t, end);
+        if (p < end && *p == '=') {
+            p = chunked_bws(p + 1, end);
+            if (p < end && *p == '"') { /* quoted-string: qdtext or a quoted-pair, then DQUOTE */
+                for (p++;; p++) {
+                    if (p >= end)
+                        return 0;
+                    unsigned char c = (unsigned char)*p;
+                    if (c == '"')
+                        break;
+                    if (c == '\\') {
+                        if (++p >= end)
+                            return 0;
+                        c = (unsigned char)*p;
+                    }
+                    if ((c < 0x20 && c != '\t') || c == 0x7f)
+                        return 0;
+                }
+                p++;
+            } else {
+                t = chunked_token(p, end);
+                if (t == p)
+                    return 0;
+                p = t;
+            }
+            p = chunked_bws(p, end);
+        }
+    }
+    return 1;
+}
+
+/* A trailer line (its CR aside, not empty) is a header field: token ":" value, the value with no control
+   byte but HTAB (so no obs-fold either: a line starting with a space has no token). */
+static int
+chunked_trailer_ok(const char *p, const char *end)
+{
+    const char *t = chunked_token(p, end);
+    if (t == p || t == end || *t != ':')
+        return 0;
+    for (t++; t < end; t++) {
+        unsigned char c = (unsigned char)*t;
+        if ((c < 0x20 && c != '\t') || c == 0x7f)
+            return 0;
+    }
+    return 1;
+}
 
 /* One complete line (without its LF), or NULL when it is fine; *size is its chunk size (size lines). */
 static const char *
@@ -51,7 +139,7 @@ chunked_line(const char *line, ssize_t len, int trailers, long long *size)
     if (len > 0 && memchr(line, '\r', (size_t)len) != NULL)
         return CHUNKED_BARE_CR;
     if (trailers)
-        return NULL;
+        return len == 0 || chunked_trailer_ok(line, line + len) ? NULL : CHUNKED_BAD_TRAILER;
     const char *semi = memchr(line, ';', (size_t)len);
     ssize_t b = semi ? semi - line : len;
     while (b > 0 && (line[b - 1] == ' ' || line[b - 1] == '\t'))
@@ -65,6 +153,8 @@ chunked_line(const char *line, ssize_t len, int trailers, long long *size)
             return CHUNKED_BAD_SIZE;
         v = v * 16 + h;
     }
+    if (semi != NULL && !chunked_ext_ok(semi, line + len))
+        return CHUNKED_BAD_EXT;
     *size = v;
     return NULL;
 }

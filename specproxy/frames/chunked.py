@@ -21,6 +21,7 @@ else goes to the parser from the start, which gives the same result for the comm
 
 from __future__ import annotations
 
+import re
 from itertools import repeat
 from operator import getitem
 
@@ -41,7 +42,17 @@ BARE_LF = "a chunk-size or trailer line not ended by CRLF"
 BARE_CR = "a bare CR in a chunk-size or trailer line"
 BAD_SIZE = "malformed chunk size"
 NO_CRLF = "chunk data not followed by CRLF"
+BAD_EXT = "malformed chunk extension"
+BAD_TRAILER = "malformed trailer field"
 AFTER_END = "bytes after the last chunk"
+
+# RFC 9112 7.1.1 chunk-ext from its first ";" (the BWS before it is the size's), and a trailer line as a
+# header field (RFC 9110 5.1, 5.5: token ":" value with no control byte but HTAB): _chunked.h's
+# chunked_ext_ok and chunked_trailer_ok. Each whitespace run has one place to go, so a match is linear.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+_EXT = re.compile(rb"(?:;[ \t]*%s[ \t]*(?:=[ \t]*(?:%s|%s)[ \t]*)?)*" % (_TOKEN, _TOKEN, _QUOTED))
+_TRAILER = re.compile(rb"%s:[\t\x20-\x7e\x80-\xff]*" % _TOKEN)
 
 
 class FramingError(ValueError):
@@ -59,10 +70,15 @@ def _line_size(line: bytes, trailers: bool) -> int:
     if b"\r" in line:
         raise FramingError(BARE_CR)
     if trailers:
+        if line and _TRAILER.fullmatch(line) is None:
+            raise FramingError(BAD_TRAILER)
         return 0
-    size = line.partition(b";")[0].rstrip(b" \t")
+    size, semi, ext = line.partition(b";")
+    size = size.rstrip(b" \t")
     if not size or len(size) > _MAX_DIGITS or size.translate(None, _HEX):
         raise FramingError(BAD_SIZE)
+    if semi and _EXT.fullmatch(line, len(line) - len(ext) - 1) is None:
+        raise FramingError(BAD_EXT)
     return int(size, 16)
 
 

@@ -89,17 +89,20 @@ def response_head(head: ResponseHead, req: Incoming) -> tuple[bytes, int, bool]:
 
     The upstream's header bytes pass unchanged, minus hop-by-hop ones. A chunked body passes with its
     framing to an HTTP/1.1 client, and is unframed for an HTTP/1.0 one (which then sees the end by the
-    close); a body that ends by the upstream's close is chunked for an HTTP/1.1 client."""
+    close); a body that ends by the upstream's close is chunked for an HTTP/1.1 client. A 1xx or 204 loses
+    any Content-Length (and, hop-by-hop, any Transfer-Encoding): it has no body, and a client must not be
+    told a length it would wait for."""
     http11 = req.http11
     keep = http11 and req.keep_alive
     named = connection_tokens([v for k, v in head.headers if k.lower() == b"connection"])
     framing = head.framing
+    no_length = head.status < 200 or head.status == 204  # RFC 9110 8.6: never a Content-Length on these
     lines = [b"HTTP/1.%d %d %s\r\n" % (1 if http11 else 0, head.status, head.reason)]
     for name, value in head.headers:
         low = name.lower()
         if low in _NOT_FORWARDED_DOWN_B or low in named or b"_" in low:
             continue
-        if low == b"content-length" and head.transfer_encoding:
+        if low == b"content-length" and (head.transfer_encoding or no_length):
             continue  # RFC 9112 6.3: Transfer-Encoding overrides it, whatever framing follows; both invite smuggling
         lines.append(b"%s: %s\r\n" % (name, value))
     mode = PASS

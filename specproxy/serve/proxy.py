@@ -11,7 +11,9 @@ appends to the turn's ``RecordBuilder``. The handler's task only waits: for the 
 client to drain (backpressure). No parsing, tokenizing or database work happens on the event loop; once
 the response has ended, the builder is handed to a worker thread that makes the ``Record``, and the
 record goes to a sink whose ``put`` never blocks. Request and response bodies pass byte-identical; the
-header rules are ``headers.py``'s; a POST is never retried.
+header rules are ``headers.py``'s. A request of any method, POST included, is sent twice in one case only:
+the upstream closed a kept-alive connection before a byte of the answer (``UpstreamPool.request``: once
+more, on a new connection, never a third time); nothing else is retried.
 
 Nothing a client sent (headers, query, body) reaches the logs or a record's ``error``: errors are
 described by their type and our own words, with any URL removed.

@@ -251,3 +251,20 @@ def test_serve_records_and_drains_on_sigterm(make_stack, tmp_path, tiktoken_tok)
     assert proc.returncode == 0
     rows = [json.loads(x) for x in run("export", "--db", str(db)).stdout.splitlines()]
     assert len(rows) == 5 and all(r["completion_tokens"] == 3 for r in rows)
+
+
+def test_every_option_shows_at_most_one_default():
+    """Each command's --help, as a user reads it: no option says two defaults (one written by hand beside
+    the one read from Config), which would leave the reader to guess which holds."""
+    import re
+
+    from specproxy.app.cli import main
+
+    commands = sorted(main.commands)
+    assert "serve" in commands
+    for name in commands:
+        proc = run(name, "--help")
+        assert proc.returncode == 0, (name, proc.stderr)
+        text = " ".join(proc.stdout.split())
+        doubled = re.findall(r"\[default:[^\]]*\] *\[default:[^\]]*\]", text)
+        assert doubled == [], (name, doubled)

@@ -149,6 +149,101 @@ def test_late_bytes_never_reach_another_client(make_stack, each_relay, case):
     _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)  # B's body, and A's when chunked
 
 
+@pytest.mark.parametrize("case", ["head", "204", "304", "100"])
+def test_no_reuse_after_a_bodiless_or_interim_response_even_for_the_same_client(make_stack, each_relay, case):
+    """The rule per-client ownership does not cover: one kept-alive client sends ``/evil`` (answered by a
+    HEAD's 200, a 204, a 304, or a 100 then a 200), then its next request on the SAME client connection;
+    the upstream sends a late whole response on the first connection only once that next request has
+    reached it. Reusing the connection for its own client would hand that client the late bytes as its
+    answer: it gets its own answer and record instead, over a second upstream connection."""
+    upstream = LateBytes(FIRSTS[case])
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+    method = "HEAD" if case == "head" else "GET"
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            a = await client.ask(f"{method} /evil HTTP/1.1\r\nHost: p\r\n\r\n".encode(),
+                                 head_request=case == "head", head_seen=upstream.a_head)
+            b = await client.ask(post_head(CHAT, BODY), head_seen=upstream.b_head)
+            return a, b
+
+    a, b = stack.run(go())
+    assert a.status == {"head": 200, "204": 204, "304": 304}.get(case, 200)
+    assert a.body == (b"ok" if case == "100" else b"")
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
+    assert not upstream.probe_on_first_connection and upstream.connections == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
+    _assert_relayed_by(stack, each_relay, 1)  # the second answer's chunked body
+
+
+def test_stray_bytes_on_an_idle_connection_send_the_next_request_elsewhere(make_stack, each_relay):
+    """End to end, nothing reached into: one kept-alive client, a Content-Length answer, then the upstream
+    writes a whole stray response on that connection, idle in the pool; once the write is done (on
+    loopback: in the proxy's socket) and the proxy either holds the bytes unread or has dropped the
+    connection for them, the same client sends its next request. It gets its own answer (a chunked stream,
+    which the relay thread takes when it is the relay) from a new upstream connection, and its record.
+    With the upstream on the proxy's loop, the loop reads such bytes as soon as they are in, before any
+    checkout, and drops the connection for them (``UpstreamConn.data_received`` when idle); the checkout's
+    peek covers bytes that arrive in the same loop turn as the checkout, which only the white-box test
+    below can hold still."""
+    stray_now = asyncio.Event()
+    stray_sent = asyncio.Event()
+    b_head = asyncio.Event()
+    ports: set[int] = set()
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        req = await read_request(reader)
+        if req is None:
+            return
+        if b"/a " in req.line:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.wait_for(stray_now.wait(), 10)
+            ports.add(writer.get_extra_info("peername")[1])
+            writer.write(EVIL)
+            await writer.drain()
+            stray_sent.set()
+            following = await read_request(reader)  # a proxy that reused this connection sends it here
+            if following is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nreuse")
+                await writer.drain()
+            await reader.read()
+            return
+        writer.write(PROBE_HEAD)
+        await writer.drain()
+        await asyncio.wait_for(b_head.wait(), 10)
+        writer.write(PROBE_CHUNKED)
+        await writer.drain()
+        await reader.read()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+    pool: UpstreamPool = stack.service.proxy._pool
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            a = await client.ask(b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n")
+            await await_until(lambda: len(pool.idle) == 1, 5, what="the connection idle in the pool")
+            stray_now.set()
+            await asyncio.wait_for(stray_sent.wait(), 10)
+            await await_until(lambda: kernel_queued(ports) >= len(EVIL) or not pool.idle, 5,
+                              what="the stray bytes in the proxy's socket, or the connection dropped for them")
+            b = await client.ask(post_head(CHAT, BODY), head_seen=b_head)
+            return a, b
+
+    a, b = stack.run(go())
+    assert (a.status, a.body) == (200, b"ok")
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
+    assert len(connections) == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
+    _assert_relayed_by(stack, each_relay, 1)
+
+
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_stack, each_relay, framing):
     """Bytes past a response's end that the loop has not read yet (they came in a later segment, after
@@ -264,6 +359,34 @@ def test_a_transfer_coding_other_than_chunked_gets_502(make_stack, coding):
     (rec,) = stack.records
     assert (rec.status, rec.outcome) == (502, "upstream_unreachable")
     assert "unsupported Transfer-Encoding" in rec.error
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: 5\r\n", b"Transfer-Encoding: chunked\r\n",
+                                     b"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"])
+def test_a_204_reaches_the_client_without_a_length(make_stack, framing):
+    """RFC 9110 8.6: a 204 carries no Content-Length (nor Transfer-Encoding); an upstream's is dropped, as
+    nginx does, so no client waits for a body that never comes. The other headers pass; the client
+    connection stays usable for its next request."""
+    async def serve(reader, writer):
+        while (req := await read_request(reader)) is not None:
+            if b"/second" in req.line:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            else:
+                writer.write(b"HTTP/1.1 204 No Content\r\nX-Kept: 1\r\n%b\r\n" % framing)
+            await writer.drain()
+
+    stack = make_stack(raw_script=serve, scrape_interval_s=0)
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            first = await client.ask(b"DELETE /v1/thing HTTP/1.1\r\nHost: p\r\nContent-Length: 0\r\n\r\n")
+            second = await client.ask(b"GET /second HTTP/1.1\r\nHost: p\r\n\r\n")
+            return first, second
+
+    first, second = stack.run(go())
+    assert first.status == 204 and first.header("X-Kept") == "1" and first.body == b""
+    assert first.header("Content-Length") is None and first.header("Transfer-Encoding") is None, first.raw
+    assert (second.status, second.body) == (200, b"ok")
 
 
 # --- 5. control characters in the head; 7. one size limit ----------------------------------------------

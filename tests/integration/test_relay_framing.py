@@ -48,15 +48,16 @@ class AfterHead:
     """A chunked answer whose body goes out once the client has the head (``seen[i]``, set by the client
     for request ``i``): the body then comes in a read of its own, which the relay thread takes."""
 
-    def __init__(self, head: bytes | None = None) -> None:
+    def __init__(self, head: bytes | None = None, body: bytes | None = None) -> None:
         self.head = _sse() if head is None else head
+        self.body = b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n" if body is None else body
         self.seen = [asyncio.Event() for _ in range(8)]
 
     async def respond(self, _req, writer, i):
         writer.write(self.head)
         await writer.drain()
         await asyncio.wait_for(self.seen[i].wait(), 10)
-        writer.write(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+        writer.write(self.body)
         await writer.drain()
         return True
 
@@ -69,6 +70,23 @@ def test_http11_client_gets_the_upstreams_framing_verbatim(make_stack, tiktoken_
     assert raw.endswith(b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n")
     resp, _ = parse_response(raw)
     assert resp.status == 200 and resp.complete and resp.body == b"".join(EVENTS)
+    _assert_relayed_by(stack, each_relay, 1)
+
+
+@pytest.mark.usefixtures("each_front")
+def test_well_formed_extensions_and_trailers_pass_verbatim(make_stack, tiktoken_tok, each_relay):
+    """Strict is not lenient the other way: RFC 9112 extensions (a token value, a quoted-string with an
+    escaped quote) and trailer fields (an empty value, a tab and an obs-text byte) reach the client as sent."""
+    first, second, done = (chunk(e) for e in EVENTS)
+    framed = (first.replace(b"\r\n", b' ; a=1;q = "x\\"y"\r\n', 1) + second + done
+              + b"0;end\r\nX-Checksum: abc\r\nEmpty:\r\nV: a\tb \xff\r\n\r\n")
+    answer = AfterHead(body=framed)
+    stack, _ = _stack(make_stack, tiktoken_tok, answer.respond)
+    raw, _ = stack.run(exchange(stack.service.port, _request(extra=b"Connection: close\r\n"), timeout=5,
+                                head_seen=answer.seen[0]))
+    assert raw.partition(b"\r\n\r\n")[2] == framed
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["chunks"] == 2 and rec["saw_done"] == 1
     _assert_relayed_by(stack, each_relay, 1)
 
 
@@ -174,19 +192,24 @@ def test_head_gets_no_body_even_with_a_length(make_stack, tiktoken_tok):
 # comes in later reads (so the relay thread, not the loop, takes it when it is the relay picked), each
 # piece once the proxy has read the one before from the kernel (its own read). Through each relay and
 # each front, and unframed for an HTTP/1.0 client (the Python relay's DECHUNK path, whatever the relay).
+# Each with the words the record's error must hold.
 MALFORMED_BODIES = {
-    "bare LF size lines": [b"5\nhello\r\n0\n\n"],
-    "LF alone after the data": [b"5\r\nhello\n10\r\n\r\n"],
-    "LF alone after the data, in the next read": [b"5\r\nhello", b"\n10\r\n\r\n"],
-    "no CRLF after the data, in the next read": [b"5\r\nhello", b"XY0\r\n\r\n"],
+    "bare LF size lines": ([b"5\nhello\r\n0\n\n"], "CRLF"),
+    "LF alone after the data": ([b"5\r\nhello\n10\r\n\r\n"], "CRLF"),
+    "LF alone after the data, in the next read": ([b"5\r\nhello", b"\n10\r\n\r\n"], "CRLF"),
+    "no CRLF after the data, in the next read": ([b"5\r\nhello", b"XY0\r\n\r\n"], "CRLF"),
+    "a control byte in an extension, a NUL trailer, a colon-less one":
+        ([b"5;\x01x\r\nhello\r\n0\r\nX-A: a\x00b\r\nnocolon\r\n\r\n"], "chunk extension"),
+    "a NUL in a trailer value": ([b"5\r\nhello\r\n", b"0\r\nX-A: a\x00b\r\n\r\n"], "trailer field"),
+    "a trailer line with no colon": ([b"5\r\nhello\r\n", b"0\r\nnocolon\r\n\r\n"], "trailer field"),
 }
 
 
 @pytest.mark.usefixtures("each_front")
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
-@pytest.mark.parametrize("pieces", list(MALFORMED_BODIES.values()), ids=list(MALFORMED_BODIES))
+@pytest.mark.parametrize("pieces,why", list(MALFORMED_BODIES.values()), ids=list(MALFORMED_BODIES))
 def test_malformed_chunked_framing_closes_both_sides_and_fails_the_turn(make_stack, tiktoken_tok, each_relay,
-                                                                          pieces, version):
+                                                                          pieces, why, version):
     """Nothing ambiguous reaches the client: no complete body, its connection closed (not kept for another
     request); the upstream's connection closed too; the turn recorded as truncated with the reason."""
     head_seen = asyncio.Event()
@@ -215,7 +238,7 @@ def test_malformed_chunked_framing_closes_both_sides_and_fails_the_turn(make_sta
         assert body in (b"", b"hello") and b"0\r\n" not in body
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "upstream_truncated"
-    assert "malformed chunked framing from the upstream" in rec["error"] and "CRLF" in rec["error"]
+    assert "malformed chunked framing from the upstream" in rec["error"] and why in rec["error"]
     stack.settle()
     assert upstream.peer_closed_at, "the upstream's connection was kept after malformed framing"
     _assert_relayed_by(stack, each_relay if version == "1.1" else "python", 1)  # HTTP/1.0: unframed on the loop

@@ -67,6 +67,14 @@ MALFORMED = [
     ([b"5\r\nhel", b"loXY0\r\n\r\n"], "chunk data not followed by CRLF"),
     ([b"5;a\rb\r\nhello\r\n"], "bare CR"),
     ([b" 5\r\nhello\r\n"], "malformed chunk size"),  # no leading space
+    ([b"5;\x01x\r\nhello\r\n"], "malformed chunk extension"),  # a control byte in an extension
+    ([b"5;a=b;\r\nhello\r\n"], "malformed chunk extension"),  # no name
+    ([b'5;a="b\r\nhello\r\n'], "malformed chunk extension"),  # an unclosed quoted-string
+    ([b"5;a", b"=\x00\r\n"], "malformed chunk extension"),  # a NUL value, the line across reads
+    ([b"5\r\nhello\r\n0\r\nX-A: a\x00b\r\n\r\n"], "malformed trailer field"),  # a NUL in a trailer
+    ([b"5\r\nhello\r\n0\r\nnocolon\r\n\r\n"], "malformed trailer field"),  # a trailer line with no colon
+    ([b"5\r\nhello\r\n0\r\nX : 1\r\n\r\n"], "malformed trailer field"),  # a space before the colon
+    ([b"0\r\nT: 1\r\n", b" folded\r\n\r\n"], "malformed trailer field"),  # an obs-fold line
     ([b"5" + b" " * MAX_LINE_BYTES + b"\r\n"], "over 4096 bytes"),
     ([b"5;" + b"x" * (MAX_LINE_BYTES // 2), b"x" * (MAX_LINE_BYTES // 2)], "over 4096 bytes"),  # across reads
 ]
@@ -85,7 +93,7 @@ def test_malformed_framing_is_refused_at_the_read_that_shows_it(reads, why, nati
 def test_well_formed_framing_split_anywhere_ends_where_it_ends(native):
     if native and relayc is None:
         pytest.skip("specproxy.wire._relayc is not built")
-    body = b"5;x=1 \r\nhello\r\na ; y\r\n0123456789\r\n0\r\nT: 1\r\n\r\n"
+    body = b'5;x=1 \r\nhello\r\na ; y ;z = "q\\"\t;" \r\n0123456789\r\n0\r\nT: 1\r\nV:\ta b\xff\r\n\r\n'
     line = b"5" + b" " * (MAX_LINE_BYTES - 1) + b"\r\nhello\r\n0\r\n\r\n"  # a line of exactly the limit
     for whole in (body, line):
         for cut in range(len(whole) + 1):
