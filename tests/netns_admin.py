@@ -66,8 +66,16 @@ async def main(front: str) -> dict:
     chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     out: dict = {}
     with tempfile.TemporaryDirectory() as d:
-        for host, token in (("0.0.0.0", TOKEN), ("0.0.0.0", None), ("127.0.0.1", None)):
-            proc, port = await asyncio.to_thread(_serve, Path(d), upstream.url, host, token, front)
+        configs = (("0.0.0.0", TOKEN), ("0.0.0.0", None), ("127.0.0.1", None))
+        started = await asyncio.gather(*(asyncio.to_thread(_serve, Path(d), upstream.url, host, token, front)
+                                         for host, token in configs), return_exceptions=True)  # at once
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:  # none left running
+            for r in started:
+                if not isinstance(r, BaseException):
+                    r[0].kill()
+            raise failed[0]
+        for (host, token), (proc, port) in zip(configs, started):
             target = "127.0.0.1"
             try:
                 seen = {}
