@@ -7,9 +7,10 @@ only while someone watches, and spaces them by what they cost (``serve/admin.py`
 most once a second, and at most half a percent of one core).
 
 Why at most ``MAX_TURNS`` turns: a picture's CPU grows with the turns it reads (the report over them
-and their columns from SQLite), and the 1% rule turns that cost into the wait before the next picture.
+and their columns from SQLite), and the share rule turns that cost into the wait before the next picture.
 Under heavy traffic the last 15 minutes hold 100,000 turns and more, which would leave the page still
-for minutes; the newest ``MAX_TURNS`` keep a picture's cost bounded whatever the traffic, so the page
+for minutes; the newest ``MAX_TURNS`` keep a picture's cost bounded whatever the traffic (and the time
+it holds the interpreter lock, which the proxy's event loop and measuring wait for), so the page
 stays live. The window drawn is said on the page and is an ordinary ``since``: ``specproxy report
 --since`` that time gives the same figures. ``scripts/bench_page.py`` measures a picture's cost.
 """
@@ -27,7 +28,7 @@ from specproxy.view.snapshot import snapshot
 __all__ = ["MAX_TURNS", "LivePages", "WINDOW_S"]
 
 WINDOW_S = 15 * 60.0  # the live page shows the last this many seconds of turns
-MAX_TURNS = 2000  # and of those at most the newest this many
+MAX_TURNS = 500  # and of those at most the newest this many
 
 
 class LivePages:
