@@ -66,3 +66,10 @@ def workload(tmp_path: Path) -> Path:
     work.write_bytes(b"\n".join([BODIES[0]] * 6) + b"\n")
     return work
 
+
+
+def bench_with_second_line(tmp_path: Path, up: FakeUpstream, line: bytes, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """bench over a file whose first line is a good body and whose second is ``line``: the run and the file."""
+    work = tmp_path / name
+    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
+    return specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db")), work

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from benchkit import BODIES, ROOT, SPECPROXY, one_line_error, specproxy, upstream_thread, workload
+from benchkit import BODIES, bench_with_second_line, ROOT, SPECPROXY, one_line_error, specproxy, upstream_thread, workload
 from specproxy.app.fake_upstream import Script
 
 __all__ = ["upstream_thread"]  # a fixture the tests take by name
@@ -116,9 +116,7 @@ def test_bodies_of_every_api_go_to_their_path_bare_or_wrapped(tmp_path, upstream
 ])
 def test_a_body_of_no_one_api_asks_for_its_path(tmp_path, upstream_thread, line, needle):
     up = upstream_thread()
-    work = tmp_path / "two.jsonl"
-    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
-    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db"))
+    proc, work = bench_with_second_line(tmp_path, up, line, "two.jsonl")
     one_line_error(proc, f"{work}:2", needle, '"path"')
     assert up.sent == []
 

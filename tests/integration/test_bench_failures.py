@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchkit import BODIES, one_line_error, specproxy, upstream_thread, workload
+from benchkit import bench_with_second_line, one_line_error, specproxy, upstream_thread, workload
 from specproxy.app.fake_upstream import FakeUpstream, Script
 
 __all__ = ["upstream_thread"]  # a fixture the tests take by name
@@ -255,8 +255,6 @@ def test_a_server_that_errors_is_one_line(tmp_path, upstream_thread):
 ])
 def test_a_bad_replay_line_is_one_line_naming_it(tmp_path, upstream_thread, line, needle):
     up = upstream_thread()
-    work = tmp_path / "bad.jsonl"
-    work.write_bytes(BODIES[0] + b"\n" + line + b"\n")
-    proc = specproxy("bench", "--upstream", up.url, "--from", str(work), "--db", str(tmp_path / "x.db"))
+    proc, work = bench_with_second_line(tmp_path, up, line, "bad.jsonl")
     one_line_error(proc, f"{work}:2", needle.split(": ", 1)[1] if ": " in needle else needle)
     assert up.sent == []  # nothing was sent

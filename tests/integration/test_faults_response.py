@@ -13,7 +13,7 @@ import asyncio
 import orjson
 import pytest
 
-from faultkit import (KeptClient, await_until, chunk, exchange, kernel_queued, parse_response, post_head, read_request,
+from faultkit import (KeptClient, await_until, chunk, kernel_queued, post_head, read_request,
                       request_once)
 from specproxy.wire.pool import UpstreamPool
 
@@ -31,6 +31,16 @@ EVIL = b"HTTP/1.1 203 Evil\r\nContent-Length: 4\r\nX-Echo: evil\r\n\r\nEVIL"
 
 def _thread_turns(stack) -> int:
     return stack.service.proxy._pool.thread_turns
+
+
+def _assert_the_probe_got_its_own(stack, upstream, b) -> None:
+    """The second request got its own answer over a second upstream connection (none of the late bytes),
+    and its record is its own: the payload, unframed."""
+    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
+    assert not upstream.probe_on_first_connection and upstream.connections == 2
+    stack.settle()
+    (rec,) = [r for r in stack.records if r.path == CHAT]
+    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
 
 
 def _assert_relayed_by(stack, relay: str, bodies: int) -> None:
@@ -141,11 +151,7 @@ def test_late_bytes_never_reach_another_client(make_stack, each_relay, case):
     a, b = stack.run(go())
     assert a.status == {"head": 200, "204": 204, "304": 304}.get(case, 200)
     assert a.body == (b"" if case in ("head", "204", "304") else b"ok")
-    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None)
-    assert not upstream.probe_on_first_connection and upstream.connections == 2
-    stack.settle()
-    (rec,) = [r for r in stack.records if r.path == CHAT]
-    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))  # the payload, unframed
+    _assert_the_probe_got_its_own(stack, upstream, b)
     _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)  # B's body, and A's when chunked
 
 
@@ -170,11 +176,7 @@ def test_no_reuse_after_a_bodiless_or_interim_response_even_for_the_same_client(
     a, b = stack.run(go())
     assert a.status == {"head": 200, "204": 204, "304": 304}.get(case, 200)
     assert a.body == (b"ok" if case == "100" else b"")
-    assert (b.status, b.body, b.header("X-Echo")) == (200, b"".join(PROBE_EVENTS), None), b.raw
-    assert not upstream.probe_on_first_connection and upstream.connections == 2
-    stack.settle()
-    (rec,) = [r for r in stack.records if r.path == CHAT]
-    assert (rec.status, rec.outcome, rec.response_bytes) == (200, "ok", len(b"".join(PROBE_EVENTS)))
+    _assert_the_probe_got_its_own(stack, upstream, b)
     _assert_relayed_by(stack, each_relay, 1)  # the second answer's chunked body
 
 
