@@ -23,7 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from specproxy.serve.admin import reserved
 from specproxy.serve.headers import LABEL_HEADER
 from specproxy.serve.proxy import Incoming, where
-from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, refuse
+from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, out_of_base, refuse
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy
@@ -56,6 +56,7 @@ class AiohttpFront:
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
+        self._based = bool(proxy.upstream.raw_path.strip("/"))  # the upstream has a base path to stay under
 
     def make_server(self) -> web.Server:
         """aiohttp's low-level server: every request to ``handle``. A proxy routes nothing, so there is no
@@ -81,6 +82,11 @@ class AiohttpFront:
             return refused.as_response()
         if reserved(request.rel_url.raw_path):  # specproxy's own pages: never forwarded (admin.py)
             return await proxy.admin(request) if proxy.admin is not None else _not_here()
+        if self._based:
+            refused = out_of_base(request.rel_url.raw_path)
+            if refused is not None:
+                proxy.rejected_bad += 1
+                return refused.as_response()
         body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
         if not isinstance(body, bytes):
             proxy.rejected_bad += 1
