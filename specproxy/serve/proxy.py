@@ -102,9 +102,9 @@ class Proxy:
         self.measure_errors = 0
         self.rejected_busy = 0
         self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
-        # set by the service when its drain limit (or a second Ctrl-C) cuts what is still in flight: those
-        # turns are the proxy's doing, recorded as ``shutdown``, not as the client's abort
-        self.cutting = False
+        # why, once the service's shutdown cuts what is still in flight (its drain limit passed, or a second
+        # Ctrl-C): those turns are the proxy's doing, recorded as ``shutdown``, not as the client's abort
+        self.cutting: str | None = None
         self._quiet: asyncio.Event | None = None  # set when in_flight falls to 0 (``wait_quiet``)
         self._pending_builds = 0
         self._pool: UpstreamPool | None = None
@@ -287,7 +287,7 @@ class Proxy:
         if not builder._ended:  # e.g. cancelled while reading: still one record per turn
             builder.fail(clock(), "client_abort", None, "client disconnected before the response")
         if self.cutting and builder.outcome == "client_abort":  # the client did not leave: the proxy cut it
-            builder.outcome, builder.error = "shutdown", "cut by specproxy's shutdown (its drain limit passed)"
+            builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
         if self._pending_builds >= MAX_PENDING_BUILDS:
             self.measure_dropped += 1
             return

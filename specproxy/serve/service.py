@@ -372,10 +372,11 @@ class Service:
         if server is not None:
             server.pre_shutdown()  # each of aiohttp's connections closes after its current request
         proxy = self.proxy
+        why = "nothing was in flight"
         if proxy is not None and proxy.in_flight:
-            await self._drain(proxy, self.cfg.drain_timeout_s, now)
+            why = await self._drain(proxy, self.cfg.drain_timeout_s, now)
         if proxy is not None:
-            proxy.cutting = True  # whatever ends from here on was ended by us
+            proxy.cutting = why  # whatever ends from here on was ended by us
         self.lanes.cut()
         if self._runner is not None:
             await self._runner.cleanup()  # cuts aiohttp's handlers still running (CUT_S)
@@ -398,14 +399,19 @@ class Service:
             await asyncio.to_thread(self.writer.close)
 
     @staticmethod
-    async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> None:
-        """Until no exchange is in flight, ``timeout`` passed, or ``now`` is set, whichever comes first."""
-        waits = {asyncio.ensure_future(proxy.wait_quiet(timeout))}
+    async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:
+        """Until no exchange is in flight, ``timeout`` passed, or ``now`` is set, whichever comes first;
+        returns which, in words for the records of the turns then cut."""
+        quiet = asyncio.ensure_future(proxy.wait_quiet(timeout))
+        waits = {quiet}
         if now is not None:
             waits.add(asyncio.ensure_future(now.wait()))
         _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
+        if quiet.done() and quiet.result():
+            return "a request that came after the drain"
+        return f"drain_timeout_s ({timeout:g} s) passed" if quiet.done() else "a second stop signal"
 
     def _on_stop_signal(self, stop: asyncio.Event, now: asyncio.Event) -> None:
         """SIGINT/SIGTERM: the first drains (one line says what and for how long), the second cuts."""

@@ -90,9 +90,11 @@ def _lines(proc: ServeProcess, pattern: str) -> list[str]:
     return [ln for ln in proc.stderr().splitlines() if re.search(pattern, ln)]
 
 
-def test_a_first_ctrl_c_says_what_it_drains_and_a_second_stops_at_once(tmp_path, loop_thread, endless):
+@pytest.mark.parametrize("front", ["--lane", "--no-lane"])
+def test_a_first_ctrl_c_says_what_it_drains_and_a_second_stops_at_once(tmp_path, loop_thread, endless, front):
     db = tmp_path / "turns.db"
-    proc = ServeProcess(tmp_path, endless.url, db, "--drain-timeout", "3600")  # only the second Ctrl-C can end it
+    # the drain limit far beyond every wait below: only the second Ctrl-C can end the streams
+    proc = ServeProcess(tmp_path, endless.url, db, "--drain-timeout", "3600", front)
     streams = Streams(loop_thread, proc.url, 3)
     wait_until(lambda: streams.started == 3, 30, 0.01, "three streams to start")
     proc.signal(signal.SIGINT)
@@ -109,15 +111,16 @@ def test_a_first_ctrl_c_says_what_it_drains_and_a_second_stops_at_once(tmp_path,
     assert _lines(proc, "stopping now: cutting 2 streams")
     rows = sorted(db_rows(db, "SELECT outcome, error, status FROM turns"))
     assert [r[0] for r in rows] == ["client_abort", "shutdown", "shutdown"], rows
-    assert all("shutdown" in r[1] and r[2] == 200 for r in rows[1:]), rows
+    assert all(r[1] == "cut by specproxy's shutdown: a second stop signal" and r[2] == 200 for r in rows[1:]), rows
     assert "Traceback" not in proc.stderr()
 
 
-def test_the_drain_limit_cuts_what_is_left_as_shutdown(tmp_path, loop_thread, endless):
+@pytest.mark.parametrize("front", ["--lane", "--no-lane"])
+def test_the_drain_limit_cuts_what_is_left_as_shutdown(tmp_path, loop_thread, endless, front):
     """SIGTERM with streams that will not end: after ``--drain-timeout`` they are cut, stored with the outcome
-    ``shutdown``, and the report counts them as such."""
+    ``shutdown``, and the report counts them as such; whichever front read the requests."""
     db = tmp_path / "turns.db"
-    proc = ServeProcess(tmp_path, endless.url, db, "--drain-timeout", "0.5")
+    proc = ServeProcess(tmp_path, endless.url, db, "--drain-timeout", "0.5", front)
     streams = Streams(loop_thread, proc.url, 2)
     wait_until(lambda: streams.started == 2, 30, 0.01, "two streams to start")
     proc.signal(signal.SIGTERM)
@@ -125,12 +128,14 @@ def test_the_drain_limit_cuts_what_is_left_as_shutdown(tmp_path, loop_thread, en
     streams.future.result(30)
     assert streams.ended == ["cut", "cut"]
     assert _lines(proc, r"stopping: draining 2 streams, up to 0\.5 s")
-    assert [r[0] for r in db_rows(db, "SELECT outcome FROM turns")] == ["shutdown", "shutdown"]
+    assert db_rows(db, "SELECT outcome, error FROM turns") == [
+        ("shutdown", "cut by specproxy's shutdown: drain_timeout_s (0.5 s) passed")] * 2
     out = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "report", "--db", str(db), "--json"],
                          capture_output=True, cwd=ROOT, timeout=120, check=True).stdout
     assert orjson.loads(out)["outcomes"] == {"shutdown": 2}
 
 
+@pytest.mark.usefixtures("each_front")
 def test_a_shutdown_turn_is_counted_in_the_metrics(make_stack):
     """In process, to read ``/_specproxy/metrics``'s counter after the cut: the turns cut by the drain
     limit count under ``outcome="shutdown"``."""
