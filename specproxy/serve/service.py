@@ -2,10 +2,11 @@
 
 Why apart from ``proxy.py``: the handler is the hot path and knows nothing of processes, signals or
 files; this module owns their lifecycle so that ``serve``, ``demo`` and the tests start the very same
-thing. On SIGTERM/SIGINT it says how many streams it is draining, stops accepting, lets in-flight streams
-finish (up to Config ``drain_timeout_s``; a second signal cuts them at once), records the turns it cut as ``shutdown``,
-measures what is pending and drains the writer's queue before exiting. On SIGUSR1 it logs one line of its state
-(tasks, connections, file descriptors, queue, counters): the soak test reads leaks from it.
+thing. On SIGTERM/SIGINT it says how many streams it is draining, stops accepting, lets in-flight
+streams finish (up to Config ``drain_timeout_s``; a second signal cuts them at once), records the turns
+it cut as ``shutdown``, measures what is pending and drains the writer's queue before exiting. On
+SIGUSR1 it logs one line of its state (tasks, connections, file descriptors, queue, counters): the soak
+test reads leaks from it.
 
 The listening socket is opened here rather than by aiohttp's ``TCPSite`` so that every connection
 gets a header deadline: a client that has not finished its first request's headers within
@@ -54,6 +55,7 @@ log = logging.getLogger("specproxy")
 START_CHECK_TIMEOUT_S = 2.0
 CUT_S = 0.1  # then how long aiohttp's server waits for a handler it was told to stop, twice at most
 CUT_WAIT_S = 5.0  # and how long the cut exchanges get to hand their turns over
+AFTER_DRAIN = "a request that came after the drain"  # why such a request was cut (its record's error)
 
 
 def settle_heap() -> int:
@@ -372,7 +374,7 @@ class Service:
         if server is not None:
             server.pre_shutdown()  # each of aiohttp's connections closes after its current request
         proxy = self.proxy
-        why = "nothing was in flight"
+        why = AFTER_DRAIN
         if proxy is not None and proxy.in_flight:
             why = await self._drain(proxy, self.cfg.drain_timeout_s, now)
         if proxy is not None:
@@ -410,7 +412,7 @@ class Service:
         for task in pending:
             task.cancel()
         if quiet.done() and quiet.result():
-            return "a request that came after the drain"
+            return AFTER_DRAIN
         return f"drain_timeout_s ({timeout:g} s) passed" if quiet.done() else "a second stop signal"
 
     def _on_stop_signal(self, stop: asyncio.Event, now: asyncio.Event) -> None:
@@ -419,7 +421,8 @@ class Service:
         streams = f"{n} stream{'' if n == 1 else 's'}"
         if not stop.is_set():
             stop.set()
-            log.info("stopping: %s", f"draining {streams}, up to {self.cfg.drain_timeout_s:g} s; Ctrl-C again to stop now" if n
+            limit = self.cfg.drain_timeout_s
+            log.info("stopping: %s", f"draining {streams}, up to {limit:g} s; Ctrl-C again to stop now" if n
                      else "no streams in flight")
         elif not now.is_set():
             now.set()
