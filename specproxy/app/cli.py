@@ -100,7 +100,9 @@ def _pages_line(cfg: Config, url: str) -> str:
 @_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
 @_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
 @_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
-@_setting("--client-header", "client_header", "The request header naming the client for audit")
+@_setting("--client-header", "client_header",
+          "The request header naming the client for audit (its value is stored: a header that may carry a "
+          "credential, such as authorization, cookie or *key*, *token*, *auth*, *secret*, is refused)")
 @_setting("--capture/--no-capture", "capture",
           "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
 @_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
