@@ -453,3 +453,37 @@ def test_an_expectation_other_than_100_continue_gets_417_and_is_not_forwarded(ma
     resp, _ = parse_response(raw)
     assert resp.status == 417 and closed
     assert upstream.requests == []
+
+
+# --- malformed requests: counted, not a log line each ----------------------------------------------------
+
+BAD_HEADS = [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+             b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+             b"GET / HTTP/1.1\r\nHost: x\r\n\x01Name: v\r\n\r\n",
+             b"GARBAGE\r\n\r\n"]
+
+
+def test_malformed_requests_are_counted_and_said_once_per_interval(make_stack, caplog):
+    """Anyone who can connect can send malformed requests: 20 of them get 400 each, are counted in
+    ``specproxy_rejected_bad_total``, and make one WARNING line (none at ERROR), not 20. Past the interval
+    the next one makes a line again, saying how many came since the last."""
+    from specproxy.serve import aiohttp_front
+
+    stack = make_stack(None, scrape_interval_s=0)
+    caplog.set_level("DEBUG", logger="specproxy.http")
+
+    async def send(n: int) -> list[bytes]:
+        return [(await exchange(stack.service.port, BAD_HEADS[i % len(BAD_HEADS)]))[0][:12] for i in range(n)]
+
+    assert stack.run(send(20)) == [b"HTTP/1.0 400"] * 20
+    said = [r for r in caplog.records if r.name == "specproxy.http"]
+    assert [r.levelname for r in said] == ["WARNING"], [r.getMessage() for r in said]
+    assert "malformed request from 127.0.0.1 answered 400: BadHttpM" in said[0].getMessage()
+    assert stack.service.proxy.rejected_bad == 20
+    assert "specproxy_rejected_bad_total 20.0" in stack.service.metrics.exposition().decode()
+    server_log = stack.service._runner.server._kwargs["logger"]
+    assert isinstance(server_log, aiohttp_front._ServerLog)
+    server_log.next_line_at = 0.0  # as if the interval had passed
+    assert stack.run(send(1)) == [b"HTTP/1.0 400"]
+    said = [r.getMessage() for r in caplog.records if r.name == "specproxy.http"]
+    assert len(said) == 2 and "; 20 since the last such line" in said[1], said
