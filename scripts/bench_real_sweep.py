@@ -71,12 +71,12 @@ def main() -> None:
         tok = make_hf_tokenizer_dir(assets / VOCAB_NAME, tmp / "tok")
         work = tmp / "turns.jsonl"
         work.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: say something."}],
-                                            "max_tokens": 32, "stream": True, "ignore_eos": True}) + "\n"
+                                            "max_tokens": 256, "stream": True, "ignore_eos": True}) + "\n"
                                 for i in range(3)))
-        print(f"4-slot llama-server, tiny model, 32 tokens a turn; {os.cpu_count()} CPUs; load average "
+        print(f"4-slot llama-server, tiny model, 256 tokens a turn; {os.cpu_count()} CPUs; load average "
               f"{os.getloadavg()[0]:.1f} at the start")
         print(f"{'run':>4}  {'c=1 agg':>9}  {'c=2 agg':>9}  {'c=4 agg':>9}  {'c=2/c=1':>8}  {'c=4/c=1':>8}")
-        with LlamaServer(exe, model.path, parallel=4, n_ctx=1024) as srv:
+        with LlamaServer(exe, model.path, parallel=4, n_ctx=2048) as srv:
             for run in range(1, args.runs + 1):
                 rows = one_run(srv.url, tok, work, tmp / f"run{run}.db")
                 agg = {level: rows[level][1] for level in (1, 2, 4) if level in rows}

@@ -62,37 +62,30 @@ def test_ttft_and_decode_time_agree_with_the_servers_timings(make_stack, counter
     from there to the arrival of the last chunk with text. Both clocks are CLOCK_MONOTONIC on one
     machine, so the durations compare.
 
-    TTFT, every turn: ``ttft_s >= prompt_ms/1000``, no tolerance: the server's interval nests inside
-    the proxy's (the request reaches the server after the proxy read it, the first token leaves the
-    server after it was sampled). The excess is the server's work outside ``prompt_ms`` (HTTP parse,
-    chat template, tokenising: a few ms for these prompts) plus two loopback hops and the wake-ups
-    of the threads involved: 6-13 ms per turn (median 6-7 ms) measured on a 2-vCPU machine with
-    load average 3 from other test runs; with two server threads instead of one, medians 10-14 ms
-    and single turns up to ~280 ms. Bound: median excess <= 30 ms; any single turn <= 1 s (a
-    sanity bound: one turn can meet a long stall on a shared machine).
+    What is specproxy's, and so asserted with margins a loaded machine cannot cross:
 
-    Decode: the first text chunk carries the token sampled at the start of ``predicted_ms``, and the
-    first and last text chunks cross the same path, so only the difference of their delivery delays
-    separates the two durations, each delay a few scheduler wake-ups (measured: within +-3 ms, one
-    turn in 30 off by 21 ms, medians within 1 ms; with two server threads on the loaded machine,
-    single turns up to ~130 ms off, which the medians absorb).
+    * TTFT nests the server's prefill, every turn, with no tolerance: ``ttft_s >= prompt_ms/1000`` (the
+      request reaches the server after the proxy read it; the first token leaves the server after it was
+      sampled). The excess is the server's work outside ``prompt_ms`` (HTTP parse, chat template,
+      tokenising) plus two loopback hops and thread wake-ups: median 6-13 ms on a quiet 2-vCPU machine.
+      Bound: median excess under half the median decode time of the turns cut at 64 tokens (100-200 ms on
+      a quiet machine, and slower, with the excess, when the machine is busy): a TTFT that ran to the last
+      token, or waited for the whole answer, would exceed it by far.
+    * Decode time spans the server's decoding. Cut by ``max_tokens`` (looping model, 64 tokens), the last
+      text token is the last one sampled, so ``decode_s ~ predicted_ms/1000``: the two differ only by the
+      difference of the first and last chunks' delivery delays (within +-3 ms quiet; ratios 0.95-1.00 with
+      the machine at load average 9). Bound: median ratio within [0.75, 1.25]: a proxy that buffered the
+      stream, or timed chunks when it parsed them rather than when they arrived, reads about 0.
+    * Ended by the model (``finish_reason == "stop"``): the last token sampled is ``<|eot_id|>``, one step
+      after the last text token, and it is never sent, so ``decode_s`` ends before the server's last
+      sample; with steps of equal length ``decode_s ~ predicted_ms/1000 * (n-2)/(n-1)`` (measured within
+      3 ms on a quiet machine). These turns decode 11 tokens in 25-30 ms: llama-server's end-of-turn
+      accounting stretches on a busy core (14 ms short of the estimate with a CPU burner beside it), and
+      on a loaded machine the whole answer can reach the proxy in one read (``decode_s`` 0, as it
+      should be for what arrived at once), so they are held to the sanity bound only.
 
-    * Cut by ``max_tokens`` (looping model, 64 tokens): the last text token is the last one sampled,
-      so ``decode_s ~ predicted_ms/1000``.
-    * Ended by the model (``finish_reason == "stop"``): the last token sampled is ``<|eot_id|>``, one
-      step after the last text token, and it is never sent. With steps of equal length,
-      ``decode_s ~ predicted_ms/1000 * (n-2)/(n-1)`` (n-2 of the n-1 steps lie between the first and
-      the last text token).
-
-    Bounds: median error over the turns of each kind <= 10 ms (cut turns decode for 100-210 ms;
-    medians measured within 3 ms even with two CPU burners added). Per turn, sanity only:
-    ``decode_s <= predicted_ms/1000 + 1 s`` (the last text cannot arrive long after the server's
-    last sample), and for cut turns ``decode_s >= predicted_ms/4000``: decode time cannot vanish (a
-    proxy that buffered the stream, or timed chunks when it parsed them rather than when they
-    arrived, fails here), but a starved proxy process reads several chunks in one go and then
-    measures short: with two CPU burners on top of other jobs one turn measured 70 of 142 ms.
-
-    The servers run one compute thread (see ``timing_servers``), and each turn is measured before
+    Per turn, for every kind, sanity: ``ttft_s <= prompt_ms/1000 + 2 s`` and ``decode_s <= predicted_ms/1000
+    + 2 s``. The servers run one compute thread (see ``timing_servers``), and each turn is measured before
     the next starts, so the proxy's measuring thread never competes with a stream it is timing.
     """
     n_turns = 5
@@ -100,25 +93,24 @@ def test_ttft_and_decode_time_agree_with_the_servers_timings(make_stack, counter
     stops = timed_turns(make_stack, counter, tiny, n_turns)
     cuts = timed_turns(make_stack, counter, looping, n_turns, max_tokens=64)
 
-    ttft_excess, errors = [], {"stop": [], "length": []}
+    ttft_excess, ratios, cut_decode = [], [], []
     for rec in stops + cuts:
         t = json.loads(rec.server_timings)
         prompt_s, predicted_s, n = t["prompt_ms"] / 1000, t["predicted_ms"] / 1000, t["predicted_n"]
         assert rec.outcome == "ok" and rec.chunks == t["predicted_n"] - (rec.finish_reason == "stop")
         assert rec.t_request <= rec.t_upstream_headers <= rec.t_first_token <= rec.t_last_token <= rec.t_done
-        assert prompt_s <= rec.ttft_s <= prompt_s + 1.0, (rec.ttft_s, t)
+        assert prompt_s <= rec.ttft_s <= prompt_s + 2.0, (rec.ttft_s, t)
         ttft_excess.append(rec.ttft_s - prompt_s)
-        assert rec.decode_s <= predicted_s + 1.0, (rec.decode_s, t)
+        assert 0 <= rec.decode_s <= predicted_s + 2.0, (rec.decode_s, t)
         if rec.finish_reason == "length":
-            assert n == 64 and rec.decode_s >= predicted_s / 4, (rec.decode_s, t)
-            errors["length"].append(rec.decode_s - predicted_s)
+            assert n == 64
+            ratios.append(rec.decode_s / predicted_s)
+            cut_decode.append(predicted_s)
         else:
             assert rec.finish_reason == "stop" and n == rec.completion_tokens + 1
-            errors["stop"].append(rec.decode_s - predicted_s * (n - 2) / (n - 1))
-    assert statistics.median(ttft_excess) <= 0.030, ttft_excess
-    for kind, errs in errors.items():
-        assert len(errs) == n_turns
-        assert abs(statistics.median(errs)) <= 0.010, (kind, errs)
+    assert len(ratios) == n_turns, ratios
+    assert statistics.median(ttft_excess) < statistics.median(cut_decode) / 2, (ttft_excess, cut_decode)
+    assert 0.75 <= statistics.median(ratios) <= 1.25, ratios
 
 
 # ============================================================ 5. speculative decoding
