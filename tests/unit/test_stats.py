@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
-    median_tail, negative_control, percentile_interval, plural, summarize,
+    median_tail, negative_control, percentile_interval, plural, summarize, unknown_instances_warning,
 )
 from specproxy.analyze.tdist import t_ppf as _t_ppf
 from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval
@@ -248,7 +248,9 @@ def test_negative_control_splits_by_instance():
 def test_instance_warning_fits_the_arms_instances():
     assert instance_warning({"x"}, {"x"}) == CONFOUNDED_WARNING
     assert instance_warning({"x"}, {"y"}) == SEPARATE_INSTANCES_WARNING
-    assert instance_warning({"x"}, None) == CONFOUNDED_WARNING == instance_warning(None, ["y"])
+    # one arm's instances unknown (a server without /metrics): said so, not "inside one instance"
+    assert instance_warning({"x"}, None) == unknown_instances_warning("b")
+    assert instance_warning(None, ["y"]) == unknown_instances_warning("a")
     assert instance_warning({"x"}, {"y", "z"}) is None and instance_warning(None, None) is None
     assert instance_warning({"x", "y"}, {"x", "y"}) is None
 

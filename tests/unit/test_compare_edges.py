@@ -1,0 +1,105 @@
+"""compare at its edges: the negative control's direction, an arm against itself, labels that cannot be
+arms or do not exist, and arms whose server instances are unknown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specproxy.analyze.compare import negative_control_report, parse_arm, render_compare
+from specproxy.analyze.stats import CONFOUNDED_WARNING
+from specproxy.app.fake_upstream import make_record
+from specproxy.store.db import Writer, open_existing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specproxy.app.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    """"split": 12 streamed turns without instance ids, half with TTFT and whole turn ~1 s, half ~3 s
+    (random halves of it often differ); "known" and "unknown": 10 turns each, in one server instance
+    and in none known (a server without /metrics)."""
+    path = tmp_path_factory.mktemp("edges") / "edges.db"
+    w = Writer(path)
+    rng = np.random.default_rng(5)
+    t = 0.0
+    for i in range(12):
+        ttft = (1.0 if i % 2 else 3.0) * float(rng.lognormal(0.0, 0.01))
+        w.put(make_record(label="split", t_wall=t, ttft_s=ttft, decode_s=1.0, total_s=ttft + 1.0,
+                          completion_tokens=50, first_chunk_tokens=0))
+        t += 10.0
+    for label, iid in (("known", "inst-1"), ("unknown", None)):
+        for _ in range(10):
+            w.put(make_record(label=label, instance_id=iid, t_wall=t, ttft_s=0.5 * float(rng.lognormal(0.0, 0.1)),
+                              completion_tokens=50))
+            t += 10.0
+    w.close()
+    return path
+
+
+def test_the_negative_control_names_the_direction_of_a_time_right(db):
+    """TTFT and whole turn are lower-is-better: a half whose median is higher is slower, not faster (it
+    said "faster (B's ttft_s is lower)" of B/A 1.74)."""
+    seen = 0
+    for seed in range(20):
+        with open_existing(str(db)) as conn:
+            r = negative_control_report(conn, parse_arm("split"), seed=seed)
+        text = render_compare(r)
+        for row in r["rows"]:
+            if row["verdict"] not in ("faster", "slower"):
+                continue
+            seen += 1
+            higher = row["estimate"] > 1
+            assert row["verdict"] == ("faster" if higher == row["higher_is_better"] else "slower"), row
+            if not row["higher_is_better"]:
+                assert f"(B's {row['metric']} is {'higher' if higher else 'lower'})" in text
+    assert seen >= 2  # the halves of this arm differ often enough to have verdicts to check
+
+
+def test_an_arm_against_itself_is_refused_in_one_line(db):
+    for arms in (("split", "split"), ("@0..100", "@0..100")):
+        proc = cli("compare", *arms, "--db", str(db))
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "an arm against itself" in proc.stderr and "--negative-control" in proc.stderr
+
+
+def test_an_unknown_label_lists_the_labels_there_are(db):
+    for args in (("split", "nope"), ("nope", "--negative-control")):
+        proc = cli("compare", *args, "--db", str(db))
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "'nope': no turn has this label (its labels are known, split, unknown;" in proc.stderr
+
+
+def test_an_arm_with_unknown_instances_is_said_so_not_confounded(db):
+    """Arm A ran on a server without /metrics, arm B in one instance: not "an A/B inside one server
+    instance", which would say they shared it."""
+    proc = cli("compare", "unknown", "known", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    for row in r["rows"]:
+        assert CONFOUNDED_WARNING not in row["warnings"]
+        assert any("arm a's server instances are unknown" in w for w in row["warnings"]), row
+    text = cli("compare", "unknown", "known", "--db", str(db)).stdout
+    assert CONFOUNDED_WARNING not in text and text.count("server instances are unknown") == 1
+
+
+@pytest.mark.parametrize("args", [
+    ("serve", "--upstream", "http://127.0.0.1:9", "--label", "@new"),
+    ("bench", "--upstream", "http://127.0.0.1:9", "--label", "a,@b"),
+])
+def test_a_label_beginning_with_at_is_refused(args, tmp_path):
+    """compare reads "@..." as a time window, so such a label could never be named as an arm."""
+    proc = cli(*args, "--db", str(tmp_path / "x.db"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "begins with '@'" in proc.stderr and "time window" in proc.stderr
+    assert not (tmp_path / "x.db").exists()
