@@ -131,7 +131,7 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     if conn is not None:
-        report["server"] = server_section(conn, ok, span=turns)
+        report["server"] = server_section(conn, ok, span=turns, until=(window or {}).get("until"))
     return report
 
 
