@@ -29,11 +29,11 @@ from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
 from specproxy.store.dataset import Turns, load_turns, parse_time
 from specproxy.store.queries import Connection, turn_labels
 from specproxy.errors import ConfigError
+from specproxy.analyze.control import negative_control
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
     bootstrap_ratio,
     instance_warning,
-    negative_control,
     plural,
 )
 

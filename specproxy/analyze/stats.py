@@ -1,4 +1,4 @@
-"""The statistics core: summaries, A/B ratios, negative controls.
+"""The statistics core: summaries and A/B ratios (the negative control is in ``control``).
 
 Why: on inference hardware one config varies a lot from run to run, and two restarts of the
 same config can give non-overlapping intervals (docs/statistics.md). A bare median,
@@ -65,7 +65,7 @@ from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
     "Summary", "summarize", "summarize_clustered", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
-    "negative_control", "ND", "CONFOUNDED_WARNING", "unknown_instances_warning", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
+    "ND", "CONFOUNDED_WARNING", "unknown_instances_warning", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
     "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
     "median_excess", "median_tail", "MEDIAN_EXCESS",
 ]
@@ -485,31 +485,3 @@ def plural(n: int | None, noun: str) -> str:
     if n is None:
         return f"{noun}s unknown"
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int = 0,
-                     stat: str = "median", n_boot: int = 2000, level: float = 0.95,
-                     higher_is_better: bool = True) -> Ratio:
-    """A against A: split one arm into random halves and compare them with bootstrap_ratio.
-
-    With several instances the split is by instance (whole instances to each half), else by
-    request. Should be "not distinguishable" about ``level`` of the time; when it is not, the
-    instrument or the assumption of independent requests is broken. ``higher_is_better`` as in
-    ``bootstrap_ratio``: False for times (TTFT, whole turn), so that a verdict names the right
-    direction.
-    """
-    x, lab, uniq = clean_labelled(values, clusters)
-    rng = np.random.default_rng(seed)
-    k = len(uniq)
-    if k >= 2:
-        perm = rng.permutation(k)
-        in_a = np.isin(lab, perm[: k // 2])
-    else:
-        in_a = np.zeros(x.size, dtype=bool)
-        in_a[rng.permutation(x.size)[: x.size // 2]] = True
-    ca, cb = (None, None) if lab is None else (lab[in_a], lab[~in_a])
-    return bootstrap_ratio(x[in_a], x[~in_a], higher_is_better=higher_is_better, stat=stat, clusters_a=ca,
-                           clusters_b=cb, n_boot=n_boot, seed=int(rng.integers(2**32)),
-                           level=level)
-
-

@@ -43,6 +43,12 @@ def db(tmp_path_factory) -> Path:
             w.put(make_record(label=label, instance_id=iid, t_wall=t, ttft_s=0.5 * float(rng.lognormal(0.0, 0.1)),
                               completion_tokens=50))
             t += 10.0
+    for k in range(3):  # "three": 10 turns in each of 3 instances, the last 2.3x faster
+        for _ in range(10):
+            w.put(make_record(label="three", instance_id=f"three-{k}", t_wall=t, completion_tokens=300,
+                              decode_s=300 / (50 * (2.3 if k == 2 else 1.0) * float(rng.lognormal(0.0, 0.15))),
+                              first_chunk_tokens=0))
+            t += 10.0
     w.close()
     return path
 
@@ -77,7 +83,7 @@ def test_an_unknown_label_lists_the_labels_there_are(db):
     for args in (("split", "nope"), ("nope", "--negative-control")):
         proc = cli("compare", *args, "--db", str(db))
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert "'nope': no turn has this label (its labels are known, split, unknown;" in proc.stderr
+        assert "'nope': no turn has this label (its labels are known, split, three, unknown;" in proc.stderr
 
 
 def test_an_arm_with_unknown_instances_is_said_so_not_confounded(db):
@@ -103,3 +109,17 @@ def test_a_label_beginning_with_at_is_refused(args, tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "begins with '@'" in proc.stderr and "time window" in proc.stderr
     assert not (tmp_path / "x.db").exists()
+
+
+def test_a_control_over_too_few_instances_says_so_instead_of_a_verdict(db):
+    """3 instances split 1 against 2: the control called decode "slower" on 3 of 8 seeds when one instance
+    ran 2.3x faster. It cannot be calibrated there (tests/unit/test_control_calibration.py)."""
+    why = "3 instances: a negative control over instances needs at least 4 per arm"
+    for seed in range(8):
+        proc = cli("compare", "three", "--negative-control", "--db", str(db), "--json", "--seed", str(seed))
+        assert proc.returncode == 0, proc.stderr
+        for row in json.loads(proc.stdout)["rows"]:
+            assert row["verdict"] == f"no interval ({why})" and row["ci_low"] is None, row
+    text = cli("compare", "three", "--negative-control", "--db", str(db)).stdout
+    assert text.count(f"no interval ({why})") == 3 and "faster" not in text and "slower" not in text
+    assert "warning: this arm ran in 3 server instances, so a split by instance is 1 against 2" in text
