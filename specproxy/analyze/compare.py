@@ -30,6 +30,7 @@ from specproxy.store.dataset import Turns, load_turns, parse_time
 from specproxy.store.queries import Connection, turn_labels
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
+from specproxy.analyze.workload import ROW_NEEDS, describe, differences
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
     bootstrap_ratio,
@@ -69,7 +70,7 @@ def parse_arm(spec: str) -> Arm:
 
 # the columns a comparison reads
 COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
-                   "streamed", "conn_id")
+                   "streamed", "conn_id", "prompt_tokens", "api")
 
 
 def _load(conn: Connection, arm: Arm, cache: bool = False) -> Turns:
@@ -186,10 +187,33 @@ def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = Fa
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    for row in rows:
+        _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
             **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
             "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
             "rows": rows}
+
+
+def _workload_guard(row: dict[str, Any], a: Turns, b: Turns) -> None:
+    """A row whose figure depends on the workload (workload.py) gives no verdict where the arms'
+    workloads differ materially: it says how (``workload_differs`` in JSON, a warning in the text)."""
+    diffs = differences(a, b, ROW_NEEDS.get(row["metric"], ()))
+    row["workload_differs"] = diffs
+    if not diffs:
+        return
+    said = "; ".join(describe(d) for d in diffs)
+    if not row["verdict"].startswith("no interval"):
+        row["verdict"] = f"no verdict (workloads differ: {', '.join(_short(d) for d in diffs)})"
+    row["warnings"] = [*row.get("warnings", []), f"{row['label']} depends on the workload, and the arms' differ: "
+                       f"{said} (docs/report.md)"]
+
+
+def _short(diff: dict[str, Any]) -> str:
+    if "ratio" in diff:
+        return f"{diff['feature'].split('_')[0]} tokens {diff['ratio']:.2f}x"
+    return "API mix" if diff["feature"] == "api" else "streamed share"
 
 
 def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level: float) -> dict[str, Any]:

@@ -123,3 +123,47 @@ def test_a_control_over_too_few_instances_says_so_instead_of_a_verdict(db):
     text = cli("compare", "three", "--negative-control", "--db", str(db)).stdout
     assert text.count(f"no interval ({why})") == 3 and "faster" not in text and "slower" not in text
     assert "warning: this arm ran in 3 server instances, so a split by instance is 1 against 2" in text
+
+
+@pytest.fixture(scope="module")
+def windows_db(tmp_path_factory) -> Path:
+    """One setting in two time windows: the same speeds, but window B held three 300-token answers among
+    short ones, and longer prompts."""
+    path = tmp_path_factory.mktemp("windows") / "windows.db"
+    w = Writer(path)
+    rng = np.random.default_rng(9)
+    for t0, long_answers, prompt in ((0.0, 0, 400), (10_000.0, 3, 1200)):
+        t = t0
+        for i in range(20):
+            tokens = 300 if i < long_answers else 30
+            tps = 50 * float(rng.lognormal(0.0, 0.1))
+            ttft = 0.2 * prompt / 400 * float(rng.lognormal(0.0, 0.1))
+            w.put(make_record(label="one", t_wall=t, ttft_s=ttft, decode_s=tokens / tps, total_s=ttft + tokens / tps,
+                              decode_tps=tps, completion_tokens=tokens, first_chunk_tokens=0, prompt_tokens=prompt,
+                              api="chat"))
+            t += ttft + tokens / tps + 5.0
+    w.close()
+    return path
+
+
+def test_windows_whose_workloads_differ_get_no_verdict_on_rows_that_depend_on_it(windows_db):
+    proc = cli("compare", "@0..9000", "@9000..20000", "--db", str(windows_db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = {row["metric"]: row for row in json.loads(proc.stdout)["rows"]}
+    assert r["aggregate_tps"]["verdict"].startswith("no verdict (workloads differ: prompt tokens 3.00x, completion "
+                                                    "tokens 2.35x")
+    assert r["aggregate_tps"]["estimate"] is not None and r["aggregate_tps"]["ci_low"] is not None
+    assert [d["feature"] for d in r["aggregate_tps"]["workload_differs"]] == ["prompt_tokens", "completion_tokens"]
+    assert r["ttft_s"]["verdict"] == "no verdict (workloads differ: prompt tokens 3.00x)"
+    assert r["total_s"]["verdict"].startswith("no verdict (workloads differ")
+    assert r["decode_tps"]["verdict"] in ("not distinguishable", "faster", "slower")  # per token: kept
+    assert r["decode_tps"]["workload_differs"] == []
+    text = cli("compare", "@0..9000", "@9000..20000", "--db", str(windows_db)).stdout
+    assert ("warning: aggregate throughput (tok/s) depends on the workload, and the arms' differ: prompt tokens per "
+            "turn: mean 400 in A, 1200 in B (3.00x); completion tokens per turn: mean 30 in A, 70 in B (2.35x)") in text
+
+
+def test_labels_whose_workloads_agree_keep_their_verdicts(db):
+    proc = cli("compare", "known", "unknown", "--db", str(db), "--json")
+    for row in json.loads(proc.stdout)["rows"]:
+        assert row["workload_differs"] == [] and not row["verdict"].startswith("no verdict"), row
