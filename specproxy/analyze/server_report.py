@@ -160,7 +160,8 @@ def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None,
     start, done = _turn_times(turns) if len(turns) else (np.empty(0), np.empty(0))
     # the server's running requests at the scrapes taken while these turns were in flight: idle time
     # between and around them is not their operating point
-    during = [s for s in samples if len(turns) and _busy(np.array([s.t_wall]), start, done)[0]]
+    busy = _busy(np.array([x.t_wall for x in samples]), start, done) if len(turns) else np.zeros(len(samples), bool)
+    during = [x for x, b in zip(samples, busy) if b]
     out["requests_running"] = _dist(running_distribution(during), MIN_RUNNING_SCRAPES)
     out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
     d = window_counters(samples, samples[0].t_mono, samples[-1].t_mono)
