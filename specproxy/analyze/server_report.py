@@ -157,6 +157,7 @@ def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None,
     if not samples:
         return out
     out["server_kind"] = samples[-1].snapshot.server_kind
+    out["span"] = {k: bounds[k] for k in ("first_scrape", "last_scrape", "turns_from", "turns_to")}
     start, done = _turn_times(turns) if len(turns) else (np.empty(0), np.empty(0))
     # the server's running requests at the scrapes taken while these turns were in flight: idle time
     # between and around them is not their operating point
@@ -211,7 +212,7 @@ def _f(v: Any, fmt: str) -> str:
 
 def _scrape_counts(s: dict[str, Any]) -> str:
     """"N scrapes, M failed", and the latest failure's error when any failed."""
-    text = f"{s.get('scrapes', 0)} scrapes, {s.get('scrape_failures', 0)} failed"
+    text = f"{plural(s.get('scrapes', 0), 'scrape')}, {s.get('scrape_failures', 0)} failed"
     error = s.get("last_scrape_error") if s.get("scrape_failures") else None
     return text + (f" (last error: {error})" if error else "")
 
@@ -270,6 +271,9 @@ def render_server(s: dict[str, Any]) -> list[str]:
                      f"max {_f(r['max'], '{:.0f}')} (at the {r['n']} scrapes taken while these turns were in flight); "
                      f"{proxy}")
     w = s.get("window")
+    if not w and s.get("span"):
+        lines.append("  no counters over these turns yet: no two successful scrapes around them (the span closes at "
+                     "the first scrape after the last turn's end)")
     if w:
         lines.extend(_window_lines(w))
         lines.append(f"  MAL {_f(w['mal'], '{:.2f}')} ({w['mal_source'] or 'no counters'}; acceptance rate "

@@ -100,6 +100,7 @@ def test_the_same_report_gives_the_same_counters_whenever_it_runs(fine):
     assert "1.00 s of it (6%) outside the turns" in text
     assert "server generated 188.2 tok/s" in text and "delivered to clients 188.2 tok/s" in text
     assert "server running median 2, p95 2, max 2 (at the 16 scrapes taken while these turns were in flight)" in text
+    assert "\n  MAL - (no counters; " in text and "no counters over these turns yet" not in text
 
 
 def test_the_span_never_reads_past_until(fine):
@@ -151,3 +152,19 @@ def test_the_command_line_says_the_same_twice(fine):
     first = run()
     later(path, times, T0 + 300.0)
     assert run() == first
+
+
+def test_before_a_scrape_closes_the_span_it_says_so(tmp_path):
+    """`report` run while the last turns are newer than the newest scrape (every 5 s by default): no
+    counters yet, and why, instead of rates over whatever scrapes there are."""
+    path = tmp_path / "open.db"
+    times = turn_times(T0 + 60.5)
+    w = Writer(path)
+    write_turns(w, "B", times)
+    write_scrapes(w, times, 5.0, T0 + 55.0, T0 + 60.0)  # the last one before the turns, none since
+    w.close()
+    r = report(path, label="B")
+    assert "window" not in r["server"] and r["server"]["span"]["first_scrape"] == T0 + 60.0
+    text = render_text(r)
+    assert "Server's own counters (llamacpp; 1 scrape, 0 failed; 1 server instance)" in text
+    assert "no counters over these turns yet: no two successful scrapes around them" in text
