@@ -17,7 +17,7 @@ from yarl import URL
 
 from specproxy.errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "UPSTREAM_REUSE_MODES", "Config",
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
            "child_environment", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
@@ -203,6 +203,13 @@ def carries_credentials(header: str) -> bool:
             or any(part in SECRET_PARTS for part in name.replace("_", "-").split("-")))
 
 
+def check_label(label: str, what: str = "--label") -> None:
+    """A label ``compare`` can name as an arm: one that begins with ``@`` would be read as a time window."""
+    if label.startswith("@"):
+        raise ConfigError(f"{what} {label!r} begins with '@', which compare reads as a time window "
+                          "(@START..END): choose a label that does not")
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -228,6 +235,8 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"upstream_reuse must be one of {', '.join(UPSTREAM_REUSE_MODES)}, not {cfg.upstream_reuse!r}")
     if cfg.scrape_interval_s < 0:
         raise ConfigError("scrape_interval_s must be >= 0")
+    if cfg.label is not None:
+        check_label(cfg.label, "label")
     if cfg.scrape_retention_days < 0:
         raise ConfigError("scrape_retention_days must be >= 0 (0 keeps every scrape)")
     if cfg.admin_token is not None and len(cfg.admin_token) < 16:

@@ -59,7 +59,7 @@ import numpy as np
 
 from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled, take_last
 from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, combine, instance_parts, log_var,
-                                     no_interval)
+                                     no_interval, unknown_instances_warning)
 
 __all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
            "aggregate_batch", "effective_turns", "lumpy_reason", "N_REPLAY"]
@@ -287,8 +287,7 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
                         "a mix of short and long turns needs more turns per arm)")
         return result(est, verdict=no_interval(lumpy))
     if (clusters_a is None) != (clusters_b is None):
-        warnings.append(f"arm {'a' if clusters_a is None else 'b'} has no instance labels: its "
-                        "restart-to-restart variance is not in the interval")
+        warnings.append(unknown_instances_warning("a" if clusters_a is None else "b"))
     rng = np.random.default_rng(seed)
     comps = {}
     for name, (t, w, lab, uniq) in arms.items():

@@ -27,13 +27,14 @@ import numpy as np
 from specproxy.analyze import arrays
 from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
 from specproxy.store.dataset import Turns, load_turns, parse_time
-from specproxy.store.queries import Connection
+from specproxy.store.queries import Connection, turn_labels
 from specproxy.errors import ConfigError
+from specproxy.analyze.control import negative_control
+from specproxy.analyze.workload import ROW_NEEDS, describe, differences
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
     bootstrap_ratio,
     instance_warning,
-    negative_control,
     plural,
 )
 
@@ -69,12 +70,25 @@ def parse_arm(spec: str) -> Arm:
 
 # the columns a comparison reads
 COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
-                   "streamed", "conn_id")
+                   "streamed", "conn_id", "prompt_tokens", "api")
 
 
 def _load(conn: Connection, arm: Arm, cache: bool = False) -> Turns:
     turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until, columns=COMPARE_COLUMNS, cache=cache)
     return turns.select(turns.ok) if len(turns) else turns
+
+
+def _no_turns(conn: Connection, arm: Arm) -> str:
+    """Why an arm is empty, in one line: a label that no turn carries lists the labels that exist."""
+    why = f"arm {arm.name!r} has no completed turns in this database"
+    if arm.label is None:
+        return why
+    labels = turn_labels(conn)
+    if arm.label in labels:
+        return why
+    shown = ", ".join(labels[:20]) + (f" and {len(labels) - 20} more" if len(labels) > 20 else "")
+    known = f"its labels are {shown}" if labels else "no turn in it has a label"
+    return f"arm {arm.name!r}: no turn has this label ({known}; a time window is written @START..END)"
 
 
 def _kinds(turns: Turns) -> tuple[Turns, Turns]:
@@ -153,10 +167,13 @@ def check_level(level: float) -> None:
 def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False,
             level: float = 0.95) -> dict[str, Any]:
     check_level(level)
+    if (a.label, a.since, a.until) == (b.label, b.since, b.until):
+        raise ConfigError(f"compare {a.name} {b.name}: an arm against itself says nothing; to check the instrument "
+                          f"on one arm, run `compare {a.name} --negative-control`")
     ta, tb = _load(conn, a, cache), _load(conn, b, cache)
-    if not len(ta) or not len(tb):
-        empty = a.name if not len(ta) else b.name
-        raise ConfigError(f"arm {empty!r} has no completed turns in this database")
+    for arm, turns in ((a, ta), (b, tb)):
+        if not len(turns):
+            raise ConfigError(_no_turns(conn, arm))
     ca, cb = _clusters(ta), _clusters(tb)
     (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
     rows = [_ratio_row(metric, sa, sb, "streamed", seed, level) for metric in METRICS]
@@ -170,15 +187,38 @@ def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = Fa
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    for row in rows:
+        _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
             **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
             "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
             "rows": rows}
 
 
+def _workload_guard(row: dict[str, Any], a: Turns, b: Turns) -> None:
+    """A row whose figure depends on the workload (workload.py) gives no verdict where the arms'
+    workloads differ materially: it says how (``workload_differs`` in JSON, a warning in the text)."""
+    diffs = differences(a, b, ROW_NEEDS.get(row["metric"], ()))
+    row["workload_differs"] = diffs
+    if not diffs:
+        return
+    said = "; ".join(describe(d) for d in diffs)
+    if not row["verdict"].startswith("no interval"):
+        row["verdict"] = f"no verdict (workloads differ: {', '.join(_short(d) for d in diffs)})"
+    row["warnings"] = [*row.get("warnings", []), f"{row['label']} depends on the workload, and the arms' differ: "
+                       f"{said} (docs/report.md)"]
+
+
+def _short(diff: dict[str, Any]) -> str:
+    if "ratio" in diff:
+        return f"{diff['feature'].split('_')[0]} tokens {diff['ratio']:.2f}x"
+    return "API mix" if diff["feature"] == "api" else "streamed share"
+
+
 def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
     key, col, label, higher = metric
-    r = negative_control(turns.num[col], _clusters(turns), seed=seed, level=level)
+    r = negative_control(turns.num[col], _clusters(turns), seed=seed, level=level, higher_is_better=higher)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
             "a_median": None, "b_median": None, **r.to_dict()}
 
@@ -191,7 +231,7 @@ def negative_control_report(conn: Connection, a: Arm, *, seed: int = 0, cache: b
     check_level(level)
     ta = _load(conn, a, cache)
     if not len(ta):
-        raise ConfigError(f"arm {a.name!r} has no completed turns in this database")
+        raise ConfigError(_no_turns(conn, a))
     ca = _clusters(ta)
     streamed, whole = _kinds(ta)
     rows = [_control_row(metric, streamed, "streamed", seed, level) for metric in METRICS]

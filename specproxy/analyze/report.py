@@ -131,7 +131,7 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     if conn is not None:
-        report["server"] = server_section(conn, ok, span=turns)
+        report["server"] = server_section(conn, ok, span=turns, until=(window or {}).get("until"))
     return report
 
 
@@ -153,13 +153,34 @@ def _usage_gap(ok: Turns) -> dict[str, Any]:
 
 
 def _prompt(ok: Turns) -> dict[str, Any]:
+    """Each part's median tokens per turn, and its share of all prompt tokens: the parts' sums over the
+    turns that have every part, over those turns' prompt tokens. The parts of a turn add up to its
+    prompt, so the shares add up to 1 (the medians need not add up to the median prompt, and shares of
+    it did not: ~70%)."""
     total = ok.num["prompt_tokens"]
     out: dict[str, Any] = {"prompt_tokens": _summary(total)}
-    med_total = out["prompt_tokens"]["median"]
+    whole = np.isfinite(total)
+    for part in PROMPT_PARTS:
+        whole &= np.isfinite(ok.num[part])
+    tokens = float(np.sum(total[whole]))
+    out["split_turns"] = int(whole.sum())
+    out["split_tokens"] = tokens if whole.any() else None
     for part in PROMPT_PARTS:
         s = _summary(ok.num[part])
-        s["share_of_median_prompt"] = (s["median"] / med_total) if s["median"] is not None and med_total else None
+        s["tokens"] = float(np.sum(ok.num[part][whole])) if whole.any() else None
+        s["share_of_prompt_tokens"] = s["tokens"] / tokens if whole.any() and tokens > 0 else None
         out[part] = s
+    return out
+
+
+def _percents(shares: list[float | None]) -> list[int | None]:
+    """Shares as whole percents that add up to 100 (largest remainders), as the shares add up to 1."""
+    if any(v is None for v in shares):
+        return [None if v is None else round(v * 100) for v in shares]
+    raw = [v * 100 for v in shares]
+    out = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[:max(0, round(sum(raw)) - sum(out))]:
+        out[i] += 1
     return out
 
 
@@ -298,13 +319,13 @@ def render_text(r: dict[str, Any]) -> str:
         lines.extend(_figure_rows(r["non_streamed"], NON_STREAMED_FIGURES))
     p = r["prompt"]
     lines.append("")
-    lines.append("Prompt make-up (median tokens per turn; share of the median prompt)")
+    lines.append(f"Prompt make-up (median tokens per turn; share of all prompt tokens, over the {p['split_turns']} "
+                 "turns split into parts)")
     lines.append(f"  prompt_tokens {_fmt(p['prompt_tokens']['median'], '{:.0f}')} "
                  f"(p95 {_fmt(p['prompt_tokens']['p95'], '{:.0f}')}, n {p['prompt_tokens']['n']})")
-    for part, name in zip(PROMPT_PARTS, ("system", "tools", "history", "new message")):
-        s = p[part]
-        share = s["share_of_median_prompt"]
-        lines.append(f"  {name:12} {_fmt(s['median'], '{:.0f}'):>8}  {_fmt(share * 100 if share is not None else None, '{:.0f}'):>3}%")
+    percents = _percents([p[part]["share_of_prompt_tokens"] for part in PROMPT_PARTS])
+    for part, name, pct in zip(PROMPT_PARTS, ("system", "tools", "history", "new message"), percents):
+        lines.append(f"  {name:12} {_fmt(p[part]['median'], '{:.0f}'):>8}  {_fmt(pct, '{:.0f}'):>3}%")
     sys_med, tools_med = p["prompt_system_tokens"]["median"], p["prompt_tools_tokens"]["median"]
     if sys_med or tools_med:
         lines.append(f"  -> the client injects {_fmt(sys_med, '{:.0f}')} tokens of system prompt and "

@@ -9,15 +9,17 @@ per second = per-stream decode speed / MAL.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
 from specproxy.store.dataset import Turns, distinct
-from specproxy.store.queries import Connection, lone_turn_mal, scrape_rows
+from specproxy.store.queries import (Connection, lone_turn_mal, scrape_at_or_after, scrape_at_or_before,
+                                     scrape_rows)
 from specproxy.observe.counters import ScrapeSample, running_distribution, window_counters
 from specproxy.observe.server_metrics import Snapshot
-from specproxy.analyze.stats import summarize
+from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["server_section", "render_server"]
 
@@ -55,25 +57,98 @@ def _turn_counters(conn: Connection, rowids: np.ndarray) -> tuple[np.ndarray, np
     return pos[hit], mal[hit]
 
 
-def _around(turns: Turns) -> tuple[float, float]:
-    """The wall-time window the scrapes are read over: just around these (non-empty) turns."""
+# Padding (scraped time outside the turns) above this share of the span: the rates would be diluted by
+# as much, so counts are given instead of rates (docs/report.md)
+COARSE_SHARE = 0.10
+# fewer scrapes than this while the turns were in flight: the values seen, not a median and p95
+MIN_RUNNING_SCRAPES = 5
+
+
+def _turn_times(turns: Turns) -> tuple[np.ndarray, np.ndarray]:
     start = turns.num["t_wall"]
-    end = start + np.nan_to_num(turns.num["total_s"])
-    return float(np.min(start)) - 60.0, float(np.max(end)) + 60.0
+    return start, start + np.nan_to_num(turns.num["total_s"])
 
 
-def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None) -> dict[str, Any]:
+def _span(conn: Connection, turns: Turns, until: float | None) -> dict[str, Any]:
+    """The scrapes the counters are read between, fixed by the turns alone (so a report gives the same
+    figures whenever it runs): the last successful scrape at or before the first turn's start and the
+    first at or after the last turn's end, never past ``until``. Where there is none, the nearest one
+    inside the turns' time (the span then cuts them: said by ``cut_s``). ``from``/``to``: where the
+    failed scrapes are counted: from the same start (the last attempt before the turns when none
+    succeeded) to the first attempt, failed or not, after the last turn's end."""
+    start, end = _turn_times(turns)
+    first, last = float(np.min(start)), float(np.max(end))
+    stop = last if until is None else min(last, until)
+    s1 = scrape_at_or_after(conn, last, until)
+    if s1 is None:
+        s1 = scrape_at_or_before(conn, stop)
+    s0 = scrape_at_or_before(conn, first)
+    if s0 is None and s1 is not None:
+        s0 = scrape_at_or_after(conn, first, s1)
+    lo = s0 if s0 is not None else (scrape_at_or_before(conn, first, ok=False) or first)
+    after = scrape_at_or_after(conn, last, until, ok=False)  # the first attempt after, failed or not
+    hi = max(s1 if s1 is not None else stop, after if after is not None else stop)
+    return {"from": lo, "to": max(hi, lo), "first_scrape": s0, "last_scrape": s1, "turns_from": first,
+            "turns_to": last}
+
+
+def _busy(t: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Which times ``t`` fall while at least one of the turns [start, end] was in flight."""
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], np.maximum.accumulate(end[order])
+    i = np.searchsorted(s, t, side="right") - 1  # the last turn started at or before t
+    return (i >= 0) & (e[np.maximum(i, 0)] >= t)
+
+
+def _window(d, span: dict[str, Any], delivered: float | None, per_stream: float | None,
+            w0: float, w1: float) -> dict[str, Any]:
+    """The counters over the span: rates, unless the span's padding would dilute them (then counts)."""
+    first, last = span["turns_from"], span["turns_to"]
+    seconds = w1 - w0
+    padding = max(0.0, min(first, w1) - w0) + max(0.0, w1 - max(last, w0))
+    share = padding / seconds if seconds > 0 else None
+    coarse = share is not None and share > COARSE_SHARE
+    rate = (lambda v: None) if coarse else (lambda v: v)
+    return {
+        "seconds": d.seconds,
+        "from": w0, "to": w1,
+        "turns_from": first, "turns_to": last,
+        "padding_s": padding,
+        "padding_share": share,
+        "cut_s": max(0.0, last - w1),  # the turns' time after the span's end (--until, or no scrape yet)
+        "coarse": coarse,
+        "segments": d.segments,
+        "generated_tps": rate(d.generated_tps),
+        "accepted_draft_tps": rate(d.accepted_tps),
+        "delivered_tps": rate(delivered / d.seconds) if delivered is not None else None,
+        "generated_tokens": d.generated_tokens,
+        "delivered_tokens": delivered,
+        "mal": d.mal,
+        "mal_source": d.mal_source,
+        "acceptance_rate": d.acceptance_rate,
+        "drafts": d.drafts,
+        "draft_tokens": d.draft_tokens,
+        "accepted_tokens": d.accepted_tokens,
+        "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
+    }
+
+
+def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None,
+                   until: float | None = None) -> dict[str, Any]:
     """Everything the server's counters add to a report over these turns' window.
 
     ``span``: all of the report's turns, failed ones included; when none of ``turns`` is there (every
     turn failed, e.g. the upstream never answered) the scrapes are counted over their window instead,
-    so that the failed scrapes of that time are said, not "none recorded"."""
+    so that the failed scrapes of that time are said, not "none recorded". ``until``: the report's
+    --until: no scrape after it is read."""
     window = turns if len(turns) or span is None else span
     if not len(window):
         return {"scrapes": 0}
-    t0, t1 = _around(window)
-    start = turns.num["t_wall"]
-    samples, failures, last_error = _samples(conn, t0, t1)
+    bounds = _span(conn, window, until)
+    samples, failures, last_error = _samples(conn, bounds["from"], bounds["to"])
+    s0, s1 = bounds["first_scrape"], bounds["last_scrape"]
+    # the counters over the successful scrapes of the span (none when no successful scrape bounds the turns)
+    samples = [] if s0 is None or s1 is None else [x for x in samples if s0 <= x.t_wall <= s1]
     out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures, "last_scrape_error": last_error}
     instances = sorted({s.instance_id for s in samples if s.instance_id})
     turn_instances = sorted(str(i) for i in distinct(turns.txt["instance_id"]) if i)
@@ -82,31 +157,22 @@ def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None)
     if not samples:
         return out
     out["server_kind"] = samples[-1].snapshot.server_kind
-    running = running_distribution(samples)
-    out["requests_running"] = _dist(running)
+    out["span"] = {k: bounds[k] for k in ("first_scrape", "last_scrape", "turns_from", "turns_to")}
+    start, done = _turn_times(turns) if len(turns) else (np.empty(0), np.empty(0))
+    # the server's running requests at the scrapes taken while these turns were in flight: idle time
+    # between and around them is not their operating point
+    busy = _busy(np.array([x.t_wall for x in samples]), start, done) if len(turns) else np.zeros(len(samples), bool)
+    during = [x for x, b in zip(samples, busy) if b]
+    out["requests_running"] = _dist(running_distribution(during), MIN_RUNNING_SCRAPES)
     out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
     d = window_counters(samples, samples[0].t_mono, samples[-1].t_mono)
     streamed = turns.num["streamed"] == 1  # per-stream speed and tokens per chunk are theirs alone
     per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
         w0, w1 = samples[0].t_wall, samples[-1].t_wall
-        done = start + np.nan_to_num(turns.num["total_s"])
         inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])
-        delivered = float(np.sum(turns.num["completion_tokens"][inside]))
-        out["window"] = {
-            "seconds": d.seconds,
-            "segments": d.segments,
-            "generated_tps": d.generated_tps,
-            "accepted_draft_tps": d.accepted_tps,
-            "delivered_tps": delivered / d.seconds if inside.any() else None,
-            "mal": d.mal,
-            "mal_source": d.mal_source,
-            "acceptance_rate": d.acceptance_rate,
-            "drafts": d.drafts,
-            "draft_tokens": d.draft_tokens,
-            "accepted_tokens": d.accepted_tokens,
-            "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
-        }
+        delivered = float(np.sum(turns.num["completion_tokens"][inside])) if inside.any() else None
+        out["window"] = _window(d, bounds, delivered, per_stream, w0, w1)
     # the join is over streamed turns: a non-streamed reply is one chunk of all its tokens, which says
     # nothing about steps, and it has no decode speed to divide by the MAL
     order = np.flatnonzero(streamed)
@@ -127,13 +193,15 @@ def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None)
             "forward_passes_per_s": summarize(fwd).to_dict(),
         }
     return out
-
-
-def _dist(values) -> dict[str, Any]:
+def _dist(values, least: int = 1) -> dict[str, Any]:
+    """n, median, p95 and max; below ``least`` values, the values themselves instead of a median and p95."""
     arr = np.asarray(list(values), dtype=float)
     arr = arr[np.isfinite(arr)]
     if not arr.size:
         return {"n": 0, "median": None, "p95": None, "max": None}
+    if arr.size < least:
+        return {"n": int(arr.size), "median": None, "p95": None, "max": float(arr.max()),
+                "values": [float(v) for v in arr]}
     return {"n": int(arr.size), "median": float(np.median(arr)), "p95": float(np.percentile(arr, 95)),
             "max": float(arr.max())}
 
@@ -144,9 +212,36 @@ def _f(v: Any, fmt: str) -> str:
 
 def _scrape_counts(s: dict[str, Any]) -> str:
     """"N scrapes, M failed", and the latest failure's error when any failed."""
-    text = f"{s.get('scrapes', 0)} scrapes, {s.get('scrape_failures', 0)} failed"
+    text = f"{plural(s.get('scrapes', 0), 'scrape')}, {s.get('scrape_failures', 0)} failed"
     error = s.get("last_scrape_error") if s.get("scrape_failures") else None
     return text + (f" (last error: {error})" if error else "")
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%S.%f")[:-4]
+
+
+def _window_lines(w: dict[str, Any]) -> list[str]:
+    """The span the counters were read over, said; then the rates, or the counts when the span's
+    padding (scraped time outside the turns) would dilute the rates by more than ``COARSE_SHARE``."""
+    span = (f"  over {w['seconds']:.1f} s, between the scrapes at {_clock(w['from'])} and {_clock(w['to'])} UTC "
+            f"(the turns ran from {_clock(w['turns_from'])} to {_clock(w['turns_to'])})")
+    if w["padding_share"] is not None:
+        span += f": {w['padding_s']:.2f} s of it ({w['padding_share'] * 100:.0f}%) outside the turns"
+    if w["cut_s"] > 0:
+        span += (f"; the turns' last {w['cut_s']:.2f} s are after the last scrape read (--until, or none taken "
+                 "since), and the turns that ended then are not in the delivered count")
+    lines = [span]
+    if w["coarse"]:
+        lines.append(f"  the scrape interval is coarse against this window: rates over it would be diluted by up to "
+                     f"{w['padding_share'] * 100:.0f}%, so counts instead: server generated "
+                     f"{_f(w['generated_tokens'], '{:.0f}')} tokens | accepted drafts {_f(w['accepted_tokens'], '{:.0f}')} | "
+                     f"delivered to clients {_f(w['delivered_tokens'], '{:.0f}')}")
+    else:
+        lines.append(f"  server generated {_f(w['generated_tps'], '{:.1f}')} tok/s | "
+                     f"accepted drafts {_f(w['accepted_draft_tps'], '{:.1f}')} tok/s | "
+                     f"delivered to clients {_f(w['delivered_tps'], '{:.1f}')} tok/s")
+    return lines
 
 
 def render_server(s: dict[str, Any]) -> list[str]:
@@ -161,14 +256,26 @@ def render_server(s: dict[str, Any]) -> list[str]:
     lines.append(f"Server's own counters ({s['server_kind']}; {_scrape_counts(s)}; "
                  f"{n_inst} server instance{'s' if n_inst != 1 else ''})")
     r, p = s["requests_running"], s["proxy_in_flight"]
-    lines.append(f"  operating point: server running median {_f(r['median'], '{:.0f}')}, p95 {_f(r['p95'], '{:.0f}')}, "
-                 f"max {_f(r['max'], '{:.0f}')}; through the proxy median {_f(p['median'], '{:.0f}')}, "
-                 f"p95 {_f(p['p95'], '{:.0f}')}, max {_f(p['max'], '{:.0f}')} (never the configured ceiling)")
+    proxy = (f"through the proxy median {_f(p['median'], '{:.0f}')}, p95 {_f(p['p95'], '{:.0f}')}, "
+             f"max {_f(p['max'], '{:.0f}')} (never the configured ceiling)")
+    if r.get("values"):
+        seen = ", ".join(f"{v:.0f}" for v in r["values"])
+        lines.append(f"  operating point: server running {seen} at the {plural(r['n'], 'scrape')} taken while these "
+                     f"turns were in flight (too few for a median and p95: the scrape interval is coarse against "
+                     f"them); {proxy}")
+    elif not r["n"]:
+        lines.append(f"  operating point: server running: no scrape was taken while these turns were in flight (the "
+                     f"scrape interval is coarse against them); {proxy}")
+    else:
+        lines.append(f"  operating point: server running median {_f(r['median'], '{:.0f}')}, p95 {_f(r['p95'], '{:.0f}')}, "
+                     f"max {_f(r['max'], '{:.0f}')} (at the {r['n']} scrapes taken while these turns were in flight); "
+                     f"{proxy}")
     w = s.get("window")
+    if not w and s.get("span"):
+        lines.append("  no counters over these turns yet: no two successful scrapes around them (the span closes at "
+                     "the first scrape after the last turn's end)")
     if w:
-        lines.append(f"  over {w['seconds']:.1f} s: server generated {_f(w['generated_tps'], '{:.1f}')} tok/s | "
-                     f"accepted drafts {_f(w['accepted_draft_tps'], '{:.1f}')} tok/s | "
-                     f"delivered to clients {_f(w['delivered_tps'], '{:.1f}')} tok/s")
+        lines.extend(_window_lines(w))
         lines.append(f"  MAL {_f(w['mal'], '{:.2f}')} ({w['mal_source'] or 'no counters'}; acceptance rate "
                      f"{_f(w['acceptance_rate'], '{:.2f}')}) -> forward passes/s = per-stream decode speed / MAL = "
                      f"{_f(w['forward_passes_per_s'], '{:.1f}')}")

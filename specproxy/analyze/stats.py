@@ -1,4 +1,4 @@
-"""The statistics core: summaries, A/B ratios, negative controls.
+"""The statistics core: summaries and A/B ratios (the negative control is in ``control``).
 
 Why: on inference hardware one config varies a lot from run to run, and two restarts of the
 same config can give non-overlapping intervals (docs/statistics.md). A bare median,
@@ -65,7 +65,7 @@ from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
     "Summary", "summarize", "summarize_clustered", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
-    "negative_control", "ND", "CONFOUNDED_WARNING", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
+    "ND", "CONFOUNDED_WARNING", "unknown_instances_warning", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
     "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
     "median_excess", "median_tail", "MEDIAN_EXCESS",
 ]
@@ -75,6 +75,16 @@ SEPARATE_INSTANCES_WARNING = (
     "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
     "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
     "several instances (restarts)")
+
+
+def unknown_instances_warning(arm: str) -> str:
+    """The warning for an arm whose turns carry no server instance (its server's /metrics was not
+    scraped): not "confounded with that instance", since which instance it ran in is not known."""
+    return (f"arm {arm}'s server instances are unknown (its server's /metrics was not scraped): whether "
+            "the arms ran in one server instance or in several cannot be told, and restart-to-restart "
+            "variance is not in the interval")
+
+
 MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (docs/statistics.md)
 ND = "not distinguishable"
 
@@ -395,9 +405,7 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     if any(x.size < MIN_REQUESTS for x in (xa, xb)):
         return result(est, verdict=no_interval(f"fewer than {MIN_REQUESTS} values in an arm"))
     if (clusters_a is None) != (clusters_b is None):
-        name = "a" if clusters_a is None else "b"
-        warnings.append(f"arm {name} has no instance labels: its restart-to-restart variance "
-                        "is not in the interval")
+        warnings.append(unknown_instances_warning("a" if clusters_a is None else "b"))
     rng = np.random.default_rng(seed)
     comps, reps = {}, {}  # arm -> (variance of log stat, df, unit); arm -> request-level log replicates
     for name, x, lab, k in (("a", xa, la, ka), ("b", xb, lb, kb)):
@@ -435,7 +443,7 @@ def instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: li
     server instances by the same rule (module docstring)."""
     single_a, single_b = ka == 1, kb == 1
     confound = instance_warning(None if ka is None else ua, None if kb is None else ub)
-    if confound:
+    if confound and confound not in warnings:
         warnings.append(confound)
     forced = confound == SEPARATE_INSTANCES_WARNING
     parts = [comps["a"][:2], comps["b"][:2]]
@@ -458,15 +466,17 @@ def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[An
     different single instance: the instance effect is unmeasured (the precise warning; saying
     "inside one instance" beside it would contradict it). One arm in one instance and the other in
     several: None here, as ``bootstrap_ratio`` borrows the other arm's between-instance variance
-    and says so. One arm in one instance, the other unlabelled: confounded as far as is known.
+    and says so. One arm's instances known and the other's unknown: that they are unknown (not
+    "confounded with that instance": the unknown arm may have run anywhere). Both unknown: None
+    (the arms' own lines say "instances unknown").
     """
     a = None if instances_a is None else set(instances_a)
     b = None if instances_b is None else set(instances_b)
     single_a, single_b = a is not None and len(a) == 1, b is not None and len(b) == 1
     if single_a and single_b:
         return CONFOUNDED_WARNING if a == b else SEPARATE_INSTANCES_WARNING
-    if (single_a and b is None) or (single_b and a is None):
-        return CONFOUNDED_WARNING
+    if (a is None) != (b is None):
+        return unknown_instances_warning("a" if a is None else "b")
     return None
 
 
@@ -475,28 +485,3 @@ def plural(n: int | None, noun: str) -> str:
     if n is None:
         return f"{noun}s unknown"
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def negative_control(values, clusters: Sequence[Any] | None = None, *, seed: int = 0,
-                     stat: str = "median", n_boot: int = 2000, level: float = 0.95) -> Ratio:
-    """A against A: split one arm into random halves and compare them with bootstrap_ratio.
-
-    With several instances the split is by instance (whole instances to each half), else by
-    request. Should be "not distinguishable" about ``level`` of the time; when it is not, the
-    instrument or the assumption of independent requests is broken.
-    """
-    x, lab, uniq = clean_labelled(values, clusters)
-    rng = np.random.default_rng(seed)
-    k = len(uniq)
-    if k >= 2:
-        perm = rng.permutation(k)
-        in_a = np.isin(lab, perm[: k // 2])
-    else:
-        in_a = np.zeros(x.size, dtype=bool)
-        in_a[rng.permutation(x.size)[: x.size // 2]] = True
-    ca, cb = (None, None) if lab is None else (lab[in_a], lab[~in_a])
-    return bootstrap_ratio(x[in_a], x[~in_a], higher_is_better=True, stat=stat, clusters_a=ca,
-                           clusters_b=cb, n_boot=n_boot, seed=int(rng.integers(2**32)),
-                           level=level)
-
-

@@ -71,9 +71,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def _arms(text: str) -> tuple[str, ...]:
+    from specproxy.config import check_label
+
     arms = tuple(a.strip() for a in text.split(","))
     if not all(arms) or len(set(arms)) != len(arms):
         raise ConfigError(f"--label {text!r}: one label per arm, separated by commas, each once")
+    for arm in arms:
+        check_label(arm)
     return arms
 
 

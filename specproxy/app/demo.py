@@ -146,6 +146,8 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
                      + (f" ({sum(results)} errors)" if sum(results) else ""))
         assert service.proxy is not None
         await service.proxy.drain_measurements()
+        if service.watch is not None:  # a scrape after the last turn: the report's counters span all of them
+            await service.watch.scrape_now()
         if linger is not None:
             await linger(service.url)
     finally:

@@ -95,6 +95,12 @@ class ServerWatch:
             if not self._stop.is_set():
                 await self._scrape()
 
+    async def scrape_now(self) -> None:
+        """One scrape now, stored as the poller's are (none when scraping is off): e.g. after a run's last
+        turn, so that a report's span of counters closes after it (docs/report.md)."""
+        if self.scraper is not None and self.scraper.disabled_reason is None:
+            await self._scrape()
+
     async def _scrape(self) -> ScrapeSample | None:
         assert self.scraper is not None
         async with self._scrape_lock:

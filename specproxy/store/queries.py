@@ -7,6 +7,7 @@ database lacks reads as empty (the caller says what is missing), never as an err
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +28,15 @@ def unmeasured_rows(conn: Connection, where: str, params: Sequence[Any]) -> int:
     return int(conn.execute(f"SELECT count(*) FROM turns{clause}", params).fetchone()[0])
 
 
+def turn_labels(conn: Connection) -> list[str]:
+    """The labels the measured turns carry, sorted (the arms ``compare`` can name)."""
+    try:
+        rows = conn.execute("SELECT DISTINCT label FROM turns WHERE measured = 1 AND label IS NOT NULL").fetchall()
+    except sqlite3.OperationalError:  # a database from before ``measured``
+        rows = conn.execute("SELECT DISTINCT label FROM turns WHERE label IS NOT NULL").fetchall()
+    return sorted(str(r[0]) for r in rows)
+
+
 def scrape_rows(conn: Connection, t0: float, t1: float, fields: Sequence[str]) -> list[tuple]:
     """Stored scrapes with wall time in [t0, t1], oldest first: ``(t_wall, instance_id, server_kind,
     error, *fields)`` each."""
@@ -36,6 +46,33 @@ def scrape_rows(conn: Connection, t0: float, t1: float, fields: Sequence[str]) -
             "WHERE t_wall >= ? AND t_wall <= ? ORDER BY t_wall", (t0, t1)).fetchall()
     except sqlite3.OperationalError:
         return []
+
+
+_OK_SCRAPE = "error IS NULL AND server_kind IS NOT NULL"
+
+
+def scrape_at_or_before(conn: Connection, t: float, *, ok: bool = True) -> float | None:
+    """The wall time of the last stored scrape at or before ``t`` (a successful one unless ``ok`` is
+    false: then any attempt, failed ones included), or None."""
+    where = f" AND {_OK_SCRAPE}" if ok else ""
+    try:
+        row = conn.execute(f"SELECT max(t_wall) FROM scrapes WHERE t_wall <= ?{where}", (t,)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return row[0]
+
+
+def scrape_at_or_after(conn: Connection, t: float, not_after: float | None = None, *, ok: bool = True) -> float | None:
+    """The wall time of the first stored scrape at or after ``t`` and not after ``not_after`` (a successful
+    one unless ``ok`` is false), or None."""
+    where = f" AND {_OK_SCRAPE}" if ok else ""
+    bound = math.inf if not_after is None else not_after
+    try:
+        row = conn.execute(f"SELECT min(t_wall) FROM scrapes WHERE t_wall >= ? AND t_wall <= ?{where}",
+                           (t, bound)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return row[0]
 
 
 def lone_turn_mal(conn: Connection) -> list[tuple[int, float | None]]:

@@ -311,7 +311,9 @@ def _server(s: dict[str, Any] | None) -> str:
     table = "".join(f'<tr><td>{name} tok/s</td>{_fig(path, v, "{:.1f}")}</tr>' for name, path, v in bars)
     table += (f'<tr><td>MAL ({escape(str(w["mal_source"] or "no counters"))})</td>{_fig("server/window/mal", w["mal"], "{:.2f}")}</tr>'
               f'<tr><td>forward passes/s</td>{_fig("server/window/forward_passes_per_s", w["forward_passes_per_s"], "{:.1f}")}</tr>')
-    chart = _svg(body, f"over {w['seconds']:.1f} s", h=130, cls="server", data={"px-per-tps": (W - ML - MR - 170) / top})
+    title = f"over {w['seconds']:.1f} s" + (f", {w['padding_share'] * 100:.0f}% outside the turns: coarse scrapes, "
+                                             "no rates" if w.get("coarse") else "")
+    chart = _svg(body, title, h=130, cls="server", data={"px-per-tps": (W - ML - MR - 170) / top})
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
 

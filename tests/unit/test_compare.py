@@ -100,7 +100,7 @@ def test_time_window_arms(db):
 
 @pytest.mark.parametrize("args, message", [
     (["compare", "old"], "needs two arms"),
-    (["compare", "old", "nope"], "has no completed turns"),
+    (["compare", "old", "nope"], "no turn has this label (its labels are new, old, same-a, same-b;"),
     (["compare", "@yesterday", "old"], "@START..END"),
     (["compare", "old", "new", "--level", "1.5"], "--level must be between 0.5 and 1"),
     (["compare", "old", "new", "--level", "0.5"], "--level must be between 0.5 and 1"),

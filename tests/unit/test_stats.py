@@ -15,8 +15,9 @@ from hypothesis import given, settings, strategies as st
 from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
-    median_tail, negative_control, percentile_interval, plural, summarize,
+    median_tail, percentile_interval, plural, summarize, unknown_instances_warning,
 )
+from specproxy.analyze.control import negative_control
 from specproxy.analyze.tdist import t_ppf as _t_ppf
 from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval
 
@@ -241,14 +242,18 @@ def test_negative_control_splits_by_instance():
     x, labels = _multi_instance_arm(rng, 6, 10, 0)
     r = negative_control(x, list(labels), seed=3)
     assert (r.instances_a, r.instances_b, r.n_a + r.n_b) == (3, 3, 60)
-    r2 = negative_control(x[:20], list(labels[:20]), seed=3)  # two instances: one each
-    assert r2.verdict == ND and r2.warnings == [SEPARATE_INSTANCES_WARNING]
+    r2 = negative_control(x[:20], list(labels[:20]), seed=3)  # two instances: one each, never a verdict
+    assert r2.verdict == "no interval (2 instances: a negative control over instances needs at least 4 per arm)"
+    assert r2.warnings[0].startswith("this arm ran in 2 server instances, so a split by instance is 1 against 1")
+    assert (r2.instances_a, r2.instances_b, r2.ci_low) == (1, 1, None)
 
 
 def test_instance_warning_fits_the_arms_instances():
     assert instance_warning({"x"}, {"x"}) == CONFOUNDED_WARNING
     assert instance_warning({"x"}, {"y"}) == SEPARATE_INSTANCES_WARNING
-    assert instance_warning({"x"}, None) == CONFOUNDED_WARNING == instance_warning(None, ["y"])
+    # one arm's instances unknown (a server without /metrics): said so, not "inside one instance"
+    assert instance_warning({"x"}, None) == unknown_instances_warning("b")
+    assert instance_warning(None, ["y"]) == unknown_instances_warning("a")
     assert instance_warning({"x"}, {"y", "z"}) is None and instance_warning(None, None) is None
     assert instance_warning({"x", "y"}, {"x", "y"}) is None
 

@@ -1,0 +1,87 @@
+"""Whether two arms of ``compare`` ran the same workload, for the rows whose figure depends on it.
+
+Why: TTFT grows with the prompt, a whole turn with the prompt and the answer, and aggregate throughput
+(delivered tokens over busy time) with the answers' length and the mix of turns. Two time windows of one
+setting, one of which happened to hold three 300-token answers, read "aggregate throughput 3.40x
+[1.76, 6.56] faster": the setting did not change, the workload did. No interval can tell the two apart,
+so where the arms' workloads differ materially these rows say so, and by how much, instead of a verdict
+(their estimate and interval are still given). Decode speed (tokens per second while text streams) is
+per token and keeps its verdict.
+
+"Differ materially", on the turns a row is over: the mean prompt or completion tokens per turn differ by
+``RATIO_LIMIT`` (1.5x) or more either way, or the share of an API (chat, completions, Messages, Responses)
+or of streamed turns by ``SHARE_LIMIT`` (20 points) or more. It is a statement about the two samples, not
+a test: one setting's turns sampled twice differ that much by chance when few turns carry most tokens
+(docs/statistics.md gives how often, per shape), and then the samples do differ, and the figure with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from specproxy.store.dataset import Turns
+
+__all__ = ["RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "differences", "describe", "ROW_NEEDS"]
+
+RATIO_LIMIT = 1.5
+SHARE_LIMIT = 0.2
+WORKLOAD_COLUMNS = ("prompt_tokens", "completion_tokens", "api", "streamed")
+
+# which workload features each row's figure depends on
+ROW_NEEDS: dict[str, tuple[str, ...]] = {
+    "ttft_s": ("prompt_tokens", "api"),
+    "total_s": ("prompt_tokens", "completion_tokens", "api"),
+    "total_s_non_streamed": ("prompt_tokens", "completion_tokens", "api"),
+    "aggregate_tps": ("prompt_tokens", "completion_tokens", "api", "streamed"),
+}
+_NAMES = {"prompt_tokens": "prompt tokens per turn", "completion_tokens": "completion tokens per turn"}
+
+
+def _mean(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else None
+
+
+def _shares(values: np.ndarray) -> dict[str, float]:
+    names, counts = np.unique(np.array([str(v) for v in values], dtype=object), return_counts=True)
+    return {str(k): float(c) / len(values) for k, c in zip(names, counts)} if len(values) else {}
+
+
+def differences(a: Turns, b: Turns, features: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The material differences between the arms' workloads in ``features`` (ROW_NEEDS), each as a dict:
+    ``feature``, ``a``, ``b`` and ``ratio`` (means) or ``difference`` (largest share difference)."""
+    out: list[dict[str, Any]] = []
+    if not len(a) or not len(b):
+        return out
+    for col in ("prompt_tokens", "completion_tokens"):
+        if col not in features:
+            continue
+        ma, mb = _mean(a.num[col]), _mean(b.num[col])
+        if ma and mb and max(mb / ma, ma / mb) >= RATIO_LIMIT:
+            out.append({"feature": col, "a": ma, "b": mb, "ratio": mb / ma})
+    if "api" in features:
+        sa, sb = _shares(a.txt["api"]), _shares(b.txt["api"])
+        diff = max(abs(sa.get(k, 0.0) - sb.get(k, 0.0)) for k in set(sa) | set(sb))
+        if diff >= SHARE_LIMIT:
+            out.append({"feature": "api", "a": sa, "b": sb, "difference": diff})
+    if "streamed" in features:
+        sa, sb = float(np.mean(a.num["streamed"] == 1)), float(np.mean(b.num["streamed"] == 1))
+        if abs(sa - sb) >= SHARE_LIMIT:
+            out.append({"feature": "streamed", "a": sa, "b": sb, "difference": abs(sa - sb)})
+    return out
+
+
+def _mix(shares: dict[str, float]) -> str:
+    return " ".join(f"{v * 100:.0f}% {k}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def describe(diff: dict[str, Any]) -> str:
+    """One difference in words: "completion tokens per turn: mean 30 in A, 71 in B (2.35x)"."""
+    f = diff["feature"]
+    if f in _NAMES:
+        return f"{_NAMES[f]}: mean {diff['a']:.0f} in A, {diff['b']:.0f} in B ({diff['ratio']:.2f}x)"
+    if f == "api":
+        return f"APIs: A {_mix(diff['a'])}, B {_mix(diff['b'])}"
+    return f"streamed turns: {diff['a'] * 100:.0f}% of A's, {diff['b'] * 100:.0f}% of B's"
