@@ -58,9 +58,16 @@ from specproxy.errors import TokenizerError
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.prompt_pieces import PieceCounter
-from specproxy.measure.template_inputs import content_style, date_inputs, server_messages
+from specproxy.measure.template_inputs import (
+    content_style,
+    date_inputs,
+    reads_system,
+    server_messages,
+    server_roles,
+    server_tools,
+)
 
-__all__ = ["PromptCounts", "Tokenizer", "describe", "load_tokenizer", "tokens_in_first"]
+__all__ = ["PromptCounts", "Tokenizer", "completion_text", "describe", "load_tokenizer", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,12 @@ def count_with_first(tok: Tokenizer, text: str, first_len: int) -> tuple[int, in
     return len(ends), tokens_in_first(ends, first_len)
 
 
+def completion_text(tok: Tokenizer, parts: PromptParts) -> str:
+    """A completions prompt's text as the server tokenizes it: after the beginning-of-text token the
+    server adds to a prompt that opens with text (the tokenizer's ``bos_text``; none for tiktoken)."""
+    return (getattr(tok, "bos_text", "") if parts.prompt_bos else "") + (parts.prompt or "")
+
+
 _REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered by their text (LRU)
 _MEMO_TEXTS = 32_768  # conversation messages remembered: 256 conversations of 128, ~3 MB at most
 
@@ -122,7 +135,7 @@ def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
     every turn).
     """
     if parts.prompt is not None:
-        n = tok.count(parts.prompt)
+        n = tok.count(completion_text(tok, parts)) + parts.prompt_ids
         return PromptCounts(n, 0, 0, 0, n)
     repeated = getattr(tok, "count_repeated", tok.count)
     count = getattr(tok, "count_memo", tok.count)
@@ -291,9 +304,16 @@ class HFTokenizer:
         except Exception as exc:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
         self.name = f"hf:{path}"
+        # what the server puts before a completions prompt: the BOS the tokenizer adds, as text
+        added = self._tok.encode("", add_special_tokens=True)
+        bos_id = getattr(self._tok, "bos_token_id", None)
+        self.bos_text = self._tok.bos_token if added and bos_id is not None and added[0] == bos_id else ""
         self.has_template = bool(getattr(self._tok, "chat_template", None))
         # what the template takes as message content, found once as servers find it
         self.content_style = content_style(self._probe) if self.has_template else "string"
+        # the roles llama.cpp gives the template: developer as system but for GPT-OSS's (template_inputs)
+        self.developer_as_system = "<|channel|>" not in str(getattr(self._tok, "chat_template", "") or "")
+        self.system_read = reads_system(self._probe) if self.has_template else True
         # plain counts (no template, or its fallback), memoised as tiktoken's are
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
@@ -324,8 +344,10 @@ class HFTokenizer:
 
     def _text(self, messages: list[dict], tools: list | None, generation: bool, date: dict[str, str]) -> str:
         """The template's render, given what a server gives it (``template_inputs``)."""
+        messages = server_roles(server_messages(messages, self.content_style),
+                                developer_as_system=self.developer_as_system, system_read=self.system_read)
         return self._tok.apply_chat_template(
-            server_messages(messages, self.content_style), tools=tools or None, add_generation_prompt=generation,
+            messages, tools=server_tools(tools) or None, add_generation_prompt=generation,
             tokenize=False, **date,
         )
 

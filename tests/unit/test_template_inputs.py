@@ -181,3 +181,62 @@ def test_arrays_and_strings_share_the_piece_memo(hf_dir):
     misses = tok.rendered._pieces.misses
     tok.count_prompt(split_prompt(agent_turn(parts)))
     assert tok.rendered._pieces.misses == misses
+
+
+# GPT-OSS's template renders the developer role itself (its source has "<|channel|>"); this one prints roles.
+CHANNEL = (
+    "{%- for m in messages %}<|start|>{{ m['role'] }}<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{%- endfor %}"
+)
+# A template that never reads a system message (llama.cpp: supports_system_role false), Gemma's shape.
+NO_SYSTEM = (
+    "{{- bos_token }}{%- for m in messages %}{%- if m['role'] != 'system' %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{- m['content'] | trim }}<|eot_id|>"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_developer_message_is_rendered_as_a_system_message(hf_tok):
+    """llama.cpp gives every template a ``developer`` message as ``system`` (common/chat.cpp
+    ``map_developer_role_to_system``): the same render, and the same count, as the system message."""
+    def body(role):
+        return {"messages": [{"role": "system", "content": "You are terse."},
+                             {"role": role, "content": parts("Be brief.", "Use tools.")},
+                             {"role": "user", "content": "Hi"}]}
+
+    dev, sys_ = split_prompt(body("developer")), split_prompt(body("system"))
+    text = hf_tok.prompt_text(dev)
+    assert text == hf_tok.prompt_text(sys_) and "developer" not in text
+    assert hf_tok.count_prompt(dev) == hf_tok.count_prompt(sys_)
+
+
+def test_gpt_oss_templates_keep_the_developer_role(hf_dir, tmp_path):
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, CHANNEL)}")
+    text = tok.prompt_text(split_prompt({"messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}]}))
+    assert "<|start|>developer<|channel|>" in text
+
+
+def test_a_template_that_does_not_read_system_gets_it_joined_to_the_next_message(hf_dir, tmp_path):
+    """llama.cpp's ``system_message_not_supported``: the first system message's content, "\\n", then the
+    next message's; alone, it is dropped."""
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, NO_SYSTEM)}")
+    assert tok.system_read is False
+    text = tok.prompt_text(split_prompt({"messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}]}))
+    assert "<|start_header_id|>user<|end_header_id|>Be brief.\nHi<|eot_id|>" in text
+    counts = tok.count_prompt(split_prompt({"messages": [{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": "Hi"}]}))
+    assert counts.total == tok.count(text) and counts.system > 0
+    assert load_tokenizer(f"hf:{hf_dir}").system_read is True
+
+
+def test_tools_are_rendered_in_the_shape_llama_server_renders_them(hf_tok):
+    """A missing description is "", a missing schema {}, other keys (``strict``) dropped: the request
+    counts as its canonical tools do."""
+    def body(fn):
+        return {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": fn}]}
+
+    canonical = hf_tok.count_prompt(split_prompt(body({"name": "noop", "description": "", "parameters": {}})))
+    for raw in ({"name": "noop"}, {"name": "noop", "description": "", "parameters": {}, "strict": True}):
+        assert hf_tok.count_prompt(split_prompt(body(raw))) == canonical, raw
