@@ -211,39 +211,35 @@ def _server_day(prompt: str) -> str | None:
     return m.group(1) if m else None
 
 
-def test_documented_prompt_differences(make_stack, counter, llama_server):
-    """An exact difference between what specproxy renders and what llama-server renders: tools not
-    in the canonical shape.
-
-    llama-server re-serialises every tool as ``{type, function: {name, description, parameters}}``
-    before rendering: a missing description becomes "", any other key (``strict``) is dropped.
-    specproxy renders the tools the client sent (servers differ here: vLLM renders its own pydantic
-    dump of them). Exactly: specproxy's count of the request with its tools canonicalised equals the
-    server's ``usage.prompt_tokens`` for the raw request, and for the raw request specproxy is off by
-    the tokens of the line the canonicalisation adds or drops; with Llama 3.1's template (tools
-    rendered with ``tojson(indent=4)``): 5 too few for a missing description, 6 too many for
-    ``"strict": true``.
-
-    The date is not a difference: specproxy gives the template the ``date_string`` llama-server gives
-    it (``test_prompt_tokens_equal_the_servers_apply_template_and_tokenize`` compares the texts).
-    """
+def test_tools_and_roles_counted_as_the_server_renders_them(make_stack, counter, llama_server):
+    """Requests llama-server reshapes before rendering: tools not in the canonical shape (it
+    re-serialises each as ``{type, function: {name, description, parameters}}``: a missing description
+    is "", ``strict`` dropped) and ``developer`` messages (rendered as ``system``), with multi-part
+    content. specproxy renders what the server renders, so its ``prompt_tokens`` is the server's
+    ``usage.prompt_tokens`` for each raw request, and its render is the server's ``/apply-template``."""
     stack, arrivals = proxy(make_stack, llama_server, counter)
     params = {"type": "object", "properties": {}}
-    canonical = [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params}}]
-    variants = {  # raw tools -> canonical count minus specproxy's count of the raw request
-        "no description": ([{"type": "function", "function": {"name": "noop", "parameters": params}}], 5),
-        "strict": ([{"type": "function", "function": {"name": "noop", "description": "", "parameters": params,
-                                                      "strict": True}}], -6),
+    variants = {
+        "canonical": [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params}}],
+        "no description": [{"type": "function", "function": {"name": "noop", "parameters": params}}],
+        "strict": [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params,
+                                                     "strict": True}}],
     }
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-    usages = [chat(stack.url, messages=messages, tools=tools, max_tokens=1)["usage"]["prompt_tokens"]
-              for tools in [canonical, *(raw for raw, _ in variants.values())]]
-    canon_rec, *raw_recs = arrivals.wait(1 + len(variants))
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                                  {"type": "text", "text": "Use tools."}]},
+                {"role": "user", "content": [{"type": "text", "text": USER}, {"type": "text", "text": "Go."}]}]
+    bodies = {name: {"messages": messages, "tools": tools} for name, tools in variants.items()}
+    usages = [chat(stack.url, **body, max_tokens=1)["usage"]["prompt_tokens"] for body in bodies.values()]
+    recs = arrivals.wait(len(bodies))
 
-    assert usages == [canon_rec.prompt_tokens] * len(usages)  # the server saw the same prompt each time
-    for (name, (raw, missing)), rec in zip(variants.items(), raw_recs):
-        assert counter.count_prompt(split_prompt({"messages": messages, "tools": raw})).total == rec.prompt_tokens
-        assert usages[0] - rec.prompt_tokens == missing, name
+    for (name, body), rec, usage in zip(bodies.items(), recs, usages):
+        assert rec.prompt_tokens == usage == server_prompt(llama_server, body)[1], name
+        prompt_parts_add_up(rec)
+    text, _ = server_prompt(llama_server, bodies["strict"])
+    ours = counter.prompt_text(split_prompt(bodies["strict"]))
+    if _server_day(text) == _server_day(ours):  # not across midnight
+        assert ours == counter._tok.bos_token + text
 
 
 # ============================================================ 4. TTFT and decode time

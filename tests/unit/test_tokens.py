@@ -61,9 +61,56 @@ def test_hf_chat_template_split(hf_tok):
     assert c.new == len(tok.encode(new_text, add_special_tokens=False))
 
 
-def test_completions_prompt_is_all_new(hf_tok):
-    c = hf_tok.count_prompt(split_prompt({"prompt": "Once upon a time"}))
-    assert c.total == c.new == hf_tok.count("Once upon a time") and c.system == 0
+@pytest.fixture(scope="module")
+def bos_tok(hf_dir, tmp_path_factory):
+    """The suite's Llama-3 tokenizer with the post-processor Llama 3's own tokenizer.json has: it adds
+    ``<|begin_of_text|>`` to plain text, as llama.cpp does (``add_bos_token``)."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("hf-bos")
+    shutil.copytree(hf_dir, d, dirs_exist_ok=True)
+    data = json.loads((d / "tokenizer.json").read_text())
+    bos = "<|begin_of_text|>"
+    data["post_processor"] = {"type": "Sequence", "processors": [data["post_processor"], {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [128000], "tokens": [bos]}}}]}
+    (d / "tokenizer.json").write_text(json.dumps(data))
+    return load_tokenizer(f"hf:{d}")
+
+
+def test_completions_prompt_is_all_new_after_the_bos_the_server_adds(bos_tok, hf_tok):
+    """llama-server tokenizes a completions prompt with its special tokens: Llama 3's adds
+    ``<|begin_of_text|>``, one token more than the text (2 vs 3 for "The quick" in issue #31). A
+    tokenizer that adds none (the suite's bare one) adds none."""
+    c = bos_tok.count_prompt(split_prompt({"prompt": "Once upon a time"}))
+    assert c.total == c.new == bos_tok.count("Once upon a time") + 1 and c.system == 0
+    assert bos_tok.count_prompt(split_prompt({"prompt": "The quick"})).total == 3
+    assert hf_tok.count_prompt(split_prompt({"prompt": "The quick"})).total == 2
+
+
+@pytest.mark.parametrize(("prompt", "expected", "prompts"), [
+    (["Hello there", "General Kenobi"], 1 + 2, 2),  # several prompts: the first, as the server's usage
+    ([["Hello", " there"], "General Kenobi"], 1 + 2, 2),  # the first a list of texts: one text, one BOS
+    ([9906, 1070], 2, 1),  # token ids: no BOS added
+    (["Hello", 1070], 1 + 1 + 1, 1),  # text first: BOS, its tokens, then the ids
+    ([1070, " there"], 1 + 1, 1),  # an id first: no BOS
+], ids=["strings", "nested", "ids", "text-then-id", "id-then-text"])
+def test_completions_prompt_lists_count_as_llama_server_tokenizes_them(bos_tok, prompt, expected, prompts):
+    """``tokenize_input_prompts``: a list holding a token id is one prompt, any other list several, and
+    the server's usage is the first's; a prompt that opens with text gets the BOS."""
+    parts = split_prompt({"prompt": prompt})
+    assert parts.prompts == prompts
+    assert bos_tok.count_prompt(parts).total == expected
+
+
+@pytest.mark.parametrize("prompt", [None, [], [None], {"a": 1}, [True]])
+def test_a_prompt_that_is_no_prompt_is_refused(prompt):
+    with pytest.raises(ValueError):
+        split_prompt({"prompt": prompt})
 
 
 @pytest.mark.parametrize("spec, message", [
