@@ -16,6 +16,7 @@ from real.clientkit import (
     chat,
     prompt_parts_add_up,
     proxy,
+    sdk,
     streamed_text,
 )
 from real.fixtures import TOOL_ARGS, TOOL_SENTENCE
@@ -240,6 +241,33 @@ def test_tools_and_roles_counted_as_the_server_renders_them(make_stack, counter,
     ours = counter.prompt_text(split_prompt(bodies["strict"]))
     if _server_day(text) == _server_day(ours):  # not across midnight
         assert ours == counter._tok.bos_token + text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_completions_prompt_tokens_equal_the_servers(make_stack, counter, llama_server, stream):
+    """``/v1/completions``: the server tokenizes the prompt with its beginning-of-text token (Llama 3's
+    ``<|begin_of_text|>``), so ``prompt_tokens`` is the text's tokens plus one; a prompt of token ids
+    gets none. A list of several prompts is one task per prompt and llama-server's ``usage`` is the
+    first's, so the turn is the first prompt and its answer (choice 0): both counts are the usage's.
+    Every answer is cut by ``max_tokens`` (no end-of-turn token), so the completion counts are equal."""
+    stack, arrivals = proxy(make_stack, llama_server, counter)
+    ids = counter.encode("Hello there")
+    prompts = ["The quick", "The quick brown fox jumps over the lazy dog. " * 20, ids, ["Hello there", "General Kenobi"]]
+    kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    usages = []
+    with sdk(stack.url) as client:
+        for prompt in prompts:
+            if stream and isinstance(prompt[0], str) and isinstance(prompt, list):
+                continue  # several prompts streamed: each task's usage comes in its own event, in any order
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, **kw)
+            usages.append(([c.to_dict() for c in answer][-1] if stream else answer.to_dict())["usage"])
+    recs = arrivals.wait(len(usages))
+
+    for prompt, rec, usage in zip(prompts, recs, usages):
+        assert rec.api == "completions"
+        assert rec.prompt_tokens == rec.prompt_new_tokens == usage["prompt_tokens"] == rec.usage_prompt_tokens, prompt
+        assert rec.completion_tokens == usage["completion_tokens"] == 4, prompt
+    assert recs[0].prompt_tokens == counter.count("The quick") + 1 and recs[2].prompt_tokens == len(ids)
 
 
 # ============================================================ 4. TTFT and decode time
