@@ -306,19 +306,27 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
         return
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
     with _open(db) as conn:
-        out = sys.stdout if output == "-" else open(output, "w", newline="")
         try:
-            rows = turn_rows(conn, FIELD_NAMES, where, params)
-            if fmt == "csv":
-                writer = csv.writer(out)
-                writer.writerow(FIELD_NAMES)
-                writer.writerows(rows)
-            else:
-                for row in rows:
-                    out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
+            _write_rows(conn, FIELD_NAMES, turn_rows, where, params, fmt, output)
+        except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
+            raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: str) -> None:
+    """The selected rows as JSON lines or CSV, to ``output`` ("-": stdout)."""
+    out = sys.stdout if output == "-" else open(output, "w", newline="")
+    try:
+        rows = turn_rows(conn, names, where, params)
+        if fmt == "csv":
+            writer = csv.writer(out)
+            writer.writerow(names)
+            writer.writerows(rows)
+        else:
+            for row in rows:
+                out.write(orjson.dumps(dict(zip(names, row))).decode() + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
 
 
 @main.command("compare")
