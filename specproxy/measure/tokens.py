@@ -192,8 +192,9 @@ class TiktokenTokenizer:
         try:
             self._enc = _bundled_encoding(encoding) or tiktoken.get_encoding(encoding)
         except Exception as exc:  # tiktoken raises ValueError, requests errors, OSError...
+            said = (str(exc).strip().splitlines() or [""])[0]  # tiktoken's goes on about plugins and versions
             raise TokenizerError(
-                f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {exc}); "
+                f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {said}); "
                 "known offline encodings: cl100k_base, o200k_base; or put the .tiktoken file in "
                 "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
             ) from None
@@ -286,6 +287,27 @@ class TiktokenTokenizer:
 # --- Hugging Face ---------------------------------------------------------------------------------
 
 
+def _import_auto_tokenizer():
+    """transformers' ``AutoTokenizer``, imported without the advice it logs at import ("PyTorch was not
+    found. Models won't be available...": specproxy needs the tokenizer alone), and with its warnings
+    off afterwards."""
+    import os
+
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory, with its chat template when it has one."""
 
@@ -296,10 +318,7 @@ class HFTokenizer:
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise TokenizerError(f"{path} has no tokenizer.json, tokenizer.model or vocab.json")
         try:
-            from transformers import AutoTokenizer
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
+            AutoTokenizer = _import_auto_tokenizer()
             self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
