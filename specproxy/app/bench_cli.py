@@ -215,8 +215,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
             levels=_ints(levels, "--concurrency"), repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
             instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed)
         counted = cfg.tokenizer not in (None, "", "none")
-        if not counted:  # said before the run, not after it: the run would otherwise end in a table of "-"
-            click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)
+        if not cfg.tokenizer:  # said before the run, not after it: the run would otherwise end in a table of "-"
+            click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)  # (not to one who asked for none)
         run = BenchRun()
         install_uvloop()
         error: SpecproxyError | None = None
