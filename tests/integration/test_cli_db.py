@@ -8,6 +8,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+import orjson
 import pytest
 from click.testing import CliRunner
 
@@ -293,3 +294,26 @@ def test_export_to_a_file_that_cannot_be_written_is_one_line(tmp_path, fmt):
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         f"specproxy: error: cannot write {dst / 'x.out'}: Read-only file system"], proc.stderr
     assert os.listdir(src) == []
+
+
+def test_every_report_counts_the_same_turns_and_other_paths(tmp_path):
+    """One report said "the database holds 38 turns", another "37 turns" and "1 other path" for the same
+    file (issue #31): a turn is a measured row in both, the other paths' rows are said apart; and one of
+    each is singular."""
+    db = _turns_db(tmp_path / "t.db", 37)
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE turns SET measured = 1")
+    conn.execute("INSERT INTO turns (id, t_wall, method, path, outcome, measured) "
+                 "VALUES ('other', 1.7e9, 'GET', '/v1/models', 'ok', 0)")
+    conn.commit()
+    conn.close()
+    whole = CliRunner().invoke(main, ["report", "--db", str(db)]).stdout
+    assert ": 37 turns (37 ok)" in whole and "other paths: 1 request forwarded" in whole, whole
+    empty = CliRunner().invoke(main, ["report", "--db", str(db), "--label", "none-such"]).stdout
+    assert "the database holds 37 turns (" in empty and " UTC) and 1 other-path request" in empty, empty
+    held = orjson.loads(CliRunner().invoke(main, ["report", "--db", str(db), "--label", "none-such", "--json"]).stdout)
+    assert (held["database_turns"]["n"], held["database_turns"]["other"]) == (37, 1)
+
+    one = _turns_db(tmp_path / "one.db", 1)
+    text = CliRunner().invoke(main, ["report", "--db", str(one)]).stdout
+    assert ": 1 turn (1 ok)" in text, text
