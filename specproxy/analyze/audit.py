@@ -225,7 +225,8 @@ def render_audit(a: dict[str, Any]) -> str:
         lines.append(f"  the median turn: prompt {m['prompt_tokens']:,} = system {m['system']:,}"
                      f" + tools {m['tools']:,} + history {m['history']:,} + new {m['new']:,}")
         t = c["typed_share"]
-        lines.append(f"  new input (what this turn added): {_n(t['median'], '{:.1%}')} of the prompt (median over turns), "
+        lines.append(f"  new input (what this turn added): {_n(t['median'], '{:.1%}')} of the prompt "
+                     "(median over turns), "
                      f"{_n(t['overall'], '{:.1%}')} of all prompt tokens")
         sc = c["server_cached_tokens"]
         if sc["n"]:

@@ -261,8 +261,9 @@ def render_bench(s: dict[str, Any]) -> str:
                          + " (kept in the database; not in the figures)")
     if phase != "prefill":
         lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
-                     "tokens of all streams over each round's span (what the server delivers), geometric mean over rounds "
-                     "or instances (its interval: t on the logs, never below 0); each interval is over the server instances when there are several, else over "
+                     "tokens of all streams over each round's span (what the server delivers), geometric mean over "
+                     "rounds or instances (its interval: t on the logs, never below 0); each interval is over the "
+                     "server instances when there are several, else over "
                      f"the rounds (per-stream: over turns below {MIN_ROUNDS} rounds), as the last column says")
     if s.get("restart_variance_note"):
         lines.append(f"  {s['restart_variance_note']}")

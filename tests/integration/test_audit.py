@@ -91,7 +91,8 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
     assert client["typed_share"]["overall"] == sum(news) / sum(r[1] for r in rows)
 
     text = CliRunner().invoke(main, ["audit", "--db", str(db)]).output
-    assert f"turn 3: system {system[0]} -> {system[2]} tokens" in text and "claude-cli/9.9: 4 turns in 1 session (" in text
+    assert f"turn 3: system {system[0]} -> {system[2]} tokens" in text
+    assert "claude-cli/9.9: 4 turns in 1 session (" in text
 
     # the prefix-cache break, per turn: only appended (all of the previous prompt reusable) but for turn 3,
     # whose system prompt parts from the previous one after SHARED's tokens

@@ -23,7 +23,8 @@ from specproxy.measure.tokens import load_tokenizer
 pytestmark = pytest.mark.real
 
 HEAD = "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-TAIL = "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+TAIL = ("{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
 TEMPLATES = {
     # system, user and assistant printed; any other role (developer) left out
     "known-roles": ("{{- bos_token }}{%- for m in messages %}"
