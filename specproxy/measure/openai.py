@@ -130,12 +130,23 @@ def function_tool(tool: Any, schema_key: str) -> dict:
     }}
 
 
+def _another_tasks(obj: dict) -> bool:
+    """The chunk closes a choice other than 0 only: in llama-server's stream of several completions
+    prompts each prompt's task ends with its own usage and timings, and the turn is the first's (as the
+    server's non-streamed usage is; ``completion_prompt``)."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(isinstance(c, dict) and isinstance(c.get("index"), int) and c["index"] != 0 for c in choices)
+
+
 def read_chunk(obj: Any) -> Delta:
     """Read one streamed chunk (the JSON of one ``data:`` event)."""
     delta = Delta()
     if isinstance(obj, dict):
         _read_choices(obj, delta, "delta")
-        _read_accounting(obj, delta)
+        if not _another_tasks(obj):
+            _read_accounting(obj, delta)
     return delta
 
 

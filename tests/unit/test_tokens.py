@@ -283,3 +283,24 @@ def test_count_memo_tells_texts_apart_by_their_end(tiktoken_tok):
     assert len(set(expected[:3])) == 3
     assert [memo(t) for t in texts] == expected
     assert [memo(t) for t in texts] == expected and memo.hits == 4
+
+
+def test_a_stream_of_several_completions_prompts_keeps_the_first_prompts_usage():
+    """llama-server streams each prompt's task to its end, with its usage and timings (then a ``data:
+    null``): the turn's usage is the first prompt's (choice 0), as the non-streamed answer's is, not the
+    last task's (seen against the real server: usage 4 for the second prompt, 3 for the first)."""
+    from specproxy.measure import fast_texts
+    from specproxy.measure.texts import stream_texts_reference
+
+    def event(index, text, finish=None, **extra):
+        return b"data: " + orjson.dumps({"choices": [{"text": text, "index": index, "finish_reason": finish}],
+                                          "object": "text_completion", **extra}) + b"\n\n"
+
+    first = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "timings": {"prompt_n": 3}}
+    second = {"usage": {"prompt_tokens": 4, "completion_tokens": 2}, "timings": {"prompt_n": 4}}
+    reads = [event(0, " quick"), event(0, " brown"), event(0, "", "length", **first), b"data: null\n\n",
+             event(1, " quick"), event(1, " brown"), event(1, "", "length", **second), b"data: [DONE]\n\n"]
+    times = [float(i) for i in range(len(reads))]
+    for texts in (stream_texts_reference(reads, times), fast_texts.stream_texts(reads, times)):
+        assert texts.usage == first["usage"] and texts.timings == first["timings"]
+        assert texts.texts == {(0, "content"): " quick brown", (1, "content"): " quick brown"}
