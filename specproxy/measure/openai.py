@@ -166,6 +166,7 @@ class PromptParts:
     ``system``: system/developer messages. ``tools``: the tool (or legacy function) definitions.
     ``history``: the conversation before this turn. ``new``: this turn's input: the trailing messages
     after the last assistant message (the newest user message; in an agent loop, the tool results).
+    ``template_kwargs``: a chat request's ``chat_template_kwargs``, which servers give its template.
     ``prompt``: for /v1/completions, the text of the raw prompt (all of it counts as new);
     ``prompt_ids``: how many token ids the prompt gives as numbers; ``prompt_bos``: whether the server adds
     its beginning-of-text token (a prompt that opens with text); ``prompts``: how many prompts the
@@ -177,6 +178,7 @@ class PromptParts:
     history: tuple[dict, ...] = ()
     new: tuple[dict, ...] = ()
     prompt: str | None = None
+    template_kwargs: dict | None = None
     prompt_ids: int = 0
     prompt_bos: bool = True
     prompts: int = 1
@@ -184,6 +186,12 @@ class PromptParts:
     @property
     def conversation(self) -> list[dict]:
         return [*self.history, *self.new]
+
+
+# apply_chat_template's own arguments: a chat_template_kwargs key of these names is not the template's
+_RENDER_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                          "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                          "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _is_id(p: Any) -> bool:
@@ -224,11 +232,14 @@ def split_prompt(body: Any) -> PromptParts:
     system = [m for m in messages if m.get("role") in ("system", "developer")]
     rest = [m for m in messages if m.get("role") not in ("system", "developer")]
     last_assistant = max((i for i, m in enumerate(rest) if m.get("role") == "assistant"), default=-1)
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _RENDER_ARGS} if isinstance(kwargs, dict) else None
     return PromptParts(
         system=tuple(system),
         tools=tuple(tools),
         history=tuple(rest[: last_assistant + 1]),
         new=tuple(rest[last_assistant + 1 :]),
+        template_kwargs=kwargs or None,
     )
 
 

@@ -362,13 +362,19 @@ class HFTokenizer:
         return [end for _, end in enc["offset_mapping"]]
 
     def _text(self, messages: list[dict], tools: list | None, generation: bool, date: dict[str, str]) -> str:
-        """The template's render, given what a server gives it (``template_inputs``)."""
+        """The template's render, given what a server gives it (``template_inputs``); ``date`` holds the
+        date variables and the request's ``chat_template_kwargs`` (which win, as in llama.cpp)."""
         messages = server_roles(server_messages(messages, self.content_style),
                                 developer_as_system=self.developer_as_system, system_read=self.system_read)
         return self._tok.apply_chat_template(
             messages, tools=server_tools(tools) or None, add_generation_prompt=generation,
             tokenize=False, **date,
         )
+
+    @staticmethod
+    def _context(parts: PromptParts) -> dict:
+        """What the template is given besides messages and tools: the date, then the request's kwargs."""
+        return {**date_inputs(), **(parts.template_kwargs or {})}
 
     def _probe(self, messages: list[dict]) -> str:
         return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **date_inputs())
@@ -381,14 +387,14 @@ class HFTokenizer:
         completions prompt): what ``count_prompt`` counts."""
         if parts.prompt is not None or not self.has_template:
             return None
-        return self._text([*parts.system, *parts.conversation], list(parts.tools), True, date_inputs())
+        return self._text([*parts.system, *parts.conversation], list(parts.tools), True, self._context(parts))
 
     def count_prompt(self, parts: PromptParts) -> PromptCounts:
         if parts.prompt is not None or not self.has_template:
             return _plain_counts(self, parts)
         conversation = parts.conversation
         tools = list(parts.tools)
-        date = date_inputs()  # one date for all renders of the turn, so they agree across midnight
+        date = self._context(parts)  # one date for all renders of the turn, so they agree across midnight
         total = self._render([*parts.system, *conversation], tools, True, date)
         try:
             # Each part is what removing it takes away, so the template's own tokens around a part

@@ -6,7 +6,8 @@ print only the roles they know, so a developer message rendered as its own role 
 count is short by the whole message. Each server runs on the tiny model with the template
 (``--chat-template-file``); specproxy counts with the models' tokenizer given the same template, and
 every API's ``prompt_tokens`` must be the server's own count (chat ``usage``, ``/v1/responses/input_tokens``,
-``/v1/messages/count_tokens``), for requests with multi-part messages.
+``/v1/messages/count_tokens``), for requests with multi-part messages; and a chat request's
+``chat_template_kwargs`` reach the template (here an empty thinking block when thinking is off).
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from specproxy.measure.tokens import load_tokenizer
 pytestmark = pytest.mark.real
 
 HEAD = "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-TAIL = ("{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+TAIL = ("{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        # Qwen3's shape: an empty thinking block when a request's chat_template_kwargs turn thinking off
+        "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+        "{%- endif %}")
 TEMPLATES = {
     # system, user and assistant printed; any other role (developer) left out
     "known-roles": ("{{- bos_token }}{%- for m in messages %}"
@@ -71,7 +74,10 @@ def test_every_api_counts_roles_as_the_server_renders_them(make_stack, templated
     usage = chat(stack.url, **chat_body, max_tokens=4)["usage"]
     responses_call(stack.url, responses_body, stream=False)
     messages_call(stack.url, messages_body, stream=False, beta=False)
-    rec_chat, rec_responses, rec_messages = arrivals.wait(3)
+    thinking_off = chat(stack.url, **chat_body, max_tokens=4,
+                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    rec_chat, rec_responses, rec_messages, rec_off = arrivals.wait(4)
+    assert rec_off.prompt_tokens == thinking_off["usage"]["prompt_tokens"] > usage["prompt_tokens"]
 
     assert rec_chat.prompt_tokens == usage["prompt_tokens"] == rec_chat.usage_prompt_tokens
     served = server.post_json("/v1/responses/input_tokens", responses_body)["input_tokens"]

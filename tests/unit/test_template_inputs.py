@@ -240,3 +240,23 @@ def test_tools_are_rendered_in_the_shape_llama_server_renders_them(hf_tok):
     canonical = hf_tok.count_prompt(split_prompt(body({"name": "noop", "description": "", "parameters": {}})))
     for raw in ({"name": "noop"}, {"name": "noop", "description": "", "parameters": {}, "strict": True}):
         assert hf_tok.count_prompt(split_prompt(body(raw))) == canonical, raw
+
+
+# Qwen3's shape: an empty thinking block when the request turns thinking off (chat_template_kwargs).
+THINKING = (
+    "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+
+
+def test_a_requests_chat_template_kwargs_reach_the_template(hf_dir, tmp_path):
+    """Servers give the template a request's ``chat_template_kwargs`` (llama.cpp after its date variables,
+    so they win); keys that are the renderer's own arguments are not the template's."""
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, THINKING)}")
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False, "tokenize": True, "date_string": "x"}}
+    plain, thinking_off = split_prompt(body), split_prompt(off)
+    assert "<think>" not in tok.prompt_text(plain) and "<think>\n\n</think>" in tok.prompt_text(thinking_off)
+    assert tok.count_prompt(thinking_off).total == tok.count(tok.prompt_text(thinking_off))
+    assert tok.count_prompt(thinking_off).total > tok.count_prompt(plain).total
