@@ -53,7 +53,8 @@ def new_conn_id() -> int:
 OUTCOMES = (
     "ok",  # the upstream answered and the stream ended normally
     "upstream_error",  # the upstream answered with a 4xx/5xx status (forwarded verbatim)
-    "upstream_unreachable",  # refused or reset (client got a 502), or timed out (504), before response headers
+    "upstream_unreachable",  # refused or reset before response headers (the client got a 502)
+    "upstream_timeout",  # no connection, or no response headers, in time (the client got a 504)
     "upstream_truncated",  # the upstream died mid-body: the client's stream was aborted too
     "client_abort",  # the client went away before the response ended; counts are partial
     "shutdown",  # specproxy's shutdown cut it (its drain limit passed, or a second Ctrl-C); counts are partial
@@ -88,9 +89,9 @@ class Record:
     """HTTP status the client received (502 when the upstream refused or reset the connection, 504 when it
     timed out, before answering)."""
     outcome: str
-    """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_truncated``,
-    ``client_abort``, ``shutdown`` (cut by specproxy's own shutdown: its drain limit passed, or a second
-    Ctrl-C), ``proxy_error``."""
+    """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_timeout``,
+    ``upstream_truncated``, ``client_abort``, ``shutdown`` (cut by specproxy's own shutdown: its drain
+    limit passed, or a second Ctrl-C), ``proxy_error``."""
     error: str | None = None
     """A short description of what went wrong, when something did (never contains request text)."""
     streamed: bool = False

@@ -61,16 +61,23 @@ def _fit(ttft: list[float], tokens: list[float]) -> dict[str, Any] | None:
             "prefill_tps": float(1.0 / slope)}
 
 
+FIRST_SEEN = "first turn seen of this session"
+
+
 def _changed(prev: dict, cur: dict) -> list[str]:
-    """What changed from ``prev`` to ``cur``: from the recorded diff, else guessed from part counts."""
+    """What changed from ``prev`` to ``cur``: from the recorded diff. Without one the proxy had no record
+    of the session's previous turn (it restarted, or forgot the session; rows from before the field):
+    that is said, with what the part counts show for sure. A turn that repeats the previous one (a
+    retry, a regenerated answer) has the same history, not the previous history and new input, so
+    only a history shorter than the previous turn's is one that shrank."""
     diff = cur["diff"]
     if diff is not None:
         changed = [p for p in ("system", "tools") if diff.get(f"{p}_changed")]
         if diff.get("messages_removed"):
             changed.append("messages removed")
         return changed
-    changed = [p for p in ("system", "tools") if cur[p] != prev[p]]
-    if cur["history"] < prev["history"] + prev["new"]:  # last turn's conversation is not all in it
+    changed = [FIRST_SEEN, *(p for p in ("system", "tools") if cur[p] != prev[p])]
+    if cur["history"] < prev["history"]:
         changed.append("history shrank")
     return changed
 
@@ -135,6 +142,13 @@ def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
     return {"source": source, "turns": sum(c["turns"] for c in clients), "clients": clients}
 
 
+def _median_turn(rows: list[dict]) -> dict[str, int]:
+    """The parts of the turn whose prompt is the median (the lower of the middle two): one turn's parts,
+    which add up to its prompt, where the parts' own medians need not."""
+    mid = sorted(rows, key=lambda r: r["prompt_tokens"])[(len(rows) - 1) // 2]
+    return {"prompt_tokens": mid["prompt_tokens"], **{p: mid[p] for p in PARTS}}
+
+
 def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     medians = {p: _median([r[p] for r in rows]) for p in (*PARTS, "prompt_tokens")}
     typed = [r["new"] / r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
@@ -148,7 +162,7 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     cached = [r["cached"] for r in rows if r["cached"] is not None]
     out: dict[str, Any] = {
         "client": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
-        "sessions": len(sessions), "median_tokens": medians,
+        "sessions": len(sessions), "median_tokens": medians, "median_turn": _median_turn(rows),
         "typed_share": {"median": _median(typed),
                         "overall": sum(r["new"] for r in rows) / max(sum(r["prompt_tokens"] for r in rows), 1)},
         "server_cached_tokens": {"n": len(cached), "median": _median(cached)},
@@ -159,6 +173,10 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     if fit is not None:
         out["part_cost_s"] = {p: (medians[p] or 0) * fit["seconds_per_token"] for p in PARTS}
     return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _n(value: float | None, fmt: str = "{:.0f}") -> str:
@@ -175,7 +193,7 @@ def _turn_line(t: dict[str, Any]) -> str:
     if t["turn"] == 1 or t["reused_tokens"] is None:
         head = f"turn {t['turn']}: {t['prompt_tokens']:,} tokens"
         if t["turn"] > 1:
-            head += " (no prefix comparison)"
+            head += f" ({FIRST_SEEN}: no prefix comparison)" if t["diff"] is None else " (no prefix comparison)"
     else:
         if t["break_part"]:
             head = (f"turn {t['turn']} changed {_PART_NAMES.get(t['break_part'], t['break_part'])} at token "
@@ -196,18 +214,19 @@ def _turn_line(t: dict[str, Any]) -> str:
 
 
 def render_audit(a: dict[str, Any]) -> str:
-    lines = [f"specproxy audit: {a['source']}: {a['turns']} completed turns with prompt counts, "
-             f"{len(a['clients'])} clients"]
+    lines = [f"specproxy audit: {a['source']}: {_plural(a['turns'], 'completed turn')} with prompt counts, "
+             f"{_plural(len(a['clients']), 'client')}"]
     if not a["clients"]:
         lines.append("  no completed turns with prompt counts (start serve with --tokenizer)")
     for c in a["clients"]:
-        m = c["median_tokens"]
-        lines += ["", f"{c['client']}: {c['turns']} turns in {c['sessions']} sessions"
+        m = c["median_turn"]
+        lines += ["", f"{c['client']}: {_plural(c['turns'], 'turn')} in {_plural(c['sessions'], 'session')}"
                   + (f" ({', '.join(c['apis'])})" if c["apis"] else "")]
-        lines.append(f"  median tokens per turn: prompt {_n(m['prompt_tokens'])} = system {_n(m['system'])}"
-                     f" + tools {_n(m['tools'])} + history {_n(m['history'])} + new {_n(m['new'])}")
+        lines.append(f"  the median turn: prompt {m['prompt_tokens']:,} = system {m['system']:,}"
+                     f" + tools {m['tools']:,} + history {m['history']:,} + new {m['new']:,}")
         t = c["typed_share"]
-        lines.append(f"  new input (what this turn added): {_n(t['median'], '{:.1%}')} of the prompt (median turn), "
+        lines.append(f"  new input (what this turn added): {_n(t['median'], '{:.1%}')} of the prompt "
+                     "(median over turns), "
                      f"{_n(t['overall'], '{:.1%}')} of all prompt tokens")
         sc = c["server_cached_tokens"]
         if sc["n"]:
@@ -219,16 +238,24 @@ def render_audit(a: dict[str, Any]) -> str:
                          f"(median TTFT {_n(c['median_ttft_s'], '{:.3f}')} s); at that rate, uncached: "
                          + ", ".join(f"{p} {cost[p]:.3f} s" for p in PARTS))
         for sid, s in sorted(c["session_detail"].items(), key=lambda kv: -kv[1]["turns"]):
-            lines.append(f"  session {sid}: {s['turns']} turns, prompt {s['first_prompt_tokens']} -> "
-                         f"{s['last_prompt_tokens']} tokens (median growth {_n(s['median_growth_per_turn'], '{:+.0f}')}"
-                         " per turn)")
+            growth = s["median_growth_per_turn"]
+            lines.append(f"  session {sid}: {_plural(s['turns'], 'turn')}, prompt {s['first_prompt_tokens']} -> "
+                         f"{s['last_prompt_tokens']} tokens"
+                         + (f" (median growth {growth:+.0f} per turn)" if growth is not None else ""))
             for ch in s["changes"]:
-                what = ", ".join(f"{p} {ch[p][0]} -> {ch[p][1]} tokens" if p in ch else p for p in ch["changed"])
-                lines.append(f"    turn {ch['turn']}: {what} (a server's prefix cache is reusable only up to there)")
+                first_seen = FIRST_SEEN in ch["changed"]
+                what = ", ".join(f"{p} {ch[p][0]} -> {ch[p][1]} tokens" if p in ch else p
+                                 for p in ch["changed"] if p != FIRST_SEEN)
+                if first_seen:
+                    lines.append(f"    turn {ch['turn']}: {FIRST_SEEN} (no record of the turn before it: the proxy "
+                                 "restarted or had forgotten the session)" + (f"; counts show {what}" if what else ""))
+                else:
+                    lines.append(f"    turn {ch['turn']}: {what} (a server's prefix cache is reusable only up to there)")
             for t in s["per_turn"]:
                 lines.append("    " + _turn_line(t))
             tools = s["tools"]
             if tools["defined"]:
-                lines.append(f"    {len(tools['never_called'])} of {tools['defined']} tools were never called in "
-                             f"{s['turns']} turns")
+                were = "tool was" if tools["defined"] == 1 else "tools were"
+                lines.append(f"    {len(tools['never_called'])} of {tools['defined']} {were} never called in "
+                             f"{_plural(s['turns'], 'turn')}")
     return "\n".join(lines) + "\n"

@@ -29,7 +29,7 @@ import numpy as np
 from specproxy.analyze.stats import mean_ci, plural, summarize, summarize_clustered
 from specproxy.record import Record
 
-__all__ = ["MIN_ROUNDS", "ONE_INSTANCE_NOTE", "Round", "render_bench", "summarize_bench"]
+__all__ = ["MIN_ROUNDS", "ONE_INSTANCE_NOTE", "Round", "geometric_mean_ci", "render_bench", "summarize_bench"]
 
 # Fewer rounds of one instance than this: per-stream intervals over turns. Over 2 rounds the t quantile
 # (1 df) is 12.7, so the interval spans a factor of several even when the rounds agree closely.
@@ -65,6 +65,25 @@ def round_aggregate(rnd: Round) -> float | None:
         return None
     span = max(end for _, end in spans) - min(start for start, _ in spans)
     return sum(tokens) / span if span > 0 else None
+
+
+def geometric_mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """(geometric mean, low, high) of a few replicates of a throughput: Student's t interval of the mean of
+    their logarithms, exponentiated. It cannot reach zero or below, as a t interval on the values does on
+    few, spread replicates (it was clipped at 0: "112.0 [0.0, 243.8]"), and it is exact when the
+    replicates are lognormal (a throughput's spread is a factor); docs/statistics.md has its calibration.
+    The ends are None below 2 values, or when a value is not positive (no logarithm: no interval)."""
+    x = np.asarray([v for v in values if v is not None and v == v], dtype=float)
+    if x.size == 0:
+        return None, None, None
+    if (x <= 0).any():
+        return float(x.mean()), None, None
+    if x.size < 2:
+        return float(x[0]), None, None
+    logs = np.log(x)
+    center = float(np.exp(logs.mean()))
+    _, lo, hi = mean_ci(logs, level)
+    return center, float(np.exp(lo)), float(np.exp(hi))
 
 
 def _prefill_tps(r: Record) -> float | None:
@@ -105,9 +124,7 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
         unit, values = "instances", [float(np.mean(v)) for v in by_instance.values()]
     else:
         unit, values = "rounds", [v for vs in by_instance.values() for v in vs]
-    mean, lo, hi = mean_ci(values)
-    if lo is not None:
-        lo = max(lo, 0.0)  # a throughput is never negative: a t interval on few rounds can reach below 0
+    mean, lo, hi = geometric_mean_ci(values)
     errors: dict[str, int] = defaultdict(int)
     for r in records:
         if r.outcome != "ok":
@@ -244,8 +261,9 @@ def render_bench(s: dict[str, Any]) -> str:
                          + " (kept in the database; not in the figures)")
     if phase != "prefill":
         lines.append("  per-stream: the median over turns of one stream's decode speed (what one user gets); aggregate: "
-                     "tokens of all streams over each round's span (what the server delivers), mean over rounds or "
-                     "instances; each interval is over the server instances when there are several, else over "
+                     "tokens of all streams over each round's span (what the server delivers), geometric mean over "
+                     "rounds or instances (its interval: t on the logs, never below 0); each interval is over the "
+                     "server instances when there are several, else over "
                      f"the rounds (per-stream: over turns below {MIN_ROUNDS} rounds), as the last column says")
     if s.get("restart_variance_note"):
         lines.append(f"  {s['restart_variance_note']}")

@@ -64,6 +64,7 @@ def _timeline(ok: Turns, slots: int) -> list[dict[str, Any]]:
     for i in np.unique(index):
         cell = ok.select(index == i)
         rows.append({
+            "slot": int(i),  # slots with no turn started have no row: a line drawn over rows breaks there
             "t_wall": t0 + (int(i) + 0.5) * width,
             "per_stream_tps": summarize(ok.num["decode_tps"][(index == i) & streamed]).median,
             "aggregate_tps": aggregate_throughput(cell)["tps"],

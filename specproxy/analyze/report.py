@@ -27,7 +27,7 @@ from specproxy.store.queries import Connection, database_turns, unmeasured_rows
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
-from specproxy.analyze.stats import summarize
+from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask", "why_empty"]
 
@@ -268,8 +268,10 @@ def _utc(t: float) -> str:
 def why_empty(r: dict[str, Any]) -> str:
     """Why there is nothing to report: an empty database, or a window that selects none of its turns."""
     db = r.get("database_turns")
+    others = plural(db["other"], "other-path request") if db and db.get("other") else ""
     if not db or not db["n"]:
-        return "no turns recorded yet: point a client at the proxy's /v1 and chat"
+        held = f" (the database holds {others} only)" if others else ""
+        return f"no turns recorded yet{held}: point a client at the proxy's /v1 and chat"
     w = r.get("window") or {}
     parts = [f"label {w['label']}" if w.get("label") is not None else "",
              f"since {_utc(w['since'])} UTC" if w.get("since") is not None else "",
@@ -277,7 +279,7 @@ def why_empty(r: dict[str, Any]) -> str:
     where = ", ".join(p for p in parts if p)
     span = f" ({_utc(db['first_t_wall'])} to {_utc(db['last_t_wall'])} UTC)" if db["first_t_wall"] is not None else ""
     return (f"no turns in this window{f' ({where})' if where else ''}; "
-            f"the database holds {db['n']} turn{'s' if db['n'] != 1 else ''}{span}")
+            f"the database holds {plural(db['n'], 'turn')}{span}{f' and {others}' if others else ''}")
 
 
 def _figure_rows(summaries: dict[str, Any], figures: tuple) -> list[str]:
@@ -292,9 +294,9 @@ def render_text(r: dict[str, Any]) -> str:
     lines: list[str] = []
     when = f", {_utc(r['first_t_wall'])} to {_utc(r['last_t_wall'])} UTC" if r["first_t_wall"] is not None else ""
     outcomes = ", ".join(f"{v} {k}" for k, v in sorted(r["outcomes"].items())) or "none"
-    lines.append(f"specproxy report: {r['source']}: {r['turns']} turns ({outcomes}){when}")
+    lines.append(f"specproxy report: {r['source']}: {plural(r['turns'], 'turn')} ({outcomes}){when}")
     if r.get("unmeasured"):
-        lines.append(f"other paths: {r['unmeasured']} requests forwarded and recorded without figures "
+        lines.append(f"other paths: {plural(r['unmeasured'], 'request')} forwarded and recorded without figures "
                      "(not measured, not in any figure below)")
     if not r["turns"]:  # no tokenizer line: with no turns there is nothing to say which tokenizer counted
         lines.append(why_empty(r))

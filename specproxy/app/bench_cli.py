@@ -30,6 +30,17 @@ NO_TOKENIZER = ("no --tokenizer: tokens are not counted, so per-stream and aggre
 def export_replay(conn, db_path: str, output: str, *, label: str | None, since: float | None,
                   until: float | None) -> int:
     """Write every captured request body (selected by its turn's label, or its time) as a replay file."""
+    try:
+        n = _write_replay(conn, output, label=label, since=since, until=until)
+    except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
+        raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
+    if not n:
+        raise ConfigError(f"{db_path}: no captured request bodies{' selected' if label or since or until else ''} "
+                          "(run `specproxy serve --capture` to store them)")
+    return n
+
+
+def _write_replay(conn, output: str, *, label: str | None, since: float | None, until: float | None) -> int:
     from specproxy.app.replay import replay_line
     from specproxy.store.captures import captured_requests
 
@@ -54,9 +65,6 @@ def export_replay(conn, db_path: str, output: str, *, label: str | None, since: 
                 os.replace(out.name, output)
             else:
                 os.unlink(out.name)
-    if not n:
-        raise ConfigError(f"{db_path}: no captured request bodies{' selected' if label or since or until else ''} "
-                          "(run `specproxy serve --capture` to store them)")
     return n
 
 
@@ -211,8 +219,8 @@ def register(group: click.Group, *, friendly, db_option) -> None:
             levels=_ints(levels, "--concurrency"), repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
             instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed)
         counted = cfg.tokenizer not in (None, "", "none")
-        if not counted:  # said before the run, not after it: the run would otherwise end in a table of "-"
-            click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)
+        if not cfg.tokenizer:  # said before the run, not after it: the run would otherwise end in a table of "-"
+            click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)  # (not to one who asked for none)
         run = BenchRun()
         install_uvloop()
         error: SpecproxyError | None = None

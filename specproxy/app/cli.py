@@ -78,6 +78,19 @@ CONFIG_ONLY: dict[str, str] = {
 }
 
 
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def _client_url(host: str, port: int) -> tuple[str, str]:
+    """A URL a client on this machine can use, and what the listening address means when it is not one:
+    a wildcard (``0.0.0.0``, ``::``) is where the proxy listens, not an address to connect to."""
+    wildcard = host in _WILDCARDS
+    address = _WILDCARDS.get(host, host)
+    url = f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+    return url, (f" (listening on all interfaces, {host or '0.0.0.0'}:{port}: from another machine, use this "
+                 "machine's address)" if wildcard else "")
+
+
 def _pages_line(cfg: Config, url: str) -> str:
     """Where the live page and specproxy's own metrics are, and what opening them takes."""
     from specproxy.serve.admin import is_loopback
@@ -180,14 +193,15 @@ def serve(config_path: str | None, **flags: Any) -> None:
         counting = tokens.describe(svc.tokenizer)
         quota = svc.cadence.quota if svc.cadence is not None else None
         poll = cadence_poll.describe(cfg.cadence_poll, thread, quota)
+        url, listening = _client_url(cfg.host, svc.port)
         click.echo(
-            f"specproxy {__version__}: forwarding {svc.url} -> {cfg.upstream} (client /v1/chat/completions -> "
+            f"specproxy {__version__}: forwarding {url} -> {cfg.upstream} (client /v1/chat/completions -> "
             f"{cfg.forwards_to('/v1/chat/completions')}; /chat/completions -> {cfg.forwards_to('/chat/completions')}); "
             f"tokenizer {cfg.tokenizer or 'none (token counts will be missing)'}"
             f"{f' ({counting})' if counting else ''}; database {cfg.db}; "
             f"requests read by {front}; relay {relay}; "
             f"cadence poll {poll}; measuring scans {scans}\n"
-            f"point your client's base URL at {svc.url}/v1; {_pages_line(cfg, svc.url)}; Ctrl-C to stop",
+            f"point your client's base URL at {url}/v1{listening}; {_pages_line(cfg, url)}; Ctrl-C to stop",
             err=True,
         )
 
@@ -316,19 +330,27 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
         return
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
     with _open(db) as conn:
-        out = sys.stdout if output == "-" else open(output, "w", newline="")
         try:
-            rows = turn_rows(conn, FIELD_NAMES, where, params)
-            if fmt == "csv":
-                writer = csv.writer(out)
-                writer.writerow(FIELD_NAMES)
-                writer.writerows(rows)
-            else:
-                for row in rows:
-                    out.write(orjson.dumps(dict(zip(FIELD_NAMES, row))).decode() + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
+            _write_rows(conn, FIELD_NAMES, turn_rows, where, params, fmt, output)
+        except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
+            raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: str) -> None:
+    """The selected rows as JSON lines or CSV, to ``output`` ("-": stdout)."""
+    out = sys.stdout if output == "-" else open(output, "w", newline="")
+    try:
+        rows = turn_rows(conn, names, where, params)
+        if fmt == "csv":
+            writer = csv.writer(out)
+            writer.writerow(names)
+            writer.writerows(rows)
+        else:
+            for row in rows:
+                out.write(orjson.dumps(dict(zip(names, row))).decode() + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
 
 
 @main.command("compare")

@@ -278,7 +278,9 @@ class RecordBuilder:
         prefixes: PrefixTracker | None = None,
     ) -> Record:
         t_req = self.t_request
-        counts = _count_completion(texts, tok) if tok is not None else None
+        # several completions prompts: the turn is the first and its answer, as the server's usage is
+        first_only = request.parts is not None and request.parts.prompts > 1
+        counts = _count_completion(texts, tok, first_only) if tok is not None else None
         prompt = None
         if tok is not None and request.parts is not None:
             try:
@@ -426,12 +428,15 @@ def _read_request(body: bytes, api: Api) -> _Request:
     return _Request(parsed=True, model=model if isinstance(model, str) else None, parts=parts)
 
 
-def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:
-    """Encode each (choice, kind) text once; map tokens to the first chunk by character offsets."""
+def _count_completion(texts: Texts, tok: Tokenizer, first_only: bool = False) -> dict[str, int] | None:
+    """Encode each (choice, kind) text once (choice 0's alone when ``first_only``); map tokens to the first
+    chunk by character offsets."""
     if not texts.texts:
         return None
     out = {"content": 0, "reasoning": 0, "tool_args": 0, "first": 0}
     for key, text in texts.texts.items():
+        if first_only and key[0] != 0:
+            continue
         n, first = count_with_first(tok, text, texts.first_lens.get(key, 0))
         out[key[1]] += n
         out["first"] += first

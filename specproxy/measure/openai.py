@@ -15,6 +15,7 @@ import orjson
 __all__ = [
     "TEXT_KINDS",
     "Delta",
+    "completion_prompt",
     "function_tool",
     "PromptParts",
     "parse_json",
@@ -129,12 +130,23 @@ def function_tool(tool: Any, schema_key: str) -> dict:
     }}
 
 
+def _another_tasks(obj: dict) -> bool:
+    """The chunk closes a choice other than 0 only: in llama-server's stream of several completions
+    prompts each prompt's task ends with its own usage and timings, and the turn is the first's (as the
+    server's non-streamed usage is; ``completion_prompt``)."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(isinstance(c, dict) and isinstance(c.get("index"), int) and c["index"] != 0 for c in choices)
+
+
 def read_chunk(obj: Any) -> Delta:
     """Read one streamed chunk (the JSON of one ``data:`` event)."""
     delta = Delta()
     if isinstance(obj, dict):
         _read_choices(obj, delta, "delta")
-        _read_accounting(obj, delta)
+        if not _another_tasks(obj):
+            _read_accounting(obj, delta)
     return delta
 
 
@@ -154,7 +166,11 @@ class PromptParts:
     ``system``: system/developer messages. ``tools``: the tool (or legacy function) definitions.
     ``history``: the conversation before this turn. ``new``: this turn's input: the trailing messages
     after the last assistant message (the newest user message; in an agent loop, the tool results).
-    ``prompt``: for /v1/completions, the raw prompt (all of it counts as new).
+    ``template_kwargs``: a chat request's ``chat_template_kwargs``, which servers give its template.
+    ``prompt``: for /v1/completions, the text of the raw prompt (all of it counts as new);
+    ``prompt_ids``: how many token ids the prompt gives as numbers; ``prompt_bos``: whether the server adds
+    its beginning-of-text token (a prompt that opens with text); ``prompts``: how many prompts the
+    request holds (``completion_prompt``).
     """
 
     system: tuple[dict, ...] = ()
@@ -162,10 +178,41 @@ class PromptParts:
     history: tuple[dict, ...] = ()
     new: tuple[dict, ...] = ()
     prompt: str | None = None
+    template_kwargs: dict | None = None
+    prompt_ids: int = 0
+    prompt_bos: bool = True
+    prompts: int = 1
 
     @property
     def conversation(self) -> list[dict]:
         return [*self.history, *self.new]
+
+
+# apply_chat_template's own arguments: a chat_template_kwargs key of these names is not the template's
+_RENDER_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                          "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                          "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _is_id(p: Any) -> bool:
+    return isinstance(p, int) and not isinstance(p, bool)
+
+
+def completion_prompt(prompt: Any) -> PromptParts:
+    """A /v1/completions ``prompt`` as llama-server tokenizes it (``tokenize_input_prompts``): a string,
+    or a list of strings and token ids that holds an id, is one prompt; any other list is several
+    prompts (strings, or lists of strings and ids), each its own task. A prompt that opens with text
+    gets the model's beginning-of-text token. With several, the turn is the first prompt and its
+    answer (choice 0): what llama-server's ``usage`` counts (docs/metrics.md)."""
+    prompts = 1
+    if isinstance(prompt, list) and not any(_is_id(p) for p in prompt):
+        prompts = len(prompt)
+        prompt = prompt[0] if prompt else None
+    pieces = prompt if isinstance(prompt, list) else [prompt]
+    if not pieces or not all(isinstance(p, str) or _is_id(p) for p in pieces):
+        raise ValueError("request has neither messages nor a prompt of text or token ids")
+    return PromptParts(prompt="".join(p for p in pieces if isinstance(p, str)),
+                       prompt_ids=sum(map(_is_id, pieces)), prompt_bos=isinstance(pieces[0], str), prompts=prompts)
 
 
 def split_prompt(body: Any) -> PromptParts:
@@ -173,12 +220,7 @@ def split_prompt(body: Any) -> PromptParts:
     if not isinstance(body, dict):
         raise ValueError("request body is not a JSON object")
     if "messages" not in body:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            prompt = "".join(p for p in prompt if isinstance(p, str))
-        if not isinstance(prompt, str):
-            raise ValueError("request has neither messages nor a text prompt")
-        return PromptParts(prompt=prompt)
+        return completion_prompt(body.get("prompt"))
     messages = body["messages"]
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ValueError("messages is not a list of objects")
@@ -190,11 +232,14 @@ def split_prompt(body: Any) -> PromptParts:
     system = [m for m in messages if m.get("role") in ("system", "developer")]
     rest = [m for m in messages if m.get("role") not in ("system", "developer")]
     last_assistant = max((i for i, m in enumerate(rest) if m.get("role") == "assistant"), default=-1)
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _RENDER_ARGS} if isinstance(kwargs, dict) else None
     return PromptParts(
         system=tuple(system),
         tools=tuple(tools),
         history=tuple(rest[: last_assistant + 1]),
         new=tuple(rest[last_assistant + 1 :]),
+        template_kwargs=kwargs or None,
     )
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 
 from specproxy.measure.openai import PromptParts, message_text
+from specproxy.measure.tokens import completion_text
 
 __all__ = ["PrefixTracker", "TurnPrefix", "tool_names"]
 
@@ -77,7 +78,7 @@ def _segments(tok: Any, parts: PromptParts) -> list[tuple[str, str | None]]:
         pieces = getattr(getattr(tok, "rendered", None), "pieces", None)
         return [(p, None) for p in (pieces(text) if pieces is not None else [text])]
     if parts.prompt is not None:
-        return [(parts.prompt, "new")]
+        return [(completion_text(tok, parts), "new")]
     segs = [(message_text(m), "system") for m in parts.system]
     if parts.tools:
         segs.append((orjson.dumps(list(parts.tools)).decode(), "tools"))

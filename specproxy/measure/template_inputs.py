@@ -15,13 +15,22 @@ servers do not give the template the request's messages as they came, nor only t
 * **Tool-call arguments.** The API carries them as a JSON *string*; templates expect an object
   (Llama 3.1's renders ``arguments | tojson``: a string would come out quoted and escaped). Both
   servers parse the string first; arguments that are not a JSON object are left as they came.
+* **Roles.** llama.cpp (``common/chat.cpp``, its ``workaround`` namespace) gives every template a
+  ``developer`` message as a ``system`` one, except GPT-OSS's (whose template source has ``<|channel|>``
+  and renders the developer role itself); and to a template that does not read a system message's
+  content (the probe below) it gives the first system message joined to the next message's content with
+  ``"\\n"`` (or drops it when it is the only message).
+* **Tools.** llama.cpp re-serialises each chat tool as ``{type: "function", function: {name,
+  description, parameters}}`` before rendering: a missing description becomes ``""``, a missing schema
+  ``{}``, any other key (``strict``) is dropped.
 * **The date.** llama.cpp gives every template ``date_string`` (``"%d %b %Y"``, e.g. "26 Jul 2024") and
   ``datetime`` (``"%b %d %Y"``), today in the server's local time; ``strftime_now`` is local time in
   both llama.cpp and transformers. Without ``date_string`` a Llama-3.1 template prints its default,
   "26 Jul 2024". (vLLM passes no date: its Llama-3.1 prompts say "26 Jul 2024". With Llama 3's
   tokenizer every such date has the same count, so the counts agree with both servers.)
 
-Which content a template accepts is found once per tokenizer by rendering two probes (``content_style``).
+Which content a template accepts, and whether it reads a system message, is found once per tokenizer
+by rendering probes (``content_style``, ``reads_system``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any, Literal
 
 import orjson
 
-__all__ = ["ContentStyle", "content_style", "date_inputs", "server_messages"]
+__all__ = ["ContentStyle", "content_style", "date_inputs", "reads_system", "server_messages", "server_tools"]
 
 # "string": the template takes string content only (text parts are joined for it); "typed": parts only
 # (a string becomes one text part); "both": content is given as it came.
@@ -69,6 +78,45 @@ def content_style(render: Callable[[list[dict]], str]) -> ContentStyle:
     if reads_parts:
         return "both" if takes_strings else "typed"
     return "string"
+
+
+def reads_system(render: Callable[[list[dict]], str]) -> bool:
+    """Whether the template behind ``render`` reads a system message's content (llama.cpp's
+    ``supports_system_role``): a system probe and a user message rendered, the probe's text in the
+    output. A template that raises on a system message does not."""
+    try:
+        return _PROBE in render([{"role": "system", "content": _PROBE}, {"role": "user", "content": "x"}])
+    except Exception:  # e.g. raise_exception('System role not supported')
+        return False
+
+
+def server_tools(tools: list | None) -> list | None:
+    """Chat tools as llama.cpp renders them: ``{type, function: {name, description, parameters}}`` and
+    nothing else. A tool not in the function shape is passed on as it is (the server refuses it)."""
+    if not tools:
+        return tools
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or "name" not in fn:
+            out.append(tool)
+            continue
+        out.append({"type": "function", "function": {
+            "name": fn["name"], "description": fn.get("description", ""), "parameters": fn.get("parameters", {})}})
+    return out
+
+
+def server_roles(messages: list[dict], *, developer_as_system: bool, system_read: bool) -> list[dict]:
+    """The roles llama.cpp gives a template: ``developer`` as ``system`` (unless the template renders it
+    itself); when the template does not read system messages, the first one joined to the next."""
+    if developer_as_system and any(m.get("role") == "developer" for m in messages):
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    if not system_read and messages and messages[0].get("role") == "system":
+        first, rest = messages[0], messages[1:]
+        if rest and isinstance(first.get("content"), str) and isinstance(rest[0].get("content"), str):
+            rest = [{**rest[0], "content": first["content"] + "\n" + rest[0]["content"]}, *rest[1:]]
+        messages = rest
+    return messages
 
 
 def server_messages(messages: list[dict], style: ContentStyle) -> list[dict]:

@@ -58,9 +58,16 @@ from specproxy.errors import TokenizerError
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.prompt_pieces import PieceCounter
-from specproxy.measure.template_inputs import content_style, date_inputs, server_messages
+from specproxy.measure.template_inputs import (
+    content_style,
+    date_inputs,
+    reads_system,
+    server_messages,
+    server_roles,
+    server_tools,
+)
 
-__all__ = ["PromptCounts", "Tokenizer", "describe", "load_tokenizer", "tokens_in_first"]
+__all__ = ["PromptCounts", "Tokenizer", "completion_text", "describe", "load_tokenizer", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,12 @@ def count_with_first(tok: Tokenizer, text: str, first_len: int) -> tuple[int, in
     return len(ends), tokens_in_first(ends, first_len)
 
 
+def completion_text(tok: Tokenizer, parts: PromptParts) -> str:
+    """A completions prompt's text as the server tokenizes it: after the beginning-of-text token the
+    server adds to a prompt that opens with text (the tokenizer's ``bos_text``; none for tiktoken)."""
+    return (getattr(tok, "bos_text", "") if parts.prompt_bos else "") + (parts.prompt or "")
+
+
 _REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered by their text (LRU)
 _MEMO_TEXTS = 32_768  # conversation messages remembered: 256 conversations of 128, ~3 MB at most
 
@@ -122,7 +135,7 @@ def _plain_counts(tok: Tokenizer, parts: PromptParts) -> PromptCounts:
     every turn).
     """
     if parts.prompt is not None:
-        n = tok.count(parts.prompt)
+        n = tok.count(completion_text(tok, parts)) + parts.prompt_ids
         return PromptCounts(n, 0, 0, 0, n)
     repeated = getattr(tok, "count_repeated", tok.count)
     count = getattr(tok, "count_memo", tok.count)
@@ -179,8 +192,9 @@ class TiktokenTokenizer:
         try:
             self._enc = _bundled_encoding(encoding) or tiktoken.get_encoding(encoding)
         except Exception as exc:  # tiktoken raises ValueError, requests errors, OSError...
+            said = (str(exc).strip().splitlines() or [""])[0]  # tiktoken's goes on about plugins and versions
             raise TokenizerError(
-                f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {exc}); "
+                f"cannot load tiktoken encoding {encoding!r} ({type(exc).__name__}: {said}); "
                 "known offline encodings: cl100k_base, o200k_base; or put the .tiktoken file in "
                 "$TIKTOKEN_CACHE_DIR under the sha1 of its URL"
             ) from None
@@ -273,6 +287,27 @@ class TiktokenTokenizer:
 # --- Hugging Face ---------------------------------------------------------------------------------
 
 
+def _import_auto_tokenizer():
+    """transformers' ``AutoTokenizer``, imported without the advice it logs at import ("PyTorch was not
+    found. Models won't be available...": specproxy needs the tokenizer alone), and with its warnings
+    off afterwards."""
+    import os
+
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory, with its chat template when it has one."""
 
@@ -283,17 +318,21 @@ class HFTokenizer:
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise TokenizerError(f"{path} has no tokenizer.json, tokenizer.model or vocab.json")
         try:
-            from transformers import AutoTokenizer
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
+            AutoTokenizer = _import_auto_tokenizer()
             self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:
             raise TokenizerError(f"cannot load hf tokenizer from {path}: {type(exc).__name__}: {exc}") from None
         self.name = f"hf:{path}"
+        # what the server puts before a completions prompt: the BOS the tokenizer adds, as text
+        added = self._tok.encode("", add_special_tokens=True)
+        bos_id = getattr(self._tok, "bos_token_id", None)
+        self.bos_text = self._tok.bos_token if added and bos_id is not None and added[0] == bos_id else ""
         self.has_template = bool(getattr(self._tok, "chat_template", None))
         # what the template takes as message content, found once as servers find it
         self.content_style = content_style(self._probe) if self.has_template else "string"
+        # the roles llama.cpp gives the template: developer as system but for GPT-OSS's (template_inputs)
+        self.developer_as_system = "<|channel|>" not in str(getattr(self._tok, "chat_template", "") or "")
+        self.system_read = reads_system(self._probe) if self.has_template else True
         # plain counts (no template, or its fallback), memoised as tiktoken's are
         self.count_repeated = lru_cache(maxsize=_REPEATED_TEXTS)(self.count)
         self.count_memo = CountMemo(self.count, _MEMO_TEXTS)
@@ -323,11 +362,19 @@ class HFTokenizer:
         return [end for _, end in enc["offset_mapping"]]
 
     def _text(self, messages: list[dict], tools: list | None, generation: bool, date: dict[str, str]) -> str:
-        """The template's render, given what a server gives it (``template_inputs``)."""
+        """The template's render, given what a server gives it (``template_inputs``); ``date`` holds the
+        date variables and the request's ``chat_template_kwargs`` (which win, as in llama.cpp)."""
+        messages = server_roles(server_messages(messages, self.content_style),
+                                developer_as_system=self.developer_as_system, system_read=self.system_read)
         return self._tok.apply_chat_template(
-            server_messages(messages, self.content_style), tools=tools or None, add_generation_prompt=generation,
+            messages, tools=server_tools(tools) or None, add_generation_prompt=generation,
             tokenize=False, **date,
         )
+
+    @staticmethod
+    def _context(parts: PromptParts) -> dict:
+        """What the template is given besides messages and tools: the date, then the request's kwargs."""
+        return {**date_inputs(), **(parts.template_kwargs or {})}
 
     def _probe(self, messages: list[dict]) -> str:
         return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **date_inputs())
@@ -340,14 +387,14 @@ class HFTokenizer:
         completions prompt): what ``count_prompt`` counts."""
         if parts.prompt is not None or not self.has_template:
             return None
-        return self._text([*parts.system, *parts.conversation], list(parts.tools), True, date_inputs())
+        return self._text([*parts.system, *parts.conversation], list(parts.tools), True, self._context(parts))
 
     def count_prompt(self, parts: PromptParts) -> PromptCounts:
         if parts.prompt is not None or not self.has_template:
             return _plain_counts(self, parts)
         conversation = parts.conversation
         tools = list(parts.tools)
-        date = date_inputs()  # one date for all renders of the turn, so they agree across midnight
+        date = self._context(parts)  # one date for all renders of the turn, so they agree across midnight
         total = self._render([*parts.system, *conversation], tools, True, date)
         try:
             # Each part is what removing it takes away, so the template's own tokens around a part

@@ -250,9 +250,9 @@ class Proxy:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
             # head within idle_timeout_s: 504. Either way the upstream gave no response to relay.
             status = 504 if exc.timeout else 502
+            kind = "upstream_timeout" if status == 504 else "upstream_unreachable"  # stored as the client is told
             if b is not None:
-                b.fail(clock(), "upstream_unreachable", status, str(exc))
-            kind = "upstream_timeout" if status == 504 else "upstream_unreachable"
+                b.fail(clock(), kind, status, str(exc))
             return error_response(status, kind, f"no response from the upstream: {exc}")
         try:
             head = conn.head

@@ -10,6 +10,7 @@ row by row when one record of a batch is bad, so one odd string cannot cost the 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import sqlite3
@@ -123,6 +124,8 @@ def connect(path: str | Path, *, readonly: bool = False, existing: bool | None =
             else:  # never creates the file; transactions are the caller's, as the writer's are
                 conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, check_same_thread=False, isolation_level=None)
         else:
+            if p.is_dir():
+                raise StoreError(f"{p}: is a directory, not a database file")
             if p.parent and not p.parent.exists():
                 raise StoreError(f"cannot create database {p}: directory {p.parent} does not exist")
             conn = sqlite3.connect(p, check_same_thread=False, isolation_level=None)
@@ -130,7 +133,7 @@ def connect(path: str | Path, *, readonly: bool = False, existing: bool | None =
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=2000")
     except sqlite3.Error as exc:
-        raise StoreError(f"{p}: cannot open database: {exc}") from None
+        raise StoreError(f"{p}: cannot open database: {exc}{why_not_writable(p)}") from None
     if existing:
         try:
             check_schema(conn, p)
@@ -181,7 +184,7 @@ def check_schema(conn: sqlite3.Connection, p: Path) -> None:
     except sqlite3.DatabaseError as exc:
         if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _NOTADB:  # junk bytes: "file is not a database"
             raise StoreError(f"{p}: not an SQLite database ({exc})") from None
-        raise StoreError(f"{p}: cannot read database: {exc}") from None
+        raise StoreError(f"{p}: cannot read database: {exc}{why_not_writable(p)}") from None
     if "turns" not in tables or not done:
         what = "an empty file (0 bytes)" if _size(p) == 0 else (
             "an SQLite database without a turns table" if "turns" not in tables else "a turns table without _migrations")
@@ -194,6 +197,24 @@ def check_schema(conn: sqlite3.Connection, p: Path) -> None:
     missing = [name for name in known if name not in done]
     if missing:
         raise _OlderSchema(f"{p}: written by an older specproxy (schema step {missing[0]} not applied)")
+
+
+def why_not_writable(p: Path) -> str:
+    """Why SQLite cannot open a database here, when the directory says it: a WAL database, even read,
+    needs its ``-shm`` (and ``-wal``) file beside it, created on first open. "" when nothing is wrong
+    with the directory (SQLite's own message then stands alone)."""
+    d = p.parent
+    try:
+        read_only = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+    except OSError:
+        return ""
+    if read_only:
+        where = f"{d} is on a read-only file system"
+    elif not os.access(d, os.W_OK):
+        where = f"{d} is not writable by this user"
+    else:
+        return ""
+    return f" ({where}: SQLite must create {p.name}-shm beside a WAL database, even to read it)"
 
 
 def _size(p: Path) -> int:
@@ -220,7 +241,8 @@ def open_existing(path: str | Path, *, readonly: bool = True) -> Iterator[sqlite
     except sqlite3.DatabaseError as exc:
         if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in _FILE_ERRORS:
             raise
-        raise StoreError(f"{path}: cannot {'read' if readonly else 'write'} database: {exc}") from None
+        why = why_not_writable(Path(path))
+        raise StoreError(f"{path}: cannot {'read' if readonly else 'write'} database: {exc}{why}") from None
     finally:
         conn.close()
 
@@ -253,7 +275,7 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         migrate(conn)
     except sqlite3.Error as exc:
         conn.close()
-        raise StoreError(f"cannot write database {path}: {exc}") from None
+        raise StoreError(f"cannot write database {path}: {exc}{why_not_writable(Path(path))}") from None
     return conn
 
 

@@ -16,9 +16,12 @@ Connection = sqlite3.Connection
 
 
 def database_turns(conn: Connection) -> dict[str, Any]:
-    """How many turns the whole database holds, and the wall time of the first and last."""
-    n, first, last = conn.execute("SELECT count(*), min(t_wall), max(t_wall) FROM turns").fetchone()
-    return {"n": int(n), "first_t_wall": first, "last_t_wall": last}
+    """How many turns (measured rows, what a report counts as turns) the whole database holds, the wall
+    time of the first and last, and how many rows of other paths (``other``) beside them."""
+    n, first, last = conn.execute(
+        "SELECT count(*), min(t_wall), max(t_wall) FROM turns WHERE measured IS NOT 0").fetchone()
+    other = conn.execute("SELECT count(*) FROM turns WHERE measured = 0").fetchone()[0]
+    return {"n": int(n), "first_t_wall": first, "last_t_wall": last, "other": int(other)}
 
 
 def unmeasured_rows(conn: Connection, where: str, params: Sequence[Any]) -> int:

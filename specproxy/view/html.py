@@ -65,7 +65,7 @@ LIVE_SCRIPT = """
     document.getElementById('content').innerHTML = JSON.parse(e.data).html;
     updates += 1;
     document.body.setAttribute('data-updates', String(updates));
-    status.textContent = 'live: updated ' + new Date().toLocaleTimeString();
+    status.textContent = 'live: updated ' + new Date().toISOString().slice(11, 19) + ' UTC';
   };
   es.onerror = function () { status.textContent = 'not connected: retrying'; };
 })();
@@ -237,17 +237,34 @@ def _dots(points: list[tuple[float, float]], x0: float, x1: float, y1: float, co
                    .format(cls, x, y, *_xy(x, y, x0, x1, y1), color) for x, y in points)
 
 
+def _runs(rows: list[dict[str, Any]], key: str) -> list[list[tuple[float, float]]]:
+    """The points of ``key`` in runs of adjacent slots that have it: a slot where no turn started (no row),
+    or with no value, breaks the line instead of it being drawn straight across the gap."""
+    runs: list[list[tuple[float, float]]] = []
+    prev = None
+    for k, r in enumerate(rows):
+        slot = r.get("slot", k)
+        if r[key] is None:
+            prev = None
+            continue
+        if prev is None or slot != prev + 1:
+            runs.append([])
+        runs[-1].append((r["t_wall"], r[key]))
+        prev = slot
+    return runs
+
+
 def _timeline(rows: list[dict[str, Any]]) -> str:
     title = "Per-stream decode speed (median) and aggregate throughput over time, tok/s"
-    per = [(r["t_wall"], r["per_stream_tps"]) for r in rows if r["per_stream_tps"] is not None]
-    agg = [(r["t_wall"], r["aggregate_tps"]) for r in rows if r["aggregate_tps"] is not None]
+    per_runs, agg_runs = _runs(rows, "per_stream_tps"), _runs(rows, "aggregate_tps")
+    per, agg = [p for run in per_runs for p in run], [p for run in agg_runs for p in run]
     if not per and not agg:
         return _svg('<text x="60" y="80">no completed turns</text>', title, cls="timeline")
     x0, x1 = rows[0]["t_wall"], rows[-1]["t_wall"]
     top = max(v for _, v in per + agg) * 1.1 or 1.0
-    body = (_polyline(agg, x0, x1, top, DECODE_COLOR, cls="aggregate")
+    body = ("".join(_polyline(run, x0, x1, top, DECODE_COLOR, cls="aggregate") for run in agg_runs)
             + _dots(agg, x0, x1, top, DECODE_COLOR, "aggregate")
-            + _polyline(per, x0, x1, top, TTFT_COLOR, "5 3", cls="per-stream")
+            + "".join(_polyline(run, x0, x1, top, TTFT_COLOR, "5 3", cls="per-stream") for run in per_runs)
             + _dots(per, x0, x1, top, TTFT_COLOR, "per-stream")
             + _axes(_utc(x0)[11:], _utc(x1)[11:], f"{top:.0f}")
             + f'<text x="{W // 2}" y="{H - 8}" text-anchor="middle"><tspan fill="{DECODE_COLOR}">aggregate</tspan> '

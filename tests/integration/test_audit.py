@@ -91,7 +91,8 @@ def test_audit_reports_the_session_and_the_changed_system_prompt(make_stack, tik
     assert client["typed_share"]["overall"] == sum(news) / sum(r[1] for r in rows)
 
     text = CliRunner().invoke(main, ["audit", "--db", str(db)]).output
-    assert f"turn 3: system {system[0]} -> {system[2]} tokens" in text and "claude-cli/9.9: 4 turns in 1 sessions" in text
+    assert f"turn 3: system {system[0]} -> {system[2]} tokens" in text
+    assert "claude-cli/9.9: 4 turns in 1 session (" in text
 
     # the prefix-cache break, per turn: only appended (all of the previous prompt reusable) but for turn 3,
     # whose system prompt parts from the previous one after SHARED's tokens
@@ -143,3 +144,39 @@ def test_a_configured_header_names_the_client(make_stack, tiktoken_tok):
     audit = orjson.loads(CliRunner().invoke(main, ["audit", "--db", str(db), "--json"]).output)
     assert sorted(c["client"] for c in audit["clients"]) == ["team-a", "team-b"]
 
+
+
+def test_a_turn_after_a_restart_is_the_first_seen_not_a_shrunk_history(make_stack, tiktoken_tok):
+    """Two turns through one proxy, then the same second request again, byte for byte, through a new
+    proxy on the same database (a restart): the new proxy has no record of the session's previous
+    turn, so the audit says so; it does not call a repeat a history that shrank (issue #31). And the
+    median turn's line adds up: its parts are one turn's."""
+    first, second = bodies()[:2]
+    stack = make_stack(tiktoken_tok)
+    stack.upstream.script = answer
+    for body in (first, second):
+        assert stack.run(post(stack.url, body)) == 200
+    stack.settle()
+    db = stack.cfg.db
+    assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns").fetchone()[0] == 2)
+    restarted = make_stack(tiktoken_tok)
+    assert restarted.cfg.db == db
+    restarted.upstream.script = answer
+    assert restarted.run(post(restarted.url, second)) == 200
+    restarted.settle()
+    assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns").fetchone()[0] == 3)
+
+    audit = orjson.loads(CliRunner().invoke(main, ["audit", "--db", db, "--json"]).output)
+    (client,) = audit["clients"]
+    (session,) = client["session_detail"].values()
+    (change,) = session["changes"]
+    assert change["turn"] == 3 and change["changed"] == ["first turn seen of this session"]
+    text = CliRunner().invoke(main, ["audit", "--db", db]).output
+    assert "shrank" not in text and "turn 3: first turn seen of this session (no record of the turn before" in text
+    assert "turn 3: " in text and "(first turn seen of this session: no prefix comparison)" in text
+    line = next(x for x in text.splitlines() if "the median turn: prompt" in x)
+    total, parts = line.split("prompt ")[1].split(" = ")
+    assert int(total.replace(",", "")) == sum(int(p.split()[-1].replace(",", "")) for p in parts.split(" + "))
+    mid = client["median_turn"]
+    assert mid["prompt_tokens"] == sum(mid[p] for p in ("system", "tools", "history", "new"))
+    assert "1 client\n" in text.splitlines()[0] + "\n" and "3 completed turns" in text

@@ -217,6 +217,11 @@ def test_without_a_tokenizer_bench_and_roofline_say_what_is_missing(tmp_path, up
     error = one_line_error(specproxy(*roofline, "--label", "other"), "no turns labelled other",
                            f"(it holds {held} turns in all)")
     assert held and "tokenizer" not in error.replace(str(db), "DB")
+    # asked for none: not told it gave none (issue #31); the table still says what is missing
+    chosen = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
+                       "--repeats", "1", "--tokenizer", "none")
+    assert chosen.returncode == 0 and "no --tokenizer" not in chosen.stderr, chosen.stderr
+    assert "no tokenizer: tokens were not counted" in chosen.stdout
 
 
 def test_roofline_says_what_is_missing_for_the_measured_figure(tmp_path):

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def test_report_cache_and_no_cache_agree(demo_db, tmp_path):
     (["serve"], "no upstream"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--tokenizer", "bogus:x"], "unknown kind"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--tokenizer", "hf:/no/such/dir"], "not found"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--tokenizer", "tiktoken:nope"], "Unknown encoding nope"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--db", "/no/such/dir/x.db"], "does not exist"),
     (["serve", "--upstream", "not a url"], "not an http"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--header-timeout", "0"], "header_timeout_s must be positive"),
@@ -192,22 +194,32 @@ def _start_up_line(tmp_path, *args: str) -> str:
     clean exit is asserted."""
     proc = subprocess.Popen([*SPECPROXY, "serve", "--port", "0", "--db", str(tmp_path / "t.db"), *args],
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
     try:
-        line = ""
-        for _ in range(50):  # bounded: start-up prints a few lines at most before this one
-            line = proc.stderr.readline()
-            if not line or "forwarding http://" in line:
+        for _ in range(50):  # bounded: start-up prints a few lines at most before these
+            lines.append(proc.stderr.readline())
+            if not lines[-1] or "point your client's base URL" in lines[-1]:
                 break
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert proc.returncode == 0
-    return line
+    return "".join(lines)
 
 
 def test_serve_says_how_a_chat_template_is_counted(hf_dir, tmp_path):
     line = _start_up_line(tmp_path, "--upstream", "http://127.0.0.1:9", "--tokenizer", f"hf:{hf_dir}")
     assert f"tokenizer hf:{hf_dir} (chat template, renders counted piece by piece);" in line, line
+    assert "PyTorch" not in line  # transformers' import-time advice: specproxy needs no model (issue #31)
+
+
+def test_serve_on_all_interfaces_gives_a_url_a_client_can_use(tmp_path):
+    """``--host 0.0.0.0`` is where it listens, not an address to connect to (issue #31)."""
+    text = _start_up_line(tmp_path, "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0")
+    port = re.search(r"forwarding http://127\.0\.0\.1:(\d+) ->", text).group(1)
+    assert f"point your client's base URL at http://127.0.0.1:{port}/v1 (listening on all interfaces, 0.0.0.0:{port}" \
+        in text, text
+    assert "0.0.0.0:" + port + "/v1" not in text
 
 
 def test_serve_says_where_a_client_path_goes(tmp_path):

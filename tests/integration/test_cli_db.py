@@ -8,6 +8,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+import orjson
 import pytest
 from click.testing import CliRunner
 
@@ -223,3 +224,96 @@ def test_a_start_that_fails_closes_the_database_and_the_port(tmp_path):
         asyncio.run(service.run_forever())
     assert sorted(os.listdir(tmp_path)) == ["s.db"]  # closed: no -wal, -shm
     assert all(sock.fileno() == -1 for sock in bound)
+
+
+def _cli(*args: str, prefix: tuple[str, ...] = ()):
+    import subprocess
+    import sys
+
+    return subprocess.run([*prefix, sys.executable, "-m", "specproxy.app.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_serve_on_a_directory_says_it_is_one(tmp_path):
+    """As the read commands say it (issue #31: serve said "unable to open database file")."""
+    d = tmp_path / "a-directory"
+    d.mkdir()
+    proc = _cli("serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--db", str(d))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"specproxy: error: {d}: is a directory, not a "
+                                                                  "database file"], proc.stderr
+    assert os.listdir(d) == []
+
+
+def _read_only_mount(src: Path, dst: Path) -> tuple[str, ...]:
+    """A command prefix that runs a command with ``dst`` a read-only bind mount of ``src``, in a mount
+    namespace of its own (nothing outside sees it); the test is skipped where that takes privileges
+    this machine does not give."""
+    import shutil
+    import subprocess
+
+    script = 'mount --bind "$0" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"'
+    prefix = ("unshare", "-m", "sh", "-c", script, str(src), str(dst))
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private read-only bind mount here (needs unshare -m and mount)")
+    return prefix
+
+
+def test_a_database_on_a_read_only_mount_says_why_it_cannot_be_opened(tmp_path):
+    """SQLite must create the WAL database's -shm file even to read it, which a read-only file system
+    refuses: its "unable to open database file" alone does not say so (issue #31)."""
+    src, dst = tmp_path / "data", tmp_path / "mnt"
+    src.mkdir()
+    dst.mkdir()
+    _turns_db(src / "t.db", 3)
+    prefix = _read_only_mount(src, dst)
+    db = dst / "t.db"
+    why = f"({dst} is on a read-only file system: SQLite must create t.db-shm beside a WAL database, even to read it)"
+    for args in (["report", "--db", str(db)], ["serve", "--upstream", "http://127.0.0.1:9", "--port", "0",
+                                                "--db", str(db)]):
+        proc = _cli(*args, prefix=prefix)
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"specproxy: error: {db}: "), lines
+        assert lines[0].endswith(why), lines
+    assert sorted(os.listdir(src)) == ["t.db"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "replay"])
+def test_export_to_a_file_that_cannot_be_written_is_one_line(tmp_path, fmt):
+    """A missing directory and a read-only file system: `cannot write PATH: reason`, as `report --html`
+    says it, no traceback (issue #31)."""
+    db = _turns_db(tmp_path / "t.db", 3)
+    out = tmp_path / "no-such-dir" / "x.jsonl"
+    result = CliRunner().invoke(main, ["export", "--db", str(db), "--format", fmt, "-o", str(out)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.splitlines() == [f"specproxy: error: cannot write {out}: No such file or directory"]
+
+    src, dst = tmp_path / "out", tmp_path / "ro"
+    src.mkdir()
+    dst.mkdir()
+    proc = _cli("export", "--db", str(db), "--format", fmt, "-o", str(dst / "x.out"), prefix=_read_only_mount(src, dst))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"specproxy: error: cannot write {dst / 'x.out'}: Read-only file system"], proc.stderr
+    assert os.listdir(src) == []
+
+
+def test_every_report_counts_the_same_turns_and_other_paths(tmp_path):
+    """One report said "the database holds 38 turns", another "37 turns" and "1 other path" for the same
+    file (issue #31): a turn is a measured row in both, the other paths' rows are said apart; and one of
+    each is singular."""
+    db = _turns_db(tmp_path / "t.db", 37)
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE turns SET measured = 1")
+    conn.execute("INSERT INTO turns (id, t_wall, method, path, outcome, measured) "
+                 "VALUES ('other', 1.7e9, 'GET', '/v1/models', 'ok', 0)")
+    conn.commit()
+    conn.close()
+    whole = CliRunner().invoke(main, ["report", "--db", str(db)]).stdout
+    assert ": 37 turns (37 ok)" in whole and "other paths: 1 request forwarded" in whole, whole
+    empty = CliRunner().invoke(main, ["report", "--db", str(db), "--label", "none-such"]).stdout
+    assert "the database holds 37 turns (" in empty and " UTC) and 1 other-path request" in empty, empty
+    held = orjson.loads(CliRunner().invoke(main, ["report", "--db", str(db), "--label", "none-such", "--json"]).stdout)
+    assert (held["database_turns"]["n"], held["database_turns"]["other"]) == (37, 1)
+
+    one = _turns_db(tmp_path / "one.db", 1)
+    text = CliRunner().invoke(main, ["report", "--db", str(one)]).stdout
+    assert ": 1 turn (1 ok)" in text, text

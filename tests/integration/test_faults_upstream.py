@@ -324,7 +324,7 @@ def test_idle_before_headers_gives_504(make_stack):
     assert status == 504 and body["error"]["type"] == "upstream_timeout"
     assert 0.35 < time.monotonic() - t0 < 8  # the idle timeout, not the 10 s the head took
     (rec,) = db_records(stack, 1)
-    assert rec["outcome"] == "upstream_unreachable" and rec["status"] == 504
+    assert rec["outcome"] == "upstream_timeout" and rec["status"] == 504
 
 
 def test_connect_timeout_gives_504_without_leaking_the_url(make_stack):
@@ -343,7 +343,7 @@ def test_connect_timeout_gives_504_without_leaking_the_url(make_stack):
         assert status == 504 and time.monotonic() - t0 < 8  # connect_timeout_s, not the default 10 s
         assert "sk-in-query-0451" not in text
         (rec,) = db_records(stack, 1)
-        assert rec["outcome"] == "upstream_unreachable" and rec["status"] == 504
+        assert rec["outcome"] == "upstream_timeout" and rec["status"] == 504
         assert "connect_timeout_s" in rec["error"] and "sk-in-query-0451" not in rec["error"]
     finally:
         for s in fillers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -256,8 +257,9 @@ def _check_charts(page, rows: list[dict], report: dict) -> None:
         assert len(dots) == len(want) >= 2, cls
         for (x, v, _, _), (wx, wv) in zip(dots, want):
             assert _close(x, wx, 1e-6) and _close(v, wv, 1e-6), (cls, (x, v), (wx, wv))
-        line = page.get_attribute(f".timeline polyline.{cls}", "points").split()
-        assert line == [f"{cx:.1f},{cy:.1f}" for _, _, cx, cy in dots]  # the line drawn goes through them
+        line = " ".join(page.eval_on_selector_all(f".timeline polyline.{cls}",
+                                                  "ps => ps.map(p => p.getAttribute('points'))")).split()
+        assert line == [f"{cx:.1f},{cy:.1f}" for _, _, cx, cy in dots]  # the lines drawn go through them
         ranked = sorted(dots, key=lambda d: d[1])
         assert all(a[3] >= b[3] for a, b in zip(ranked, ranked[1:]))  # higher values drawn higher
     # the whole-turn speedup curve: report --json's speedups on it, and its ceiling drawn and said
@@ -315,6 +317,7 @@ def test_the_live_page_draws_the_turns_and_updates_live(make_stack, tiktoken_tok
     _committed(stack, n + 1)
     page.wait_for_function(f"document.querySelectorAll('.turns .turn').length === {n + 1}", timeout=20_000)
     assert page.evaluate("window.notReloaded") is True  # the same page, updated by its event stream
+    assert re.fullmatch(r"live: updated \d\d:\d\d:\d\d UTC", page.text_content("#status")), page.text_content("#status")
     since = float(page.get_attribute(".window", "data-window-since"))  # moves with the clock
     report = _report_json(stack.cfg.db, "--since", repr(since))
     assert _check_figures(page, report) >= 30

@@ -96,7 +96,8 @@ def messages_body() -> dict:
 
 
 def responses_body() -> dict:
-    """As Codex CLI sends one: instructions, function tools, input items with a call and its output."""
+    """As Codex CLI sends one: instructions, a developer message (rendered as system), function tools,
+    input items with a call and its output, a message of several parts."""
     return {
         "model": "tiny", "max_output_tokens": 64,
         "instructions": "You are a terse agent. Use tools.",
@@ -105,7 +106,8 @@ def responses_body() -> dict:
                   {"type": "function", "name": "noop", "parameters": {"type": "object", "properties": {}}}],
         "input": [
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Zürich? 日本語 🚀"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Zürich?"},
+                                                            {"type": "input_text", "text": "日本語 🚀"}]},
             {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city":"Zürich"}'},
             {"type": "function_call_output", "call_id": "call_0", "output": '{"temp_c": 21}'},
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "21 °C."}]},

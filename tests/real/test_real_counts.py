@@ -16,6 +16,7 @@ from real.clientkit import (
     chat,
     prompt_parts_add_up,
     proxy,
+    sdk,
     streamed_text,
 )
 from real.fixtures import TOOL_ARGS, TOOL_SENTENCE
@@ -211,39 +212,81 @@ def _server_day(prompt: str) -> str | None:
     return m.group(1) if m else None
 
 
-def test_documented_prompt_differences(make_stack, counter, llama_server):
-    """An exact difference between what specproxy renders and what llama-server renders: tools not
-    in the canonical shape.
-
-    llama-server re-serialises every tool as ``{type, function: {name, description, parameters}}``
-    before rendering: a missing description becomes "", any other key (``strict``) is dropped.
-    specproxy renders the tools the client sent (servers differ here: vLLM renders its own pydantic
-    dump of them). Exactly: specproxy's count of the request with its tools canonicalised equals the
-    server's ``usage.prompt_tokens`` for the raw request, and for the raw request specproxy is off by
-    the tokens of the line the canonicalisation adds or drops; with Llama 3.1's template (tools
-    rendered with ``tojson(indent=4)``): 5 too few for a missing description, 6 too many for
-    ``"strict": true``.
-
-    The date is not a difference: specproxy gives the template the ``date_string`` llama-server gives
-    it (``test_prompt_tokens_equal_the_servers_apply_template_and_tokenize`` compares the texts).
-    """
+def test_tools_and_roles_counted_as_the_server_renders_them(make_stack, counter, llama_server):
+    """Requests llama-server reshapes before rendering: tools not in the canonical shape (it
+    re-serialises each as ``{type, function: {name, description, parameters}}``: a missing description
+    is "", ``strict`` dropped) and ``developer`` messages (rendered as ``system``), with multi-part
+    content. specproxy renders what the server renders, so its ``prompt_tokens`` is the server's
+    ``usage.prompt_tokens`` for each raw request, and its render is the server's ``/apply-template``."""
     stack, arrivals = proxy(make_stack, llama_server, counter)
     params = {"type": "object", "properties": {}}
-    canonical = [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params}}]
-    variants = {  # raw tools -> canonical count minus specproxy's count of the raw request
-        "no description": ([{"type": "function", "function": {"name": "noop", "parameters": params}}], 5),
-        "strict": ([{"type": "function", "function": {"name": "noop", "description": "", "parameters": params,
-                                                      "strict": True}}], -6),
+    variants = {
+        "canonical": [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params}}],
+        "no description": [{"type": "function", "function": {"name": "noop", "parameters": params}}],
+        "strict": [{"type": "function", "function": {"name": "noop", "description": "", "parameters": params,
+                                                     "strict": True}}],
     }
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-    usages = [chat(stack.url, messages=messages, tools=tools, max_tokens=1)["usage"]["prompt_tokens"]
-              for tools in [canonical, *(raw for raw, _ in variants.values())]]
-    canon_rec, *raw_recs = arrivals.wait(1 + len(variants))
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                                  {"type": "text", "text": "Use tools."}]},
+                {"role": "user", "content": [{"type": "text", "text": USER}, {"type": "text", "text": "Go."}]}]
+    bodies = {name: {"messages": messages, "tools": tools} for name, tools in variants.items()}
+    usages = [chat(stack.url, **body, max_tokens=1)["usage"]["prompt_tokens"] for body in bodies.values()]
+    recs = arrivals.wait(len(bodies))
 
-    assert usages == [canon_rec.prompt_tokens] * len(usages)  # the server saw the same prompt each time
-    for (name, (raw, missing)), rec in zip(variants.items(), raw_recs):
-        assert counter.count_prompt(split_prompt({"messages": messages, "tools": raw})).total == rec.prompt_tokens
-        assert usages[0] - rec.prompt_tokens == missing, name
+    for (name, body), rec, usage in zip(bodies.items(), recs, usages):
+        assert rec.prompt_tokens == usage == server_prompt(llama_server, body)[1], name
+        prompt_parts_add_up(rec)
+    text, _ = server_prompt(llama_server, bodies["strict"])
+    ours = counter.prompt_text(split_prompt(bodies["strict"]))
+    if _server_day(text) == _server_day(ours):  # not across midnight
+        assert ours == counter._tok.bos_token + text
+
+
+def _first_choices_usage(url: str, body: dict) -> dict:
+    """Choice 0's usage, by plain HTTP: streamed, llama-server ends each prompt's task with its usage and
+    a ``data: null`` event (on which the openai SDK fails); whole, the answer's usage is the first's."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=60) as r:
+        text = r.read().decode()
+    if not body.get("stream"):
+        return json.loads(text)["usage"]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    (usage,) = [e["usage"] for e in events if e.get("usage") and e["choices"][0]["index"] == 0]
+    assert any(e.get("usage") and e["choices"][0]["index"] == 1 for e in events)  # the other prompt's, apart
+    return usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_completions_prompt_tokens_equal_the_servers(make_stack, counter, llama_server, stream):
+    """``/v1/completions``: the server tokenizes the prompt with its beginning-of-text token (Llama 3's
+    ``<|begin_of_text|>``), so ``prompt_tokens`` is the text's tokens plus one; a prompt of token ids
+    gets none. A list of several prompts is one task per prompt and llama-server's ``usage`` is the
+    first's, so the turn is the first prompt and its answer (choice 0): both counts are the usage's.
+    Completion: an answer cut by ``max_tokens`` is counted as the server counts it; one the model ended
+    is one token short, the end-of-turn token the server sampled and never sent (as chat's)."""
+    stack, arrivals = proxy(make_stack, llama_server, counter)
+    ids = counter.encode("Hello there")
+    prompts = ["The quick", "The quick brown fox jumps over the lazy dog. " * 20, ids, ["Hello there", "General Kenobi"]]
+    kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    usages = []
+    with sdk(stack.url) as client:
+        for prompt in prompts[:-1]:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, **kw)
+            usages.append(([c.to_dict() for c in answer][-1] if stream else answer.to_dict())["usage"])
+    usages.append(_first_choices_usage(stack.url, {"model": "tiny", "prompt": prompts[-1], "max_tokens": 4,
+                                                   "temperature": 0, **kw}))
+    recs = arrivals.wait(len(usages))
+
+    for prompt, rec, usage in zip(prompts, recs, usages):
+        assert rec.api == "completions"
+        assert rec.prompt_tokens == rec.prompt_new_tokens == usage["prompt_tokens"] == rec.usage_prompt_tokens, prompt
+        assert rec.completion_tokens + (rec.finish_reason == "stop") == usage["completion_tokens"], prompt
+        assert rec.finish_reason in ("stop", "length") and (rec.finish_reason == "stop" or rec.completion_tokens == 4)
+    assert recs[0].prompt_tokens == counter.count("The quick") + 1 and recs[2].prompt_tokens == len(ids)
 
 
 # ============================================================ 4. TTFT and decode time

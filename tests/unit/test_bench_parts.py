@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specproxy.analyze.bench import Round, round_aggregate, summarize_bench
+from specproxy.analyze.bench import Round, geometric_mean_ci, round_aggregate, summarize_bench
 from specproxy.analyze.roofline import roofline
 from specproxy.analyze.stats import mean_ci
 from specproxy.app.bench import schedule
@@ -171,12 +171,41 @@ def test_the_aggregate_interval_is_over_instances_when_there_are_several():
     level = summarize_bench(rounds)["arms"][0]["levels"][0]
     agg = level["aggregate_tps"]
     assert (agg["unit"], agg["n"]) == ("instances", 3)
-    assert (agg["mean"], agg["ci_low"], agg["ci_high"]) == pytest.approx(mean_ci([20.0, 24.0, 28.0]))
+    assert (agg["mean"], agg["ci_low"], agg["ci_high"]) == pytest.approx(geometric_mean_ci([20.0, 24.0, 28.0]))
     one = summarize_bench([r for r in rounds if r.instance == 1])["arms"][0]["levels"][0]["aggregate_tps"]
     assert (one["unit"], one["n"]) == ("rounds", 2)
     assert level["turns"] == level["sent"] == 6 and level["decode_tps"]["median"] == 24.0
     spread = [Round("a", i, 1, 1, records=[turn(0.0, 1.0, rate)], sent=1) for i, rate in ((1, 1), (2, 50))]
-    assert summarize_bench(spread)["arms"][0]["levels"][0]["aggregate_tps"]["ci_low"] == 0.0  # never below 0
+    agg = summarize_bench(spread)["arms"][0]["levels"][0]["aggregate_tps"]
+    assert 0.0 < agg["ci_low"] < agg["mean"] < agg["ci_high"]  # never 0 (it was clipped there), never below
+
+
+def test_the_aggregate_interval_is_t_on_the_logs_and_cannot_cross_zero():
+    """Issue #31: "112.0 [0.0, 243.8]", a t interval on three spread rounds clipped at zero. On the logs
+    the interval is a factor either side of the geometric mean: positive, and symmetric in ratio."""
+    values = [40.0, 112.0, 184.0]
+    center, lo, hi = geometric_mean_ci(values)
+    logs = [math.log(v) for v in values]
+    _, llo, lhi = mean_ci(logs)
+    assert center == pytest.approx(math.exp(sum(logs) / 3)) and (lo, hi) == pytest.approx((math.exp(llo), math.exp(lhi)))
+    assert lo > 0 and center / lo == pytest.approx(hi / center)
+    assert mean_ci(values)[1] < 0  # where the old interval went
+    assert geometric_mean_ci([5.0]) == (5.0, None, None) and geometric_mean_ci([]) == (None, None, None)
+    assert geometric_mean_ci([0.0, 3.0])[1:] == (None, None)  # no logarithm of 0: no interval
+
+
+def test_the_aggregate_interval_is_calibrated():
+    """95% of intervals over 3 rounds cover the rounds' true center, lognormal rounds (exact) and normal ones
+    (CV 15%), 4000 seeded draws each: within 93-97%, the promise compare's rows keep (docs/statistics.md)."""
+    import numpy as np
+
+    rng = np.random.default_rng(31)
+    for draw in (lambda: 100 * np.exp(rng.normal(0, 0.4, 3)), lambda: rng.normal(100, 15, 3)):
+        covered = 0
+        for _ in range(4000):
+            _, lo, hi = geometric_mean_ci(list(draw()))
+            covered += lo <= 100 <= hi
+        assert 0.93 <= covered / 4000 <= 0.97, covered
 
 
 def test_the_roofline_arithmetic():

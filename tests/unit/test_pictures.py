@@ -65,8 +65,8 @@ def test_timeline_files_each_turn_under_the_slot_it_started_in():
     rows = pictures(t, slots=2)["timeline"]
     # slot 0: busy [0, 3] and [4.9, 10.9] = 9 s, 90 tokens; per stream the median of 30, 10, 20 (the
     # non-streamed turn is in the aggregate only; the failed one in neither)
-    assert rows == [{"t_wall": 2.5, "per_stream_tps": 20.0, "aggregate_tps": pytest.approx(90 / 9.0), "n": 4},
-                    {"t_wall": 7.5, "per_stream_tps": 5.0, "aggregate_tps": 2.0, "n": 1}]
+    assert rows == [{"slot": 0, "t_wall": 2.5, "per_stream_tps": 20.0, "aggregate_tps": pytest.approx(90 / 9.0), "n": 4},
+                    {"slot": 1, "t_wall": 7.5, "per_stream_tps": 5.0, "aggregate_tps": 2.0, "n": 1}]
 
 
 def test_timeline_skips_empty_slots_and_takes_turns_that_all_started_at_once_as_one_slot():

@@ -181,3 +181,82 @@ def test_arrays_and_strings_share_the_piece_memo(hf_dir):
     misses = tok.rendered._pieces.misses
     tok.count_prompt(split_prompt(agent_turn(parts)))
     assert tok.rendered._pieces.misses == misses
+
+
+# GPT-OSS's template renders the developer role itself (its source has "<|channel|>"); this one prints roles.
+CHANNEL = (
+    "{%- for m in messages %}<|start|>{{ m['role'] }}<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{%- endfor %}"
+)
+# A template that never reads a system message (llama.cpp: supports_system_role false), Gemma's shape.
+NO_SYSTEM = (
+    "{{- bos_token }}{%- for m in messages %}{%- if m['role'] != 'system' %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{- m['content'] | trim }}<|eot_id|>"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_developer_message_is_rendered_as_a_system_message(hf_tok):
+    """llama.cpp gives every template a ``developer`` message as ``system`` (common/chat.cpp
+    ``map_developer_role_to_system``): the same render, and the same count, as the system message."""
+    def body(role):
+        return {"messages": [{"role": "system", "content": "You are terse."},
+                             {"role": role, "content": parts("Be brief.", "Use tools.")},
+                             {"role": "user", "content": "Hi"}]}
+
+    dev, sys_ = split_prompt(body("developer")), split_prompt(body("system"))
+    text = hf_tok.prompt_text(dev)
+    assert text == hf_tok.prompt_text(sys_) and "developer" not in text
+    assert hf_tok.count_prompt(dev) == hf_tok.count_prompt(sys_)
+
+
+def test_gpt_oss_templates_keep_the_developer_role(hf_dir, tmp_path):
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, CHANNEL)}")
+    text = tok.prompt_text(split_prompt({"messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}]}))
+    assert "<|start|>developer<|channel|>" in text
+
+
+def test_a_template_that_does_not_read_system_gets_it_joined_to_the_next_message(hf_dir, tmp_path):
+    """llama.cpp's ``system_message_not_supported``: the first system message's content, "\\n", then the
+    next message's; alone, it is dropped."""
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, NO_SYSTEM)}")
+    assert tok.system_read is False
+    text = tok.prompt_text(split_prompt({"messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}]}))
+    assert "<|start_header_id|>user<|end_header_id|>Be brief.\nHi<|eot_id|>" in text
+    counts = tok.count_prompt(split_prompt({"messages": [{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": "Hi"}]}))
+    assert counts.total == tok.count(text) and counts.system > 0
+    assert load_tokenizer(f"hf:{hf_dir}").system_read is True
+
+
+def test_tools_are_rendered_in_the_shape_llama_server_renders_them(hf_tok):
+    """A missing description is "", a missing schema {}, other keys (``strict``) dropped: the request
+    counts as its canonical tools do."""
+    def body(fn):
+        return {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": fn}]}
+
+    canonical = hf_tok.count_prompt(split_prompt(body({"name": "noop", "description": "", "parameters": {}})))
+    for raw in ({"name": "noop"}, {"name": "noop", "description": "", "parameters": {}, "strict": True}):
+        assert hf_tok.count_prompt(split_prompt(body(raw))) == canonical, raw
+
+
+# Qwen3's shape: an empty thinking block when the request turns thinking off (chat_template_kwargs).
+THINKING = (
+    "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+
+
+def test_a_requests_chat_template_kwargs_reach_the_template(hf_dir, tmp_path):
+    """Servers give the template a request's ``chat_template_kwargs`` (llama.cpp after its date variables,
+    so they win); keys that are the renderer's own arguments are not the template's."""
+    tok = load_tokenizer(f"hf:{with_template(hf_dir, tmp_path, THINKING)}")
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False, "tokenize": True, "date_string": "x"}}
+    plain, thinking_off = split_prompt(body), split_prompt(off)
+    assert "<think>" not in tok.prompt_text(plain) and "<think>\n\n</think>" in tok.prompt_text(thinking_off)
+    assert tok.count_prompt(thinking_off).total == tok.count(tok.prompt_text(thinking_off))
+    assert tok.count_prompt(thinking_off).total > tok.count_prompt(plain).total

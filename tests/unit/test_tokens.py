@@ -61,20 +61,69 @@ def test_hf_chat_template_split(hf_tok):
     assert c.new == len(tok.encode(new_text, add_special_tokens=False))
 
 
-def test_completions_prompt_is_all_new(hf_tok):
-    c = hf_tok.count_prompt(split_prompt({"prompt": "Once upon a time"}))
-    assert c.total == c.new == hf_tok.count("Once upon a time") and c.system == 0
+@pytest.fixture(scope="module")
+def bos_tok(hf_dir, tmp_path_factory):
+    """The suite's Llama-3 tokenizer with the post-processor Llama 3's own tokenizer.json has: it adds
+    ``<|begin_of_text|>`` to plain text, as llama.cpp does (``add_bos_token``)."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("hf-bos")
+    shutil.copytree(hf_dir, d, dirs_exist_ok=True)
+    data = json.loads((d / "tokenizer.json").read_text())
+    bos = "<|begin_of_text|>"
+    data["post_processor"] = {"type": "Sequence", "processors": [data["post_processor"], {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [128000], "tokens": [bos]}}}]}
+    (d / "tokenizer.json").write_text(json.dumps(data))
+    return load_tokenizer(f"hf:{d}")
+
+
+def test_completions_prompt_is_all_new_after_the_bos_the_server_adds(bos_tok, hf_tok):
+    """llama-server tokenizes a completions prompt with its special tokens: Llama 3's adds
+    ``<|begin_of_text|>``, one token more than the text (2 vs 3 for "The quick" in issue #31). A
+    tokenizer that adds none (the suite's bare one) adds none."""
+    c = bos_tok.count_prompt(split_prompt({"prompt": "Once upon a time"}))
+    assert c.total == c.new == bos_tok.count("Once upon a time") + 1 and c.system == 0
+    assert bos_tok.count_prompt(split_prompt({"prompt": "The quick"})).total == 3
+    assert hf_tok.count_prompt(split_prompt({"prompt": "The quick"})).total == 2
+
+
+@pytest.mark.parametrize(("prompt", "expected", "prompts"), [
+    (["Hello there", "General Kenobi"], 1 + 2, 2),  # several prompts: the first, as the server's usage
+    ([["Hello", " there"], "General Kenobi"], 1 + 2, 2),  # the first a list of texts: one text, one BOS
+    ([9906, 1070], 2, 1),  # token ids: no BOS added
+    (["Hello", 1070], 1 + 1 + 1, 1),  # text first: BOS, its tokens, then the ids
+    ([1070, " there"], 1 + 1, 1),  # an id first: no BOS
+], ids=["strings", "nested", "ids", "text-then-id", "id-then-text"])
+def test_completions_prompt_lists_count_as_llama_server_tokenizes_them(bos_tok, prompt, expected, prompts):
+    """``tokenize_input_prompts``: a list holding a token id is one prompt, any other list several, and
+    the server's usage is the first's; a prompt that opens with text gets the BOS."""
+    parts = split_prompt({"prompt": prompt})
+    assert parts.prompts == prompts
+    assert bos_tok.count_prompt(parts).total == expected
+
+
+@pytest.mark.parametrize("prompt", [None, [], [None], {"a": 1}, [True]])
+def test_a_prompt_that_is_no_prompt_is_refused(prompt):
+    with pytest.raises(ValueError):
+        split_prompt({"prompt": prompt})
 
 
 @pytest.mark.parametrize("spec, message", [
     ("hf:/nonexistent/dir", "not found"),
     ("tiktoken:no_such_encoding", "cannot load tiktoken encoding"),
+    ("tiktoken:nope", "Unknown encoding nope"),
     ("sentencepiece:x", "unknown kind"),
     ("gpt2", "expected hf:DIR"),
 ])
 def test_bad_tokenizer_is_one_clear_error(spec, message):
-    with pytest.raises(TokenizerError, match=message):
+    with pytest.raises(TokenizerError, match=message) as err:
         load_tokenizer(spec)
+    assert "\n" not in str(err.value)  # one line (tiktoken's own message has three)
 
 
 def test_hf_dir_without_tokenizer_files(tmp_path):
@@ -234,3 +283,24 @@ def test_count_memo_tells_texts_apart_by_their_end(tiktoken_tok):
     assert len(set(expected[:3])) == 3
     assert [memo(t) for t in texts] == expected
     assert [memo(t) for t in texts] == expected and memo.hits == 4
+
+
+def test_a_stream_of_several_completions_prompts_keeps_the_first_prompts_usage():
+    """llama-server streams each prompt's task to its end, with its usage and timings (then a ``data:
+    null``): the turn's usage is the first prompt's (choice 0), as the non-streamed answer's is, not the
+    last task's (seen against the real server: usage 4 for the second prompt, 3 for the first)."""
+    from specproxy.measure import fast_texts
+    from specproxy.measure.texts import stream_texts_reference
+
+    def event(index, text, finish=None, **extra):
+        return b"data: " + orjson.dumps({"choices": [{"text": text, "index": index, "finish_reason": finish}],
+                                          "object": "text_completion", **extra}) + b"\n\n"
+
+    first = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "timings": {"prompt_n": 3}}
+    second = {"usage": {"prompt_tokens": 4, "completion_tokens": 2}, "timings": {"prompt_n": 4}}
+    reads = [event(0, " quick"), event(0, " brown"), event(0, "", "length", **first), b"data: null\n\n",
+             event(1, " quick"), event(1, " brown"), event(1, "", "length", **second), b"data: [DONE]\n\n"]
+    times = [float(i) for i in range(len(reads))]
+    for texts in (stream_texts_reference(reads, times), fast_texts.stream_texts(reads, times)):
+        assert texts.usage == first["usage"] and texts.timings == first["timings"]
+        assert texts.texts == {(0, "content"): " quick brown", (1, "content"): " quick brown"}

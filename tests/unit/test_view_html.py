@@ -77,3 +77,23 @@ def test_the_diagonal_stays_inside_the_speedup_chart():
     (pts,) = re.findall(r'<polyline class="diagonal" points="([^"]+)"', svg)
     ys = [float(p.split(",")[1]) for p in pts.split()]
     assert min(ys) >= html.MT - 0.01  # no higher than the plot's top
+
+
+def test_the_throughput_line_breaks_where_no_turn_started():
+    """Issue #31: the line was drawn straight across minutes with no turns. Slots 0-1 and 4 have turns,
+    slot 3 has turns but no streamed one: aggregate is drawn as two lines (0-1, 3-4), per stream as two
+    (0-1, 4), every point still marked."""
+    rows = [{"slot": 0, "t_wall": 0.5, "per_stream_tps": 20.0, "aggregate_tps": 40.0, "n": 2},
+            {"slot": 1, "t_wall": 1.5, "per_stream_tps": 22.0, "aggregate_tps": 44.0, "n": 2},
+            {"slot": 3, "t_wall": 3.5, "per_stream_tps": None, "aggregate_tps": 30.0, "n": 1},
+            {"slot": 4, "t_wall": 4.5, "per_stream_tps": 18.0, "aggregate_tps": 36.0, "n": 1}]
+    svg = html._timeline(rows)
+    lines = {cls: [len(pts.split()) for pts in re.findall(rf'<polyline class="{cls}" points="([^"]*)"', svg)]
+             for cls in ("aggregate", "per-stream")}
+    assert lines == {"aggregate": [2, 2], "per-stream": [2, 1]}
+    assert svg.count('<circle class="aggregate"') == 4 and svg.count('<circle class="per-stream"') == 3
+
+
+def test_the_live_page_says_its_update_time_in_utc():
+    """Like every other time on the page (the script's own clock read as UTC, never the browser's zone)."""
+    assert "toLocaleTimeString" not in html.LIVE_SCRIPT and "toISOString().slice(11, 19) + ' UTC'" in html.LIVE_SCRIPT
