@@ -73,6 +73,18 @@ class Config:
     """Response bytes of one measured turn kept in memory for measuring. Past it the rest of the body is
     relayed as ever but not kept, and the turn's record says so (``measure_capped``); an unmeasured
     response is never kept at all."""
+    memory_budget_bytes: int = 0
+    """Bytes the whole process may hold for its clients: request bodies (counted from their head, as they
+    arrive), response bytes kept for measuring, and turns waiting to be measured. Past it a new request body
+    gets 503 before it is read, and turns are measured less (response bytes relayed but not kept, a prompt
+    not counted), each record saying why (``measure_capped_reason``); forwarding never waits for it. 0:
+    a quarter of the machine's memory (or of the cgroup's limit), at most 2 GiB, at least twice
+    ``max_body_bytes``. RSS stays within it plus a constant (docs/operations.md, "Memory")."""
+    max_counted_bytes: int = 4 * 1024 * 1024
+    """Bytes of one turn's prompt (its request body) and of its completion text that the tokenizer counts:
+    a larger prompt's ``prompt_tokens`` is null (the server's own ``usage_prompt_tokens`` stays), a longer
+    completion's token counts are null, and the record says why. Bounds the measuring work of one turn
+    (about 1 s of tokenizer CPU per 4 MiB), so that one huge prompt cannot hold up the others' records."""
     queue_size: int = 10000
     """Records waiting for the database writer; when full, a record is dropped and counted, never traffic."""
     metrics_path: str = "/metrics"
@@ -190,9 +202,11 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"client_header {cfg.client_header!r} is not a header name")
     if name in SECRET_HEADERS:
         raise ConfigError(f"client_header {cfg.client_header!r} carries credentials: it is never stored")
-    for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes"):
+    for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes", "max_counted_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
+    if cfg.memory_budget_bytes < 0 or 0 < cfg.memory_budget_bytes < cfg.max_body_bytes:
+        raise ConfigError("memory_budget_bytes must be 0 (automatic) or at least max_body_bytes")
     for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import sub
 
 import orjson
@@ -46,7 +46,12 @@ class RecordBuilder:
 
     __slots__ = (
         "_ended",
+        "_take",
+        "backlog_charge",
         "body",
+        "body_charge",
+        "budget_capped",
+        "max_counted",
         "c_scans",
         "chunked",
         "concurrency",
@@ -66,8 +71,10 @@ class RecordBuilder:
         "path",
         "relayed",
         "read_times",
+        "request_bytes",
         "request_encoding",
         "reads",
+        "shed",
         "room",
         "status",
         "store_text",
@@ -98,17 +105,30 @@ class RecordBuilder:
         measured: bool = True,
         client_header: bytes = b"user-agent",
         c_scans: bool = True,
+        take: Callable[[int], bool] | None = None,
+        body_charge: int = 0,
+        max_counted: int | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
         ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
         saw (method, path, status, timings, outcome), and none of its body is kept.
         ``c_scans``: Config ``scan = "c"``: ``build`` reads a stream with the C scans where built, else
-        with the Python ones (the same Record either way; the choice is the proxy's, not the process's)."""
+        with the Python ones (the same Record either way; the choice is the proxy's, not the process's).
+        ``take``: charges a kept response read to the process's memory budget (``wire.memory.take``), False
+        when it has no room: that read and every later one is relayed, not kept. ``body_charge``: what the
+        request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
+        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
         self.body = body
+        self.request_bytes = len(body)
+        self.body_charge = body_charge
+        self._take = take if take is not None else _no_budget
+        self.max_counted = max_counted if max_counted is not None else 1 << 62
+        self.shed: list[str] = []  # what was let go of before measuring, to stay within the memory budget
+        self.backlog_charge = 0  # the proxy's: what this turn held against the budget when it queued
         self.t_wall = t_wall
         self.t_request = t_request
         self.concurrency = concurrency
@@ -135,6 +155,7 @@ class RecordBuilder:
         # bytes of the response still to keep (``max_bytes``); past it reads are relayed, not kept
         self.room = max_bytes if max_bytes is not None else 1 << 62
         self.capped = False
+        self.budget_capped = False  # ``capped`` because the memory budget had no room (not ``max_bytes``)
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
@@ -158,11 +179,14 @@ class RecordBuilder:
         """One read relayed. Kept while the kept bytes fit in ``max_bytes``; from the first read that does
         not, none is (the reads kept are the body's first ones, in order) and ``capped`` says so."""
         self.room -= len(data)
-        if self.room >= 0:
+        if self.room >= 0 and self._take(len(data)):
             self.reads.append(data)
             self.read_times.append(t_read)
             self.write_times.append(t_written)
         else:
+            if self.room >= 0:  # the process's memory budget is spent: keep nothing more of this body
+                self.room = -1
+                self.budget_capped = True
             self.capped = True
 
     def relayed_by_thread(self, turn) -> None:
@@ -176,6 +200,47 @@ class RecordBuilder:
         if turn is not None:
             turn.take(self.reads, self.read_times, self.write_times)
             self.capped = self.capped or turn.capped
+            self.budget_capped = self.budget_capped or getattr(turn, "capped_budget", False)
+
+    # --- the memory budget: what this turn holds, and letting go of it -----------------------------
+
+    def charged(self) -> int:
+        """Bytes this turn holds against the memory budget: its request body's charge and every response
+        read kept (the relay thread's too, taken or not)."""
+        kept = sum(map(len, self.reads))
+        if self.relayed is not None:
+            kept += self.relayed.kept
+        return self.body_charge + kept
+
+    def shed_prompt(self) -> int:
+        """Let go of the request body before measuring (the prompt will not be counted; the record keeps
+        its size and says why). Returns the bytes given back to the budget."""
+        freed, self.body_charge = self.body_charge, 0
+        if self.body:
+            self.body = b""
+            self.shed.append("prompt_memory_budget")
+        return freed
+
+    def shed_response(self) -> int:
+        """Let go of the response reads before measuring (the record says why: none of its body is read).
+        Returns the bytes given back to the budget."""
+        freed = self.let_go(body=False)
+        self.capped = self.budget_capped = True
+        return freed
+
+    def let_go(self, body: bool = True) -> int:
+        """After ``build`` (or instead of it): drop the response reads, and the body with ``body``, so
+        that their memory returns at once. Returns the bytes to give back to the budget."""
+        freed = sum(map(len, self.reads))
+        turn, self.relayed = self.relayed, None
+        if turn is not None:
+            freed += turn.kept
+        self.reads = []
+        if body:
+            freed += self.body_charge
+            self.body_charge = 0
+            self.body = b""
+        return freed
 
     def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
         """The response ended (normally, or with an outcome the proxy observed)."""
@@ -212,6 +277,8 @@ class RecordBuilder:
             return self._make(measured=False, outcome=outcome, error=self.error)
         api = api_for(self.path) or CHAT
         request = _read_request(_inflate(self.body, self.request_encoding), api)
+        if not self.body and self.shed:  # let go of before measuring: the prompt is unknown, not unreadable
+            request = _Request(parsed=False)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
@@ -278,9 +345,15 @@ class RecordBuilder:
         prefixes: PrefixTracker | None = None,
     ) -> Record:
         t_req = self.t_request
-        counts = _count_completion(texts, tok) if tok is not None else None
+        if tok is not None and sum(map(len, texts.texts.values())) > self.max_counted:
+            self.shed.append("completion_over_max_counted_bytes")  # about 1 s of tokenizer per 4 MiB
+            counts = None
+        else:
+            counts = _count_completion(texts, tok) if tok is not None else None
         prompt = None
-        if tok is not None and request.parts is not None:
+        if tok is not None and request.parts is not None and self.request_bytes > self.max_counted:
+            self.shed.append("prompt_over_max_counted_bytes")
+        elif tok is not None and request.parts is not None:
             try:
                 prompt = tok.count_prompt(request.parts)
             except Exception as exc:  # the prompt's figures are null; the turn keeps the rest
@@ -290,7 +363,7 @@ class RecordBuilder:
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
         completion = counts["completion"] if counts else None
         if (counts is None and tok is not None and not texts.texts and texts.unreadable is None
-                and self.status is not None and self.status < 400):
+                and self.status is not None and self.status < 400 and not self.capped):
             completion = 0  # a tokenizer and a successful answer read with no text: truly zero tokens
         decode_tps = None
         if counts and decode and decode > 0:
@@ -374,6 +447,13 @@ class RecordBuilder:
             response_bytes=sum(map(len, self.reads)),
         )
 
+    def _capped_reason(self) -> str | None:
+        why = []
+        if self.capped:
+            why.append("response_memory_budget" if self.budget_capped else "response_over_max_measured_bytes")
+        why.extend(self.shed)
+        return ",".join(why) if why else None
+
     def _make(self, **derived) -> Record:
         """The one place a turn's Record is constructed: what the forwarding path stamped, plus
         ``derived`` (what ``_record`` read from the bytes, or what ``unmeasured`` could say)."""
@@ -391,10 +471,15 @@ class RecordBuilder:
             t_upstream_headers=self.t_upstream_headers,
             t_done=self.t_done,
             total_s=self.t_done - self.t_request if self.t_done is not None else None,
-            request_bytes=len(self.body),
-            measure_capped=self.capped and self.measured,
+            request_bytes=self.request_bytes,
+            measure_capped=self.measured and (self.capped or bool(self.shed)),
+            measure_capped_reason=self._capped_reason() if self.measured else None,
             **derived,
         )
+
+
+def _no_budget(n: int) -> bool:
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ typedef struct turn {
     size_t kept;           /* buf[:kept] holds the reads kept for measuring (marks end there) */
     size_t keep_left;      /* bytes more that may be kept; a read past it, and every later one, is not */
     int capped;            /* a read was not kept: it did not fit in keep_left */
+    int capped_budget;     /* ... because the process's memory budget had no room for it (pump_mem_take) */
     read_mark *marks;
     size_t nmarks, capmarks, taken;
     double last_activity; /* the latest read, or the latest progress of a blocked write */
@@ -77,10 +78,26 @@ struct pump_globals {
     cadence cad; /* the server's clock, as the thread's reads see it (the thread's alone) */
     long long poll_windows, poll_hits; /* windows polled, and those in which something arrived (atomic) */
     long long poll_ns;                 /* time spent polling (atomic) */
+    long long mem_used;  /* bytes charged to the process's memory budget (atomic; both sides take and give) */
+    long long mem_limit; /* the budget; <= 0: none (atomic: set by Python) */
 };
 
 extern PUMP_HIDDEN struct pump_globals pump_g;
 extern PUMP_HIDDEN const char *const PUMP_OUTCOME_NAMES[];
+
+/* Charge n bytes to the memory budget if they fit (1), else charge nothing (0). Lock-free: the relay thread
+   takes for each read it keeps, Python takes for request bodies and gives back what measuring let go of. */
+static inline int
+pump_mem_take(long long n)
+{
+    long long limit = __atomic_load_n(&pump_g.mem_limit, __ATOMIC_RELAXED);
+    long long now = __atomic_add_fetch(&pump_g.mem_used, n, __ATOMIC_RELAXED);
+    if (limit > 0 && now > limit) {
+        __atomic_sub_fetch(&pump_g.mem_used, n, __ATOMIC_RELAXED);
+        return 0;
+    }
+    return 1;
+}
 
 PUMP_HIDDEN double pump_now(void);                     /* CLOCK_MONOTONIC seconds: perf_counter's clock */
 PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu */
