@@ -280,7 +280,12 @@ class Lane(asyncio.Protocol):
                 self._refuse_unread(size)
                 return
             self._charged = size
-            self._pending = pending
+            # keep only what follows the head: the body then becomes one bytes object without a copy more
+            req, start, need = pending
+            rest = buf[start:]
+            self._parts = [rest] if rest else []
+            self._size = len(rest)
+            pending = self._pending = (req, 0, need - start)
             self._body_by = self._loop.time() + self._proxy.cfg.body_timeout_s
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout

@@ -269,7 +269,9 @@ class Proxy:
             head_bytes = request_head(self._base_path, self._host_header, req, body)
             # the upstream connection stays this client connection's (none if it will not send another)
             owner = client.transport if req.http11 and req.keep_alive else None
-            conn = await self._pool.request(req.method, head_bytes + body, owner)
+            # a large body is written after the head as it is: joining them would copy it
+            data = head_bytes + body if len(body) < SMALL_BODY else (head_bytes, body)
+            conn = await self._pool.request(req.method, data, owner)
             exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
@@ -318,10 +320,14 @@ class Proxy:
         charge = builder.charged()
         if charge and self._backlog_bytes + charge > self.budget * BACKLOG_SHARE:
             # measuring is behind: measure this turn less rather than hold more (the record says so)
+            # the larger of its prompt and its response first, the other only if that was not enough
             self.shed_prompts += 1
-            freed = builder.shed_prompt()
+            sheds = [builder.shed_prompt, builder.shed_response]
+            if builder.body_charge * 2 < charge:
+                sheds.reverse()
+            freed = sheds[0]()
             if self._backlog_bytes + charge - freed > self.budget * BACKLOG_SHARE:
-                freed += builder.shed_response()
+                freed += sheds[1]()
             memory.give(freed)
             charge -= freed
         self._backlog_bytes += charge
