@@ -18,6 +18,7 @@ Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -207,7 +208,7 @@ class RecordBuilder:
     def charged(self) -> int:
         """Bytes this turn holds against the memory budget: its request body's charge and every response
         read kept (the relay thread's too, taken or not)."""
-        kept = sum(map(len, self.reads))
+        kept = sum(map(len, self.reads)) if self._take is not _no_budget else 0
         if self.relayed is not None:
             kept += self.relayed.kept
         return self.body_charge + kept
@@ -231,7 +232,7 @@ class RecordBuilder:
     def let_go(self, body: bool = True) -> int:
         """After ``build`` (or instead of it): drop the response reads, and the body with ``body``, so
         that their memory returns at once. Returns the bytes to give back to the budget."""
-        freed = sum(map(len, self.reads))
+        freed = sum(map(len, self.reads)) if self._take is not _no_budget else 0  # (charged by take alone)
         turn, self.relayed = self.relayed, None
         if turn is not None:
             freed += turn.kept
@@ -276,9 +277,15 @@ class RecordBuilder:
                 outcome = "upstream_error"
             return self._make(measured=False, outcome=outcome, error=self.error)
         api = api_for(self.path) or CHAT
-        request = _read_request(_inflate(self.body, self.request_encoding), api)
         if not self.body and self.shed:  # let go of before measuring: the prompt is unknown, not unreadable
             request = _Request(parsed=False)
+        elif self.request_bytes > self.max_counted:
+            # not parsed (orjson takes twice the body's size to parse it), counted or compared: its model
+            # is read by a byte search for its one "model" key
+            request = _Request(parsed=False, model=_model_only(_inflate(self.body, self.request_encoding)))
+            self.shed.append("prompt_over_max_counted_bytes")
+        else:
+            request = _read_request(_inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
@@ -351,9 +358,7 @@ class RecordBuilder:
         else:
             counts = _count_completion(texts, tok) if tok is not None else None
         prompt = None
-        if tok is not None and request.parts is not None and self.request_bytes > self.max_counted:
-            self.shed.append("prompt_over_max_counted_bytes")
-        elif tok is not None and request.parts is not None:
+        if tok is not None and request.parts is not None:
             try:
                 prompt = tok.count_prompt(request.parts)
             except Exception as exc:  # the prompt's figures are null; the turn keeps the rest
@@ -499,6 +504,32 @@ def _inflate(body: bytes, encoding: str) -> bytes:
         return out if not inflater.unconsumed_tail else b""
     except zlib.error:
         return b""
+
+
+_MODEL_KEY = re.compile(rb'"model"[ \t\r\n]*:[ \t\r\n]*("(?:[^"\\]|\\.){0,256}")')
+
+
+def _model_only(body: bytes) -> str | None:
+    """The value of the one ``"model"`` key of a JSON body, found without parsing it: None when there is
+    none, more than one, or it is not a short string. (In valid JSON, a quote not escaped by a backslash
+    delimits a string, so ``"model":"..."`` outside an escape is a key and its value.)"""
+    found = None
+    for m in _MODEL_KEY.finditer(body):
+        i = m.start()
+        slashes = 0
+        while i > 0 and body[i - 1] == 0x5C:
+            slashes += 1
+            i -= 1
+        if slashes % 2:
+            continue
+        if found is not None:
+            return None
+        found = m.group(1)
+    try:
+        value = orjson.loads(found) if found is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _read_request(body: bytes, api: Api) -> _Request:

@@ -39,7 +39,7 @@ from aiohttp import http_parser as _aiohttp_parser
 
 from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
-from specproxy.serve.proxy import Incoming
+from specproxy.serve.proxy import SMALL_BODY, Incoming
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 
@@ -179,7 +179,7 @@ class Lane(asyncio.Protocol):
 
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
-    __slots__ = ("_body_by", "_charged", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
+    __slots__ = ("_big", "_body_by", "_charged", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
                  "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
                  "transport")
 
@@ -195,6 +195,7 @@ class Lane(asyncio.Protocol):
         self._size = 0
         self._pending: tuple[Incoming, int, int] | None = None  # a head read, its body still coming
         self._charged = 0  # the pending body's charge to the memory budget, until its exchange takes it
+        self._big: bytearray | None = None  # a large pending body, grown in place as it comes (no join)
         self._task: asyncio.Task | None = None  # the exchange in progress
         self._keep = False
         self._timer: asyncio.TimerHandle | None = None
@@ -216,7 +217,11 @@ class Lane(asyncio.Protocol):
         if inner is not None:
             inner.data_received(data)
             return
-        self._parts.append(data)
+        big = self._big
+        if big is not None:
+            big += data
+        else:
+            self._parts.append(data)
         self._size += len(data)
         if self._task is None:
             self._take()
@@ -286,14 +291,23 @@ class Lane(asyncio.Protocol):
             self._parts = [rest] if rest else []
             self._size = len(rest)
             pending = self._pending = (req, 0, need - start)
+            if size > SMALL_BODY and self._size < size:  # grown in place: joining its reads would double it
+                self._big = bytearray(rest)
+                self._parts = []
             self._body_by = self._loop.time() + self._proxy.cfg.body_timeout_s
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
             self._set_deadline()
             return
-        buf = self._joined()
-        body = buf[start:need]
-        rest = buf[need:]
+        big, self._big = self._big, None
+        if big is not None:  # start is 0: the body is the bytearray itself (it is never written to again)
+            rest = bytes(big[need:])
+            del big[need:]
+            body = big
+        else:
+            buf = self._joined()
+            body = buf[start:need]
+            rest = buf[need:]
         self._parts = [rest] if rest else []
         self._size = len(rest)
         self._pending = None

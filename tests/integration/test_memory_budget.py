@@ -149,7 +149,7 @@ def _assert_within_budget(proc, before: int) -> int:
     assert peak <= before + BUDGET + CONSTANT, (
         f"peak RSS {peak / MIB:.0f} MiB: more than {before / MIB:.0f} MiB before the load + the budget "
         f"{BUDGET / MIB:.0f} MiB + {CONSTANT / MIB:.0f} MiB")
-    print(f"\nRSS before {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")
+
     return peak
 
 
@@ -320,5 +320,35 @@ def test_large_prompts_with_a_tokenizer_stay_within_the_budget(tmp_path, loop_th
     small = [r for r in rows if r[0] == "small"]
     assert small and all(r[5] is not None and not r[2] for r in small), "a small prompt was not counted"
     wait_until(lambda: proc.state()["memory_used"] == 0, 30, 0.1, "the budget given back")
+    proc.stop()
+    loop_thread.run(upstream.close())
+
+
+def test_one_large_body_peaks_near_its_size_and_is_let_go_of(tmp_path, loop_thread):
+    """One 200 MB request body (limits raised for it): the process's RSS peaks within about 1.5 times
+    what it keeps, and returns to near where it was once the turn is measured, before any next request."""
+    upstream = ScriptedUpstream(_respond)
+    loop_thread.run(upstream.start())
+    size = 200 * MIB
+    env = {"SPECPROXY_MEMORY_BUDGET_BYTES": str(1024 * MIB), "SPECPROXY_MAX_BODY_BYTES": str(256 * MIB)}
+    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", env=env)
+
+    async def ask(body: bytes) -> int:
+        async with KeptClient(proc.port) as client:
+            resp = await client.ask(_request(body), timeout=60)
+            return resp.status if resp is not None else 0
+
+    assert asyncio.run(ask(_small_body("warm"))) == 200
+    wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 1, 30, 0.05, "the warm-up's row")
+    before = _status(proc.proc.pid)
+    filler = b'{"model":"big-body","messages":[{"role":"user","content":"' + b"y" * size + b'"}]}'
+    assert asyncio.run(ask(filler)) == 200
+    del filler
+    wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 2, 60, 0.05, "the large turn's row")
+    wait_until(lambda: proc.state()["pending_measure"] == 0, 30, 0.05, "measuring done")
+    after = _status(proc.proc.pid)
+
+    assert after["VmHWM"] - before["VmRSS"] <= 1.5 * size + 32 * MIB
+    assert after["VmRSS"] - before["VmRSS"] <= 32 * MIB, "the large body was not let go of"
     proc.stop()
     loop_thread.run(upstream.close())

@@ -78,9 +78,18 @@ def test_a_whole_turn_says_nothing():
     assert rec.prompt_tokens == 5 and rec.completion_tokens == 8 and tok.prompts == 1
 
 
+def _charging(n: int) -> bool:
+    return True
+
+
+def test_a_turn_without_a_budget_gives_back_only_its_body_charge():
+    b = _turn()
+    assert b.charged() == len(BODY) and b.let_go() == len(BODY) and b.charged() == 0
+
+
 def test_a_shed_prompt_is_not_counted_and_its_charge_comes_back():
     tok = _Tok()
-    b = _turn()
+    b = _turn(take=_charging)
     assert b.charged() == len(BODY) + 4 * len(EVENT) + len(b"data: [DONE]\n\n")
     assert b.shed_prompt() == len(BODY) and b.body == b""
     rec = b.build(tok)
@@ -93,7 +102,7 @@ def test_a_shed_prompt_is_not_counted_and_its_charge_comes_back():
 
 def test_a_shed_response_is_not_read_as_zero_tokens():
     tok = _Tok()
-    b = _turn()
+    b = _turn(take=_charging)
     assert b.shed_response() == 4 * len(EVENT) + len(b"data: [DONE]\n\n")
     rec = b.build(tok)
     assert rec.completion_tokens is None and rec.prompt_tokens == 5 and rec.model == "m"
@@ -106,10 +115,11 @@ def test_max_counted_bytes_bounds_the_tokenizer_work_of_one_turn():
     rec = _turn(max_counted=len(BODY) - 1).build(tok)
     assert tok.prompts == 0 and rec.prompt_tokens is None
     assert rec.completion_tokens == 8  # 8 characters of completion: within the bound
-    assert rec.measure_capped_reason == "prompt_over_max_counted_bytes"
+    assert rec.measure_capped_reason == "prompt_over_max_counted_bytes" and rec.model == "m"
+    assert not rec.request_parsed  # not parsed: a byte search found its model
     rec = _turn(max_counted=7).build(_Tok())
     assert rec.completion_tokens is None and rec.prompt_tokens is None
-    assert rec.measure_capped_reason == "completion_over_max_counted_bytes,prompt_over_max_counted_bytes"
+    assert rec.measure_capped_reason == "prompt_over_max_counted_bytes,completion_over_max_counted_bytes"
 
 
 def test_the_counter_takes_within_its_limit_and_gives_back():
@@ -123,3 +133,15 @@ def test_the_counter_takes_within_its_limit_and_gives_back():
         assert memory.used() == before
     finally:
         memory.set_limit(old)
+
+
+def test_the_model_of_a_prompt_too_large_to_parse_is_found_by_its_one_key():
+    from specproxy.measure.builder import _model_only
+
+    assert _model_only(b'{"messages":[{"content":"x"}], "model" : "m-1"}') == "m-1"
+    assert _model_only(b'{"model":"a\\"b"}') == 'a"b'  # an escaped quote inside the value
+    # inside a string a key's quotes are escaped: not a key
+    assert _model_only(b'{"messages":[{"content":"say \\"model\\":\\"x\\""}],"model":"real"}') == "real"
+    assert _model_only(b'{"model":"a","tools":[{"model":"b"}]}') is None  # two: which is unknown
+    assert _model_only(b'{"messages":[]}') is None and _model_only(b'{"model":1}') is None
+    assert _model_only(b'{"model":"' + b"x" * 300 + b'"}') is None
