@@ -47,6 +47,7 @@ class RecordBuilder:
 
     __slots__ = (
         "_ended",
+        "_small_after",
         "_take",
         "backlog_charge",
         "body",
@@ -106,7 +107,7 @@ class RecordBuilder:
         measured: bool = True,
         client_header: bytes = b"user-agent",
         c_scans: bool = True,
-        take: Callable[[int], bool] | None = None,
+        take: Callable[[int, bool], bool] | None = None,
         body_charge: int = 0,
         max_counted: int | None = None,
     ) -> None:
@@ -116,8 +117,9 @@ class RecordBuilder:
         saw (method, path, status, timings, outcome), and none of its body is kept.
         ``c_scans``: Config ``scan = "c"``: ``build`` reads a stream with the C scans where built, else
         with the Python ones (the same Record either way; the choice is the proxy's, not the process's).
-        ``take``: charges a kept response read to the process's memory budget (``wire.memory.take``), False
-        when it has no room: that read and every later one is relayed, not kept. ``body_charge``: what the
+        ``take``: charges a kept response read to the process's memory budget (``wire.memory.take``; the
+        first ``SMALL_KEEP`` bytes as a small turn's), False when it has no room: that read and every
+        later one is relayed, not kept. ``body_charge``: what the
         request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
         ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
@@ -155,6 +157,7 @@ class RecordBuilder:
         self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
         # bytes of the response still to keep (``max_bytes``); past it reads are relayed, not kept
         self.room = max_bytes if max_bytes is not None else 1 << 62
+        self._small_after = self.room - SMALL_KEEP  # the first SMALL_KEEP bytes kept are a small turn's
         self.capped = False
         self.budget_capped = False  # ``capped`` because the memory budget had no room (not ``max_bytes``)
         self.t_done: float | None = None
@@ -180,7 +183,7 @@ class RecordBuilder:
         """One read relayed. Kept while the kept bytes fit in ``max_bytes``; from the first read that does
         not, none is (the reads kept are the body's first ones, in order) and ``capped`` says so."""
         self.room -= len(data)
-        if self.room >= 0 and self._take(len(data)):
+        if self.room >= 0 and self._take(len(data), self._small_after <= self.room):
             self.reads.append(data)
             self.read_times.append(t_read)
             self.write_times.append(t_written)
@@ -483,7 +486,10 @@ class RecordBuilder:
         )
 
 
-def _no_budget(n: int) -> bool:
+SMALL_KEEP = 64 * 1024  # wire/memory.py's: a turn's first bytes kept may use the whole budget
+
+
+def _no_budget(n: int, small: bool = False) -> bool:
     return True
 
 

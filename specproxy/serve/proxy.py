@@ -123,7 +123,7 @@ class Proxy:
     async def start(self) -> None:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
         # kept response bytes (and large bodies) stop at LARGE_SHARE: the relay thread checks this limit
-        memory.set_limit(int(self.budget * LARGE_SHARE))
+        memory.set_limit(int(self.budget * LARGE_SHARE), self.budget)
         memory.release_large_at_once()
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
@@ -172,12 +172,7 @@ class Proxy:
         """Charge ``n`` bytes of a request body to the memory budget, before they are read: False (nothing
         charged) when they do not fit, and the front refuses the body (``memory_full``). A body over
         ``SMALL_BODY`` (``large``: the rest of one already past it) may fill only ``LARGE_SHARE``."""
-        if large or n > SMALL_BODY:
-            return memory.take(n)  # the limit set in start
-        if memory.used() + n > self.budget:
-            return False
-        memory.give(-n)  # a small body may use the reserve above the limit
-        return True
+        return memory.take(n, not large and n <= SMALL_BODY)  # the limits set in start
 
     def release_body(self, n: int) -> None:
         """Give back ``admit_body``'s charge of a body that will not reach ``exchange`` (refused, cut)."""

@@ -487,12 +487,13 @@ pump_cadence_poll(PyObject *module, PyObject *arg)
 }
 
 static PyObject *
-pump_mem_take_py(PyObject *module, PyObject *arg)
+pump_mem_take_py(PyObject *module, PyObject *args)
 {
-    long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred())
+    long long n;
+    int small = 0;
+    if (!PyArg_ParseTuple(args, "L|p:mem_take", &n, &small))
         return NULL;
-    return PyBool_FromLong(pump_mem_take(n));
+    return PyBool_FromLong(pump_mem_take(n, small));
 }
 
 static PyObject *
@@ -512,20 +513,24 @@ pump_mem_used(PyObject *module, PyObject *unused)
 }
 
 static PyObject *
-pump_set_mem_limit(PyObject *module, PyObject *arg)
+pump_set_mem_limit(PyObject *module, PyObject *args)
 {
-    long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred())
+    long long limit, full;
+    if (!PyArg_ParseTuple(args, "LL:set_mem_limit", &limit, &full))
         return NULL;
-    __atomic_store_n(&pump_g.mem_limit, n, __ATOMIC_RELAXED);
+    __atomic_store_n(&pump_g.mem_limit, limit, __ATOMIC_RELAXED);
+    __atomic_store_n(&pump_g.mem_full, full, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef pump_functions[] = {
-    {"mem_take", pump_mem_take_py, METH_O, "charge n bytes to the memory budget: True if they fit, else nothing"},
+    {"mem_take", pump_mem_take_py, METH_VARARGS,
+     "mem_take(n, small=False): charge n bytes to the memory budget (small: up to the whole of it, else up to "
+     "the large share): True if they fit, else nothing is charged"},
     {"mem_give", pump_mem_give, METH_O, "give n bytes back to the memory budget"},
     {"mem_used", pump_mem_used, METH_NOARGS, "bytes charged to the memory budget now"},
-    {"set_mem_limit", pump_set_mem_limit, METH_O, "the memory budget in bytes (<= 0: none)"},
+    {"set_mem_limit", pump_set_mem_limit, METH_VARARGS,
+     "set_mem_limit(large, full): the memory budget's share for large turns and the whole of it (<= 0: none)"},
     {"pump_last_read", pump_last_read, METH_NOARGS, "the relay thread's latest read (monotonic s; 0.0: none)"},
     {"pump_stats", pump_stats, METH_NOARGS,
      "the relay thread's counters: turns started, reads relayed, turns active now, cadence-poll windows, "

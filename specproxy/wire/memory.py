@@ -75,12 +75,13 @@ if _relayc is not None:
 else:  # no C extension: the same count in Python (nothing but the loop and the measuring thread uses it)
     _lock = threading.Lock()
     _used = 0
-    _limit = 0
+    _limits = [0, 0]
 
-    def take(n: int) -> bool:
+    def take(n: int, small: bool = False) -> bool:
         global _used
+        limit = _limits[1 if small else 0]
         with _lock:
-            if _limit > 0 and _used + n > _limit:
+            if limit > 0 and _used + n > limit:
                 return False
             _used += n
             return True
@@ -93,21 +94,22 @@ else:  # no C extension: the same count in Python (nothing but the loop and the 
     def used() -> int:
         return _used
 
-    def _set(n: int) -> None:
-        global _limit
-        _limit = n
+    def _set(large: int, full: int) -> None:
+        _limits[:] = [large, full]
 
-_LIMIT = [0]
-
-
-def set_limit(n: int) -> None:
-    """The budget in bytes (0: none). Set once at start; a test may set it again."""
-    _LIMIT[0] = n
-    _set(n)
+_LIMIT = [0, 0]
+SMALL_KEEP = 64 * 1024  # _pump.h's PUMP_SMALL_KEEP: a turn's first bytes kept are a small turn's
 
 
-def limit() -> int:
-    return _LIMIT[0]
+def set_limit(large: int, full: int) -> None:
+    """The budget (``full``, bytes) and its share for large turns (``large``): ``take(n)`` stops at the
+    share, ``take(n, small=True)`` at the whole (0: no limit). Set once at start; a test may set it again."""
+    _LIMIT[:] = [large, full]
+    _set(large, full)
+
+
+def limit() -> tuple[int, int]:
+    return _LIMIT[0], _LIMIT[1]
 
 
 # --- returning freed memory to the system --------------------------------------------------------------

@@ -149,6 +149,7 @@ def _assert_within_budget(proc, before: int) -> int:
     assert peak <= before + BUDGET + CONSTANT, (
         f"peak RSS {peak / MIB:.0f} MiB: more than {before / MIB:.0f} MiB before the load + the budget "
         f"{BUDGET / MIB:.0f} MiB + {CONSTANT / MIB:.0f} MiB")
+    print(f"RSS before the load {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")  # (seen with -s)
 
     return peak
 
@@ -347,6 +348,7 @@ def test_one_large_body_peaks_near_its_size_and_is_let_go_of(tmp_path, loop_thre
     wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 2, 60, 0.05, "the large turn's row")
     wait_until(lambda: proc.state()["pending_measure"] == 0, 30, 0.05, "measuring done")
     after = _status(proc.proc.pid)
+    print(f"RSS before {before['VmRSS'] / MIB:.0f} MiB, peak {after['VmHWM'] / MIB:.0f}, after {after['VmRSS'] / MIB:.0f}")
 
     assert after["VmHWM"] - before["VmRSS"] <= 1.5 * size + 32 * MIB
     assert after["VmRSS"] - before["VmRSS"] <= 32 * MIB, "the large body was not let go of"

@@ -53,7 +53,7 @@ def test_a_read_the_budget_refuses_ends_keeping_for_that_turn():
     """The budget refuses the third read: the first two are kept, no later one is (even if the budget has
     room again), and the record says the budget capped it."""
     answers = iter([True, True, False, True, True])
-    b = _turn(take=lambda n: next(answers))
+    b = _turn(take=lambda n, small: next(answers))
     assert len(b.reads) == 2 and b.budget_capped
     rec = b.build(None)
     assert rec.measure_capped and rec.measure_capped_reason == "response_memory_budget"
@@ -78,7 +78,7 @@ def test_a_whole_turn_says_nothing():
     assert rec.prompt_tokens == 5 and rec.completion_tokens == 8 and tok.prompts == 1
 
 
-def _charging(n: int) -> bool:
+def _charging(n: int, small: bool) -> bool:
     return True
 
 
@@ -125,14 +125,15 @@ def test_max_counted_bytes_bounds_the_tokenizer_work_of_one_turn():
 def test_the_counter_takes_within_its_limit_and_gives_back():
     before = memory.used()
     old = memory.limit()
-    memory.set_limit(before + 100)
+    memory.set_limit(before + 100, before + 150)
     try:
         assert memory.take(60) and not memory.take(41) and memory.take(40)
         assert memory.used() == before + 100
-        memory.give(100)
+        assert not memory.take(1) and memory.take(50, True) and not memory.take(1, True)
+        memory.give(150)
         assert memory.used() == before
     finally:
-        memory.set_limit(old)
+        memory.set_limit(*old)
 
 
 def test_the_model_of_a_prompt_too_large_to_parse_is_found_by_its_one_key():
