@@ -17,12 +17,13 @@ from yarl import URL
 
 from specproxy.errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "Config", "child_environment", "load_config",
-           "server_root"]
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "UPSTREAM_REUSE_MODES", "Config",
+           "child_environment", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
 SCAN_MODES = ("c", "python")
+UPSTREAM_REUSE_MODES = ("client", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,9 @@ class Config:
     client_header: str = "user-agent"
     """The request header whose value names the client (``client`` per turn, grouped by ``specproxy
     audit``): a coding agent's ``User-Agent`` by default, or a header of your own (``x-client-name``)
-    where several clients share one. At most 200 characters of it are stored; never an API key header."""
+    where several clients share one. At most 200 characters of it are stored. A header that may carry a
+    credential is refused at start-up: by name (``authorization``, ``cookie``, ``x-api-key``...) or by
+    shape (a name with ``auth``, ``token``, ``secret``, ``key``, ``passw``, ``session``... in it)."""
     capture: bool = False
     """Store each measured request's body, exactly as the client sent it, so that ``specproxy export
     --format replay`` and ``specproxy bench --from captured`` can send the same requests again (opt-in;
@@ -103,6 +106,15 @@ class Config:
     CPU wake-up (tens of µs on a VM), at the cost of at most a tenth of one core. ``auto`` polls only while
     the machine has a core idle, so that it never takes CPU from a server on the same machine, and never
     under a CPU quota (a container's limit)."""
+    drain_timeout_s: float = 30.0
+    """Seconds that requests in flight get to finish when ``serve`` is told to stop (SIGTERM, Ctrl-C): then
+    they are cut, and their turns recorded with the outcome ``shutdown``. A second signal cuts them at once."""
+    upstream_reuse: str = "client"
+    """``client`` or ``off``: whether an upstream connection that carried an exchange is kept alive for the
+    same client connection's next request (``client``: never another client's), or never reused at all
+    (``off``: each request gets a new upstream connection, closed after its response). Use ``off`` where one
+    client connection carries many users (a front proxy or gateway that pools its connections): bytes a
+    misframing upstream sends past a response's end can then never reach the next request."""
     admin_token: str | None = None
     """Secret for the reserved ``/_specproxy/`` paths (live page, events, ``/_specproxy/metrics``), sent as
     ``Authorization: Bearer TOKEN`` (or ``?token=TOKEN`` for a browser). Unset, those paths answer only
@@ -186,8 +198,21 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {key} must be {kind.__name__}, got {value!r}") from None
 
 
-# headers that carry credentials: never a client's name (they would be stored)
-SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
+# headers that carry credentials: never a client's name (they would be stored). By name (these, and any
+# name with one of the words below in it: x-goog-api-key, x-auth-token, x-session-id, apikey...) or by
+# shape (a name whose hyphen- or underscore-separated parts include one of SECRET_PARTS: x-sid, x-pwd)
+SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "x-goog-api-key", "cookie",
+                  "set-cookie")
+SECRET_WORDS = ("auth", "token", "secret", "key", "passw", "session", "cookie", "credential", "signature",
+                "bearer", "jwt", "csrf", "xsrf", "nonce", "private", "cert")
+SECRET_PARTS = frozenset(("sid", "pwd", "pw", "pass", "otp", "pin", "sig", "hmac", "sso", "saml", "oauth"))
+
+
+def carries_credentials(header: str) -> bool:
+    """Whether a header named ``header`` may carry a credential, by its name or its shape (see above)."""
+    name = header.strip().lower()
+    return (name in SECRET_HEADERS or any(w in name for w in SECRET_WORDS)
+            or any(part in SECRET_PARTS for part in name.replace("_", "-").split("-")))
 
 
 def _validate(cfg: Config) -> Config:
@@ -200,8 +225,9 @@ def _validate(cfg: Config) -> Config:
     name = cfg.client_header.strip().lower()
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         raise ConfigError(f"client_header {cfg.client_header!r} is not a header name")
-    if name in SECRET_HEADERS:
-        raise ConfigError(f"client_header {cfg.client_header!r} carries credentials: it is never stored")
+    if carries_credentials(name):
+        raise ConfigError(f"client_header {cfg.client_header!r} may carry credentials (its value would be stored): "
+                          f"name the client with a header of your own, such as x-client-name")
     for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes", "max_counted_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
@@ -210,6 +236,10 @@ def _validate(cfg: Config) -> Config:
     for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
+    if cfg.drain_timeout_s < 0:
+        raise ConfigError("drain_timeout_s must be >= 0 (0 cuts in-flight requests at once)")
+    if cfg.upstream_reuse not in UPSTREAM_REUSE_MODES:
+        raise ConfigError(f"upstream_reuse must be one of {', '.join(UPSTREAM_REUSE_MODES)}, not {cfg.upstream_reuse!r}")
     if cfg.scrape_interval_s < 0:
         raise ConfigError("scrape_interval_s must be >= 0")
     if cfg.scrape_retention_days < 0:

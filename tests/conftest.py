@@ -20,6 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests judge what specproxy does with each example, never how fast the machine makes one: no
+# per-example deadline and no "too slow" health check, both of which a busy machine can trip. A test's own
+# @settings that lists health checks to suppress names too_slow again (it replaces this list).
+settings.register_profile("specproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("specproxy")
 
 # The suite runs many Python processes (its workers, and the CLI under test dozens of times); with
 # PYTHONDONTWRITEBYTECODE set (some CI images set it) each one compiles, and pytest rewrites, every
@@ -227,7 +234,7 @@ class LiveStack:
     def run(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def settle(self, timeout: float = 10.0) -> None:
+    def settle(self, timeout: float = 30.0) -> None:
         """Wait until no request is in flight through the proxy (a client may have its whole answer
         before the upstream's stream ends) and every finished turn was measured and handed over."""
         import time

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import functools
 import logging
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +17,7 @@ import click
 import orjson
 
 from specproxy import __version__
-from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, SCAN_MODES, Config, load_config
+from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, SCAN_MODES, UPSTREAM_REUSE_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -98,7 +100,9 @@ def _pages_line(cfg: Config, url: str) -> str:
 @_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
 @_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
 @_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
-@_setting("--client-header", "client_header", "The request header naming the client for audit")
+@_setting("--client-header", "client_header",
+          "The request header naming the client for audit (its value is stored: a header that may carry a "
+          "credential, such as authorization, cookie or *key*, *token*, *auth*, *secret*, is refused)")
 @_setting("--capture/--no-capture", "capture",
           "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
 @_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
@@ -131,6 +135,12 @@ def _pages_line(cfg: Config, url: str) -> str:
 @_setting("--cadence-poll", "cadence_poll",
           "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
           "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
+@_setting("--drain-timeout", "drain_timeout_s",
+          "Seconds requests in flight get to finish at SIGTERM or Ctrl-C before they are cut (outcome "
+          "shutdown); a second Ctrl-C cuts them at once", type=float)
+@_setting("--upstream-reuse", "upstream_reuse",
+          "Keep an upstream connection for the same client connection's next request, or never reuse one "
+          "(off: for a front proxy whose connections carry many users)", type=click.Choice(UPSTREAM_REUSE_MODES))
 @_setting("--relay", "relay",
           "Who relays a chunked response body: the native relay thread, or Python on the event loop (more CPU)",
           type=click.Choice(RELAY_MODES))
@@ -429,9 +439,15 @@ def demo(db: str | None, turns: int, as_json: bool, stay: bool) -> None:
     path = Path(db) if db else Path(tempfile.mkdtemp(prefix="specproxy-demo-")) / "demo.db"
 
     async def linger(url: str) -> None:
+        """Until Ctrl-C or SIGTERM (a service manager's, or `kill`'s): either ends the demo with its report."""
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, done.set)
         click.echo(f"demo: the traffic is done; the live page stays at {url}/_specproxy/ until Ctrl-C, "
                    "then the report", err=True)
-        await asyncio.Event().wait()
+        await done.wait()
 
     install_uvloop()
     try:

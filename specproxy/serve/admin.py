@@ -99,8 +99,9 @@ def is_loopback(host: str | None) -> bool:
 
 def allowed(listen_host: str, peer: str | None, token: str | None, presented: str | None) -> bool:
     """May this request read the reserved pages? See the module's docstring."""
-    if token is not None:
-        return presented is not None and hmac.compare_digest(presented.encode(), token.encode())
+    if token is not None:  # header bytes that are not UTF-8 come as surrogates: compared as the bytes they were
+        return presented is not None and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
+                                                             token.encode())
     return is_loopback(listen_host) and is_loopback(peer)
 
 

@@ -6,14 +6,17 @@ whose parsers are strict and whose refusals, with ``refusals.refuse``'s checks o
 request from reaching the upstream. Each request it accepts goes to ``Proxy.exchange`` like the lane's.
 
 Nothing a client sent (headers, query, body) reaches the logs: aiohttp's own log lines about a
-malformed request keep the exception's type and where it was raised, not its message.
+malformed request keep the exception's type and where it was raised, not its message. And anyone who can
+connect can send malformed requests: each is counted (``rejected_bad``), and said in one WARNING line at
+most once per ``MALFORMED_LINE_EVERY_S``, with how many came since the last (``_ServerLog``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -23,7 +26,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from specproxy.serve.admin import reserved
 from specproxy.serve.headers import LABEL_HEADER
 from specproxy.serve.proxy import SMALL_BODY, Incoming, where
-from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, refuse
+from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, out_of_base, refuse
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy
@@ -50,12 +53,48 @@ class _NoRequestContent(logging.Filter):
 
 http_log.addFilter(_NoRequestContent())
 
+MALFORMED_LINE_EVERY_S = 60.0  # at most one line per this long about malformed requests (each is counted)
+
+
+class _ServerLog(logging.LoggerAdapter):
+    """The logger aiohttp's server gets, one per front: a request its parser refused (an
+    ``HttpProcessingError``: aiohttp answered 400 and logged it, at ERROR but for a first line that is not
+    HTTP at all) is counted in the proxy's ``rejected_bad`` and said as a WARNING at most once per
+    ``MALFORMED_LINE_EVERY_S``, with how many came since the last line; everything else goes to
+    ``http_log`` as it came (a bug of ours is still an ERROR)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        super().__init__(http_log, {})
+        self.proxy = proxy
+        self.unsaid = 0  # malformed requests since the last line about them
+        self.next_line_at = 0.0  # monotonic
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, tuple):
+            exc = exc[1]
+        if not isinstance(exc, HttpProcessingError):
+            super().log(level, msg, *args, **kwargs)
+            return
+        self.proxy.rejected_bad += 1
+        self.unsaid += 1
+        now = time.monotonic()
+        if now < self.next_line_at:
+            return
+        self.next_line_at = now + MALFORMED_LINE_EVERY_S
+        count, self.unsaid = self.unsaid, 0
+        peer = f" from {args[0]}" if args else ""
+        self.logger.warning("malformed request%s answered 400: %s %s (%s); %d since the last such line (one line "
+                            "at most every %g s; specproxy_rejected_bad_total counts them all)", peer,
+                            type(exc).__name__, exc.code, where(exc), count, MALFORMED_LINE_EVERY_S)
+
 
 class AiohttpFront:
     """aiohttp's server for one ``Proxy``: ``make_server`` is what the service listens with."""
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
+        self._based = bool(proxy.upstream.raw_path.strip("/"))  # the upstream has a base path to stay under
 
     def make_server(self) -> web.Server:
         """aiohttp's low-level server: every request to ``handle``. A proxy routes nothing, so there is no
@@ -69,7 +108,7 @@ class AiohttpFront:
             # aiohttp closes a connection that has not sent a complete request within this long of the
             # previous response (and, in recent versions, of connecting; service.py also enforces that)
             keepalive_timeout=self.proxy.cfg.header_timeout_s,
-            logger=http_log,
+            logger=_ServerLog(self.proxy),
         )
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -81,6 +120,11 @@ class AiohttpFront:
             return refused.as_response()
         if reserved(request.rel_url.raw_path):  # specproxy's own pages: never forwarded (admin.py)
             return await proxy.admin(request) if proxy.admin is not None else _not_here()
+        if self._based:
+            refused = out_of_base(request.rel_url.raw_path)
+            if refused is not None:
+                proxy.rejected_bad += 1
+                return refused.as_response()
         body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
         if not isinstance(body, bytes):
             if body.kind != "memory_budget":  # (counted apart, as rejected_memory)

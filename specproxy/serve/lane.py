@@ -158,19 +158,18 @@ class Lanes:
         self.handed_over = 0  # connections the lane gave to aiohttp's server
         self.closing = False
 
-    async def shutdown(self, timeout: float) -> None:
-        """Close idle connections now, busy ones after their exchange; past ``timeout``, cut them."""
+    def close_idle(self) -> None:
+        """At shutdown: close idle connections now, busy ones after their exchange."""
         self.closing = True
-        tasks = []
         for lane in list(self.open):
             if lane._task is None:
                 lane.close()
-            else:
-                tasks.append(lane._task)
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+
+    def cut(self) -> None:
+        """At shutdown, once the service stops waiting: cut the connections still busy (the idle ones are
+        closing, their last bytes flushed)."""
         for lane in list(self.open):
-            if lane._task is not None:  # still busy: cut (the idle ones are closing, their last bytes flushed)
+            if lane._task is not None:
                 lane.abort()
 
 

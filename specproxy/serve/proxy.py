@@ -113,6 +113,10 @@ class Proxy:
         self.shed_prompts = 0  # finished turns that let go of their body (or response) to stay within it
         self.budget = cfg.memory_budget_bytes or memory.default_budget(cfg.max_body_bytes)
         self._backlog_bytes = 0  # budget held by turns waiting to be measured
+        # why, once the service's shutdown cuts what is still in flight (its drain limit passed, or a second
+        # Ctrl-C): those turns are the proxy's doing, recorded as ``shutdown``, not as the client's abort
+        self.cutting: str | None = None
+        self._quiet: asyncio.Event | None = None  # set when in_flight falls to 0 (``wait_quiet``)
         self._pending_builds = 0
         self._pool: UpstreamPool | None = None
         self._measurer: MeasuringWorker | None = None
@@ -127,7 +131,8 @@ class Proxy:
         memory.release_large_at_once()
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
-                                         relay_slice_us=self.cfg.relay_slice_us)
+                                         relay_slice_us=self.cfg.relay_slice_us,
+                                         reuse=self.cfg.upstream_reuse != "off")
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
                                          self._built, keep_bodies=self.cfg.capture)
 
@@ -166,6 +171,19 @@ class Proxy:
             except TimeoutError:
                 break
 
+    async def wait_quiet(self, timeout: float) -> bool:
+        """Until no request is in flight (True), or ``timeout`` passed (False). For the shutdown's drain."""
+        if self._quiet is None:
+            self._quiet = asyncio.Event()
+        self._quiet.clear()
+        if not self.in_flight:
+            return True
+        try:
+            await asyncio.wait_for(self._quiet.wait(), timeout)
+        except TimeoutError:
+            return not self.in_flight
+        return True
+
     # --- the memory budget ------------------------------------------------------------------------
 
     def admit_body(self, n: int, *, large: bool = False) -> bool:
@@ -202,6 +220,8 @@ class Proxy:
             return await self.forward(req, body, client)
         finally:
             self.in_flight -= 1
+            if not self.in_flight and self._quiet is not None:
+                self._quiet.set()
 
     async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
         """One exchange with the upstream, from either front, the request read whole and vetted: relayed to
@@ -306,6 +326,8 @@ class Proxy:
     def _submit(self, builder: RecordBuilder) -> None:
         if not builder._ended:  # e.g. cancelled while reading: still one record per turn
             builder.fail(clock(), "client_abort", None, "client disconnected before the response")
+        if self.cutting and builder.outcome == "client_abort":  # the client did not leave: the proxy cut it
+            builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
         if self._pending_builds >= MAX_PENDING_BUILDS:
             self.measure_dropped += 1
             memory.give(builder.let_go())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 from typing import NamedTuple
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
@@ -23,7 +24,8 @@ from aiohttp import web
 
 from specproxy.config import Config
 
-__all__ = ["MAX_FIELD_BYTES", "MAX_HEADER_BYTES", "Refusal", "body_timeout", "busy", "error_response", "refuse"]
+__all__ = ["MAX_FIELD_BYTES", "MAX_HEADER_BYTES", "Refusal", "body_timeout", "busy", "climbs", "error_response",
+           "out_of_base", "refuse"]
 
 MAX_FIELD_BYTES = 16384  # one header line (aiohttp's parser answers 400 past it)
 MAX_HEADER_BYTES = 65536  # all request headers together (431 past it; aiohttp only bounds each line and the count)
@@ -105,3 +107,26 @@ def refuse(request: web.BaseRequest) -> Refusal | None:
         return error_response(431, "headers_too_large", f"request headers over {MAX_HEADER_BYTES} bytes",
                                close=True)
     return None
+
+
+def climbs(raw_path: str) -> bool:
+    """Whether a request path (as sent, without the query) has a ``..`` segment as any server behind the
+    proxy might read it: percent-escapes decoded (twice: ``%252e`` too), a backslash as a slash, a
+    segment's parameters dropped (``..;x``, as servlet containers read it)."""
+    path = raw_path
+    for _ in range(2):
+        if "%" not in path:
+            break
+        path = unquote(path)
+    return any(segment.partition(";")[0] == ".." for segment in path.replace("\\", "/").split("/"))
+
+
+def out_of_base(raw_path: str) -> Refusal | None:
+    """The upstream has a base path (``--upstream http://host/llm``): a client path with a ``..`` segment
+    (``/../admin``, ``/%2e%2e/admin``, ``/v1/..;/..;/admin``) could reach past it, so it is refused (400),
+    never forwarded: no client's request needs one. The lane reads no such path (it declines ``/.``, ``%``
+    and ``\\``): aiohttp's front checks every path."""
+    if not climbs(raw_path):
+        return None
+    return error_response(400, "bad_request", "a path with a '..' segment (the upstream's base path must hold)",
+                          close=True)

@@ -2,9 +2,11 @@
 
 Why apart from ``proxy.py``: the handler is the hot path and knows nothing of processes, signals or
 files; this module owns their lifecycle so that ``serve``, ``demo`` and the tests start the very same
-thing. On SIGTERM/SIGINT it stops accepting, lets in-flight streams finish (bounded), measures what
-is pending and drains the writer's queue before exiting. On SIGUSR1 it logs one line of its state
-(tasks, connections, file descriptors, queue, counters): the soak test reads leaks from it.
+thing. On SIGTERM/SIGINT it says how many streams it is draining, stops accepting, lets in-flight
+streams finish (up to Config ``drain_timeout_s``; a second signal cuts them at once), records the turns
+it cut as ``shutdown``, measures what is pending and drains the writer's queue before exiting. On
+SIGUSR1 it logs one line of its state (tasks, connections, file descriptors, queue, counters): the soak
+test reads leaks from it.
 
 The listening socket is opened here rather than by aiohttp's ``TCPSite`` so that every connection
 gets a header deadline: a client that has not finished its first request's headers within
@@ -51,6 +53,9 @@ log = logging.getLogger("specproxy")
 # How long start-up waits to connect to the upstream for its one check (at most connect_timeout_s): the
 # scraper's own timeout, which the first scrape already waits for, so the check adds no delay of its own.
 START_CHECK_TIMEOUT_S = 2.0
+CUT_S = 0.1  # then how long aiohttp's server waits for a handler it was told to stop, twice at most
+CUT_WAIT_S = 5.0  # and how long the cut exchanges get to hand their turns over
+AFTER_DRAIN = "a request that came after the drain"  # why such a request was cut (its record's error)
 
 
 def settle_heap() -> int:
@@ -256,7 +261,8 @@ class Service:
         quota = await asyncio.to_thread(cpu_quota) if mode == "auto" else None  # files: not on the loop
         self.cadence = CadenceGate(mode, quota=quota)
         self.cadence.start()
-        self._runner = web.ServerRunner(AiohttpFront(self.proxy).make_server(), shutdown_timeout=30.0)
+        # the graceful wait is stop()'s own (drain_timeout_s); aiohttp's is only for what stop() then cuts
+        self._runner = web.ServerRunner(AiohttpFront(self.proxy).make_server(), shutdown_timeout=CUT_S)
         await self._runner.setup()
         server = self._runner.server  # aiohttp's protocol factory
         assert server is not None
@@ -360,8 +366,10 @@ class Service:
         counted.add_done_callback(log_line)
         return counted
 
-    async def stop(self) -> None:
-        """Stop listening, let streams finish (bounded), measure what is pending, drain the queue."""
+    async def stop(self, now: asyncio.Event | None = None) -> None:
+        """Stop listening, let in-flight exchanges finish (up to ``drain_timeout_s``, or until ``now`` is set: a
+        second Ctrl-C), cut what is left (its turns recorded as ``shutdown``), measure what is pending,
+        drain the queue."""
         for listener in self._listeners:
             listener.close()  # no new connections; open ones finish their current request
         for sock in self._sockets:  # bound, never served: start() failed or never ran
@@ -369,12 +377,22 @@ class Service:
         self._sockets = []
         if self.admin is not None:
             self.admin.close()  # live viewers' event streams end now rather than hold up the shutdown
-        lanes = self.lanes.shutdown(30.0)  # as aiohttp's, below: in-flight exchanges get that long
+        self.lanes.close_idle()
+        server = self._runner.server if self._runner is not None else None
+        if server is not None:
+            server.pre_shutdown()  # each of aiohttp's connections closes after its current request
+        proxy = self.proxy
+        why = AFTER_DRAIN
+        if proxy is not None and proxy.in_flight:
+            why = await self._drain(proxy, self.cfg.drain_timeout_s, now)
+        if proxy is not None:
+            proxy.cutting = why  # whatever ends from here on was ended by us
+        self.lanes.cut()
         if self._runner is not None:
-            await asyncio.gather(self._runner.cleanup(), lanes)
+            await self._runner.cleanup()  # cuts aiohttp's handlers still running (CUT_S)
             self._runner = None
-        else:
-            await lanes
+        if proxy is not None and proxy.in_flight:
+            await proxy.wait_quiet(CUT_WAIT_S)  # the cut exchanges hand their turns to the measuring
         if self.cadence is not None:
             await asyncio.to_thread(self.cadence.stop)
             self.cadence = None
@@ -390,13 +408,41 @@ class Service:
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close)
 
+    @staticmethod
+    async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:
+        """Until no exchange is in flight, ``timeout`` passed, or ``now`` is set, whichever comes first;
+        returns which, in words for the records of the turns then cut."""
+        quiet = asyncio.ensure_future(proxy.wait_quiet(timeout))
+        waits = {quiet}
+        if now is not None:
+            waits.add(asyncio.ensure_future(now.wait()))
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if quiet.done() and quiet.result():
+            return AFTER_DRAIN
+        return f"drain_timeout_s ({timeout:g} s) passed" if quiet.done() else "a second stop signal"
+
+    def _on_stop_signal(self, stop: asyncio.Event, now: asyncio.Event) -> None:
+        """SIGINT/SIGTERM: the first drains (one line says what and for how long), the second cuts."""
+        n = self.proxy.in_flight if self.proxy is not None else 0
+        streams = f"{n} stream{'' if n == 1 else 's'}"
+        if not stop.is_set():
+            stop.set()
+            limit = self.cfg.drain_timeout_s
+            log.info("stopping: %s", f"draining {streams}, up to {limit:g} s; Ctrl-C again to stop now" if n
+                     else "no streams in flight")
+        elif not now.is_set():
+            now.set()
+            log.info("stopping now: cutting %s (recorded as outcome shutdown)", streams)
+
     async def run_forever(self, ready: Callable[[Service], None] | None = None) -> None:
         # handlers first: a SIGTERM that arrives the moment we say we are ready must drain, not kill
-        stop = asyncio.Event()
+        stop, now = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, self._on_stop_signal, stop, now)
         with suppress(NotImplementedError, RuntimeError, AttributeError):
             loop.add_signal_handler(signal.SIGUSR1, self.log_state)
         try:
@@ -410,7 +456,7 @@ class Service:
         try:
             await stop.wait()
         finally:
-            await self.stop()
+            await self.stop(now)
 
 
 def count_fds() -> int:

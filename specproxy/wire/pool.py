@@ -60,9 +60,11 @@ class UpstreamPool:
     exchange for the client connection that exchange came from, the fresh ones for anyone."""
 
     def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
-                 relay_slice_us: int = 100) -> None:
+                 relay_slice_us: int = 100, reuse: bool = True) -> None:
         """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
-        ``python`` (every body relayed on the loop); Config's ``relay`` and ``relay_slice_us``."""
+        ``python`` (every body relayed on the loop); Config's ``relay`` and ``relay_slice_us``. ``reuse``
+        False (Config ``upstream_reuse = "off"``): a connection that carried an exchange is closed after
+        it, never kept for anyone."""
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, not {url.scheme}://")
         self.loop = asyncio.get_running_loop()
@@ -73,6 +75,7 @@ class UpstreamPool:
         self.idle_timeout_s = idle_timeout_s
         self.relay_thread = relay == "thread" and THREAD_BUILT
         self.relay_slice_us = relay_slice_us
+        self.reuse = reuse
         self.fresh: list[UpstreamConn] = []  # idle, never carried an exchange: for any client
         self.kept: dict[asyncio.BaseTransport, list[UpstreamConn]] = {}  # idle, by the client they served
         self.active: set[UpstreamConn] = set()
@@ -188,7 +191,7 @@ class UpstreamPool:
         there; else closed."""
         self.active.discard(conn)
         owner = conn.owner
-        if self.closed or conn.transport is None or owner is None or owner.is_closing():
+        if self.closed or not self.reuse or conn.transport is None or owner is None or owner.is_closing():
             conn.close()
             return
         self._idle(conn)

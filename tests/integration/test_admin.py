@@ -141,6 +141,18 @@ def test_a_configured_token_is_needed(make_stack, tiktoken_tok):
     assert stack.upstream.sent == []
 
 
+def test_a_token_that_is_not_utf8_is_refused_not_an_error(make_stack, tiktoken_tok, caplog):
+    """Header bytes that are not UTF-8 reach the check as surrogates: a 401 like any wrong token, not a
+    500 with an ERROR line."""
+    stack = make_stack(tiktoken_tok, admin_token=TOKEN)
+    request = b"GET /_specproxy/metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xc3(" \
+              b"\r\nConnection: close\r\n\r\n"
+    with caplog.at_level("WARNING"):
+        assert int(_raw(stack.url, request).split(b" ")[1]) == 401
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+    assert not allowed("0.0.0.0", "192.168.1.9", TOKEN, "\udcff\udcfe")
+
+
 def test_who_may_read_without_a_token():
     # loopback clients of a loopback proxy only; any other client, or a proxy listening beyond loopback: 401
     assert allowed("127.0.0.1", "127.0.0.1", None, None)

@@ -410,7 +410,19 @@ def test_duration_cycles_the_workload_for_that_long(tmp_path, upstream_thread):
     assert len(turns) == len(up.sent) > 2 * 2  # more than the workload once per stream: it cycled
     sent = [s.request_body for s in up.sent]
     assert set(sent) == {BODIES[0], BODIES[2]}
-    assert turns[-1][0] - turns[0][0] < 1.5  # none started after the duration
+    # none started after the duration: a stream sends its next request only when its last one ended before the
+    # duration was up, on bench's clock, which started before the first request was read (the proxy's clock
+    # is the same monotonic clock): so each turn followed by another on its stream ended within 1.5 s of the
+    # first request, however late a busy machine made the requests themselves
+    conn = sqlite3.connect(db)
+    streams = conn.execute("SELECT conn_id, t_request, t_done FROM turns WHERE label = 'dur' ORDER BY t_request").fetchall()
+    conn.close()
+    first = streams[0][1]
+    by_stream: dict[int, list[float]] = {}
+    for conn_id, _, t_done in streams:
+        by_stream.setdefault(conn_id, []).append(t_done)
+    followed = [t_done for ends in by_stream.values() for t_done in ends[:-1]]
+    assert followed and all(t_done - first < 1.5 for t_done in followed), (first, by_stream)
     assert max(c for _, _, c in turns) == 2  # closed loop: never more than the streams in flight
 
 

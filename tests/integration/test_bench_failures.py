@@ -120,9 +120,9 @@ def test_a_wrong_port_without_a_restart_command_fails_at_once(tmp_path):
     port = free_port()
     t0 = time.monotonic()
     proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
-                     "--db", str(tmp_path / "w.db"), "--tokenizer", "tiktoken:o200k_base", timeout=60)
+                     "--db", str(tmp_path / "w.db"), "--tokenizer", "tiktoken:o200k_base", timeout=240)
     one_line_error(proc, f"nothing answers at http://127.0.0.1:{port} (arm bench, instance 1): connection refused")
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 150  # at once (seconds, with the start-up), not after a 300 s wait
 
 
 def test_a_restart_that_leaves_the_same_server_running_is_refused(tmp_path, upstream_thread):
@@ -186,10 +186,10 @@ def test_a_server_that_goes_away_mid_round_ends_the_round(tmp_path, upstream_thr
     db = tmp_path / "g.db"
     t0 = time.monotonic()
     proc = specproxy("bench", "--upstream", up.url, "--from", str(workload(tmp_path)), "--db", str(db),
-                     "--duration", "20", "--concurrency", "2", "--repeats", "1", "--warmup", "0",
+                     "--duration", "200", "--concurrency", "2", "--repeats", "1", "--warmup", "0",
                      "--tokenizer", "tiktoken:o200k_base", "--label", "gone")
     one_line_error(proc, "went away", "10 requests in a row could not reach it", "completed turns are kept")
-    assert time.monotonic() - t0 < 15  # the round did not run out its 20 s
+    assert time.monotonic() - t0 < 100  # the round did not run out its 200 s (seconds, with the start-up)
     conn = sqlite3.connect(db)
     outcomes = dict(conn.execute("SELECT outcome, count(*) FROM turns WHERE label = 'gone' GROUP BY outcome"))
     conn.close()

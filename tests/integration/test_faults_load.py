@@ -69,13 +69,16 @@ def test_one_over_the_cap_gets_an_immediate_503(make_stack):
             async with box["cond"]:
                 await asyncio.wait_for(box["cond"].wait_for(lambda: box["arrived"] == 8), 10)
             t0 = time.monotonic()
-            async with s.post(stack.url + CHAT, data=BODY) as r:
+            async with s.post(stack.url + CHAT, data=BODY, timeout=aiohttp.ClientTimeout(total=30)) as r:
                 over = r.status, await r.json(), time.monotonic() - t0
             box["go"].set()
             return over, await asyncio.gather(*held)
 
     (status, err, elapsed), held = stack.run(go())
-    assert status == 503 and err["error"]["type"] == "busy" and elapsed < 0.5
+    assert status == 503 and err["error"]["type"] == "busy"
+    # at once, not after waiting for a slot: the held requests end only after this answer (box["go"]), so a
+    # proxy that queued it would have waited for the client's 30 s give-up
+    assert elapsed < 20
     assert all(st == 200 and body == STREAM for st, body, _ in held)
     assert len(upstream.requests) == 8  # the one over the cap never reached the upstream
     assert stack.service.proxy.rejected_busy == 1
@@ -159,10 +162,13 @@ def _load_until(stack, cond, *, at_most_s: float = 30.0) -> list[tuple[int, byte
 
 def _assert_traffic_unaffected(results, *, reference: float) -> None:
     assert results and all(status == 200 and body.endswith(b"data: [DONE]\n\n") for status, body, _ in results)
-    worst = max(latency for _, _, latency in results)
-    # A turn held up by the database would wait out the writer's busy timeout (2 s) or a failed write;
-    # 1.5 s tells that apart from a busy machine's scheduling, which can cost a turn half a second.
-    assert worst < max(1.5, 10 * reference), f"a turn took {worst:.3f} s (unloaded: {reference:.3f} s)"
+    latencies = sorted(latency for _, _, latency in results)
+    # A turn held up by the database would wait out the writer's busy timeout (2 s) or a failed write, and so
+    # would every turn whose record met the fault: the median and the 95th percentile tell that apart from a
+    # busy machine's scheduling, which can cost a single turn a second or more but not one turn in twenty.
+    median, p95 = latencies[len(latencies) // 2], latencies[int(0.95 * (len(latencies) - 1))]
+    assert median < max(1.0, 10 * reference) and p95 < max(1.5, 10 * reference), (
+        f"turns took median {median:.3f} s, p95 {p95:.3f} s (unloaded: {reference:.3f} s)")
 
 
 def test_database_locked_under_load_costs_records_not_traffic(make_stack):

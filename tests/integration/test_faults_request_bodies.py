@@ -101,5 +101,7 @@ def test_a_body_trickled_under_the_stall_timeout_still_gets_408_at_the_body_dead
     got, took = stack.run(go())
     assert got.startswith(b"HTTP/1.1 408 "), got[:80]
     assert b"not complete within 1 s" in got
-    assert 0.9 < took < 3.0, took
+    # not before the 1 s deadline; well before the 15 s the trickle would take without one (a loaded machine
+    # can delay the answer by seconds, never by ten)
+    assert 0.9 < took < 10.0, took
     assert len(stack.upstream.sent) == 0  # nothing of it reached the upstream

@@ -180,6 +180,30 @@ def test_no_reuse_after_a_bodiless_or_interim_response_even_for_the_same_client(
     _assert_relayed_by(stack, each_relay, 1)  # the second answer's chunked body
 
 
+@pytest.mark.parametrize("case", ["length", "chunked"])
+def test_upstream_reuse_off_gives_every_request_a_new_connection(make_stack, each_relay, case):
+    """What per-client ownership leaves open, closed by ``upstream_reuse = "off"`` (a front proxy whose one
+    connection carries many users): one kept-alive client sends ``/evil`` (a Content-Length or chunked
+    answer, reusable by the rules), then its next request on the same client connection, and the upstream
+    sends a late whole response on the first connection once that request has reached it. The first
+    upstream connection was closed after its answer: the second request got a new one, its own answer
+    and its own record, and no upstream connection is kept idle."""
+    upstream = LateBytes(FIRSTS[case])
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0, upstream_reuse="off")
+
+    async def go():
+        async with KeptClient(stack.service.port) as client:
+            a = await client.ask(b"GET /evil HTTP/1.1\r\nHost: p\r\n\r\n", head_seen=upstream.a_head)
+            b = await client.ask(post_head(CHAT, BODY), head_seen=upstream.b_head)
+            return a, b
+
+    a, b = stack.run(go())
+    assert (a.status, a.body) == (200, b"ok")
+    _assert_the_probe_got_its_own(stack, upstream, b)
+    _assert_relayed_by(stack, each_relay, 2 if case == "chunked" else 1)
+    assert stack.service.proxy.upstream_idle == 0
+
+
 def test_stray_bytes_on_an_idle_connection_send_the_next_request_elsewhere(make_stack, each_relay):
     """End to end, nothing reached into: one kept-alive client, a Content-Length answer, then the upstream
     writes a whole stray response on that connection, idle in the pool; once the write is done (on

@@ -90,7 +90,7 @@ def _aiohttp_reads(raw: bytes, parser_cls):
 
 @pytest.mark.parametrize("parser_cls", [aiohttp.web_protocol.HttpRequestParser, aiohttp.http_parser.HttpRequestParserPy],
                          ids=["installed", "py"])
-@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(raw=_requests())
 @example(raw=b"GET /v1/chat/completions HTTP/1.1\r\n0: \r\n0: \r\n0: \r\nHost: \r\n\r\n\x00")  # a bad next message
 def test_what_the_lane_takes_aiohttp_reads_the_same_and_would_forward(parser_cls, raw):
@@ -248,13 +248,13 @@ def test_a_stalled_body_gets_408_and_nothing_is_forwarded(make_stack):
 
     async def go():
         t0 = asyncio.get_running_loop().time()
-        got, closed = await exchange(stack.service.port, raw[:-10], timeout=5)
+        got, closed = await exchange(stack.service.port, raw[:-10], timeout=30)
         return got, closed, asyncio.get_running_loop().time() - t0
 
     got, closed, took = stack.run(go())
     resp, _ = parse_response(got)
     assert (resp.status, closed) == (408, True) and b"request_timeout" in resp.body
-    assert 0.35 < took < 3
+    assert 0.35 < took < 20  # the 0.4 s deadline, not the exchange's 30 s give-up (nor never)
     assert upstream.requests == [] and stack.service.proxy.rejected_bad == 1
 
 

@@ -12,7 +12,7 @@ mismatched draft gives, large enough to be decided at K = 3 (a draft that agrees
 about what it saves on these tiny CPU models, and its direction changes from run to run). Each arm runs
 on 3 server instances, interleaved, so ``compare`` gets its interval over instances: spec on against
 off must be "slower", and one setting against itself (a third arm, in the same run) must get "not
-distinguishable" at level 0.99 (so about 1% of runs fail it by design; docs/statistics.md).
+distinguishable" at level 0.9999 (so about 1 run in 10,000 fails it by design; docs/statistics.md).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import os
 import re
 import shlex
 import signal
+import sqlite3
+import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,13 @@ def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(
                                                                                   tmp_path):
     """The README's example, run as written (its upstream, file and tokenizer directory put in), against a
     server with 4 slots: the printed table has, at concurrency 1, 2 and 4, a per-stream median and an
-    aggregate, each with its interval over the 3 rounds; the aggregate at 4 streams is well above the one
-    at 1 (they share the passes); the turns are in the database, with none of the warm-up requests."""
+    aggregate, each with its interval over the 3 rounds; each printed aggregate is what the turns in the
+    database say (delivered tokens over each round's span, averaged over the rounds), every turn's token
+    count is the server's own; the turns are in the database, with none of the warm-up requests.
+
+    How much the aggregate rises from 1 to 4 streams is the server's and the machine's doing (1.8-2.1x on
+    a quiet 2-core machine, 1.2x while the suite's other workers compiled llama-server), so it is
+    reported by ``scripts/bench_real_sweep.py``, not asserted here."""
     llama_server = four_slot_server
     db = tmp_path / "sweep.db"
     # 32 tokens, not stopped early: ~0.1 s of decoding on the tiny model, so that a busy machine (the suite's
@@ -98,15 +104,47 @@ def test_a_sweep_at_1_2_4_gives_per_stream_and_aggregate_figures_with_intervals(
         assert float(ps_lo) <= float(ps) <= float(ps_hi) and float(ps) > 0, out
         assert float(agg_lo) <= float(agg) <= float(agg_hi) and float(agg) > 0, out
         assert over.strip() == "3 rounds", out  # both intervals over the rounds, as the table says
-    # 4 streams batched in one pass deliver more than one stream alone: about 1.8-2x on this tiny model at one
-    # thread; 1.3x leaves room for a machine busy with other tests
-    assert float(rows[4][6]) > 1.3 * float(rows[1][6]), out
+    # each level's aggregate, recomputed from the stored turns: rounds are the runs of overlapping client
+    # connections (bench gives each stream its own connection per round, and runs rounds one after another)
+    conn = sqlite3.connect(db)
+    turns = conn.execute("SELECT conn_id, t_request, t_done, outcome, completion_tokens, usage_completion_tokens "
+                         "FROM turns WHERE label = 'bench' ORDER BY t_request").fetchall()
+    conn.close()
+    assert all(t[3] == "ok" and t[4] == t[5] == 32 for t in turns), turns  # 32 tokens each, as the server counted
+    aggregates: dict[int, list[float]] = {}
+    for rnd in rounds_of(turns):
+        streams = len({t[0] for t in rnd})
+        span = max(t[2] for t in rnd) - min(t[1] for t in rnd)
+        aggregates.setdefault(streams, []).append(sum(t[4] for t in rnd) / span)
+    assert sorted(aggregates) == [1, 2, 4] and all(len(v) == 3 for v in aggregates.values()), aggregates
+    for level, values in aggregates.items():
+        assert float(rows[level][6]) == pytest.approx(statistics.mean(values), abs=0.051), (level, values, out)
     # one instance: the output says its intervals have no restart in them
     assert "one server instance: restart-to-restart variance is not in these intervals" in out, out
     # the workload (3 requests) at least once per stream, 3 rounds each; the warm-up is not a turn
     assert [int(rows[level][1]) for level in (1, 2, 4)] == [9, 9, 12], out
     report = json.loads(specproxy("report", "--db", str(db), "--label", "bench", "--json").stdout)
     assert report["turns"] == 30 and report["labels"] == ["bench"]
+
+
+def rounds_of(turns: list[tuple]) -> list[list[tuple]]:
+    """Turns (conn_id, t_request, t_done, ...) sorted by t_request, grouped into rounds: a connection's turns
+    span from its first request to its last end, and the connections of one round overlap (they start
+    together), while rounds follow one another."""
+    spans: dict[int, list] = {}
+    for t in turns:
+        span = spans.setdefault(t[0], [t[1], t[2], []])
+        span[1] = max(span[1], t[2])
+        span[2].append(t)
+    rounds: list[list[tuple]] = []
+    end = None
+    for start, stop, members in sorted(spans.values(), key=lambda s: s[0]):
+        if end is None or start > end:
+            rounds.append([])
+            end = stop
+        rounds[-1] += members
+        end = max(end, stop)
+    return rounds
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +193,11 @@ def restart_runs(restart_script, hf_tokenizer_dir, tmp_path_factory) -> dict:
     tmp_path = tmp_path_factory.mktemp("restart-bench")
     db = tmp_path / "restarts.db"
     work = replay_file(tmp_path / "turns.jsonl", 4, 16, ignore_eos=True)
-    t0 = time.monotonic()
     proc = specproxy("bench", "--upstream", url, "--from", str(work), "--db", str(db), "--tokenizer",
                      f"hf:{hf_tokenizer_dir}", "--concurrency", "1", "--repeats", "2", "--label", "off,spec,again",
-                     "--restart-cmd", f"{script} {{arm}}", "--instances", "3", "--ready-timeout", "60", "--json")
+                     "--restart-cmd", f"{script} {{arm}}", "--instances", "3", "--ready-timeout", "60", "--json",
+                     timeout=900)  # a bound on a hang (a minute on a quiet machine), not a speed test
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - t0 < 180
     summary = json.loads(proc.stdout)
 
     def compare(a: str, b: str, level: str) -> dict:
@@ -168,10 +205,10 @@ def restart_runs(restart_script, hf_tokenizer_dir, tmp_path_factory) -> dict:
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    # the A/B at the default 95%, where its threefold slowdown is decided at K = 3 (at 99% the interval over 3
-    # instances can reach past 1 on a busy machine: docs/bench.md); the A/A at 99%, as an assertion of "not
-    # distinguishable" on one run fails at 1 - level of runs by design
-    return {"summary": summary, "ab": compare("off", "spec", "0.95"), "aa": compare("off", "again", "0.99")}
+    # the A/B at the default 95%, where its slowdown is decided at K = 3 (at 99% the interval over 3 instances
+    # can reach past 1 on a busy machine: docs/bench.md); the A/A at 99.99%: an assertion of "not
+    # distinguishable" on one run fails in 1 - level of runs by design, so the level sets how rarely
+    return {"summary": summary, "ab": compare("off", "spec", "0.95"), "aa": compare("off", "again", "0.9999")}
 
 
 def decode_row(compare: dict) -> dict:
@@ -192,11 +229,12 @@ def test_a_restart_ab_of_speculative_decoding_gets_a_verdict_over_instances(rest
 
 @pytest.mark.alone  # the restart bench (in its first test's set-up) measures speed: no other test meanwhile
 def test_a_restart_aa_of_one_setting_is_not_distinguishable(restart_runs):
-    """One setting against itself over 3 instances each, at ``compare --level 0.99``: the interval is
-    calibrated, so this run reads "faster" or "slower" in about 1% of runs by design (the expected false
-    verdict rate; at the default 95% it would be 5%, seen once in practice). A failure rate well above
-    1% would mean the interval over instances is too narrow."""
+    """One setting against itself over 3 instances each, at ``compare --level 0.9999``: the interval is
+    calibrated (docs/statistics.md), so a run reads "faster" or "slower" in about 1 of 10,000 by design: the
+    check is widened until a false failure is that rare (at 0.99 it failed 1 run in 100, at the default 95%
+    one in 20). What it still catches: an interval over instances that leaves the instances' variance out
+    (the naive interval over turns) calls this A/A in most runs on a machine whose speed drifts."""
     compare = restart_runs["aa"]
-    assert compare["level"] == 0.99 and compare["instances_a"] == compare["instances_b"] == 3
+    assert compare["level"] == 0.9999 and compare["instances_a"] == compare["instances_b"] == 3
     row = decode_row(compare)
     assert row["ci_low"] is not None and row["verdict"] == "not distinguishable", row

@@ -30,7 +30,7 @@ def test_precedence_file_env_flags(tmp_path):
     ("nope = 1", "unknown key"),
     ("upstream = 'ftp://x'", "not an http"),
     ("[[", "not valid TOML"),
-    ("client_header = 'Authorization'", "carries credentials"),
+    ("client_header = 'Authorization'", "may carry credentials"),
     ("client_header = 'x client'", "not a header name"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, message):
@@ -38,6 +38,24 @@ def test_bad_config_is_one_clear_error(tmp_path, text, message):
     f.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(f, env={})
+
+
+@pytest.mark.parametrize("name", [
+    "Authorization", "proxy-authorization", "cookie", "x-api-key", "x-goog-api-key", "api-key", "apikey",
+    "X-Auth-Token", "x-access-token", "x-client-secret", "x-session-id", "x-password", "x-csrf-token",
+    "x-amz-security-token", "x-sid", "x_user_pwd", "x-oauth", "ocp-apim-subscription-key", "x-signature",
+])
+def test_client_header_refuses_every_credential_header(name):
+    """Its value is stored verbatim: a header that may carry a credential, by name or by shape, is
+    refused at start-up with one line."""
+    with pytest.raises(ConfigError, match="may carry credentials") as err:
+        load_config(env={}, overrides={"client_header": name})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["user-agent", "x-client-name", "x-title", "x-stainless-lang", "http-referer"])
+def test_client_header_takes_a_client_name(name):
+    assert load_config(env={}, overrides={"client_header": name}).client_header == name
 
 
 def test_example_config_documents_every_key():
