@@ -18,9 +18,7 @@ Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at
 
 from __future__ import annotations
 
-import re
 import zlib
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from operator import sub
 
@@ -31,8 +29,8 @@ from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
 from specproxy.measure.content import classify
 from specproxy.measure.failures import FAILURES
-from specproxy.measure.openai import PromptParts, parse_json
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
+from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
@@ -281,14 +279,14 @@ class RecordBuilder:
             return self._make(measured=False, outcome=outcome, error=self.error)
         api = api_for(self.path) or CHAT
         if not self.body and self.shed:  # let go of before measuring: the prompt is unknown, not unreadable
-            request = _Request(parsed=False)
+            request = RequestRead(parsed=False)
         elif self.request_bytes > self.max_counted:
             # not parsed (orjson takes twice the body's size to parse it), counted or compared: its model
             # is read by a byte search for its one "model" key
-            request = _Request(parsed=False, model=_model_only(_inflate(self.body, self.request_encoding)))
+            request = RequestRead(parsed=False, model=model_only(inflate(self.body, self.request_encoding)))
             self.shed.append("prompt_over_max_counted_bytes")
         else:
-            request = _read_request(_inflate(self.body, self.request_encoding), api)
+            request = read_request(inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
@@ -344,7 +342,7 @@ class RecordBuilder:
 
     def _record(
         self,
-        request: _Request,
+        request: RequestRead,
         texts: Texts,
         streamed: bool,
         outcome: str,
@@ -491,61 +489,6 @@ SMALL_KEEP = 64 * 1024  # wire/memory.py's: a turn's first bytes kept may use th
 
 def _no_budget(n: int, small: bool = False) -> bool:
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    parsed: bool
-    model: str | None = None
-    parts: PromptParts | None = None
-
-
-def _inflate(body: bytes, encoding: str) -> bytes:
-    """A gzip/deflate request body, decoded for reading (it was forwarded as sent)."""
-    if encoding.strip().lower() not in ("gzip", "x-gzip", "deflate") or not body:
-        return body
-    try:
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)
-        out = inflater.decompress(body, 64 * 1024 * 1024)  # bounded: a zip bomb is not our business
-        return out if not inflater.unconsumed_tail else b""
-    except zlib.error:
-        return b""
-
-
-_MODEL_KEY = re.compile(rb'"model"[ \t\r\n]*:[ \t\r\n]*("(?:[^"\\]|\\.){0,256}")')
-
-
-def _model_only(body: bytes) -> str | None:
-    """The value of the one ``"model"`` key of a JSON body, found without parsing it: None when there is
-    none, more than one, or it is not a short string. (In valid JSON, a quote not escaped by a backslash
-    delimits a string, so ``"model":"..."`` outside an escape is a key and its value.)"""
-    found = None
-    for m in _MODEL_KEY.finditer(body):
-        i = m.start()
-        slashes = 0
-        while i > 0 and body[i - 1] == 0x5C:
-            slashes += 1
-            i -= 1
-        if slashes % 2:
-            continue
-        if found is not None:
-            return None
-        found = m.group(1)
-    try:
-        value = orjson.loads(found) if found is not None else None
-    except ValueError:
-        return None
-    return value if isinstance(value, str) else None
-
-
-def _read_request(body: bytes, api: Api) -> _Request:
-    try:
-        obj = parse_json(body)
-        parts = api.split(obj)
-    except (ValueError, TypeError, RecursionError):
-        return _Request(parsed=False)
-    model = obj.get("model")
-    return _Request(parsed=True, model=model if isinstance(model, str) else None, parts=parts)
 
 
 def _count_completion(texts: Texts, tok: Tokenizer) -> dict[str, int] | None:

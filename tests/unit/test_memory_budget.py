@@ -137,7 +137,7 @@ def test_the_counter_takes_within_its_limit_and_gives_back():
 
 
 def test_the_model_of_a_prompt_too_large_to_parse_is_found_by_its_one_key():
-    from specproxy.measure.builder import _model_only
+    from specproxy.measure.request_body import model_only as _model_only
 
     assert _model_only(b'{"messages":[{"content":"x"}], "model" : "m-1"}') == "m-1"
     assert _model_only(b'{"model":"a\\"b"}') == 'a"b'  # an escaped quote inside the value
