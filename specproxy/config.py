@@ -82,7 +82,8 @@ class Config:
     gets 503 before it is read, and turns are measured less (response bytes relayed but not kept, a prompt
     not counted), each record saying why (``measure_capped_reason``); forwarding never waits for it. 0:
     a quarter of the machine's memory (or of the cgroup's limit), at most 2 GiB, at least twice
-    ``max_body_bytes``. RSS stays within it plus a constant (docs/operations.md, "Memory")."""
+    ``max_body_bytes`` (the least it may be set to). RSS stays within it plus a constant
+    (docs/operations.md, "Memory")."""
     max_counted_bytes: int = 4 * 1024 * 1024
     """Bytes of one turn's prompt (its request body) and of its completion text that the tokenizer counts:
     a larger prompt's ``prompt_tokens`` is null (the server's own ``usage_prompt_tokens`` stays), a longer
@@ -231,8 +232,9 @@ def _validate(cfg: Config) -> Config:
     for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes", "max_counted_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
-    if cfg.memory_budget_bytes < 0 or 0 < cfg.memory_budget_bytes < cfg.max_body_bytes:
-        raise ConfigError("memory_budget_bytes must be 0 (automatic) or at least max_body_bytes")
+    if cfg.memory_budget_bytes < 0 or 0 < cfg.memory_budget_bytes < 2 * cfg.max_body_bytes:
+        # (a large body may fill three quarters of the budget: a smaller one could refuse every largest body)
+        raise ConfigError("memory_budget_bytes must be 0 (automatic) or at least twice max_body_bytes")
     for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
