@@ -76,6 +76,19 @@ class Config:
     """Response bytes of one measured turn kept in memory for measuring. Past it the rest of the body is
     relayed as ever but not kept, and the turn's record says so (``measure_capped``); an unmeasured
     response is never kept at all."""
+    memory_budget_bytes: int = 0
+    """Bytes the whole process may hold for its clients: request bodies (counted from their head, as they
+    arrive), response bytes kept for measuring, and turns waiting to be measured. Past it a new request body
+    gets 503 before it is read, and turns are measured less (response bytes relayed but not kept, a prompt
+    not counted), each record saying why (``measure_capped_reason``); forwarding never waits for it. 0:
+    a quarter of the machine's memory (or of the cgroup's limit), at most 2 GiB, at least twice
+    ``max_body_bytes`` (the least it may be set to). RSS stays within it plus a constant
+    (docs/operations.md, "Memory")."""
+    max_counted_bytes: int = 4 * 1024 * 1024
+    """Bytes of one turn's prompt (its request body) and of its completion text that the tokenizer counts:
+    a larger prompt's ``prompt_tokens`` is null (the server's own ``usage_prompt_tokens`` stays), a longer
+    completion's token counts are null, and the record says why. Bounds the measuring work of one turn
+    (about 1 s of tokenizer CPU per 4 MiB), so that one huge prompt cannot hold up the others' records."""
     queue_size: int = 10000
     """Records waiting for the database writer; when full, a record is dropped and counted, never traffic."""
     metrics_path: str = "/metrics"
@@ -223,9 +236,12 @@ def _validate(cfg: Config) -> Config:
     if carries_credentials(name):
         raise ConfigError(f"client_header {cfg.client_header!r} may carry credentials (its value would be stored): "
                           f"name the client with a header of your own, such as x-client-name")
-    for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes"):
+    for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes", "max_counted_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
+    if cfg.memory_budget_bytes < 0 or 0 < cfg.memory_budget_bytes < 2 * cfg.max_body_bytes:
+        # (a large body may fill three quarters of the budget: a smaller one could refuse every largest body)
+        raise ConfigError("memory_budget_bytes must be 0 (automatic) or at least twice max_body_bytes")
     for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")

@@ -196,7 +196,16 @@ class Record:
     measure_capped: bool = False
     """The response body was longer than ``max_measured_bytes``: the client got all of it, but only its
     first reads (within that many bytes) were kept and measured, so every figure taken from the body
-    (texts, tokens, chunks, ``t_last_token``, ``response_bytes``, ``saw_done``) covers that part alone."""
+    (texts, tokens, chunks, ``t_last_token``, ``response_bytes``, ``saw_done``) covers that part alone.
+    Also true when the turn was measured less for another reason: ``measure_capped_reason`` says which."""
+    measure_capped_reason: str | None = None
+    """Why the turn was measured less than whole (null when it was not), comma-separated:
+    ``response_over_max_measured_bytes`` (the body past ``max_measured_bytes`` was relayed, not kept),
+    ``response_memory_budget`` (the process's ``memory_budget_bytes`` had no room for more of the body),
+    ``prompt_memory_budget`` (the request body was let go of before measuring, to stay within the budget:
+    the prompt is not counted, ``usage_prompt_tokens`` is the server's own), ``prompt_over_max_counted_bytes``
+    and ``completion_over_max_counted_bytes`` (too large for the tokenizer to count: their token counts are
+    null)."""
 
     measured: bool = True
     """The path is one specproxy measures (a generation endpoint). False: any other path (``GET

@@ -131,6 +131,12 @@ def _pages_line(cfg: Config, url: str) -> str:
 @_setting("--max-measured-bytes", "max_measured_bytes",
           "Response bytes of one measured turn kept for measuring; past it relayed, not kept, and the "
           "record says so", type=int)
+@_setting("--memory-budget-bytes", "memory_budget_bytes",
+          "Bytes the process may hold for request bodies, kept response bytes and turns waiting to be "
+          "measured; past it new bodies get 503 and turns are measured less (0: automatic)", type=int)
+@_setting("--max-counted-bytes", "max_counted_bytes",
+          "Bytes of one prompt, and of one completion's text, the tokenizer counts; past it not counted",
+          type=int)
 @_setting("--queue-size", "queue_size",
           "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
           type=int)

@@ -19,8 +19,7 @@ Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import sub
 
 import orjson
@@ -30,8 +29,8 @@ from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
 from specproxy.measure.content import classify
 from specproxy.measure.failures import FAILURES
-from specproxy.measure.openai import PromptParts, parse_json
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
+from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
@@ -46,7 +45,13 @@ class RecordBuilder:
 
     __slots__ = (
         "_ended",
+        "_small_after",
+        "_take",
+        "backlog_charge",
         "body",
+        "body_charge",
+        "budget_capped",
+        "max_counted",
         "c_scans",
         "chunked",
         "concurrency",
@@ -66,8 +71,10 @@ class RecordBuilder:
         "path",
         "relayed",
         "read_times",
+        "request_bytes",
         "request_encoding",
         "reads",
+        "shed",
         "room",
         "status",
         "store_text",
@@ -98,17 +105,31 @@ class RecordBuilder:
         measured: bool = True,
         client_header: bytes = b"user-agent",
         c_scans: bool = True,
+        take: Callable[[int, bool], bool] | None = None,
+        body_charge: int = 0,
+        max_counted: int | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
         ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
         saw (method, path, status, timings, outcome), and none of its body is kept.
         ``c_scans``: Config ``scan = "c"``: ``build`` reads a stream with the C scans where built, else
-        with the Python ones (the same Record either way; the choice is the proxy's, not the process's)."""
+        with the Python ones (the same Record either way; the choice is the proxy's, not the process's).
+        ``take``: charges a kept response read to the process's memory budget (``wire.memory.take``; the
+        first ``SMALL_KEEP`` bytes as a small turn's), False when it has no room: that read and every
+        later one is relayed, not kept. ``body_charge``: what the
+        request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
+        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
         self.body = body
+        self.request_bytes = len(body)
+        self.body_charge = body_charge
+        self._take = take if take is not None else _no_budget
+        self.max_counted = max_counted if max_counted is not None else 1 << 62
+        self.shed: list[str] = []  # what was let go of before measuring, to stay within the memory budget
+        self.backlog_charge = 0  # the proxy's: what this turn held against the budget when it queued
         self.t_wall = t_wall
         self.t_request = t_request
         self.concurrency = concurrency
@@ -134,7 +155,9 @@ class RecordBuilder:
         self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
         # bytes of the response still to keep (``max_bytes``); past it reads are relayed, not kept
         self.room = max_bytes if max_bytes is not None else 1 << 62
+        self._small_after = self.room - SMALL_KEEP  # the first SMALL_KEEP bytes kept are a small turn's
         self.capped = False
+        self.budget_capped = False  # ``capped`` because the memory budget had no room (not ``max_bytes``)
         self.t_done: float | None = None
         self.outcome: str | None = None
         self.error: str | None = None
@@ -158,11 +181,14 @@ class RecordBuilder:
         """One read relayed. Kept while the kept bytes fit in ``max_bytes``; from the first read that does
         not, none is (the reads kept are the body's first ones, in order) and ``capped`` says so."""
         self.room -= len(data)
-        if self.room >= 0:
+        if self.room >= 0 and self._take(len(data), self._small_after <= self.room):
             self.reads.append(data)
             self.read_times.append(t_read)
             self.write_times.append(t_written)
         else:
+            if self.room >= 0:  # the process's memory budget is spent: keep nothing more of this body
+                self.room = -1
+                self.budget_capped = True
             self.capped = True
 
     def relayed_by_thread(self, turn) -> None:
@@ -176,6 +202,47 @@ class RecordBuilder:
         if turn is not None:
             turn.take(self.reads, self.read_times, self.write_times)
             self.capped = self.capped or turn.capped
+            self.budget_capped = self.budget_capped or getattr(turn, "capped_budget", False)
+
+    # --- the memory budget: what this turn holds, and letting go of it -----------------------------
+
+    def charged(self) -> int:
+        """Bytes this turn holds against the memory budget: its request body's charge and every response
+        read kept (the relay thread's too, taken or not)."""
+        kept = sum(map(len, self.reads)) if self._take is not _no_budget else 0
+        if self.relayed is not None:
+            kept += self.relayed.kept
+        return self.body_charge + kept
+
+    def shed_prompt(self) -> int:
+        """Let go of the request body before measuring (the prompt will not be counted; the record keeps
+        its size and says why). Returns the bytes given back to the budget."""
+        freed, self.body_charge = self.body_charge, 0
+        if self.body:
+            self.body = b""
+            self.shed.append("prompt_memory_budget")
+        return freed
+
+    def shed_response(self) -> int:
+        """Let go of the response reads before measuring (the record says why: none of its body is read).
+        Returns the bytes given back to the budget."""
+        freed = self.let_go(body=False)
+        self.capped = self.budget_capped = True
+        return freed
+
+    def let_go(self, body: bool = True) -> int:
+        """After ``build`` (or instead of it): drop the response reads, and the body with ``body``, so
+        that their memory returns at once. Returns the bytes to give back to the budget."""
+        freed = sum(map(len, self.reads)) if self._take is not _no_budget else 0  # (charged by take alone)
+        turn, self.relayed = self.relayed, None
+        if turn is not None:
+            freed += turn.kept
+        self.reads = []
+        if body:
+            freed += self.body_charge
+            self.body_charge = 0
+            self.body = b""
+        return freed
 
     def finish(self, t_done: float, outcome: str = "ok", error: str | None = None) -> None:
         """The response ended (normally, or with an outcome the proxy observed)."""
@@ -211,7 +278,15 @@ class RecordBuilder:
                 outcome = "upstream_error"
             return self._make(measured=False, outcome=outcome, error=self.error)
         api = api_for(self.path) or CHAT
-        request = _read_request(_inflate(self.body, self.request_encoding), api)
+        if not self.body and self.shed:  # let go of before measuring: the prompt is unknown, not unreadable
+            request = RequestRead(parsed=False)
+        elif self.request_bytes > self.max_counted:
+            # not parsed (orjson takes twice the body's size to parse it), counted or compared: its model
+            # is read by a byte search for its one "model" key
+            request = RequestRead(parsed=False, model=model_only(inflate(self.body, self.request_encoding)))
+            self.shed.append("prompt_over_max_counted_bytes")
+        else:
+            request = read_request(inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
         joined = None
@@ -267,7 +342,7 @@ class RecordBuilder:
 
     def _record(
         self,
-        request: _Request,
+        request: RequestRead,
         texts: Texts,
         streamed: bool,
         outcome: str,
@@ -280,7 +355,11 @@ class RecordBuilder:
         t_req = self.t_request
         # several completions prompts: the turn is the first and its answer, as the server's usage is
         first_only = request.parts is not None and request.parts.prompts > 1
-        counts = _count_completion(texts, tok, first_only) if tok is not None else None
+        if tok is not None and sum(map(len, texts.texts.values())) > self.max_counted:
+            self.shed.append("completion_over_max_counted_bytes")  # about 1 s of tokenizer per 4 MiB
+            counts = None
+        else:
+            counts = _count_completion(texts, tok, first_only) if tok is not None else None
         prompt = None
         if tok is not None and request.parts is not None:
             try:
@@ -292,7 +371,7 @@ class RecordBuilder:
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
         completion = counts["completion"] if counts else None
         if (counts is None and tok is not None and not texts.texts and texts.unreadable is None
-                and self.status is not None and self.status < 400):
+                and self.status is not None and self.status < 400 and not self.capped):
             completion = 0  # a tokenizer and a successful answer read with no text: truly zero tokens
         decode_tps = None
         if counts and decode and decode > 0:
@@ -376,6 +455,13 @@ class RecordBuilder:
             response_bytes=sum(map(len, self.reads)),
         )
 
+    def _capped_reason(self) -> str | None:
+        why = []
+        if self.capped:
+            why.append("response_memory_budget" if self.budget_capped else "response_over_max_measured_bytes")
+        why.extend(self.shed)
+        return ",".join(why) if why else None
+
     def _make(self, **derived) -> Record:
         """The one place a turn's Record is constructed: what the forwarding path stamped, plus
         ``derived`` (what ``_record`` read from the bytes, or what ``unmeasured`` could say)."""
@@ -393,39 +479,18 @@ class RecordBuilder:
             t_upstream_headers=self.t_upstream_headers,
             t_done=self.t_done,
             total_s=self.t_done - self.t_request if self.t_done is not None else None,
-            request_bytes=len(self.body),
-            measure_capped=self.capped and self.measured,
+            request_bytes=self.request_bytes,
+            measure_capped=self.measured and (self.capped or bool(self.shed)),
+            measure_capped_reason=self._capped_reason() if self.measured else None,
             **derived,
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Request:
-    parsed: bool
-    model: str | None = None
-    parts: PromptParts | None = None
+SMALL_KEEP = 64 * 1024  # wire/memory.py's: a turn's first bytes kept may use the whole budget
 
 
-def _inflate(body: bytes, encoding: str) -> bytes:
-    """A gzip/deflate request body, decoded for reading (it was forwarded as sent)."""
-    if encoding.strip().lower() not in ("gzip", "x-gzip", "deflate") or not body:
-        return body
-    try:
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)
-        out = inflater.decompress(body, 64 * 1024 * 1024)  # bounded: a zip bomb is not our business
-        return out if not inflater.unconsumed_tail else b""
-    except zlib.error:
-        return b""
-
-
-def _read_request(body: bytes, api: Api) -> _Request:
-    try:
-        obj = parse_json(body)
-        parts = api.split(obj)
-    except (ValueError, TypeError, RecursionError):
-        return _Request(parsed=False)
-    model = obj.get("model")
-    return _Request(parsed=True, model=model if isinstance(model, str) else None, parts=parts)
+def _no_budget(n: int, small: bool = False) -> bool:
+    return True
 
 
 def _count_completion(texts: Texts, tok: Tokenizer, first_only: bool = False) -> dict[str, int] | None:

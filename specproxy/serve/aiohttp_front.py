@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from specproxy.serve.admin import reserved
 from specproxy.serve.headers import LABEL_HEADER
-from specproxy.serve.proxy import Incoming, where
+from specproxy.serve.proxy import SMALL_BODY, Incoming, where
 from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, out_of_base, refuse
 
 if TYPE_CHECKING:
@@ -127,7 +127,8 @@ class AiohttpFront:
                 return refused.as_response()
         body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
         if not isinstance(body, bytes):
-            proxy.rejected_bad += 1
+            if body.kind != "memory_budget":  # (counted apart, as rejected_memory)
+                proxy.rejected_bad += 1
             resp = body.as_response()
             if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
                 await resp.prepare(request)
@@ -140,11 +141,30 @@ class AiohttpFront:
         return refusal.as_response() if refusal is not None else client.response
 
     async def _read_body(self, request: web.BaseRequest) -> bytes | Refusal:
-        """The whole body, or the refusal: 413 over ``max_body_bytes``, 408 when it stalls."""
-        limit = self.proxy.cfg.max_body_bytes
+        """The whole body, charged to the memory budget (``Proxy.admit_body``: a declared length before
+        a byte of it is read, a chunked body read by read), or the refusal, with nothing charged: 413 over
+        ``max_body_bytes``, 503 past the memory budget, 408 when it stalls."""
+        proxy = self.proxy
+        limit = proxy.cfg.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             return error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+        if declared and not proxy.admit_body(declared):
+            return proxy.memory_full(declared)
+        charged = [declared or 0]
+        try:
+            body = await self._read_charged(request, limit, charged)
+        except BaseException:  # cancelled: the client hung up
+            proxy.release_body(charged[0])
+            raise
+        if not isinstance(body, bytes):
+            proxy.release_body(charged[0])
+        elif charged[0] != len(body):  # the exchange's charge is its body's length
+            proxy.release_body(charged[0] - len(body))
+        return body
+
+    async def _read_charged(self, request: web.BaseRequest, limit: int, charged: list[int]) -> bytes | Refusal:
+        proxy = self.proxy
         expect = request.headers.get("Expect")
         if expect is not None and request.version == aiohttp.HttpVersion11:
             if expect.lower() != "100-continue":
@@ -160,18 +180,22 @@ class AiohttpFront:
                 return error_response(400, "bad_request", "malformed request body", close=True)
             if len(data) > limit:
                 return error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+            if charged[0] < len(data):
+                if not proxy.admit_body(len(data) - charged[0]):
+                    return proxy.memory_full(len(data))
+                charged[0] = len(data)
             return data
         parts: list[bytes] = []
         size = 0
         loop = asyncio.get_running_loop()
-        whole_by = loop.time() + self.proxy.cfg.body_timeout_s
+        whole_by = loop.time() + proxy.cfg.body_timeout_s
         while True:
-            stall_by = loop.time() + self.proxy.cfg.header_timeout_s
+            stall_by = loop.time() + proxy.cfg.header_timeout_s
             try:
                 async with asyncio.timeout_at(min(stall_by, whole_by)):
                     data = await content.readany()
             except TimeoutError:
-                return body_timeout(self.proxy.cfg, whole_by <= stall_by)
+                return body_timeout(proxy.cfg, whole_by <= stall_by)
             except (RequestPayloadError, HttpProcessingError):
                 return error_response(400, "bad_request", "malformed request body", close=True)
             if not data:
@@ -179,6 +203,10 @@ class AiohttpFront:
             size += len(data)
             if size > limit:
                 return error_response(413, "body_too_large", f"request body over {limit} bytes", close=True)
+            if size > charged[0]:  # a chunked body: charged read by read, refused once the budget is full
+                if not proxy.admit_body(size - charged[0], large=size > SMALL_BODY):
+                    return proxy.memory_full(size)
+                charged[0] = size
             parts.append(data)
 
 

@@ -39,7 +39,7 @@ from aiohttp import http_parser as _aiohttp_parser
 
 from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
-from specproxy.serve.proxy import Incoming
+from specproxy.serve.proxy import SMALL_BODY, Incoming
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 
@@ -53,6 +53,7 @@ log = logging.getLogger("specproxy.serve.lane")
 MAX_LINE_BYTES = 8190  # aiohttp's request-line limit; every line the lane takes is within it
 MAX_FIELDS = 100  # aiohttp refuses more than 128 header lines
 PIPELINED_BYTES = 1 << 20  # stop reading while this much waits behind the exchange in progress
+LINGER_S = 10.0  # after refusing a body unread, read and drop what the client still sends for this long
 
 _METHODS = frozenset((b"GET", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS", b"HEAD"))
 _REQUEST_LINE = re.compile(rb"([A-Z]{3,7}) (/[A-Za-z0-9\-._~!$&'()*+,;=:@/?]*) HTTP/1\.1\r\n")
@@ -177,7 +178,7 @@ class Lane(asyncio.Protocol):
 
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
-    __slots__ = ("_body_by", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
+    __slots__ = ("_big", "_body_by", "_charged", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
                  "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
                  "transport")
 
@@ -192,6 +193,8 @@ class Lane(asyncio.Protocol):
         self._parts: list[bytes] = []  # what has come and not been taken, in order
         self._size = 0
         self._pending: tuple[Incoming, int, int] | None = None  # a head read, its body still coming
+        self._charged = 0  # the pending body's charge to the memory budget, until its exchange takes it
+        self._big: bytearray | None = None  # a large pending body, grown in place as it comes (no join)
         self._task: asyncio.Task | None = None  # the exchange in progress
         self._keep = False
         self._timer: asyncio.TimerHandle | None = None
@@ -213,7 +216,11 @@ class Lane(asyncio.Protocol):
         if inner is not None:
             inner.data_received(data)
             return
-        self._parts.append(data)
+        big = self._big
+        if big is not None:
+            big += data
+        else:
+            self._parts.append(data)
         self._size += len(data)
         if self._task is None:
             self._take()
@@ -235,6 +242,7 @@ class Lane(asyncio.Protocol):
             return
         if self._task is not None:
             self._task.cancel()  # Proxy.forward records the turn as the client's abort
+        self._release()
         self._wake_drain()
 
     def pause_writing(self) -> None:
@@ -271,15 +279,34 @@ class Lane(asyncio.Protocol):
             if pending is None:
                 self._hand_over()
                 return
-            self._pending = pending
+            size = pending[2] - pending[1]
+            if size and not self._proxy.admit_body(size):  # the memory budget: refused before it is read
+                self._refuse_unread(size)
+                return
+            self._charged = size
+            # keep only what follows the head: the body then becomes one bytes object without a copy more
+            req, start, need = pending
+            rest = buf[start:]
+            self._parts = [rest] if rest else []
+            self._size = len(rest)
+            pending = self._pending = (req, 0, need - start)
+            if size > SMALL_BODY and self._size < size:  # grown in place: joining its reads would double it
+                self._big = bytearray(rest)
+                self._parts = []
             self._body_by = self._loop.time() + self._proxy.cfg.body_timeout_s
         req, start, need = pending
         if self._size < need:  # the body is still coming: it must not stall for longer than the timeout
             self._set_deadline()
             return
-        buf = self._joined()
-        body = buf[start:need]
-        rest = buf[need:]
+        big, self._big = self._big, None
+        if big is not None:  # start is 0: the body is the bytearray itself (it is never written to again)
+            rest = bytes(big[need:])
+            del big[need:]
+            body = big
+        else:
+            buf = self._joined()
+            body = buf[start:need]
+            rest = buf[need:]
         self._parts = [rest] if rest else []
         self._size = len(rest)
         self._pending = None
@@ -287,6 +314,7 @@ class Lane(asyncio.Protocol):
         self._task = self._loop.create_task(self._serve(req, body))
 
     async def _serve(self, req: Incoming, body: bytes) -> None:
+        self._charged = 0  # the exchange's from here (a task cancelled before it ran leaves it to _release)
         proxy = self._proxy
         self._keep = req.keep_alive
         try:
@@ -323,6 +351,26 @@ class Lane(asyncio.Protocol):
         self._keep = self._keep and keep
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(refusal.as_bytes(keep))
+
+    def _release(self) -> None:
+        charged, self._charged = self._charged, 0
+        if charged:
+            self._proxy.release_body(charged)
+
+    def _refuse_unread(self, size: int) -> None:
+        """503 for a body the memory budget has no room for, before a byte more of it is read; what the
+        client still sends is read and dropped until it closes, for at most ``LINGER_S`` (closing at once
+        could reset the connection before the client reads the answer)."""
+        transport = self.transport
+        self._parts = []
+        self._size = 0
+        self._pending = None
+        self._lanes.open.discard(self)
+        self._cancel_timer()
+        if transport is None:
+            return
+        self._inner = _Drop(transport, self._loop)
+        transport.write(self._proxy.memory_full(size).as_bytes(False))
 
     def _hand_over(self) -> None:
         """From this request on, the connection is aiohttp's: it gets every byte not taken yet."""
@@ -393,7 +441,25 @@ class Lane(asyncio.Protocol):
             self._timer = self._loop.call_at(self._deadline, self._on_deadline)
             return
         if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
+            self._release()
             self._proxy.rejected_bad += 1
             refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
             transport.write(refusal.as_bytes(False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled
+
+
+class _Drop(asyncio.Protocol):
+    """A connection whose request body was refused unread: what comes is dropped; closed at the client's
+    EOF or after ``LINGER_S``."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool | None:
+        return None  # closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._timer.cancel()

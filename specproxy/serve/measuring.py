@@ -33,15 +33,17 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.prefix import PrefixTracker
 from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
+from specproxy.wire import memory
 from specproxy.wire.os_thread import name_os_thread
 
-__all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker"]
+__all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker", "where"]
 
 clock = time.perf_counter
 
@@ -52,13 +54,18 @@ MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a ba
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
 GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
+TRIM_BYTES = 16 << 20  # a batch that let go of this much gives the heaps' free pages back to the system
 
 Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
 
 
 class MeasuringWorker:
     def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
-                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None,
+                 keep_bodies: bool = False) -> None:
+        """``keep_bodies``: ``done`` reads each turn's request body (``capture``): keep it for the loop to
+        let go of. Every other byte a turn held (its body, its kept response) is let go of here, right after
+        its build, and given back to the memory budget (``wire.memory``)."""
         self.tokenizer = tokenizer
         self.prefixes = PrefixTracker()  # each session's previous turn, compared with its next (this thread's)
         self._gather_s = GATHER_S if gather_s is None else gather_s
@@ -66,6 +73,7 @@ class MeasuringWorker:
         self._activity = activity
         self._loop = loop
         self._done = done
+        self._keep_bodies = keep_bodies
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="specproxy-measure", daemon=True)
         self._thread.start()
@@ -113,13 +121,20 @@ class MeasuringWorker:
             behind = stopping or self._queue.qsize() >= MAX_BATCH  # then build now, do not wait
             deadline = clock() + MAX_DEFER_S
             results = []
+            released = 0
             for builder in batch:
                 if not behind:  # before each build: a burst that began meanwhile goes first
                     self._wait_for_quiet(deadline)
                 try:
                     results.append((builder, builder.build(self.tokenizer, self.prefixes), None))
                 except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
-                    results.append((builder, None, exc))
+                    why = f"{type(exc).__name__} ({where(exc)})"
+                    results.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
+                freed = builder.let_go(body=not self._keep_bodies)
+                memory.give(freed)
+                released += freed
+            if released >= TRIM_BYTES:
+                memory.trim()  # the heaps' free pages back to the system (large blocks went back on free)
             self.batches += 1
             try:
                 self._loop.call_soon_threadsafe(self._done, results)
@@ -135,3 +150,9 @@ class MeasuringWorker:
                 break
             time.sleep(min(max(QUIET_S - since, POLL_S), deadline - now))
         self.deferred_s += clock() - t0
+
+
+def where(exc: BaseException) -> str:
+    """Where an exception was raised (file:line), for logs and records that must not quote its message."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"raised at {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised at ?"

@@ -222,6 +222,15 @@ STATE = (
     ("scrape_failures", "specproxy_scrape_failures", "Failed polls of the upstream's metrics", "counter"),
     ("rejected_busy", "specproxy_rejected_busy", "Requests answered 503 over max_concurrent", "counter"),
     ("rejected_bad", "specproxy_rejected_bad", "Malformed, ambiguous, too large or too slow requests", "counter"),
+    ("rejected_memory", "specproxy_rejected_memory",
+     "Request bodies answered 503 unread: the memory budget had no room for them", "counter"),
+    ("measure_shed", "specproxy_measure_shed",
+     "Finished turns that let go of their body (or response) before measuring, to stay within the memory "
+     "budget", "counter"),
+    ("memory_used", "specproxy_memory_used_bytes",
+     "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured",
+     "gauge"),
+    ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", "gauge"),
 )
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -35,8 +34,9 @@ from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import host_header, request_head, response_head
-from specproxy.serve.measuring import MeasuringWorker
+from specproxy.serve.measuring import MeasuringWorker, where
 from specproxy.serve.refusals import Refusal, busy, error_response
+from specproxy.wire import memory
 from specproxy.wire.pool import UpstreamPool
 from specproxy.wire.upstream import CHUNKED, UpstreamError
 
@@ -45,6 +45,13 @@ __all__ = ["Client", "Incoming", "Proxy", "conn_id", "where"]
 log = logging.getLogger("specproxy.serve.proxy")
 
 MAX_PENDING_BUILDS = 10000  # turns waiting to be measured; past this a turn is forwarded but not measured
+# The memory budget's shares (docs/operations.md, "Memory"): a request body over SMALL_BODY, and kept
+# response bytes, may fill LARGE_SHARE of it; the rest is for small bodies, so that large ones cannot lock
+# ordinary requests out. Turns waiting to be measured may hold BACKLOG_SHARE of it; past that a finished
+# turn lets go of its request body (its prompt is not counted), then of its response, before it queues.
+SMALL_BODY = 1 << 20
+LARGE_SHARE = 0.75
+BACKLOG_SHARE = 0.5
 
 clock = time.perf_counter
 
@@ -102,6 +109,10 @@ class Proxy:
         self.measure_errors = 0
         self.rejected_busy = 0
         self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
+        self.rejected_memory = 0  # request bodies refused (503) because the memory budget had no room
+        self.shed_prompts = 0  # finished turns that let go of their body (or response) to stay within it
+        self.budget = cfg.memory_budget_bytes or memory.default_budget(cfg.max_body_bytes)
+        self._backlog_bytes = 0  # budget held by turns waiting to be measured
         # why, once the service's shutdown cuts what is still in flight (its drain limit passed, or a second
         # Ctrl-C): those turns are the proxy's doing, recorded as ``shutdown``, not as the client's abort
         self.cutting: str | None = None
@@ -115,12 +126,15 @@ class Proxy:
 
     async def start(self) -> None:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
+        # kept response bytes (and large bodies) stop at LARGE_SHARE: the relay thread checks this limit
+        memory.set_limit(int(self.budget * LARGE_SHARE), self.budget)
+        memory.release_large_at_once()
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
                                          relay_slice_us=self.cfg.relay_slice_us,
                                          reuse=self.cfg.upstream_reuse != "off")
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
-                                         self._built)
+                                         self._built, keep_bodies=self.cfg.capture)
 
     async def close(self) -> None:
         """After the last request: close the pool, measure what is pending, stop the worker. Idempotent."""
@@ -170,13 +184,36 @@ class Proxy:
             return not self.in_flight
         return True
 
+    # --- the memory budget ------------------------------------------------------------------------
+
+    def admit_body(self, n: int, *, large: bool = False) -> bool:
+        """Charge ``n`` bytes of a request body to the memory budget, before they are read: False (nothing
+        charged) when they do not fit, and the front refuses the body (``memory_full``). A body over
+        ``SMALL_BODY`` (``large``: the rest of one already past it) may fill only ``LARGE_SHARE``."""
+        return memory.take(n, not large and n <= SMALL_BODY)  # the limits set in start
+
+    def release_body(self, n: int) -> None:
+        """Give back ``admit_body``'s charge of a body that will not reach ``exchange`` (refused, cut)."""
+        memory.give(n)
+
+    def memory_full(self, n: int) -> Refusal:
+        self.rejected_memory += 1
+        return error_response(503, "memory_budget", f"memory budget full: a request body of {n} bytes is "
+                              "refused before it is read; try again later", close=True)
+
+    @property
+    def memory_used(self) -> int:
+        return memory.used()
+
     # --- the handler ------------------------------------------------------------------------------
 
     async def exchange(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
-        """A request whose body is whole, from either front: 503 past ``max_concurrent`` (counted from
-        here: a request still sending its body holds no one's place), else ``forward``."""
+        """A request whose body is whole, from either front, its ``len(body)`` already charged to the memory
+        budget (``admit_body``; the charge is this exchange's from here): 503 past ``max_concurrent``
+        (counted from here: a request still sending its body holds no one's place), else ``forward``."""
         if self.in_flight >= self.cfg.max_concurrent:
             self.rejected_busy += 1
+            memory.give(len(body))
             return busy(self.cfg)
         self.in_flight += 1
         try:
@@ -216,6 +253,9 @@ class Proxy:
             c_scans=self._c_scans,
             max_bytes=self.cfg.max_measured_bytes,
             measured=measured,
+            take=memory.take,
+            body_charge=len(body),
+            max_counted=self.cfg.max_counted_bytes,
         )
         try:
             return await self._relay(req, body, builder, client)
@@ -238,28 +278,28 @@ class Proxy:
                 if self.on_turn_end is not None:
                     self.on_turn_end(builder.id, t_request, prev_done, alone)
 
-    async def _relay(self, req: Incoming, body: bytes, b: RecordBuilder | None, client: Client) -> Refusal | None:
+    async def _relay(self, req: Incoming, body: bytes, b: RecordBuilder, client: Client) -> Refusal | None:
         assert self._pool is not None
         try:
             head_bytes = request_head(self._base_path, self._host_header, req, body)
             # the upstream connection stays this client connection's (none if it will not send another)
             owner = client.transport if req.http11 and req.keep_alive else None
-            conn = await self._pool.request(req.method, head_bytes + body, owner)
+            # a large body is written after the head as it is: joining them would copy it
+            data = head_bytes + body if len(body) < SMALL_BODY else (head_bytes, body)
+            conn = await self._pool.request(req.method, data, owner)
             exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
             # head within idle_timeout_s: 504. Either way the upstream gave no response to relay.
             status = 504 if exc.timeout else 502
             kind = "upstream_timeout" if status == 504 else "upstream_unreachable"  # stored as the client is told
-            if b is not None:
-                b.fail(clock(), kind, status, str(exc))
+            b.fail(clock(), kind, status, str(exc))
             return error_response(status, kind, f"no response from the upstream: {exc}")
         try:
             head = conn.head
             assert head is not None
-            if b is not None:
-                b.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
-                             _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
+            b.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
+                         _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
             raw, mode, keep = response_head(head, req)
             await client.start(head.status, raw, keep)
             transport = client.transport
@@ -290,7 +330,25 @@ class Proxy:
             builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
         if self._pending_builds >= MAX_PENDING_BUILDS:
             self.measure_dropped += 1
+            memory.give(builder.let_go())
             return
+        if not builder.measured:  # nothing reads an unmeasured turn's body or response: let go of them now
+            memory.give(builder.let_go())
+        charge = builder.charged()
+        if charge and self._backlog_bytes + charge > self.budget * BACKLOG_SHARE:
+            # measuring is behind: measure this turn less rather than hold more (the record says so)
+            # the larger of its prompt and its response first, the other only if that was not enough
+            self.shed_prompts += 1
+            sheds = [builder.shed_prompt, builder.shed_response]
+            if builder.body_charge * 2 < charge:
+                sheds.reverse()
+            freed = sheds[0]()
+            if self._backlog_bytes + charge - freed > self.budget * BACKLOG_SHARE:
+                freed += sheds[1]()
+            memory.give(freed)
+            charge -= freed
+        self._backlog_bytes += charge
+        builder.backlog_charge = charge
         self._pending_builds += 1
         assert self._measurer is not None
         self._measurer.submit(builder, more_in_flight=self.measured_in_flight > 0)
@@ -303,18 +361,21 @@ class Proxy:
         try:
             self._hand_on(results)
         finally:
+            for builder, _, _ in results:
+                self._backlog_bytes -= builder.backlog_charge
+                memory.give(builder.let_go())  # what the measuring thread did not give back (capture's bodies)
             self._pending_builds -= len(results)
             if not self._pending_builds:
                 self._idle.set()
 
     def _hand_on(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
         for builder, record, exc in results:
-            if exc is not None or record is None:
-                # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row
+            if exc is not None:
+                # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row, made
+                # by the measuring thread (``builder.unmeasured``)
                 self.measure_errors += 1
-                why = f"{type(exc).__name__} ({where(exc)})" if exc is not None else "no record"
-                log.error("measuring a turn failed: %s", why)
-                self.sink(builder.unmeasured(f"measuring failed: {why}"), None)
+                log.error("measuring a turn failed: %s", f"{type(exc).__name__} ({where(exc)})")
+                self.sink(record, None)
             else:
                 self.sink(record, builder.timing)
             if self.on_built is not None and builder.measured:
@@ -354,9 +415,3 @@ class Client(Protocol):
 
 def _latin(value: bytes | None) -> str:
     return value.decode("latin-1") if value is not None else ""
-
-
-def where(exc: BaseException) -> str:
-    """Where an exception was raised (file:line), for logs and records that must not quote its message."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"raised at {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised at ?"

@@ -323,6 +323,10 @@ class Service:
             "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
             "rejected_busy": p.rejected_busy if p else 0,
             "rejected_bad": p.rejected_bad if p else 0,
+            "rejected_memory": p.rejected_memory if p else 0,  # bodies refused: the memory budget was full
+            "measure_shed": p.shed_prompts if p else 0,  # finished turns measured less to stay within it
+            "memory_used": p.memory_used if p else 0,  # bytes charged to the memory budget now
+            "memory_budget": p.budget if p else 0,
             "header_timeouts": self.header_timeouts,
             "queued": w.pending if w else 0,
             "written": w.written if w else 0,
@@ -344,6 +348,10 @@ class Service:
             "scrape_failures": self.watch.failures if self.watch else 0,
             "rejected_busy": p.rejected_busy if p else 0,
             "rejected_bad": p.rejected_bad if p else 0,
+            "rejected_memory": p.rejected_memory if p else 0,
+            "measure_shed": p.shed_prompts if p else 0,
+            "memory_used": p.memory_used if p else 0,
+            "memory_budget": p.budget if p else 0,
         }
 
     def log_state(self) -> asyncio.Future:

@@ -103,6 +103,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("009_conn_id", (
         'ALTER TABLE "turns" ADD COLUMN "conn_id" INTEGER',
     )),
+    ("010_measure_capped_reason", (
+        'ALTER TABLE "turns" ADD COLUMN "measure_capped_reason" TEXT',
+    )),
 ]
 
 

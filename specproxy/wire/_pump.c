@@ -257,6 +257,8 @@ read_once(turn *t, int closing, turn **ended)
     if (end >= 0 && end != n)
         t->past_end = 1; /* the bytes past the end stay beyond t->len: never sent, never kept */
     int keep = !t->capped && take <= t->keep_left;
+    if (keep && take && !pump_mem_take((long long)take, t->kept + take <= PUMP_SMALL_KEEP))
+        keep = 0, t->capped_budget = 1; /* the process's budget is spent: relayed, not kept */
     t->len += take;
     int r = flush(t);
     int flush_errno = errno;

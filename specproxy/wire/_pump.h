@@ -17,6 +17,7 @@ visible outside the _relayc module. */
 #define READ_BYTES 65536 /* one recv() at most; also the most a blocked client can leave us holding */
 #define READ_ROOM 16384  /* the least room a recv() gets in the turn's buffer (which then doubles) */
 #define MAX_EVENTS 128
+#define PUMP_SMALL_KEEP (64 * 1024) /* a turn's first bytes kept, charged as a small turn's (pump_mem_take) */
 #define POLL_MAX_TURNS 4 /* the most turns for which the relay thread polls (_pump.c, the cadence poll) */
 
 enum { T_ACTIVE, T_ENDED, T_CANCELLED };
@@ -46,6 +47,7 @@ typedef struct turn {
     size_t kept;           /* buf[:kept] holds the reads kept for measuring (marks end there) */
     size_t keep_left;      /* bytes more that may be kept; a read past it, and every later one, is not */
     int capped;            /* a read was not kept: it did not fit in keep_left */
+    int capped_budget;     /* ... because the process's memory budget had no room for it (pump_mem_take) */
     read_mark *marks;
     size_t nmarks, capmarks, taken;
     double last_activity; /* the latest read, or the latest progress of a blocked write */
@@ -77,10 +79,29 @@ struct pump_globals {
     cadence cad; /* the server's clock, as the thread's reads see it (the thread's alone) */
     long long poll_windows, poll_hits; /* windows polled, and those in which something arrived (atomic) */
     long long poll_ns;                 /* time spent polling (atomic) */
+    long long mem_used;  /* bytes charged to the process's memory budget (atomic; both sides take and give) */
+    long long mem_limit; /* the budget's share for large turns; <= 0: none (atomic: set by Python) */
+    long long mem_full;  /* the whole budget, for small ones; <= 0: none */
 };
 
 extern PUMP_HIDDEN struct pump_globals pump_g;
 extern PUMP_HIDDEN const char *const PUMP_OUTCOME_NAMES[];
+
+/* Charge n bytes to the memory budget if they fit (1), else charge nothing (0). Lock-free: the relay thread
+   takes for each read it keeps, Python takes for request bodies and gives back what measuring let go of.
+   ``small``: the first PUMP_SMALL_KEEP bytes of a turn, or a small body, may use the whole budget
+   (mem_full); anything else stops at mem_limit, so that large turns cannot lock small ones out. */
+static inline int
+pump_mem_take(long long n, int small)
+{
+    long long limit = __atomic_load_n(small ? &pump_g.mem_full : &pump_g.mem_limit, __ATOMIC_RELAXED);
+    long long now = __atomic_add_fetch(&pump_g.mem_used, n, __ATOMIC_RELAXED);
+    if (limit > 0 && now > limit) {
+        __atomic_sub_fetch(&pump_g.mem_used, n, __ATOMIC_RELAXED);
+        return 0;
+    }
+    return 1;
+}
 
 PUMP_HIDDEN double pump_now(void);                     /* CLOCK_MONOTONIC seconds: perf_counter's clock */
 PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu */

@@ -330,6 +330,24 @@ Turn_get_capped(TurnObject *self, void *closure)
 }
 
 static PyObject *
+Turn_get_capped_budget(TurnObject *self, void *closure)
+{
+    pthread_mutex_lock(&self->t->mu);
+    int capped = self->t->capped_budget;
+    pthread_mutex_unlock(&self->t->mu);
+    return PyBool_FromLong(capped);
+}
+
+static PyObject *
+Turn_get_kept(TurnObject *self, void *closure)
+{
+    pthread_mutex_lock(&self->t->mu);
+    size_t kept = self->t->kept;
+    pthread_mutex_unlock(&self->t->mu);
+    return PyLong_FromSize_t(kept);
+}
+
+static PyObject *
 Turn_get_id(TurnObject *self, void *closure)
 {
     return PyLong_FromLongLong(self->t->id);
@@ -360,6 +378,9 @@ static PyGetSetDef Turn_getset[] = {
     {"past_end", (getter)Turn_get_past_end, NULL, "bytes came after the body's end (not relayed)", NULL},
     {"capped", (getter)Turn_get_capped, NULL, "a read was relayed but not kept: past the keep allowance",
      NULL},
+    {"capped_budget", (getter)Turn_get_capped_budget, NULL,
+     "a read was not kept because the memory budget had no room for it", NULL},
+    {"kept", (getter)Turn_get_kept, NULL, "bytes kept for measuring (charged to the memory budget)", NULL},
     {"id", (getter)Turn_get_id, NULL, "what Sink.done() returns for this turn", NULL},
     {"active", (getter)Turn_get_active, NULL, "the thread is relaying it", NULL},
     {NULL}};
@@ -465,7 +486,51 @@ pump_cadence_poll(PyObject *module, PyObject *arg)
     return PyBool_FromLong(was);
 }
 
+static PyObject *
+pump_mem_take_py(PyObject *module, PyObject *args)
+{
+    long long n;
+    int small = 0;
+    if (!PyArg_ParseTuple(args, "L|p:mem_take", &n, &small))
+        return NULL;
+    return PyBool_FromLong(pump_mem_take(n, small));
+}
+
+static PyObject *
+pump_mem_give(PyObject *module, PyObject *arg)
+{
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    __atomic_sub_fetch(&pump_g.mem_used, n, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+pump_mem_used(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromLongLong(__atomic_load_n(&pump_g.mem_used, __ATOMIC_RELAXED));
+}
+
+static PyObject *
+pump_set_mem_limit(PyObject *module, PyObject *args)
+{
+    long long limit, full;
+    if (!PyArg_ParseTuple(args, "LL:set_mem_limit", &limit, &full))
+        return NULL;
+    __atomic_store_n(&pump_g.mem_limit, limit, __ATOMIC_RELAXED);
+    __atomic_store_n(&pump_g.mem_full, full, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef pump_functions[] = {
+    {"mem_take", pump_mem_take_py, METH_VARARGS,
+     "mem_take(n, small=False): charge n bytes to the memory budget (small: up to the whole of it, else up to "
+     "the large share): True if they fit, else nothing is charged"},
+    {"mem_give", pump_mem_give, METH_O, "give n bytes back to the memory budget"},
+    {"mem_used", pump_mem_used, METH_NOARGS, "bytes charged to the memory budget now"},
+    {"set_mem_limit", pump_set_mem_limit, METH_VARARGS,
+     "set_mem_limit(large, full): the memory budget's share for large turns and the whole of it (<= 0: none)"},
     {"pump_last_read", pump_last_read, METH_NOARGS, "the relay thread's latest read (monotonic s; 0.0: none)"},
     {"pump_stats", pump_stats, METH_NOARGS,
      "the relay thread's counters: turns started, reads relayed, turns active now, cadence-poll windows, "

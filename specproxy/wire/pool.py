@@ -104,8 +104,9 @@ class UpstreamPool:
         """The latest read of any body, on the loop or by the relay thread (the measuring worker waits for a gap)."""
         return max(self.last_read, thread_last_read())
 
-    async def request(self, method: str, data: bytes, owner: asyncio.BaseTransport | None = None) -> UpstreamConn:
-        """Send one request (head and body in ``data``) for the client connection ``owner`` (its transport;
+    async def request(self, method: str, data: bytes | tuple[bytes, bytes],
+                      owner: asyncio.BaseTransport | None = None) -> UpstreamConn:
+        """Send one request (head and body in ``data``, or a tuple of them, written one after the other) for the client connection ``owner`` (its transport;
         None: a client that will not send another request); return the connection once its response head
         is in. Raises ``UpstreamError``."""
         conn = self._take_idle(owner)
@@ -120,7 +121,7 @@ class UpstreamPool:
                 # the peek at checkout cannot see a close still on its way). Once more, on a new connection.
         return await self._send(await self._connect(), method, data, owner)
 
-    async def _send(self, conn: UpstreamConn, method: str, data: bytes, owner) -> UpstreamConn:
+    async def _send(self, conn: UpstreamConn, method: str, data: bytes | tuple[bytes, bytes], owner) -> UpstreamConn:
         self.active.add(conn)
         conn.owner = owner
         try:

@@ -155,7 +155,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
 
     # --- sending and the head -----------------------------------------------------------------------------
 
-    def send(self, method: str, data: bytes) -> asyncio.Future:
+    def send(self, method: str, data: bytes | tuple[bytes, bytes]) -> asyncio.Future:
         assert self.state == _IDLE and self.transport is not None
         if self._pool_timer is not None:
             self._pool_timer.cancel()
@@ -165,7 +165,10 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._head_seen = self._interim = 0
         self.state = _WAIT_HEAD
         self._head_waiter = self.pool.loop.create_future()
-        self.transport.write(data)
+        if type(data) is tuple:  # (head, a large body): written without joining them (a copy of the body)
+            self.transport.writelines(data)
+        else:
+            self.transport.write(data)
         self.last_read = clock()
         self._arm_timer()
         return self._head_waiter

@@ -105,3 +105,50 @@ def test_a_body_trickled_under_the_stall_timeout_still_gets_408_at_the_body_dead
     # can delay the answer by seconds, never by ten)
     assert 0.9 < took < 10.0, took
     assert len(stack.upstream.sent) == 0  # nothing of it reached the upstream
+
+
+def test_bodies_past_the_memory_budget_are_refused_before_they_are_read(make_stack):
+    """A 64 MiB budget (large bodies may fill 48 MiB of it): one client holds a 32 MiB body half sent; a
+    second 32 MiB body gets 503 at its head, a chunked one once its reads pass the share; a small request
+    is served meanwhile; once the first client hangs up, everything it was charged is given back."""
+    from specproxy.wire import memory
+
+    stack = make_stack(memory_budget_bytes=64 << 20, scrape_interval_s=0)
+    port = stack.service.port
+    proxy = stack.service.proxy
+    before = memory.used()
+    big = 32 << 20
+
+    async def go():
+        holder_r, holder_w = await asyncio.open_connection("127.0.0.1", port)
+        holder_w.write(post_head(CHAT, b" " * big)[: -big // 2])  # its head and half its body
+        await holder_w.drain()
+        await await_until(lambda: memory.used() >= before + big, 5, what="the held body charged")
+        refused = await request_once(port, post_head(CHAT, b" " * big))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_chunked_head())
+        got = b""
+        try:
+            for _ in range(30):  # 30 MiB at most: refused past 16 MiB
+                writer.write(b"100000\r\n" + b" " * (1 << 20) + b"\r\n")
+                await writer.drain()
+                try:
+                    got = await asyncio.wait_for(reader.read(65536), 0.05)
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
+                break
+        except ConnectionError:
+            pass
+        if not got:
+            got = await asyncio.wait_for(reader.read(65536), 5)
+        writer.close()
+        small = await request_once(port, post_head(CHAT, BODY))
+        holder_w.close()
+        await await_until(lambda: memory.used() == before, 5, what="the budget given back")
+        return refused, got, small
+
+    refused, chunked, small = stack.run(go())
+    assert refused is not None and refused.status == 503 and b"memory_budget" in refused.body
+    assert chunked.startswith(b"HTTP/1.1 503 ") and b"memory_budget" in chunked
+    assert small is not None and small.status == 200
+    assert proxy.rejected_memory == 2

@@ -296,3 +296,12 @@ def test_serve_help_shows_every_default_and_that_upstream_is_required():
     for flag in ("--max-body-bytes", "--connect-timeout", "--header-timeout", "--queue-size", "--metrics-path",
                  "--scrape-retention-days"):
         assert f"{flag} " in text
+
+
+def test_the_memory_budget_has_room_for_the_largest_body():
+    from specproxy.errors import ConfigError
+
+    assert load_config(env={}, overrides={"memory_budget_bytes": 64 << 20}).memory_budget_bytes == 64 << 20
+    for bad in (-1, (64 << 20) - 1):
+        with pytest.raises(ConfigError, match="memory_budget_bytes"):
+            load_config(env={}, overrides={"memory_budget_bytes": bad})

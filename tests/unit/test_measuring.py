@@ -125,7 +125,12 @@ def test_a_failing_build_comes_back_as_its_error():
     got, _ = _run(4, lambda: 0.0, broken=2)
     errors = [(b, exc) for b, rec, exc in got if exc is not None]
     assert len(got) == 4 and len(errors) == 1
-    assert isinstance(errors[0][1], ValueError) and errors[0][0].body.startswith(b'{"model":"m2"')
+    builder, record, exc = next(r for r in got if r[2] is not None)
+    assert isinstance(exc, ValueError) and isinstance(builder, _Broken)
+    # the turn's row, made by the measuring thread, whose bytes it then let go of
+    assert record.outcome == "proxy_error" and "measuring failed: ValueError" in record.error
+    assert record.response_bytes == len(SSE) and record.request_bytes == len(b'{"model":"m2","messages":[]}')
+    assert builder.body == b"" and builder.reads == []
 
 
 @pytest.mark.parametrize("n", [1, MAX_BATCH + 3])
