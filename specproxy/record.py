@@ -56,6 +56,7 @@ OUTCOMES = (
     "upstream_unreachable",  # refused or reset (client got a 502), or timed out (504), before response headers
     "upstream_truncated",  # the upstream died mid-body: the client's stream was aborted too
     "client_abort",  # the client went away before the response ended; counts are partial
+    "client_stalled",  # the client took no bytes for send_timeout_s: cut by the proxy; counts are partial
     "proxy_error",  # specproxy itself failed (a bug): the record says what
 )
 
@@ -88,7 +89,8 @@ class Record:
     timed out, before answering)."""
     outcome: str
     """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_truncated``,
-    ``client_abort``, ``proxy_error``."""
+    ``client_abort``, ``client_stalled`` (the client took no bytes of the response for
+    ``send_timeout_s``: the proxy cut it), ``proxy_error``."""
     error: str | None = None
     """A short description of what went wrong, when something did (never contains request text)."""
     streamed: bool = False

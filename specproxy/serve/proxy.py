@@ -113,7 +113,8 @@ class Proxy:
         """Before the first request: the upstream pool and the measuring worker (they need the loop)."""
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
-                                         relay_slice_us=self.cfg.relay_slice_us)
+                                         relay_slice_us=self.cfg.relay_slice_us,
+                                         send_timeout_s=self.cfg.send_timeout_s)
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
                                          self._built)
 

@@ -100,6 +100,8 @@ class BodyRelay:
         except OSError:
             self.transport.resume_reading()
             return False
+        pool = self.pool  # soon enough to see the client hold the thread back (_send_left)
+        self._arm_timer(min(pool.idle_timeout_s, pool.send_timeout_s))
         return True
 
     def _thread_ended(self) -> None:
@@ -183,8 +185,30 @@ class BodyRelay:
         if self.transport is not None:
             self.transport.pause_reading()
         self.paused = True
-        self._cancel_timer()  # not the upstream's silence: no idle deadline while we hold it back
+        # not the upstream's silence: no idle deadline while we hold it back, but the client's send deadline
+        self._unsent, self._took_at = self.out.get_write_buffer_size(), clock()
+        self._arm_timer(self.pool.send_timeout_s)
         self._wake()
+
+    def _send_left(self, now: float) -> float | None:
+        """While the client is what holds the body back (the thread's turn blocked on it, or this relay
+        paused for it): the seconds left of ``send_timeout_s`` since the client last took a byte, and the
+        turn ended as ``client_stalled`` when none are. None while the client keeps up."""
+        turn = self._turn
+        if turn is not None and turn.blocked:
+            since = turn.last_activity  # the thread's latest send that made progress (or its read)
+        elif turn is None and self.paused and self.state == _BODY and self.out is not None:
+            unsent = self.out.get_write_buffer_size()
+            if unsent < self._unsent:  # the client took some since the last look
+                self._unsent, self._took_at = unsent, now
+            since = self._took_at
+        else:
+            return None
+        self.last_read = now  # the upstream's idle deadline starts again once the client takes more
+        left = since + self.pool.send_timeout_s - now
+        if left <= 0:
+            self._stalled()
+        return left
 
     def resume(self) -> None:
         if not self.paused or self.state != _BODY:
@@ -238,6 +262,17 @@ class BodyRelay:
         self._complete("upstream_truncated", reason)
         if out is not None:
             out.abort()  # the client must see the truncation: no invented end of the body
+
+    def _stalled(self) -> None:
+        """The client took nothing for ``send_timeout_s``: cut it, close the upstream, record the turn."""
+        if self._thread_ended_first():
+            return
+        out = self.out
+        self.reusable = False
+        self._complete("client_stalled", f"the client took no bytes for send_timeout_s "
+                                         f"({self.pool.send_timeout_s:g} s)")
+        if out is not None:
+            out.abort()
 
     def _client_gone(self, reason: str) -> None:
         if self._thread_ended_first():

@@ -60,9 +60,10 @@ class UpstreamPool:
     exchange for the client connection that exchange came from, the fresh ones for anyone."""
 
     def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
-                 relay_slice_us: int = 100) -> None:
+                 relay_slice_us: int = 100, send_timeout_s: float = 60.0) -> None:
         """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
-        ``python`` (every body relayed on the loop); Config's ``relay`` and ``relay_slice_us``."""
+        ``python`` (every body relayed on the loop); Config's ``relay``, ``relay_slice_us`` and
+        ``send_timeout_s`` (how long a client may take nothing more of a body: ``body.py``)."""
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, not {url.scheme}://")
         self.loop = asyncio.get_running_loop()
@@ -71,6 +72,7 @@ class UpstreamPool:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if url.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.relay_thread = relay == "thread" and THREAD_BUILT
         self.relay_slice_us = relay_slice_us
         self.fresh: list[UpstreamConn] = []  # idle, never carried an exchange: for any client
