@@ -152,7 +152,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"upstream connection takes one, so connections past about {files // 2} are refused; "
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
-    service.pages = LivePages(cfg.db)  # the live page at /_specproxy/, drawn from the database it writes
+    # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
+    service.pages = LivePages(cfg.db, writer=service.writer)
     install_uvloop()
 
     def ready(svc: Service) -> None:

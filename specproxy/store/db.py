@@ -2,9 +2,14 @@
 
 Why one writer thread fed by a bounded queue: the proxy must never wait on the database. ``put`` is a
 non-blocking enqueue; when the queue is full (the disk is slow, the file is locked by someone else)
-the record is dropped and counted, never the traffic. The writer batches inserts into one transaction
-per batch, retries a batch the database refused (locked, full disk) until it is written, and writes
-row by row when one record of a batch is bad, so one odd string cannot cost the others.
+the record is dropped and counted, never the traffic. The writer writes a record as soon as it is ready,
+with whatever else has queued meanwhile, in one transaction (at most one commit per ``COMMIT_GAP_S``);
+it retries a batch the database refused (locked, full disk), split so that whatever fits is written
+(the longest prefix that commits, found by halving), logs a failure once per cause and counts every
+failed attempt, and writes row by row when one record of a batch is bad, so one odd string cannot cost
+the others. What it still holds at shutdown after ``STOP_RETRY_S`` of failures is counted as dropped
+and said in one line. A record waits at most about ``COMMIT_GAP_S`` plus a commit once it is ready: that
+is what a SIGKILL can lose of turns that had ended.
 """
 
 from __future__ import annotations
@@ -286,25 +291,26 @@ _INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES 
 
 
 _WAKE = object()  # put by close(): the writer thread wakes at once instead of at its next poll
-LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind without stalling the relay
+COMMIT_GAP_S = 0.05  # at most one commit per this long: records that come meanwhile go in the next together
+RETRY_S = (0.2, 0.4, 0.8, 1.6)  # waits between attempts at a batch the database refuses, while none of it fits
+STOP_RETRY_S = 5.0  # closing: how long a refused batch is retried before it is dropped (counted, logged)
 
 
 class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
-                 linger_s: float = 0.25, scrape_retention_days: float = 0.0) -> None:
-        """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
-        time (one measuring batch), and a commit costs more than a row: lingering longer halves the
-        writer thread's CPU per relayed chunk at 64 streams (docs/performance.md, "Store and report").
-        A row appears in the database at most that much later; ``close``
-        does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
-        the interpreter lock longer while its rows are bound, which the relay feels as latency.
+                 commit_gap_s: float = COMMIT_GAP_S, scrape_retention_days: float = 0.0) -> None:
+        """``commit_gap_s``: after a commit, the next waits this long at least; a record that comes to an
+        idle writer is written at once. Why not wait for more after the first record (the writer once
+        lingered 250 ms, which halved its CPU per relayed chunk at 64 streams, 0.8 against 1.6 µs,
+        docs/performance.md): a SIGKILL then lost the turns of the last quarter second; records come a
+        measuring batch at a time anyway, and a commit in WAL mode does not sync the disk.
 
         ``scrape_retention_days``: scrapes older than this are deleted at start-up and hourly, a chunk at a
         time between batches (retention.py); 0 keeps them all."""
         self.path = Path(path)
-        self._linger_s = linger_s
+        self._commit_gap_s = commit_gap_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
         # SimpleQueue: a put is one C call (queue.Queue's is Python with a Condition, several times dearer
         # on the event loop); the bound is checked before each put (exact while one thread puts, as the loop does)
@@ -316,10 +322,14 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
         self.commits = 0
-        self.dropped = 0
+        self.dropped = 0  # records never written: the queue was full, or still unwritten at shutdown
+        self.dropped_at_stop = 0  # of those, the ones still unwritten at shutdown
         self.retries = 0
+        self.write_failures = 0  # attempts the database refused (each split of a batch counts)
         self.bad_rows = 0
         self.last_error: str | None = None
+        self._held = 0  # records the writer has taken from the queue and not yet written
+        self._logged: set[str] = set()  # the causes of failure logged since the last write that succeeded
         self._thread.start()
 
     def put(self, item: Record | tuple[str, tuple]) -> bool:
@@ -335,7 +345,8 @@ class Writer:
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Records waiting to be written: queued, and those the writer holds (a batch it retries)."""
+        return self._queue.qsize() + self._held
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop after writing everything queued so far (bounded by ``timeout``)."""
@@ -348,6 +359,7 @@ class Writer:
     def _run(self) -> None:
         name_os_thread()
         pending: list = []
+        refused = 0  # rounds in a row in which nothing of the batch could be written
         while True:
             if not pending:
                 self.retention.run_if_due(self._conn)  # here: never while a batch waits
@@ -365,26 +377,32 @@ class Writer:
                     if self._stop.is_set() and self._queue.empty():
                         return
                     continue
-            deadline = time.monotonic() + self._linger_s
-            while len(pending) < self._batch_size:
+            while len(pending) < self._batch_size:  # what has queued meanwhile: never waits for more
                 try:
-                    left = deadline - time.monotonic()
-                    if left > 0 and len(pending) < LINGER_BATCH and not self._stop.is_set():
-                        item = self._queue.get(timeout=left)
-                    else:
-                        item = self._queue.get_nowait()
-                    if item is not _WAKE:
-                        pending.append(item)
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if self._write(pending):
-                pending = []
+                if item is not _WAKE:
+                    pending.append(item)
+            self._held = len(pending)
+            before = len(pending)
+            pending = self._write_what_fits(pending)
+            self._held = len(pending)
+            if not pending:
+                refused = 0
+                if self._logged:  # every record it held is written: a cause seen again is logged again
+                    log.warning("database %s: writing again (%d attempts refused so far)", self.path,
+                                self.write_failures)
+                    self._logged.clear()
+                if not self._stop.is_set():
+                    self._stop.wait(self._commit_gap_s)  # what comes meanwhile goes in the next commit
             elif self._stop.is_set() and self._stop_deadline_passed():
-                self.dropped += len(pending)
+                self._drop_at_stop(pending)
                 return
             else:
                 self.retries += 1
-                self._stop.wait(0.2)  # the database refused (locked, full disk): try the batch again
+                refused = 0 if len(pending) < before else refused + 1
+                self._stop.wait(RETRY_S[min(refused, len(RETRY_S) - 1)])  # locked, full disk: again later
 
     _stop_since: float | None = None
 
@@ -392,7 +410,36 @@ class Writer:
         now = time.monotonic()
         if self._stop_since is None:
             self._stop_since = now
-        return now - self._stop_since > 5.0
+        return now - self._stop_since > STOP_RETRY_S
+
+    def _drop_at_stop(self, pending: list) -> None:
+        """Closing, and the database still refuses: count what is lost (held and still queued), say it once."""
+        lost = len(pending)
+        while True:
+            try:
+                if self._queue.get_nowait() is not _WAKE:
+                    lost += 1
+            except queue.Empty:
+                break
+        self._held = 0
+        self.dropped += lost
+        self.dropped_at_stop += lost
+        log.error("database %s: %d records could not be written before shutdown and are lost (%s)",
+                  self.path, lost, self.last_error)
+
+    def _write_what_fits(self, items: list) -> list:
+        """Write ``items`` in order, as many as the database takes: the whole batch, else the longest
+        prefix that commits, found by halving (a full disk may hold some of a batch, not all); the rest is
+        returned, to be retried. At most log2(len) + 1 refused attempts per call."""
+        while items:
+            n = len(items)
+            while not self._write(items[:n]):
+                if n == 1:
+                    return items
+                n //= 2
+            items = items[n:]
+            self._held = len(items)
+        return items
 
     def _write(self, items: list) -> bool:
         records = [i for i in items if isinstance(i, Record)]
@@ -415,6 +462,12 @@ class Writer:
             return True
         except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
             self.last_error = str(exc)
+            self.write_failures += 1
+            if self.last_error not in self._logged:  # once per cause, until a write succeeds again
+                self._logged.add(self.last_error)
+                log.error("database %s: writing %d records failed: %s; they wait and are retried (the queue "
+                          "holds %d; past it records are dropped and counted)", self.path, len(items),
+                          self.last_error, self._queue_size)
             return False
 
     def _rollback(self) -> None:

@@ -117,6 +117,15 @@ class _PeakRss:
         return self.peak
 
 
+async def _cancel_leftovers() -> None:
+    """End the upstream's connections still open, before their loop closes."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
+
+
 class _WideListener(RawUpstream):
     """A listener whose accept queue takes a thousand connects at once (asyncio's default is 100)."""
 
@@ -185,6 +194,7 @@ def test_1030_clients_that_never_read_do_not_lock_others_out(tmp_path):
             s.close()
         proc.stop()
         loop.run(listener.close())
+        loop.run(_cancel_leftovers())
         loop.close()
     outcomes = dict(db_rows(db, "SELECT outcome, count(*) FROM turns WHERE path = ? GROUP BY outcome", (CHAT,)))
     busy = state["rejected_busy"]

@@ -127,26 +127,25 @@ def test_a_spurious_empty_at_close_loses_no_record(tmp_path):
     assert w.written == 50 and w.dropped == 0
 
 
-def test_lingering_ends_once_a_batch_is_worth_a_commit(tmp_path, monkeypatch):
-    """The writer waits for more records (``linger_s``), but not past ``LINGER_BATCH`` of them: with a
-    60 s linger, a full batch is written at once, and what comes later waits for the next one."""
+def test_a_record_is_written_as_soon_as_it_is_ready(tmp_path):
+    """An idle writer writes a record at once, not after waiting for more (issue 32: a SIGKILL lost the
+    turns of the last quarter second); the commit gap then holds what comes next for the next commit,
+    and ``close`` writes it without waiting out the gap."""
     import time
 
-    from specproxy.store import db as store
-
-    monkeypatch.setattr(store, "LINGER_BATCH", 4)
-    w = Writer(tmp_path / "t.db", linger_s=60.0)
+    w = Writer(tmp_path / "t.db", commit_gap_s=60.0)
     try:
-        for i in range(4):
-            assert w.put(make_record(seed=i))
+        assert w.put(make_record(seed=1))
         deadline = time.monotonic() + 10.0
-        while w.written < 4 and time.monotonic() < deadline:  # bounded: a cap that did not work waits 60 s
-            time.sleep(0.01)
-        assert w.written == 4
-        assert w.put(make_record(seed=99))
+        while w.written < 1 and time.monotonic() < deadline:  # bounded: a writer that lingers waits 0.25 s+
+            time.sleep(0.001)
+        assert w.written == 1
+        assert w.put(make_record(seed=2))
+        time.sleep(0.05)  # not a stand-in for an event: within the 60 s gap nothing more is committed
+        assert w.written == 1 and w.pending == 1  # held for the next commit, and counted as waiting
     finally:
-        w.close()  # close does not linger: the fifth is written now
-    assert w.written == 5
+        w.close()  # close does not wait out the gap: the second is written now
+    assert w.written == 2
 
 
 def test_full_queue_drops_and_counts_never_blocks(tmp_path):
