@@ -79,9 +79,11 @@ class BodyRelay:
             self.connection_lost(None)
             return
         if self.transport is not None:
-            self._arm_timer()
-            if thread and head.framing == CHUNKED:
-                self._thread_attach(out)  # else each read goes on through _body, on the loop
+            if thread and head.framing == CHUNKED and self._thread_attach(out):
+                # soon enough to see the client hold the thread back (_send_left)
+                self._arm_timer(min(self.pool.idle_timeout_s, self.pool.send_timeout_s))
+            else:
+                self._arm_timer()  # each read goes on through _body, on the loop
 
     def _thread_attach(self, out: asyncio.Transport) -> bool:
         """Hand the body to the relay thread: only when both ends are plain sockets and nothing of ours waits
@@ -100,8 +102,6 @@ class BodyRelay:
         except OSError:
             self.transport.resume_reading()
             return False
-        pool = self.pool  # soon enough to see the client hold the thread back (_send_left)
-        self._arm_timer(min(pool.idle_timeout_s, pool.send_timeout_s))
         return True
 
     def _thread_ended(self) -> None:

@@ -80,6 +80,8 @@ def test_a_client_that_never_reads_is_cut_after_send_timeout(make_stack, each_fr
         turns = [r for r in stack.records if r.path == CHAT]
         assert [r.outcome for r in turns] == ["client_stalled"] * 3, [(r.outcome, r.error) for r in turns]
         assert all("send_timeout_s (1 s)" in (r.error or "") for r in turns)
+        counted = {key[3]: n for key, n in stack.service.metrics.turns.items()}  # /_specproxy/metrics' turns
+        assert counted.get("client_stalled") == 3, counted
     finally:
         for s in clients:
             s.close()
