@@ -430,17 +430,23 @@ class Writer:
 
     def _write_what_fits(self, items: list) -> list:
         """Write ``items`` in order, as many as the database takes: the whole batch, else the longest
-        prefix that commits, found by halving (a full disk may hold some of a batch, not all); the rest is
-        returned, to be retried. At most log2(len) + 1 refused attempts per call."""
+        prefix that commits, found by halving (a full disk may hold some of a batch, not all); what is
+        left is returned, to be retried. A first record that does not fit even alone (one larger than the
+        room left) is passed over once per call, so that it does not hold back smaller ones behind it;
+        at most 2 (log2(len) + 1) refused attempts per call."""
+        skipped: list = []
         while items:
             n = len(items)
-            while not self._write(items[:n]):
-                if n == 1:
-                    return items
+            while n and not self._write(items[:n]):
                 n //= 2
-            items = items[n:]
-            self._held = len(items)
-        return items
+            if n == 0:  # not even the first fits
+                if skipped:
+                    return skipped + items
+                skipped, items = items[:1], items[1:]
+            else:
+                items = items[n:]
+            self._held = len(skipped) + len(items)
+        return skipped
 
     def _write(self, items: list) -> bool:
         records = [i for i in items if isinstance(i, Record)]

@@ -277,3 +277,30 @@ def test_serve_help_shows_every_default_and_that_upstream_is_required():
     for flag in ("--max-body-bytes", "--connect-timeout", "--header-timeout", "--queue-size", "--metrics-path",
                  "--scrape-retention-days"):
         assert f"{flag} " in text
+
+
+def test_a_refused_batch_is_split_so_whatever_fits_is_written():
+    """Issue 32: a batch larger than the room left never committed, even once some room came back. The
+    writer writes the longest prefix that commits (halving), passes over one record too large on its own,
+    and gives back the rest in order; with no room at all it stops after two halvings."""
+
+    class Sized(Writer):  # _write_what_fits alone: a "record" is its size, the room is ``room``
+        def __init__(self, room: int) -> None:
+            self.room, self.tried, self._held = room, [], 0
+
+        def _write(self, items: list) -> bool:
+            self.tried.append(len(items))
+            if sum(items) > self.room:
+                return False
+            self.room -= sum(items)
+            return True
+
+    w = Sized(10)
+    assert w._write_what_fits([3, 3, 3, 3, 3]) == [3, 3] and w._held == 2  # three fit: written
+    w = Sized(10)
+    assert w._write_what_fits([20, 1, 1, 1]) == [20]  # the large one waits, the small ones behind it do not
+    w = Sized(10)
+    assert w._write_what_fits([20, 1, 30, 1]) == [20, 30, 1]
+    w = Sized(0)
+    assert w._write_what_fits([1] * 1000) == [1] * 1000
+    assert len(w.tried) == 20  # log2(1000) + 1 attempts, twice: not one per record
