@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -209,6 +209,7 @@ def _size(p: Path) -> int:
 
 
 _NOTADB = 26
+_FULL = 13  # SQLITE_FULL: the disk (or max_page_count) has no room for the whole transaction
 # SQLite's primary result codes that say the file (not the query) is the problem
 # (PERM, BUSY, LOCKED, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB)
 _FILE_ERRORS = frozenset({3, 5, 6, 8, 10, 11, 13, 14, _NOTADB})
@@ -303,10 +304,8 @@ class Writer:
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
                  commit_gap_s: float = COMMIT_GAP_S, scrape_retention_days: float = 0.0) -> None:
         """``commit_gap_s``: after a commit, the next waits this long at least; a record that comes to an
-        idle writer is written at once. Why not wait for more after the first record (the writer once
-        lingered 250 ms, which halved its CPU per relayed chunk at 64 streams, 0.8 against 1.6 µs,
-        docs/performance.md): a SIGKILL then lost the turns of the last quarter second; records come a
-        measuring batch at a time anyway, and a commit in WAL mode does not sync the disk.
+        idle writer is written at once. Why not wait for more (it once lingered 250 ms, which halved its CPU
+        per relayed chunk at 64 streams, docs/performance.md): a SIGKILL then lost the last quarter second.
 
         ``scrape_retention_days``: scrapes older than this are deleted at start-up and hourly, a chunk at a
         time between batches (retention.py); 0 keeps them all."""
@@ -324,12 +323,12 @@ class Writer:
         self.written = 0
         self.commits = 0
         self.dropped = 0  # records never written: the queue was full, or still unwritten at shutdown
-        self.dropped_at_stop = 0  # of those, the ones still unwritten at shutdown
         self.retries = 0
         self.write_failures = 0  # attempts the database refused (each split of a batch counts)
         self.bad_rows = 0
         self.last_error: str | None = None
         self._held = 0  # records the writer has taken from the queue and not yet written
+        self._full = False  # the latest refusal was for want of room (worth splitting the batch for)
         self._logged: set[str] = set()  # the causes of failure logged since the last write that succeeded
         self._thread.start()
 
@@ -408,39 +407,34 @@ class Writer:
     _stop_since: float | None = None
 
     def _stop_deadline_passed(self) -> bool:
-        now = time.monotonic()
-        if self._stop_since is None:
-            self._stop_since = now
-        return now - self._stop_since > STOP_RETRY_S
+        self._stop_since = self._stop_since or time.monotonic()
+        return time.monotonic() - self._stop_since > STOP_RETRY_S
 
     def _drop_at_stop(self, pending: list) -> None:
         """Closing, and the database still refuses: count what is lost (held and still queued), say it once."""
         lost = len(pending)
-        while True:
-            try:
-                if self._queue.get_nowait() is not _WAKE:
-                    lost += 1
-            except queue.Empty:
-                break
+        with suppress(queue.Empty):
+            while True:
+                lost += self._queue.get_nowait() is not _WAKE
         self._held = 0
         self.dropped += lost
-        self.dropped_at_stop += lost
         log.error("database %s: %d records could not be written before shutdown and are lost (%s)",
                   self.path, lost, self.last_error)
 
     def _write_what_fits(self, items: list) -> list:
         """Write ``items`` in order, as many as the database takes: the whole batch, else the longest
-        prefix that commits, found by halving (a full disk may hold some of a batch, not all); what is
-        left is returned, to be retried. A first record that does not fit even alone (one larger than the
-        room left) is passed over once per call, so that it does not hold back smaller ones behind it;
-        at most 2 (log2(len) + 1) refused attempts per call."""
+        prefix that commits, found by halving (a full disk may hold some of a batch, not all; a locked or
+        read-only one none, so it is not split for them); what is left is returned, to be retried. A first
+        record that does not fit even alone (one larger than the room left) is passed over once per call,
+        so that it does not hold back smaller ones behind it; at most 2 (log2(len) + 1) refused attempts
+        per call."""
         skipped: list = []
         while items:
             n = len(items)
             while n and not self._write(items[:n]):
-                n //= 2
+                n = n // 2 if self._full else 0  # a full disk may take part of a batch; a lock refuses all
             if n == 0:  # not even the first fits
-                if skipped:
+                if skipped or not self._full:
                     return skipped + items
                 skipped, items = items[:1], items[1:]
             else:
@@ -469,6 +463,7 @@ class Writer:
             return True
         except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
             self.last_error = str(exc)
+            self._full = getattr(exc, "sqlite_errorcode", _FULL) & 0xFF == _FULL
             self.write_failures += 1
             if self.last_error not in self._logged:  # once per cause, until a write succeeds again
                 self._logged.add(self.last_error)

@@ -285,12 +285,12 @@ def test_a_refused_batch_is_split_so_whatever_fits_is_written():
     and gives back the rest in order; with no room at all it stops after two halvings."""
 
     class Sized(Writer):  # _write_what_fits alone: a "record" is its size, the room is ``room``
-        def __init__(self, room: int) -> None:
-            self.room, self.tried, self._held = room, [], 0
+        def __init__(self, room: int, full: bool = True) -> None:
+            self.room, self.tried, self._held, self._full = room, [], 0, full
 
         def _write(self, items: list) -> bool:
             self.tried.append(len(items))
-            if sum(items) > self.room:
+            if sum(items) > self.room or not self._full:
                 return False
             self.room -= sum(items)
             return True
@@ -304,3 +304,5 @@ def test_a_refused_batch_is_split_so_whatever_fits_is_written():
     w = Sized(0)
     assert w._write_what_fits([1] * 1000) == [1] * 1000
     assert len(w.tried) == 20  # log2(1000) + 1 attempts, twice: not one per record
+    w = Sized(10, full=False)  # locked: no part of a batch would go in, so none is tried
+    assert w._write_what_fits([1] * 1000) == [1] * 1000 and w.tried == [1000]
