@@ -26,7 +26,7 @@ import time
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire.http1 import LengthEnd, UntilClose
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY
-from specproxy.wire.relay_thread import NativeChunkedEnd, ended_reason, plain_socket_fd
+from specproxy.wire.relay_thread import NativeChunkedEnd, acked_bytes, ended_reason, plain_socket_fd
 
 __all__ = ["DECHUNK", "ENCODE", "PASS", "BodyRelay"]
 
@@ -80,7 +80,8 @@ class BodyRelay:
             return
         if self.transport is not None:
             if thread and head.framing == CHUNKED and self._thread_attach(out):
-                # soon enough to see the client hold the thread back (_send_left)
+                # soon enough to see the client hold the thread back (_send_left), and from where
+                self._took, self._took_at = self._taken(out), clock()
                 self._arm_timer(min(self.pool.idle_timeout_s, self.pool.send_timeout_s))
             else:
                 self._arm_timer()  # each read goes on through _body, on the loop
@@ -186,24 +187,33 @@ class BodyRelay:
             self.transport.pause_reading()
         self.paused = True
         # not the upstream's silence: no idle deadline while we hold it back, but the client's send deadline
-        self._unsent, self._took_at = self.out.get_write_buffer_size(), clock()
+        self._took, self._took_at = self._taken(self.out), clock()
         self._arm_timer(self.pool.send_timeout_s)
         self._wake()
 
+    @staticmethod
+    def _taken(out: asyncio.Transport) -> int:
+        """How far the client has taken the response: the bytes its TCP acknowledged, or (where the kernel
+        does not say) minus what waits in our buffer for it. Goes up exactly when the client takes bytes."""
+        acked = acked_bytes(out)
+        return acked if acked is not None else -out.get_write_buffer_size()
+
     def _send_left(self, now: float) -> float | None:
         """While the client is what holds the body back (the thread's turn blocked on it, or this relay
-        paused for it): the seconds left of ``send_timeout_s`` since the client last took a byte, and the
-        turn ended as ``client_stalled`` when none are. None while the client keeps up."""
+        paused for it): the seconds left of ``send_timeout_s`` since the client was last seen taking
+        bytes, and the turn ended as ``client_stalled`` when none are. None while the client keeps up.
+        Looked at once per timer, never per read."""
         turn = self._turn
-        if turn is not None and turn.blocked:
-            since = turn.last_activity  # the thread's latest send that made progress (or its read)
-        elif turn is None and self.paused and self.state == _BODY and self.out is not None:
-            unsent = self.out.get_write_buffer_size()
-            if unsent < self._unsent:  # the client took some since the last look
-                self._unsent, self._took_at = unsent, now
-            since = self._took_at
-        else:
+        out = self.out
+        if out is None or self.state != _BODY or (turn is None and not self.paused):
             return None
+        took = self._taken(out)
+        if turn is not None and not turn.blocked:  # the client keeps up with the thread: from now on
+            self._took, self._took_at = took, now
+            return None
+        if took > self._took:  # the client took some since the last look
+            self._took, self._took_at = took, now
+        since = max(self._took_at, turn.last_activity) if turn is not None else self._took_at
         self.last_read = now  # the upstream's idle deadline starts again once the client takes more
         left = since + self.pool.send_timeout_s - now
         if left <= 0:

@@ -92,8 +92,8 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._high = 65536
         self.last_read = 0.0
-        self._unsent = 0  # bytes in the client's write buffer when the client last took some (Python relay)
-        self._took_at = 0.0  # and when that was
+        self._took = 0  # how far the client had taken the body at the last look (body._taken)
+        self._took_at = 0.0  # and when it was last seen taking more
         self._timer: asyncio.TimerHandle | None = None
         self._pool_timer: asyncio.TimerHandle | None = None
         self.reusable = True

@@ -27,9 +27,9 @@ PIECE = chunk(b"data: " + b"x" * 65000 + b"\n\n")  # one 64 KiB event, written a
 SMALL = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok"
 
 
-def _big_upstream(sent: list[int], *, chunked: bool = True) -> ScriptedUpstream:
-    """``CHAT`` gets a 20 MB stream (chunked, or with a Content-Length), written as fast as the proxy
-    takes it; any other path a 2-byte answer. ``sent`` gets the bytes each big answer got out."""
+def _big_upstream(sent: list[int], *, chunked: bool = True, size: int = BIG) -> ScriptedUpstream:
+    """``CHAT`` gets a ``size`` stream (20 MB; chunked, or with a Content-Length), written as fast as the
+    proxy takes it; any other path a 2-byte answer. ``sent`` gets the bytes each big answer got out."""
 
     async def respond(req, writer, _i):
         if req.line.split(b" ")[1] != CHAT.encode():
@@ -39,8 +39,9 @@ def _big_upstream(sent: list[int], *, chunked: bool = True) -> ScriptedUpstream:
         out = 0
         i = len(sent)
         sent.append(0)
-        writer.write(sse_head() if chunked else sse_head(f"Content-Length: {BIG}\r\n", chunked=False))
-        while out < BIG:
+        size_ = -(-size // len(PIECE)) * len(PIECE)  # whole pieces
+        writer.write(sse_head() if chunked else sse_head(f"Content-Length: {size_}\r\n", chunked=False))
+        while out < size_:
             writer.write(PIECE)
             await writer.drain()  # the proxy's backpressure: blocks while it does not read
             out += len(PIECE)
@@ -85,6 +86,40 @@ def test_a_client_that_never_reads_is_cut_after_send_timeout(make_stack, each_fr
     finally:
         for s in clients:
             s.close()
+
+
+def test_a_slow_reader_that_keeps_reading_is_never_cut(make_stack, each_relay):
+    """``send_timeout_s`` 1 s, and a client that reads 4 kB every 20 ms (200 kB/s, far slower than the
+    upstream sends): it gets the whole 3 MB answer and the turn is ``ok``. Progress is the client's
+    TCP taking bytes, not the proxy's writes: the kernel reports a full socket writable again only once
+    half its send queue (megabytes) has gone, seconds apart at this pace."""
+    sent: list[int] = []
+    size = 3 * 1024 * 1024
+    up = _big_upstream(sent, chunked=each_relay == "thread", size=size)
+    stack = make_stack(raw_script=up.serve, send_timeout_s=1.0, scrape_interval_s=0)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(10)
+    s.connect(("127.0.0.1", stack.service.port))
+    s.sendall(post_head(CHAT, BODY))
+    got = 0
+    try:
+        for _ in range(5000):  # bounded: 3 MB at 4 kB a read is under 1,000 reads
+            data = s.recv(4096)
+            if not data:
+                break
+            got += len(data)
+            time.sleep(0.02)  # the client's pace, not a wait for an event
+            if sent and sent[0] >= size and got > size:  # the upstream has sent it all, the client read it
+                s.settimeout(1.0)
+    except TimeoutError:
+        pass  # the answer is whole: nothing more comes on a kept-alive connection
+    finally:
+        s.close()
+    stack.settle(30)
+    turns = [r for r in stack.records if r.path == CHAT]
+    assert [r.outcome for r in turns] == ["ok"], [(r.outcome, r.error) for r in turns]
+    assert got > size
 
 
 # --- 1,030 clients that never read, against the real serve -------------------------------------------------
