@@ -61,8 +61,8 @@ class Config:
     """Seconds without a byte from the upstream before giving up (504 before its response headers,
     a truncated stream after them). There is no total deadline: a slow first token is not an error."""
     send_timeout_s: float = 60.0
-    """Seconds a client may take no more of a response (no progress writing to it) before the exchange
-    ends: the client's connection is cut, the upstream's closed, and the turn recorded as
+    """Seconds a client may take no more of a response (its TCP acknowledges no byte) before the
+    exchange ends: the client's connection is cut, the upstream's closed, and the turn recorded as
     ``client_stalled``. It runs only while the client is what holds the body back (the proxy has stopped
     reading the upstream for it); a slow reader that keeps taking bytes is never cut. Bounds how long
     clients that never read can hold their places in ``max_concurrent``."""
