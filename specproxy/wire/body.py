@@ -258,7 +258,9 @@ class BodyRelay:
         if b is not None and not b._ended:
             b.finish(clock(), outcome, error)
         self.builder = None
-        self.out = None
+        out, self.out = self.out, None
+        if outcome == "ok" and out is not None and out.get_write_buffer_size():
+            _watch_unsent(out, self.pool.loop, self.pool.send_timeout_s)
         if outcome == "ok" and self.reusable and self.head is not None and self.head.keep_alive:
             self.pool._release(self)
         else:
@@ -290,3 +292,23 @@ class BodyRelay:
         self.reusable = False
         self._complete("client_abort", reason)
 
+
+def _watch_unsent(out: asyncio.Transport, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """A body ended with bytes of it still in the client's write buffer (the kernel's was full): once
+    the client's connection is closing (its keep-alive deadline), a transport waits for that buffer to
+    drain before it lets go, for ever if the client never reads. Cut it ``timeout`` after the client
+    last took a byte; nothing to do once the buffer is empty. One look per ``timeout``, from the end."""
+    took = BodyRelay._taken(out)
+
+    def look() -> None:
+        nonlocal took
+        if not out.get_write_buffer_size():
+            return
+        now = BodyRelay._taken(out)
+        if now == took and out.is_closing():
+            out.abort()
+            return
+        took = now
+        loop.call_later(timeout, look)
+
+    loop.call_later(timeout, look)

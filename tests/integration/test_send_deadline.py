@@ -122,6 +122,49 @@ def test_a_slow_reader_that_keeps_reading_is_never_cut(make_stack, each_relay):
     assert got > size
 
 
+def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
+    """A body that ended with its last bytes still in the client's write buffer (seen with a 3 MB
+    answer nobody read): closing a transport waits for that buffer to drain, for ever if the client
+    never reads, so the connection stayed open past its keep-alive deadline. Once it is closing and the
+    client has taken nothing for the send deadline, it is cut; a client that takes bytes, or a buffer
+    that drained, is left alone. (Driven with a transport of our own: which answers end so depends on
+    the kernel's buffers.)"""
+    from specproxy.wire.body import _watch_unsent
+
+    class Out:
+        def __init__(self, takes: int = 0) -> None:
+            self.unsent, self.takes, self.looks = 65536, takes, 0
+            self.aborted, self.looked_at = asyncio.Event(), asyncio.Event()
+
+        def get_write_buffer_size(self) -> int:
+            self.looks += 1
+            if self.looks >= 8:
+                self.looked_at.set()
+            self.unsent -= self.takes  # a reading client has taken some since the last look
+            return self.unsent
+
+        def get_extra_info(self, name: str):
+            return None  # no socket: progress is the buffer shrinking
+
+        def is_closing(self) -> bool:
+            return True  # the keep-alive deadline has closed it
+
+        def abort(self) -> None:
+            self.aborted.set()
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        loop = asyncio.get_running_loop()
+        stuck, reading, drained = Out(), Out(takes=100), Out()
+        for out in (stuck, reading, drained):
+            _watch_unsent(out, loop, 0.01)
+        drained.unsent = 0
+        await asyncio.wait_for(stuck.aborted.wait(), 10)
+        await asyncio.wait_for(reading.looked_at.wait(), 10)  # several looks, each finding it took some
+        return stuck.aborted.is_set(), reading.aborted.is_set(), drained.aborted.is_set()
+
+    assert asyncio.run(scenario()) == (True, False, False)
+
+
 # --- 1,030 clients that never read, against the real serve -------------------------------------------------
 
 
