@@ -130,7 +130,8 @@ class Hostile:
                 await writer.drain()
                 # never read while the proxy's deadline runs, then read what the kernel holds: a proxy that cut
                 # us ends it with EOF or a reset; one that did not still has bytes coming
-                await asyncio.sleep(self.send_timeout_s + 5)  # the client's own behaviour, not a wait for an event
+                # the client's own behaviour, not a wait for an event: past the deadline and its last look
+                await asyncio.sleep(self.send_timeout_s * 1.25 + 5)
                 what = "NOT cut"
                 end = loop.time() + 10
                 while loop.time() < end:

@@ -38,6 +38,8 @@ _IDLE, _WAIT_HEAD, _PARKED, _BODY, _DONE = range(5)
 # how the body goes to the client
 PASS, DECHUNK, ENCODE = 0, 1, 2
 
+LOOKS = 4  # looks at a client that holds the body back per send_timeout_s (BodyRelay._send_left)
+
 
 class BodyRelay:
     """``UpstreamConn``'s body methods (a mixin: the attributes are the connection's, set in its
@@ -82,7 +84,7 @@ class BodyRelay:
             if thread and head.framing == CHUNKED and self._thread_attach(out):
                 # soon enough to see the client hold the thread back (_send_left), and from where
                 self._took, self._took_at = self._taken(out), clock()
-                self._arm_timer(min(self.pool.idle_timeout_s, self.pool.send_timeout_s))
+                self._arm_timer(min(self.pool.idle_timeout_s, self.pool.send_timeout_s / LOOKS))
             else:
                 self._arm_timer()  # each read goes on through _body, on the loop
 
@@ -188,7 +190,7 @@ class BodyRelay:
         self.paused = True
         # not the upstream's silence: no idle deadline while we hold it back, but the client's send deadline
         self._took, self._took_at = self._taken(self.out), clock()
-        self._arm_timer(self.pool.send_timeout_s)
+        self._arm_timer(self.pool.send_timeout_s / LOOKS)
         self._wake()
 
     @staticmethod
@@ -200,9 +202,11 @@ class BodyRelay:
 
     def _send_left(self, now: float) -> float | None:
         """While the client is what holds the body back (the thread's turn blocked on it, or this relay
-        paused for it): the seconds left of ``send_timeout_s`` since the client was last seen taking
-        bytes, and the turn ended as ``client_stalled`` when none are. None while the client keeps up.
-        Looked at once per timer, never per read."""
+        paused for it): when to look again (``LOOKS`` times per ``send_timeout_s``), and the turn ended
+        as ``client_stalled`` once the client has taken no byte for ``send_timeout_s``. None while the
+        client keeps up. Looked at once per timer, never per read: bytes taken between two looks count
+        from the later one, so a client is cut between ``send_timeout_s`` and a ``LOOKS``th more after
+        it stopped."""
         turn = self._turn
         out = self.out
         if out is None or self.state != _BODY or (turn is None and not self.paused):
@@ -218,7 +222,7 @@ class BodyRelay:
         left = since + self.pool.send_timeout_s - now
         if left <= 0:
             self._stalled()
-        return left
+        return min(left, self.pool.send_timeout_s / LOOKS)
 
     def resume(self) -> None:
         if not self.paused or self.state != _BODY:

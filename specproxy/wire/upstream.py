@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from specproxy.errors import UpstreamError
 from specproxy.frames.chunked import ChunkedEnd, FramingError
-from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, PASS, BodyRelay
+from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, LOOKS, PASS, BodyRelay
 from specproxy.wire.http1 import LengthEnd, UntilClose
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
 from specproxy.wire.relay_thread import no_delay
@@ -290,7 +290,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         left = self.last_read + self.pool.idle_timeout_s - now
         if left > 0:
             if turn is not None:  # soon enough to see the client hold the thread back (send_timeout_s)
-                left = min(left, self.pool.send_timeout_s)
+                left = min(left, self.pool.send_timeout_s / LOOKS)
             self._timer = self.pool.loop.call_later(left, self._check_idle)
             return
         limit = f"idle_timeout_s ({self.pool.idle_timeout_s:g} s)"
