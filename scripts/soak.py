@@ -3,6 +3,14 @@ clients in this process, a fixed number of turns, then a verdict.
 
     python scripts/soak.py                 # 20000 turns, concurrency 64, 20% client aborts, 10% truncations
     python scripts/soak.py --turns 2000    # a shorter run
+    python scripts/soak.py --long          # an hour of normal turns among hostile clients; RSS drift
+    python scripts/soak.py --duration 120 --concurrency 16    # the same, for two minutes
+
+The long mode (``--long`` or ``--duration SECONDS``) runs normal streaming turns for that long beside
+hostile clients (soak_hostile.py: slow heads, partial bodies, clients that never read, malformed
+requests), samples the proxy's RSS, and reports its drift: idle after the warm-up against idle after the
+run, and the slope over the run's samples. It also fails when a hostile client was not cut or a
+malformed request was answered 2xx.
 
 What it checks, and prints:
   * bytes differing: every byte a client read must equal what the upstream wrote for that turn (a whole
@@ -37,6 +45,8 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+
+from soak_hostile import Hostile, RssSampler, big_answer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["Hello", " world", ",", " café", " 日本語", " 🚀", " naïve", "\n", " tokens", " é", "!", " Ω"]
@@ -89,6 +99,8 @@ class Upstream:
                     return
                 length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
                 body = orjson.loads(await asyncio.wait_for(reader.readexactly(length), 30))
+                if body.get("big"):  # the long mode's clients that never read
+                    return await big_answer(writer)
                 n = body["soak"]
                 if not await self.respond(n, writer):
                     return
@@ -173,8 +185,9 @@ async def client_turn(session: aiohttp.ClientSession, url: str, n: int, args, ta
         tally.mismatched_turns.append(n)
 
 
-async def run_clients(url: str, first: int, count: int, args, tally: Tally) -> None:
-    queue = iter(range(first, first + count))
+async def run_clients(url: str, first: int, count: int | None, args, tally: Tally, until: float | None = None) -> None:
+    """Turns ``first``... (``count`` of them, or as many as start before loop time ``until``)."""
+    queue = iter(range(first, first + count)) if count is not None else _until(first, until)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as s:
         async def worker():
@@ -182,6 +195,14 @@ async def run_clients(url: str, first: int, count: int, args, tally: Tally) -> N
                 await client_turn(s, url, n, args, tally)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+
+
+def _until(first: int, until: float):
+    loop = asyncio.get_running_loop()
+    n = first
+    while loop.time() < until:
+        yield n
+        n += 1
 
 
 # --- the proxy process ---------------------------------------------------------------------------------
@@ -196,13 +217,13 @@ def _number(text: str) -> int | float:
 
 
 class Proxy:
-    def __init__(self, upstream: str, db: Path, log: Path) -> None:
+    def __init__(self, upstream: str, db: Path, log: Path, *extra: str) -> None:
         self.log = log
         self._f = open(log, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPROXY_")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
-             "--db", str(db), "--scrape-interval", "0"],
+             "--db", str(db), "--scrape-interval", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=self._f, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30
         while True:
@@ -272,6 +293,12 @@ class CommittedWatcher(threading.Thread):
                 pass
 
 
+async def _long(url: str, first: int, args, tally: Tally, hostile: Hostile, sampler: RssSampler,
+                duration: float) -> None:
+    until = asyncio.get_running_loop().time() + duration
+    await asyncio.gather(run_clients(url, first, None, args, tally, until), hostile.run(until), sampler.run(until))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=20000)
@@ -280,7 +307,15 @@ def main() -> int:
     ap.add_argument("--truncate-rate", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=None, help="turns before the baseline [default: 5%%, >= 200]")
     ap.add_argument("--keep", action="store_true", help="keep the database and the proxy's log")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="the long mode: normal turns for this many seconds among hostile clients (instead of "
+                         "--turns), and the proxy's RSS drift")
+    ap.add_argument("--long", action="store_true", help="the long mode for an hour (--duration 3600)")
+    ap.add_argument("--send-timeout", type=float, default=10.0,
+                    help="the proxy's send_timeout_s in the long mode, so that clients that never read are cut "
+                         "often [default: 10]")
     args = ap.parse_args()
+    duration = 3600.0 if args.long and args.duration is None else args.duration
     warmup = args.warmup if args.warmup is not None else max(200, args.turns // 20)
     workdir = Path(tempfile.mkdtemp(prefix="specproxy-soak-"))
     db = workdir / "soak.db"
@@ -288,7 +323,9 @@ def main() -> int:
     loop = asyncio.new_event_loop()
     upstream = Upstream(args.abort_rate, args.truncate_rate)
     loop.run_until_complete(upstream.start())
-    proxy = Proxy(f"http://127.0.0.1:{upstream.port}", db, workdir / "proxy.log")
+    extra = ("--send-timeout", str(args.send_timeout)) if duration else ()
+    proxy = Proxy(f"http://127.0.0.1:{upstream.port}", db, workdir / "proxy.log", *extra)
+    hostile = sampler = None
     watcher = CommittedWatcher(db)
     watcher.start()
     tally = Tally()
@@ -297,7 +334,13 @@ def main() -> int:
         loop.run_until_complete(asyncio.wait_for(run_clients(proxy.url, 0, warmup, args, tally), 600))
         base = wait_idle(proxy)
         t1 = time.monotonic()
-        loop.run_until_complete(asyncio.wait_for(run_clients(proxy.url, warmup, args.turns, args, tally), 3600))
+        if duration:
+            hostile = Hostile(int(proxy.url.rsplit(":", 1)[1]), args.send_timeout)
+            sampler = RssSampler(proxy.state, max(5.0, duration / 30))
+            loop.run_until_complete(asyncio.wait_for(
+                _long(proxy.url, warmup, args, tally, hostile, sampler, duration), duration + 600))
+        else:
+            loop.run_until_complete(asyncio.wait_for(run_clients(proxy.url, warmup, args.turns, args, tally), 3600))
         t2 = time.monotonic()
         end = wait_idle(proxy)
     finally:
@@ -309,16 +352,20 @@ def main() -> int:
         if leftovers:
             loop.run_until_complete(asyncio.wait(leftovers, timeout=10))
         loop.close()
-    total = warmup + args.turns
+    total = tally.done  # warmup + args.turns, or as many as the long mode's time allowed
+    normal = "WHERE label LIKE 'soak-%'"  # the long mode's hostile turns have rows of their own
     conn = sqlite3.connect(db)
-    rows = dict(conn.execute("SELECT outcome, count(*) FROM turns GROUP BY outcome").fetchall())
-    ids = {r[0] for r in conn.execute("SELECT id FROM turns")}
-    by_turn = dict(conn.execute("SELECT label, outcome FROM turns").fetchall())
+    rows = dict(conn.execute(f"SELECT outcome, count(*) FROM turns {normal} GROUP BY outcome").fetchall())
+    stalled = dict(conn.execute("SELECT outcome, count(*) FROM turns WHERE label = 'hostile-stall' "
+                                "GROUP BY outcome").fetchall())
+    every_id = {r[0] for r in conn.execute("SELECT id FROM turns")}
+    ids = {r[0] for r in conn.execute(f"SELECT id FROM turns {normal}")}
+    by_turn = dict(conn.execute(f"SELECT label, outcome FROM turns {normal}").fetchall())
     n_rows = len(ids)
     integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
     conn.close()
     dropped = end["dropped"] + end["measure_dropped"]
-    lost_committed = len(watcher.seen - ids)
+    lost_committed = len(watcher.seen - every_id)
     missing = total - n_rows - dropped
     # the outcome each turn may have: an aborted turn is "ok" when the proxy had delivered every byte
     # before the client hung up (the client read slower than the proxy wrote)
@@ -335,9 +382,11 @@ def main() -> int:
     def fmt(k):
         return f"{k:>15}: {base[k]:>8} -> {end[k]:>8}  ({end[k] - base[k]:+d})"
 
-    print(f"specproxy soak: {args.turns} turns (+{warmup} warm-up) at concurrency {args.concurrency}, "
+    turns = total - warmup
+    mode = f" for {duration:g} s among hostile clients (send_timeout_s {args.send_timeout:g})" if duration else ""
+    print(f"specproxy soak: {turns} turns (+{warmup} warm-up) at concurrency {args.concurrency}{mode}, "
           f"{args.abort_rate:.0%} client aborts, {args.truncate_rate:.0%} upstream truncations")
-    print(f"  soak phase {t2 - t1:.1f} s ({args.turns / (t2 - t1):.0f} turns/s); total {time.monotonic() - t0:.1f} s")
+    print(f"  soak phase {t2 - t1:.1f} s ({turns / (t2 - t1):.0f} turns/s); total {time.monotonic() - t0:.1f} s")
     print(f"  clients saw: {tally.client_saw}")
     print("  proxy, idle after the warm-up -> idle after the soak:")
     for k in ("rss_kib", "fds", "fds_proc", "upstream_idle", "threads", "tasks", "connections"):
@@ -350,6 +399,17 @@ def main() -> int:
     print(f"  records lost: {missing + lost_committed}; rows with an outcome the soak did not cause: {len(wrong)} "
           f"{wrong[:5]}")
     print(f"  bytes differing: {tally.bytes_differing} (turns: {tally.mismatched_turns[:10]})")
+    if hostile is not None:
+        print("  hostile clients (what each saw):")
+        print("\n".join(hostile.lines()))
+        print(f"    rows of the clients that never read, by outcome: {stalled}")
+        rss = [st["rss_kib"] / 1024 for _, st in sampler.samples]
+        slope, late = sampler.slope_mib_per_hour(), sampler.slope_mib_per_hour(0.5)
+        print(f"  RSS drift: idle after the warm-up {base['rss_kib'] / 1024:.1f} MiB -> idle after the run "
+              f"{end['rss_kib'] / 1024:.1f} MiB ({(end['rss_kib'] - base['rss_kib']) / 1024:+.1f}); during the run "
+              f"{len(rss)} samples, first {rss[0]:.1f}, max {max(rss):.1f}, last {rss[-1]:.1f} MiB; slope "
+              + (f"{slope:+.1f} MiB/hour" if slope is not None else "n/a (too few samples)")
+              + (f", over the second half {late:+.1f} MiB/hour" if late is not None else ""))
     print(f"  proxy exit status after SIGTERM: {code}; tracebacks in its log: {proxy.text().count('Traceback')}")
     if tally.errors:
         print(f"  client errors ({len(tally.errors)}): {tally.errors[:5]}")
@@ -360,7 +420,9 @@ def main() -> int:
             p.unlink()
         workdir.rmdir()
     ok = (tally.bytes_differing == 0 and missing + lost_committed == 0 and integrity == "ok" and code == 0
-          and not tally.errors and not wrong)
+          and not tally.errors and not wrong and (hostile is None or not hostile.failed()))
+    if hostile is not None and hostile.failed():
+        print(f"  let through: {hostile.failed()}")
     print("  verdict:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -63,6 +63,12 @@ class Config:
     idle_timeout_s: float = 600.0
     """Seconds without a byte from the upstream before giving up (504 before its response headers,
     a truncated stream after them). There is no total deadline: a slow first token is not an error."""
+    send_timeout_s: float = 60.0
+    """Seconds a client may take no more of a response (its TCP acknowledges no byte) before the
+    exchange ends: the client's connection is cut, the upstream's closed, and the turn recorded as
+    ``client_stalled``. It runs only while the client is what holds the body back (the proxy has stopped
+    reading the upstream for it); a slow reader that keeps taking bytes is never cut. Bounds how long
+    clients that never read can hold their places in ``max_concurrent``."""
     header_timeout_s: float = 30.0
     """Seconds a client may take to send its request headers (counted from connecting, or from the end
     of the previous response on a kept-alive connection, which is also how long an idle kept-alive
@@ -242,7 +248,7 @@ def _validate(cfg: Config) -> Config:
     if cfg.memory_budget_bytes < 0 or 0 < cfg.memory_budget_bytes < 2 * cfg.max_body_bytes:
         # (a large body may fill three quarters of the budget: a smaller one could refuse every largest body)
         raise ConfigError("memory_budget_bytes must be 0 (automatic) or at least twice max_body_bytes")
-    for key in ("connect_timeout_s", "idle_timeout_s", "header_timeout_s", "body_timeout_s"):
+    for key in ("connect_timeout_s", "idle_timeout_s", "send_timeout_s", "header_timeout_s", "body_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
     if cfg.drain_timeout_s < 0:

@@ -58,6 +58,7 @@ OUTCOMES = (
     "upstream_truncated",  # the upstream died mid-body: the client's stream was aborted too
     "client_abort",  # the client went away before the response ended; counts are partial
     "shutdown",  # specproxy's shutdown cut it (its drain limit passed, or a second Ctrl-C); counts are partial
+    "client_stalled",  # the client took no bytes for send_timeout_s: cut by the proxy; counts are partial
     "proxy_error",  # specproxy itself failed (a bug): the record says what
 )
 
@@ -90,8 +91,9 @@ class Record:
     timed out, before answering)."""
     outcome: str
     """One of ``ok``, ``upstream_error``, ``upstream_unreachable``, ``upstream_timeout``,
-    ``upstream_truncated``, ``client_abort``, ``shutdown`` (cut by specproxy's own shutdown: its drain
-    limit passed, or a second Ctrl-C), ``proxy_error``."""
+    ``upstream_truncated``, ``client_abort``, ``client_stalled`` (the client took no bytes of the response for
+    ``send_timeout_s``: the proxy cut it), ``shutdown`` (cut by specproxy's own shutdown: its drain limit
+    passed, or a second Ctrl-C), ``proxy_error``."""
     error: str | None = None
     """A short description of what went wrong, when something did (never contains request text)."""
     streamed: bool = False

@@ -10,13 +10,17 @@ Every wait has a deadline; every listener binds 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import sqlite3
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from rawpeers import RawUpstream, chunk  # noqa: F401  (chunk: the fault tests import it from here)
 
@@ -387,3 +391,40 @@ def db_rows(db: Path, sql: str = "SELECT id FROM turns", params: tuple = ()) -> 
         return conn.execute(sql, params).fetchall()
     finally:
         conn.close()
+
+
+# --- a small file system ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path, size: str = "16m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made here) for the test's duration; skips the test where
+    mounting is not allowed (not root)."""
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, timeout=10)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=10)
+
+
+def fill_filesystem(directory: Path) -> Path:
+    """Fill a filesystem to the last byte (and prove it: a 1-byte write fails); returns the filler file
+    (truncate it to give some room back, unlink it to give it all)."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for size in (1 << 20, 4096, 1):
+            for _ in range(100_000):
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+        with pytest.raises(OSError):
+            os.write(fd, b"\0")
+    finally:
+        os.close(fd)
+    return filler

@@ -123,6 +123,9 @@ def _pages_line(cfg: Config, url: str) -> str:
 @_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
 @_setting("--idle-timeout", "idle_timeout_s",
           "Seconds without upstream bytes before giving up; no total deadline", type=float)
+@_setting("--send-timeout", "send_timeout_s",
+          "Seconds a client may take no more of a response before the exchange ends (client_stalled)",
+          type=float)
 @_setting("--header-timeout", "header_timeout_s",
           "Seconds a client may take to send its request headers, and the longest pause inside a request "
           "body (408); also how long an idle kept-alive connection stays open", type=float)
@@ -178,7 +181,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"upstream connection takes one, so connections past about {files // 2} are refused; "
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
-    service.pages = LivePages(cfg.db)  # the live page at /_specproxy/, drawn from the database it writes
+    # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
+    service.pages = LivePages(cfg.db, writer=service.writer)
     install_uvloop()
 
     def ready(svc: Service) -> None:

@@ -131,7 +131,7 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     from specproxy.store.db import Writer
 
     service.writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
-    service.pages = LivePages(cfg.db)  # the live page, as serve has it
+    service.pages = LivePages(cfg.db, writer=service.writer)  # the live page, as serve has it
     await service.start()
     progress(f"demo: scripted upstream at {upstream.url}, specproxy at {service.url}, database {db}\n"
              f"demo: live page {service.url}/_specproxy/, Prometheus {service.url}/_specproxy/metrics")

@@ -187,8 +187,9 @@ class OwnMetrics:
             self.tokens_per_chunk.add(key, r.tokens_per_chunk)
 
     def collect(self) -> Iterator[Metric]:
-        turns = CounterMetricFamily("specproxy_turns", "Measured turns the store took, by outcome (its rows; "
-                                    "turns it dropped are specproxy_dropped_records_store)", labels=LABELS)
+        turns = CounterMetricFamily("specproxy_turns", "Measured turns the store took, by outcome: its rows "
+                                    "once written (specproxy_store_queue_records wait; turns it dropped are "
+                                    "specproxy_dropped_records_store)", labels=LABELS)
         for key, n in list(self.turns.items()):
             turns.add_metric(list(key), n)
         yield turns
@@ -214,8 +215,12 @@ STATE = (
     ("in_flight", "specproxy_requests_in_flight", "Requests being forwarded now", "gauge"),
     ("measured_in_flight", "specproxy_measured_requests_in_flight",
      "Generation requests in flight (the operating point the upstream sees)", "gauge"),
-    ("queued", "specproxy_store_queue_records", "Records waiting for the database writer", "gauge"),
-    ("dropped", "specproxy_dropped_records_store", "Records dropped because the writer's queue was full", "counter"),
+    ("queued", "specproxy_store_queue_records",
+     "Records waiting for the database writer (queued, and a batch it retries)", "gauge"),
+    ("dropped", "specproxy_dropped_records_store",
+     "Records the store never wrote: its queue was full, or they were still unwritten at shutdown", "counter"),
+    ("write_failures", "specproxy_store_write_failures",
+     "Database writes refused (full disk, locked, read-only): the records wait and are retried", "counter"),
     ("measure_dropped", "specproxy_dropped_records_measure",
      "Turns forwarded but not measured (too many waiting to be measured)", "counter"),
     ("measure_errors", "specproxy_measure_errors", "Turns whose measuring failed (recorded unmeasured)", "counter"),

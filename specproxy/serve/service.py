@@ -247,7 +247,9 @@ class Service:
         self.proxy.on_turn_end = self.watch.turn_ended
         self.metrics = OwnMetrics(self._metric_state)
         writer = self.writer
-        self.admin = Admin(self.cfg, self.metrics, lambda: writer.commits if writer is not None else 0, self.pages)
+        # the live page redraws when turns land, and when the store refuses or drops (its note says so)
+        self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)
+                           if writer is not None else 0, self.pages)
         self.proxy.admin = self.admin.handle
         if not is_loopback(self.cfg.host) and self.cfg.admin_token is None:
             log.warning("listening on %s without admin_token: the live page and /_specproxy/metrics answer 401 "
@@ -328,9 +330,10 @@ class Service:
             "memory_used": p.memory_used if p else 0,  # bytes charged to the memory budget now
             "memory_budget": p.budget if p else 0,
             "header_timeouts": self.header_timeouts,
-            "queued": w.pending if w else 0,
+            "queued": w.pending if w else 0,  # waiting for the writer: queued, and a batch it retries
             "written": w.written if w else 0,
             "dropped": w.dropped if w else 0,
+            "write_failures": w.write_failures if w else 0,  # attempts the database refused (logged per cause)
             "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
             **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
         }
@@ -343,6 +346,7 @@ class Service:
             "measured_in_flight": p.measured_in_flight if p else 0,
             "queued": w.pending if w else 0,
             "dropped": w.dropped if w else 0,
+            "write_failures": w.write_failures if w else 0,
             "measure_dropped": p.measure_dropped if p else 0,
             "measure_errors": p.measure_errors if p else 0,
             "scrape_failures": self.watch.failures if self.watch else 0,

@@ -2,9 +2,14 @@
 
 Why one writer thread fed by a bounded queue: the proxy must never wait on the database. ``put`` is a
 non-blocking enqueue; when the queue is full (the disk is slow, the file is locked by someone else)
-the record is dropped and counted, never the traffic. The writer batches inserts into one transaction
-per batch, retries a batch the database refused (locked, full disk) until it is written, and writes
-row by row when one record of a batch is bad, so one odd string cannot cost the others.
+the record is dropped and counted, never the traffic. The writer writes a record as soon as it is ready,
+with whatever else has queued meanwhile, in one transaction (at most one commit per ``COMMIT_GAP_S``);
+it retries a batch the database refused (locked, full disk), split so that whatever fits is written
+(the longest prefix that commits, found by halving), logs a failure once per cause and counts every
+failed attempt, and writes row by row when one record of a batch is bad, so one odd string cannot cost
+the others. What it still holds at shutdown after ``STOP_RETRY_S`` of failures is counted as dropped
+and said in one line. A record waits at most about ``COMMIT_GAP_S`` plus a commit once it is ready: that
+is what a SIGKILL can lose of turns that had ended.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -228,6 +233,7 @@ def _size(p: Path) -> int:
 
 
 _NOTADB = 26
+_FULL = 13  # SQLITE_FULL: the disk (or max_page_count) has no room for the whole transaction
 # SQLite's primary result codes that say the file (not the query) is the problem
 # (PERM, BUSY, LOCKED, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB)
 _FILE_ERRORS = frozenset({3, 5, 6, 8, 10, 11, 13, 14, _NOTADB})
@@ -311,25 +317,25 @@ _INSERT_TURN = f"INSERT OR REPLACE INTO turns ({', '.join(FIELD_NAMES)}) VALUES 
 
 
 _WAKE = object()  # put by close(): the writer thread wakes at once instead of at its next poll
-LINGER_BATCH = 32  # records: enough to make a commit cheap per row, few enough to bind without stalling the relay
+COMMIT_GAP_S = 0.05  # at most one commit per this long: records that come meanwhile go in the next together,
+GAP_BATCH = 32  # unless this many wait already: enough to make a commit cheap per row (and no cap on throughput)
+RETRY_S = (0.2, 0.4, 0.8, 1.6)  # waits between attempts at a batch the database refuses, while none of it fits
+STOP_RETRY_S = 5.0  # closing: how long a refused batch is retried before it is dropped (counted, logged)
 
 
 class Writer:
     """The single writer thread. ``put`` never blocks; ``close`` drains what was queued."""
 
     def __init__(self, path: str | Path, *, queue_size: int = 10000, batch_size: int = 1000,
-                 linger_s: float = 0.25, scrape_retention_days: float = 0.0) -> None:
-        """``linger_s``: after the first record of a batch, wait this long for more. Records come a few at a
-        time (one measuring batch), and a commit costs more than a row: lingering longer halves the
-        writer thread's CPU per relayed chunk at 64 streams (docs/performance.md, "Store and report").
-        A row appears in the database at most that much later; ``close``
-        does not wait for it. It stops waiting once ``LINGER_BATCH`` records are in: a larger batch holds
-        the interpreter lock longer while its rows are bound, which the relay feels as latency.
+                 commit_gap_s: float = COMMIT_GAP_S, scrape_retention_days: float = 0.0) -> None:
+        """``commit_gap_s``: after a commit, the next waits this long at least; a record that comes to an
+        idle writer is written at once. Why not wait for more (it once lingered 250 ms, which halved its CPU
+        per relayed chunk at 64 streams, docs/performance.md): a SIGKILL then lost the last quarter second.
 
         ``scrape_retention_days``: scrapes older than this are deleted at start-up and hourly, a chunk at a
         time between batches (retention.py); 0 keeps them all."""
         self.path = Path(path)
-        self._linger_s = linger_s
+        self._commit_gap_s = commit_gap_s
         self._conn = open_store(self.path)  # fail at start-up, not at the first turn
         # SimpleQueue: a put is one C call (queue.Queue's is Python with a Condition, several times dearer
         # on the event loop); the bound is checked before each put (exact while one thread puts, as the loop does)
@@ -341,10 +347,14 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
         self.commits = 0
-        self.dropped = 0
+        self.dropped = 0  # records never written: the queue was full, or still unwritten at shutdown
         self.retries = 0
+        self.write_failures = 0  # attempts the database refused (each split of a batch counts)
         self.bad_rows = 0
         self.last_error: str | None = None
+        self._held = 0  # records the writer has taken from the queue and not yet written
+        self._full = False  # the latest refusal was for want of room (worth splitting the batch for)
+        self._logged: set[str] = set()  # the causes of failure logged since the last write that succeeded
         self._thread.start()
 
     def put(self, item: Record | tuple[str, tuple]) -> bool:
@@ -360,7 +370,8 @@ class Writer:
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Records waiting to be written: queued, and those the writer holds (a batch it retries)."""
+        return self._queue.qsize() + self._held
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop after writing everything queued so far (bounded by ``timeout``)."""
@@ -373,6 +384,7 @@ class Writer:
     def _run(self) -> None:
         name_os_thread()
         pending: list = []
+        refused = 0  # rounds in a row in which nothing of the batch could be written
         while True:
             if not pending:
                 self.retention.run_if_due(self._conn)  # here: never while a batch waits
@@ -390,34 +402,70 @@ class Writer:
                     if self._stop.is_set() and self._queue.empty():
                         return
                     continue
-            deadline = time.monotonic() + self._linger_s
-            while len(pending) < self._batch_size:
+            while len(pending) < self._batch_size:  # what has queued meanwhile: never waits for more
                 try:
-                    left = deadline - time.monotonic()
-                    if left > 0 and len(pending) < LINGER_BATCH and not self._stop.is_set():
-                        item = self._queue.get(timeout=left)
-                    else:
-                        item = self._queue.get_nowait()
-                    if item is not _WAKE:
-                        pending.append(item)
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if self._write(pending):
-                pending = []
+                if item is not _WAKE:
+                    pending.append(item)
+            self._held = len(pending)
+            before = len(pending)
+            pending = self._write_what_fits(pending)
+            self._held = len(pending)
+            if not pending:
+                refused = 0
+                if self._logged:  # every record it held is written: a cause seen again is logged again
+                    log.warning("database %s: writing again (%d attempts refused so far)", self.path,
+                                self.write_failures)
+                    self._logged.clear()
+                if not self._stop.is_set() and self._queue.qsize() < GAP_BATCH:
+                    self._stop.wait(self._commit_gap_s)  # what comes meanwhile goes in the next commit
             elif self._stop.is_set() and self._stop_deadline_passed():
-                self.dropped += len(pending)
+                self._drop_at_stop(pending)
                 return
             else:
                 self.retries += 1
-                self._stop.wait(0.2)  # the database refused (locked, full disk): try the batch again
+                refused = 0 if len(pending) < before else refused + 1
+                self._stop.wait(RETRY_S[min(refused, len(RETRY_S) - 1)])  # locked, full disk: again later
 
     _stop_since: float | None = None
 
     def _stop_deadline_passed(self) -> bool:
-        now = time.monotonic()
-        if self._stop_since is None:
-            self._stop_since = now
-        return now - self._stop_since > 5.0
+        self._stop_since = self._stop_since or time.monotonic()
+        return time.monotonic() - self._stop_since > STOP_RETRY_S
+
+    def _drop_at_stop(self, pending: list) -> None:
+        """Closing, and the database still refuses: count what is lost (held and still queued), say it once."""
+        lost = len(pending)
+        with suppress(queue.Empty):
+            while True:
+                lost += self._queue.get_nowait() is not _WAKE
+        self._held = 0
+        self.dropped += lost
+        log.error("database %s: %d records could not be written before shutdown and are lost (%s)",
+                  self.path, lost, self.last_error)
+
+    def _write_what_fits(self, items: list) -> list:
+        """Write ``items`` in order, as many as the database takes: the whole batch, else the longest
+        prefix that commits, found by halving (a full disk may hold some of a batch, not all; a locked or
+        read-only one none, so it is not split for them); what is left is returned, to be retried. A first
+        record that does not fit even alone (one larger than the room left) is passed over once per call,
+        so that it does not hold back smaller ones behind it; at most 2 (log2(len) + 1) refused attempts
+        per call."""
+        skipped: list = []
+        while items:
+            n = len(items)
+            while n and not self._write(items[:n]):
+                n = n // 2 if self._full else 0  # a full disk may take part of a batch; a lock refuses all
+            if n == 0:  # not even the first fits
+                if skipped or not self._full:
+                    return skipped + items
+                skipped, items = items[:1], items[1:]
+            else:
+                items = items[n:]
+            self._held = len(skipped) + len(items)
+        return skipped
 
     def _write(self, items: list) -> bool:
         records = [i for i in items if isinstance(i, Record)]
@@ -440,6 +488,13 @@ class Writer:
             return True
         except sqlite3.OperationalError as exc:  # locked, busy, disk full, read-only: transient
             self.last_error = str(exc)
+            self._full = getattr(exc, "sqlite_errorcode", _FULL) & 0xFF == _FULL
+            self.write_failures += 1
+            if self.last_error not in self._logged:  # once per cause, until a write succeeds again
+                self._logged.add(self.last_error)
+                log.error("database %s: writing %d records failed: %s; they wait and are retried (the queue "
+                          "holds %d; past it records are dropped and counted)", self.path, len(items),
+                          self.last_error, self._queue_size)
             return False
 
     def _rollback(self) -> None:

@@ -41,7 +41,7 @@ h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
 table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right}th{font-weight:600}td:first-child,th:first-child{text-align:left}
 svg text{font:11px system-ui,sans-serif;fill:#444}.turn{cursor:pointer}.turn:hover rect{opacity:.75}
 svg text.mark,.ceiling text{paint-order:stroke;stroke:#fff;stroke-width:3px}
-.muted{color:#777}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
+.muted{color:#777}.error{color:#b00}#record{white-space:pre-wrap;font:12px monospace;max-height:24em;overflow:auto;background:#f4f4f4;padding:.5em}
 .legend i{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
 """
 
@@ -334,26 +334,27 @@ def _server(s: dict[str, Any] | None) -> str:
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
 
-def fragment(snap: dict[str, Any]) -> str:
-    """The content of the page: what each live event replaces."""
+def fragment(snap: dict[str, Any], note: str = "") -> str:
+    """The content of the page: what each live event replaces. ``note``: a line of HTML above it (the live
+    page's store line)."""
     r, p = snap["report"], snap["pictures"]
     if not r["turns"]:
-        return _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
+        return note + _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
-    return (_header(r) + _figures(r) + _turns(snap["recent"])
+    return (note + _header(r) + _figures(r) + _turns(snap["recent"])
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'
             + _server(r.get("server")))
 
 
-def document(snap: dict[str, Any], *, live: bool, title: str) -> str:
+def document(snap: dict[str, Any], *, live: bool, title: str, note: str = "") -> str:
     """The whole page: styles and script inline, nothing fetched (the live page's events excepted)."""
     status = ('<p id="status" class="muted">live: connecting</p>' if live
               else f'<p class="muted">specproxy report, written {_utc(datetime.now(timezone.utc).timestamp())} UTC</p>')
     script = SCRIPT + (LIVE_SCRIPT if live else "")
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
-            f'<body data-updates="0"><h1>{escape(title)}</h1>{status}<div id="content">{fragment(snap)}</div>'
+            f'<body data-updates="0"><h1>{escape(title)}</h1>{status}<div id="content">{fragment(snap, note)}</div>'
             f'<h2>Record of the turn clicked</h2><pre id="record" class="muted">click a turn above</pre>'
             f'<script>{script}</script></body></html>')

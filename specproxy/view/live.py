@@ -20,6 +20,9 @@ from __future__ import annotations
 import time
 
 from specproxy.store.dataset import where_clause
+from html import escape
+from typing import Any
+
 from specproxy.store.db import connect
 from specproxy.store.queries import nth_newest_t_wall
 from specproxy.view.html import document, fragment
@@ -32,10 +35,27 @@ MAX_TURNS = 500  # and of those at most the newest this many
 
 
 class LivePages:
-    def __init__(self, db: str, *, window_s: float = WINDOW_S, max_turns: int = MAX_TURNS) -> None:
+    """``writer``: the proxy's ``store.db.Writer``, whose counts the page's store line shows (what waits,
+    what the database refused, what was dropped): the pictures come from the database, and a database
+    that refuses writes would otherwise leave the page still and silent."""
+
+    def __init__(self, db: str, *, window_s: float = WINDOW_S, max_turns: int = MAX_TURNS,
+                 writer: Any = None) -> None:
         self.db = db
         self.window_s = window_s
         self.max_turns = max_turns
+        self.writer = writer
+
+    def store_line(self) -> str:
+        w = self.writer
+        if w is None:
+            return ""
+        text = (f"store: {w.written} records written, {w.pending} waiting, {w.dropped} dropped, "
+                f"{w.write_failures} writes refused")
+        if w.write_failures or w.dropped:
+            why = f" (latest: {w.last_error})" if w.last_error else ""
+            return f'<p class="error" id="store">{escape(text + why)}</p>'
+        return f'<p class="muted" id="store">{escape(text)}</p>'
 
     def _snapshot(self) -> dict:
         conn = connect(self.db, readonly=True)
@@ -50,7 +70,7 @@ class LivePages:
     def document(self) -> str:
         title = (f"specproxy live: the last {self.window_s / 60:g} minutes of {self.db} "
                  f"(at most its newest {self.max_turns} turns)")
-        return document(self._snapshot(), live=True, title=title)
+        return document(self._snapshot(), live=True, title=title, note=self.store_line())
 
     def fragment(self) -> str:
-        return fragment(self._snapshot())
+        return fragment(self._snapshot(), self.store_line())

@@ -26,7 +26,7 @@ import time
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire.http1 import LengthEnd, UntilClose
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY
-from specproxy.wire.relay_thread import NativeChunkedEnd, ended_reason, plain_socket_fd
+from specproxy.wire.relay_thread import NativeChunkedEnd, acked_bytes, ended_reason, plain_socket_fd
 
 __all__ = ["DECHUNK", "ENCODE", "PASS", "BodyRelay"]
 
@@ -37,6 +37,8 @@ _IDLE, _WAIT_HEAD, _PARKED, _BODY, _DONE = range(5)
 
 # how the body goes to the client
 PASS, DECHUNK, ENCODE = 0, 1, 2
+
+LOOKS = 4  # looks at a client that holds the body back per send_timeout_s (BodyRelay._send_left)
 
 
 class BodyRelay:
@@ -79,9 +81,12 @@ class BodyRelay:
             self.connection_lost(None)
             return
         if self.transport is not None:
-            self._arm_timer()
-            if thread and head.framing == CHUNKED:
-                self._thread_attach(out)  # else each read goes on through _body, on the loop
+            if thread and head.framing == CHUNKED and self._thread_attach(out):
+                # soon enough to see the client hold the thread back (_send_left), and from where
+                self._took, self._took_at = self._taken(out), clock()
+                self._arm_timer(min(self.pool.idle_timeout_s, self.pool.send_timeout_s / LOOKS))
+            else:
+                self._arm_timer()  # each read goes on through _body, on the loop
 
     def _thread_attach(self, out: asyncio.Transport) -> bool:
         """Hand the body to the relay thread: only when both ends are plain sockets and nothing of ours waits
@@ -183,8 +188,41 @@ class BodyRelay:
         if self.transport is not None:
             self.transport.pause_reading()
         self.paused = True
-        self._cancel_timer()  # not the upstream's silence: no idle deadline while we hold it back
+        # not the upstream's silence: no idle deadline while we hold it back, but the client's send deadline
+        self._took, self._took_at = self._taken(self.out), clock()
+        self._arm_timer(self.pool.send_timeout_s / LOOKS)
         self._wake()
+
+    @staticmethod
+    def _taken(out: asyncio.Transport) -> int:
+        """How far the client has taken the response: the bytes its TCP acknowledged, or (where the kernel
+        does not say) minus what waits in our buffer for it. Goes up exactly when the client takes bytes."""
+        acked = acked_bytes(out)
+        return acked if acked is not None else -out.get_write_buffer_size()
+
+    def _send_left(self, now: float) -> float | None:
+        """While the client is what holds the body back (the thread's turn blocked on it, or this relay
+        paused for it): when to look again (``LOOKS`` times per ``send_timeout_s``), and the turn ended
+        as ``client_stalled`` once the client has taken no byte for ``send_timeout_s``. None while the
+        client keeps up. Looked at once per timer, never per read: bytes taken between two looks count
+        from the later one, so a client is cut between ``send_timeout_s`` and a ``LOOKS``th more after
+        it stopped."""
+        turn = self._turn
+        out = self.out
+        if out is None or self.state != _BODY or (turn is None and not self.paused):
+            return None
+        took = self._taken(out)
+        if turn is not None and not turn.blocked:  # the client keeps up with the thread: from now on
+            self._took, self._took_at = took, now
+            return None
+        if took > self._took:  # the client took some since the last look
+            self._took, self._took_at = took, now
+        since = max(self._took_at, turn.last_activity) if turn is not None else self._took_at
+        self.last_read = now  # the upstream's idle deadline starts again once the client takes more
+        left = since + self.pool.send_timeout_s - now
+        if left <= 0:
+            self._stalled()
+        return min(left, self.pool.send_timeout_s / LOOKS)
 
     def resume(self) -> None:
         if not self.paused or self.state != _BODY:
@@ -224,7 +262,9 @@ class BodyRelay:
         if b is not None and not b._ended:
             b.finish(clock(), outcome, error)
         self.builder = None
-        self.out = None
+        out, self.out = self.out, None
+        if outcome == "ok" and out is not None and out.get_write_buffer_size():
+            _watch_unsent(out, self.pool.loop, self.pool.send_timeout_s)
         if outcome == "ok" and self.reusable and self.head is not None and self.head.keep_alive:
             self.pool._release(self)
         else:
@@ -239,9 +279,40 @@ class BodyRelay:
         if out is not None:
             out.abort()  # the client must see the truncation: no invented end of the body
 
+    def _stalled(self) -> None:
+        """The client took nothing for ``send_timeout_s``: cut it, close the upstream, record the turn."""
+        if self._thread_ended_first():
+            return
+        out = self.out
+        self.reusable = False
+        self._complete("client_stalled", f"the client took no bytes for send_timeout_s "
+                                         f"({self.pool.send_timeout_s:g} s)")
+        if out is not None:
+            out.abort()
+
     def _client_gone(self, reason: str) -> None:
         if self._thread_ended_first():
             return
         self.reusable = False
         self._complete("client_abort", reason)
 
+
+def _watch_unsent(out: asyncio.Transport, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    """A body ended with bytes of it still in the client's write buffer (the kernel's was full): once
+    the client's connection is closing (its keep-alive deadline), a transport waits for that buffer to
+    drain before it lets go, for ever if the client never reads. Cut it ``timeout`` after the client
+    last took a byte; nothing to do once the buffer is empty. One look per ``timeout``, from the end."""
+    took = BodyRelay._taken(out)
+
+    def look() -> None:
+        nonlocal took
+        if not out.get_write_buffer_size():
+            return
+        now = BodyRelay._taken(out)
+        if now == took and out.is_closing():
+            out.abort()
+            return
+        took = now
+        loop.call_later(timeout, look)
+
+    loop.call_later(timeout, look)

@@ -60,9 +60,10 @@ class UpstreamPool:
     exchange for the client connection that exchange came from, the fresh ones for anyone."""
 
     def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
-                 relay_slice_us: int = 100, reuse: bool = True) -> None:
+                 relay_slice_us: int = 100, reuse: bool = True, send_timeout_s: float = 60.0) -> None:
         """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
-        ``python`` (every body relayed on the loop); Config's ``relay`` and ``relay_slice_us``. ``reuse``
+        ``python`` (every body relayed on the loop); Config's ``relay``, ``relay_slice_us`` and
+        ``send_timeout_s`` (how long a client may take nothing more of a body: ``body.py``). ``reuse``
         False (Config ``upstream_reuse = "off"``): a connection that carried an exchange is closed after
         it, never kept for anyone."""
         if url.scheme not in ("http", "https") or not url.host:
@@ -73,6 +74,7 @@ class UpstreamPool:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if url.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.relay_thread = relay == "thread" and THREAD_BUILT
         self.relay_slice_us = relay_slice_us
         self.reuse = reuse

@@ -17,12 +17,14 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specproxy.wire.upstream import UpstreamConn
 
-__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "TurnSink", "ended_reason", "last_read", "plain_socket_fd"]
+__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "TurnSink", "acked_bytes", "ended_reason", "last_read",
+           "plain_socket_fd"]
 
 log = logging.getLogger("specproxy.relay")
 
@@ -50,6 +52,27 @@ def plain_socket_fd(transport: asyncio.BaseTransport) -> int | None:
         return None
     fd = sock.fileno()
     return fd if fd >= 0 else None
+
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_ACKED = slice(120, 128)  # struct tcp_info's tcpi_bytes_acked (Linux >= 4.1), a u64 in the host's byte order
+
+
+def acked_bytes(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes of ours the peer's TCP has acknowledged on this connection: it goes up as the peer reads
+    (its window opens), and stays put while it does not. None where the kernel does not say.
+
+    Why not the writes we manage: the kernel reports a full socket writable again only once half of its
+    send queue (megabytes, autotuned) has gone, so a client reading slowly but steadily would look
+    stalled for many seconds between two writes."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 232)
+    except (OSError, AttributeError):
+        return None
+    return int.from_bytes(info[_ACKED], sys.byteorder) if len(info) >= _ACKED.stop else None
 
 
 def no_delay(transport: asyncio.BaseTransport) -> None:

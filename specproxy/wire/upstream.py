@@ -19,8 +19,9 @@ limit). Bytes past a response's end are never relayed, and the connection that h
 nor is one after a response with no body by rule or an interim 1xx (an upstream that disagrees may send
 that body later, when the connection carries the next exchange).
 Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for the response head and between reads
-of the body (not while the client is the one not reading). There is no total deadline: a long prefill or
-a long answer is not an error.
+of the body (not while the client is the one not reading); ``send_timeout_s`` while the client is the one
+not reading (no progress writing to it: the turn ends as ``client_stalled``, ``body.py``). There is no
+total deadline: a long prefill or a long answer is not an error.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from specproxy.errors import UpstreamError
 from specproxy.frames.chunked import ChunkedEnd, FramingError
-from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, PASS, BodyRelay
+from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, LOOKS, PASS, BodyRelay
 from specproxy.wire.http1 import LengthEnd, UntilClose
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
 from specproxy.wire.relay_thread import no_delay
@@ -91,6 +92,8 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._high = 65536
         self.last_read = 0.0
+        self._took = 0  # how far the client had taken the body at the last look (body._taken)
+        self._took_at = 0.0  # and when it was last seen taking more
         self._timer: asyncio.TimerHandle | None = None
         self._pool_timer: asyncio.TimerHandle | None = None
         self.reusable = True
@@ -264,9 +267,10 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
 
     # --- deadlines and closing ----------------------------------------------------------------------
 
-    def _arm_timer(self) -> None:
+    def _arm_timer(self, delay: float | None = None) -> None:
         self._cancel_timer()
-        self._timer = self.pool.loop.call_later(self.pool.idle_timeout_s, self._check_idle)
+        self._timer = self.pool.loop.call_later(self.pool.idle_timeout_s if delay is None else delay,
+                                                self._check_idle)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -274,13 +278,22 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
             self._timer = None
 
     def _check_idle(self) -> None:
-        """One timer per idle period, not per read: re-armed for what is left when bytes came meanwhile."""
+        """One timer per idle period, not per read: re-armed for what is left when bytes came meanwhile.
+        While the client is what holds the body back, its send deadline instead (``_send_left``)."""
         self._timer = None
+        now = clock()
+        left = self._send_left(now)
+        if left is not None:
+            if left > 0:
+                self._timer = self.pool.loop.call_later(left, self._check_idle)
+            return
         turn = self._turn
-        if turn is not None:  # the thread's reads, or now if the client is what holds the body back
-            self.last_read = clock() if turn.blocked else max(self.last_read, turn.last_activity)
-        left = self.last_read + self.pool.idle_timeout_s - clock()
+        if turn is not None:  # the thread's reads
+            self.last_read = max(self.last_read, turn.last_activity)
+        left = self.last_read + self.pool.idle_timeout_s - now
         if left > 0:
+            if turn is not None:  # soon enough to see the client hold the thread back (send_timeout_s)
+                left = min(left, self.pool.send_timeout_s / LOOKS)
             self._timer = self.pool.loop.call_later(left, self._check_idle)
             return
         limit = f"idle_timeout_s ({self.pool.idle_timeout_s:g} s)"

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sqlite3
-import subprocess
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from faultkit import ScriptedUpstream, chunk, wait_until
+from faultkit import ScriptedUpstream, chunk, fill_filesystem, tiny_tmpfs, wait_until
 from stream_shapes import delta_event
 from specproxy.serve.measuring import MAX_BATCH
 
@@ -201,37 +198,6 @@ def test_database_locked_under_load_costs_records_not_traffic(make_stack):
     assert writer.dropped == dropped_in_lock <= len(during)  # only turns from the locked window were lost
 
 
-@contextlib.contextmanager
-def _tiny_tmpfs(path: Path, size: str = "16m"):
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, timeout=10)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=10)
-
-
-def _fill(directory: Path) -> Path:
-    """Fill a filesystem to the last byte (and prove it: a 1-byte write fails)."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        for size in (1 << 20, 4096, 1):
-            for _ in range(100_000):
-                try:
-                    os.write(fd, b"\0" * size)
-                except OSError:
-                    break
-        with pytest.raises(OSError):
-            os.write(fd, b"\0")
-    finally:
-        os.close(fd)
-    return filler
-
-
 @pytest.mark.parametrize("how", ["tmpfs", "max_page_count"])
 def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
     """``tmpfs``: the database lives on a 16 MiB tmpfs that a filler file makes full (root only).
@@ -240,7 +206,7 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
     dropped and counted, and writing resumes once space is back."""
     with contextlib.ExitStack() as cleanup:
         if how == "tmpfs":
-            mount = cleanup.enter_context(_tiny_tmpfs(tmp_path / "tiny"))
+            mount = cleanup.enter_context(tiny_tmpfs(tmp_path / "tiny"))
             stack = make_stack(db=str(mount / "turns.db"), queue_size=SMALL_QUEUE, scrape_interval_s=0)
         else:
             stack = make_stack(queue_size=SMALL_QUEUE, scrape_interval_s=0)
@@ -249,7 +215,7 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
         wait_until(lambda: writer.written == len(warm) and not writer.pending, 10, what="the warm-up rows")
         reference = sorted(lat for _, _, lat in warm)[len(warm) // 2]
         if how == "tmpfs":
-            filler = _fill(mount)
+            filler = fill_filesystem(mount)
         else:
             pages = writer._conn.execute("PRAGMA page_count").fetchone()[0]
             writer._conn.execute(f"PRAGMA max_page_count = {pages}")

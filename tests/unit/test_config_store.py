@@ -145,26 +145,25 @@ def test_a_spurious_empty_at_close_loses_no_record(tmp_path):
     assert w.written == 50 and w.dropped == 0
 
 
-def test_lingering_ends_once_a_batch_is_worth_a_commit(tmp_path, monkeypatch):
-    """The writer waits for more records (``linger_s``), but not past ``LINGER_BATCH`` of them: with a
-    60 s linger, a full batch is written at once, and what comes later waits for the next one."""
+def test_a_record_is_written_as_soon_as_it_is_ready(tmp_path):
+    """An idle writer writes a record at once, not after waiting for more (issue 32: a SIGKILL lost the
+    turns of the last quarter second); the commit gap then holds what comes next for the next commit,
+    and ``close`` writes it without waiting out the gap."""
     import time
 
-    from specproxy.store import db as store
-
-    monkeypatch.setattr(store, "LINGER_BATCH", 4)
-    w = Writer(tmp_path / "t.db", linger_s=60.0)
+    w = Writer(tmp_path / "t.db", commit_gap_s=60.0)
     try:
-        for i in range(4):
-            assert w.put(make_record(seed=i))
+        assert w.put(make_record(seed=1))
         deadline = time.monotonic() + 10.0
-        while w.written < 4 and time.monotonic() < deadline:  # bounded: a cap that did not work waits 60 s
-            time.sleep(0.01)
-        assert w.written == 4
-        assert w.put(make_record(seed=99))
+        while w.written < 1 and time.monotonic() < deadline:  # bounded: a writer that lingers waits 0.25 s+
+            time.sleep(0.001)
+        assert w.written == 1
+        assert w.put(make_record(seed=2))
+        time.sleep(0.05)  # not a stand-in for an event: within the 60 s gap nothing more is committed
+        assert w.written == 1 and w.pending == 1  # held for the next commit, and counted as waiting
     finally:
-        w.close()  # close does not linger: the fifth is written now
-    assert w.written == 5
+        w.close()  # close does not wait out the gap: the second is written now
+    assert w.written == 2
 
 
 def test_full_queue_drops_and_counts_never_blocks(tmp_path):
@@ -305,3 +304,32 @@ def test_the_memory_budget_has_room_for_the_largest_body():
     for bad in (-1, (64 << 20) - 1):
         with pytest.raises(ConfigError, match="memory_budget_bytes"):
             load_config(env={}, overrides={"memory_budget_bytes": bad})
+
+
+def test_a_refused_batch_is_split_so_whatever_fits_is_written():
+    """Issue 32: a batch larger than the room left never committed, even once some room came back. The
+    writer writes the longest prefix that commits (halving), passes over one record too large on its own,
+    and gives back the rest in order; with no room at all it stops after two halvings."""
+
+    class Sized(Writer):  # _write_what_fits alone: a "record" is its size, the room is ``room``
+        def __init__(self, room: int, full: bool = True) -> None:
+            self.room, self.tried, self._held, self._full = room, [], 0, full
+
+        def _write(self, items: list) -> bool:
+            self.tried.append(len(items))
+            if sum(items) > self.room or not self._full:
+                return False
+            self.room -= sum(items)
+            return True
+
+    w = Sized(10)
+    assert w._write_what_fits([3, 3, 3, 3, 3]) == [3, 3] and w._held == 2  # three fit: written
+    w = Sized(10)
+    assert w._write_what_fits([20, 1, 1, 1]) == [20]  # the large one waits, the small ones behind it do not
+    w = Sized(10)
+    assert w._write_what_fits([20, 1, 30, 1]) == [20, 30, 1]
+    w = Sized(0)
+    assert w._write_what_fits([1] * 1000) == [1] * 1000
+    assert len(w.tried) == 20  # log2(1000) + 1 attempts, twice: not one per record
+    w = Sized(10, full=False)  # locked: no part of a batch would go in, so none is tried
+    assert w._write_what_fits([1] * 1000) == [1] * 1000 and w.tried == [1000]
