@@ -41,7 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specproxy.store.db import _INSERT_TURN, Writer, open_store, record_row  # noqa: E402
+from specproxy.store.db import open_store  # noqa: E402
+from specproxy.store.writer import INSERT_TURN, Writer, record_row  # noqa: E402
 from specproxy.app.fake_upstream import make_record  # noqa: E402
 
 now_ns = time.perf_counter_ns
@@ -115,7 +116,7 @@ def bench_baseline(records, tmp: Path, batch_size: int) -> dict:
     for i in range(0, len(records), batch_size):
         rows = [record_row(r) for r in records[i : i + batch_size]]
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(_INSERT_TURN, rows)
+        conn.executemany(INSERT_TURN, rows)
         conn.execute("COMMIT")
     t1 = now_ns()
     conn.close()
@@ -124,7 +125,7 @@ def bench_baseline(records, tmp: Path, batch_size: int) -> dict:
     rows = [record_row(r) for r in records]
     t2 = now_ns()
     conn.execute("BEGIN IMMEDIATE")
-    conn.executemany(_INSERT_TURN, rows)
+    conn.executemany(INSERT_TURN, rows)
     conn.execute("COMMIT")
     t3 = now_ns()
     conn.close()

@@ -209,7 +209,7 @@ class LiveStack:
         target = (self.raw.url if self.raw is not None else self.upstream.url) + upstream_path
         self.cfg = load_config(env={}, overrides={"upstream": target, "port": 0,
                                                    "db": str(tmp / "turns.db"), **cfg})
-        from specproxy.store.db import Writer
+        from specproxy.store.writer import Writer
 
         self.service = Service(cfg=self.cfg, tokenizer=self.tokenizer, extra_sinks=[self.records.append],
                                writer=Writer(self.cfg.db, queue_size=self.cfg.queue_size))

@@ -240,7 +240,7 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
     progress = progress or Quiet()
     service = Service.from_config(cfg) if tokenizer is None else None
     if service is None:
-        from specproxy.store.db import Writer
+        from specproxy.store.writer import Writer
 
         service = Service(cfg=cfg, tokenizer=tokenizer,
                           writer=Writer(cfg.db, queue_size=cfg.queue_size,

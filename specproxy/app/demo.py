@@ -128,7 +128,7 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     cfg = load_config(env={}, overrides={"upstream": upstream.url, "port": 0, "db": str(db),
                                           "tokenizer": tokenizer, "label": "demo", "scrape_interval_s": 0.25})
     service = Service(cfg=cfg, tokenizer=tok)
-    from specproxy.store.db import Writer
+    from specproxy.store.writer import Writer
 
     service.writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
     service.pages = LivePages(cfg.db, writer=service.writer)  # the live page, as serve has it

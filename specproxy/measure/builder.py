@@ -27,7 +27,7 @@ import orjson
 from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
-from specproxy.measure.content import classify
+from specproxy.measure.completion import cached_tokens, content_class_of, count_completion, int_or_none
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
@@ -35,7 +35,7 @@ from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
 from specproxy.measure.texts import Texts, body_texts, stream_texts_reference
-from specproxy.measure.tokens import Tokenizer, count_with_first
+from specproxy.measure.tokens import Tokenizer
 
 __all__ = ["RecordBuilder", "is_measured"]
 
@@ -359,7 +359,7 @@ class RecordBuilder:
             self.shed.append("completion_over_max_counted_bytes")  # about 1 s of tokenizer per 4 MiB
             counts = None
         else:
-            counts = _count_completion(texts, tok, first_only) if tok is not None else None
+            counts = count_completion(texts, tok, first_only) if tok is not None else None
         prompt = None
         if tok is not None and request.parts is not None:
             try:
@@ -423,11 +423,11 @@ class RecordBuilder:
             content_tokens=counts["content"] if counts else None,
             reasoning_tokens=counts["reasoning"] if counts else None,
             tool_args_tokens=counts["tool_args"] if counts else None,
-            content_class=_content_class(texts),
+            content_class=content_class_of(texts),
             first_chunk_tokens=counts["first"] if counts else None,
-            usage_completion_tokens=_int_or_none(usage.get("completion_tokens")),
-            usage_prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-            usage_cached_tokens=_cached_tokens(usage, texts.timings),
+            usage_completion_tokens=int_or_none(usage.get("completion_tokens")),
+            usage_prompt_tokens=int_or_none(usage.get("prompt_tokens")),
+            usage_cached_tokens=cached_tokens(usage, texts.timings),
             chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
             tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
             decode_tps=decode_tps,
@@ -493,45 +493,7 @@ def _no_budget(n: int, small: bool = False) -> bool:
     return True
 
 
-def _count_completion(texts: Texts, tok: Tokenizer, first_only: bool = False) -> dict[str, int] | None:
-    """Encode each (choice, kind) text once (choice 0's alone when ``first_only``); map tokens to the first
-    chunk by character offsets."""
-    if not texts.texts:
-        return None
-    out = {"content": 0, "reasoning": 0, "tool_args": 0, "first": 0}
-    for key, text in texts.texts.items():
-        if first_only and key[0] != 0:
-            continue
-        n, first = count_with_first(tok, text, texts.first_lens.get(key, 0))
-        out[key[1]] += n
-        out["first"] += first
-    out["completion"] = out["content"] + out["reasoning"] + out["tool_args"]
-    return out
-
-
-def _content_class(texts: Texts) -> str | None:
-    by_kind: dict[str, str] = {}
-    for (_, kind), text in texts.texts.items():
-        by_kind[kind] = by_kind.get(kind, "") + text
-    return classify(by_kind.get("content", ""), by_kind.get("tool_args", ""))
-
-
 def _median_sorted(values: list[float]) -> float:
     """``statistics.median`` of an already sorted, non-empty list, without its per-call overhead."""
     mid = len(values) // 2
     return values[mid] if len(values) & 1 else (values[mid - 1] + values[mid]) / 2
-
-
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _cached_tokens(usage: dict, timings: dict | None) -> int | None:
-    """The server's own count of prompt tokens it reused from its cache: every API's usage is read into
-    the chat shape (``prompt_tokens_details.cached_tokens``); llama.cpp says it in its ``timings``
-    (``cache_n``) when its usage does not."""
-    details = usage.get("prompt_tokens_details")
-    cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
-    if cached is None and isinstance(timings, dict):
-        cached = _int_or_none(timings.get("cache_n"))
-    return cached

@@ -41,7 +41,7 @@ from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
 from specproxy.store.captures import capture_item
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.tokens import Tokenizer, load_tokenizer

@@ -27,7 +27,7 @@ import orjson
 from specproxy.config import Config
 from specproxy.observe.scrape import Scraper, ScrapeSample, delta
 from specproxy.store import rows
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 
 __all__ = ["ServerWatch"]
 

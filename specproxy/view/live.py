@@ -35,7 +35,7 @@ MAX_TURNS = 500  # and of those at most the newest this many
 
 
 class LivePages:
-    """``writer``: the proxy's ``store.db.Writer``, whose counts the page's store line shows (what waits,
+    """``writer``: the proxy's ``store.writer.Writer``, whose counts the page's store line shows (what waits,
     what the database refused, what was dropped): the pictures come from the database, and a database
     that refuses writes would otherwise leave the page still and silent."""
 

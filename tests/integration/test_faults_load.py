@@ -240,7 +240,7 @@ def test_full_disk_costs_records_not_traffic(make_stack, tmp_path, how):
 
 
 def test_writer_reports_why_a_write_failed(tmp_path):
-    from specproxy.store.db import Writer
+    from specproxy.store.writer import Writer
     from specproxy.app.fake_upstream import make_record
 
     writer = Writer(tmp_path / "turns.db", queue_size=10)

@@ -21,7 +21,8 @@ from specproxy.analyze.compare import Arm, compare, negative_control_report
 from specproxy.store.dataset import TEXT, load_turns
 from specproxy.store import rows
 from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
-from specproxy.store.db import Writer, connect
+from specproxy.store.db import connect
+from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specproxy.analyze.stats import CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record, make_whole_record
 
 ROOT = Path(__file__).resolve().parents[2]

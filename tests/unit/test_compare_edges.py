@@ -14,7 +14,8 @@ import pytest
 from specproxy.analyze.compare import negative_control_report, parse_arm, render_compare
 from specproxy.analyze.stats import CONFOUNDED_WARNING
 from specproxy.app.fake_upstream import make_record
-from specproxy.store.db import Writer, open_existing
+from specproxy.store.db import open_existing
+from specproxy.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
 

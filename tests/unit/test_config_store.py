@@ -12,7 +12,8 @@ import pytest
 
 from specproxy.config import KEYS, load_config
 from specproxy.errors import ConfigError, StoreError
-from specproxy.store.db import MIGRATIONS, Writer, connect, migrate
+from specproxy.store.db import MIGRATIONS, connect, migrate
+from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import re
 import time
 
 from specproxy.app.fake_upstream import make_record
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 from specproxy.view.live import LivePages
 
 

@@ -337,9 +337,9 @@ def test_through_the_proxy_a_turn_waits_for_those_in_flight_and_the_last_ends_th
 
 
 def test_the_servers_cached_prompt_tokens_from_usage_else_from_llama_cpps_timings():
-    from specproxy.measure.builder import _cached_tokens
+    from specproxy.measure.completion import cached_tokens
 
-    assert _cached_tokens({"prompt_tokens_details": {"cached_tokens": 7}}, {"cache_n": 9}) == 7
-    assert _cached_tokens({}, {"cache_n": 9, "prompt_n": 3}) == 9  # llama.cpp's usage has no cached count
-    assert _cached_tokens({}, None) is None and _cached_tokens({"prompt_tokens_details": None}, {}) is None
+    assert cached_tokens({"prompt_tokens_details": {"cached_tokens": 7}}, {"cache_n": 9}) == 7
+    assert cached_tokens({}, {"cache_n": 9, "prompt_n": 3}) == 9  # llama.cpp's usage has no cached count
+    assert cached_tokens({}, None) is None and cached_tokens({"prompt_tokens_details": None}, {}) is None
 

@@ -13,7 +13,8 @@ import pytest
 
 from specproxy.store.dataset import load_turns
 from specproxy.analyze.report import build_report, render_text
-from specproxy.store.db import Writer, open_store
+from specproxy.store.db import open_store
+from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record, make_whole_record
 
 T0 = 1_700_000_000.0

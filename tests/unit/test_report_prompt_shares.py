@@ -12,7 +12,7 @@ import pytest
 from specproxy.analyze.report import PROMPT_PARTS, build_report, render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store.dataset import load_turns
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 
 # (system, tools, history, new) per turn: an agent whose history grows and whose tools come and go, so the
 # parts' medians (10, 0, 100, 7) are far from adding up to the median prompt (380)

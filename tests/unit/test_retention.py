@@ -19,7 +19,8 @@ from specproxy.fielddocs import field_docs
 from specproxy.serve.watch import ServerWatch
 from specproxy.store.retention import ScrapeRetention
 from specproxy.observe.scrape import ScrapeSample, parse_exposition
-from specproxy.store.db import Writer, open_store
+from specproxy.store.db import open_store
+from specproxy.store.writer import Writer
 from pages import LLAMACPP_PAGE
 
 DAY = 86400.0

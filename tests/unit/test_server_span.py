@@ -18,7 +18,7 @@ from specproxy.analyze.report import build_report, render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
 from specproxy.store.dataset import load_turns
-from specproxy.store.db import Writer
+from specproxy.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_800_000_000.0  # a wall time: the turns' and the scrapes'
