@@ -33,7 +33,7 @@ from specproxy.measure.builder import RecordBuilder, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
-from specproxy.serve.headers import host_header, request_head, response_head
+from specproxy.serve.headers import LABEL_HEADER, host_header, request_head, response_head
 from specproxy.serve.measuring import MeasuringWorker, where
 from specproxy.serve.refusals import Refusal, busy, error_response
 from specproxy.wire import memory
@@ -216,6 +216,12 @@ class Proxy:
             self.rejected_busy += 1
             memory.give(len(body))
             return busy(self.cfg)
+        if req.label is not None and req.label.startswith("@"):
+            # compare reads an arm beginning with "@" as a time window: such a label could never be named
+            self.rejected_bad += 1
+            memory.give(len(body))
+            return error_response(400, "bad_label", f"{LABEL_HEADER} {req.label[:64]!r} begins with '@', which "
+                                  "compare reads as a time window (@START..END): choose a label that does not")
         self.in_flight += 1
         try:
             return await self.forward(req, body, client)

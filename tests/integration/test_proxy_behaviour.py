@@ -184,6 +184,22 @@ def test_hop_by_hop_headers_and_label(stack):
     assert rec.prompt_text is None and rec.response_text is None  # text only with the opt-in
 
 
+def test_a_label_header_beginning_with_at_is_refused_before_the_upstream(stack):
+    """``compare`` reads an arm that begins with "@" as a time window, so a turn labelled "@x" could never be
+    named: the header is refused with 400, as ``serve --label @x`` is, and nothing reaches the upstream."""
+    stack.upstream.script = Script()
+
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            async with c.post(stack.url + "/v1/chat/completions", data=b'{"messages":[]}',
+                              headers={"X-Specproxy-Label": "@x"}) as r:
+                return r.status, await r.json()
+
+    status, body = stack.run(go())
+    assert status == 400 and body["error"]["type"] == "bad_label" and "time window" in body["error"]["message"]
+    assert stack.upstream.sent == [] and stack.service.proxy.rejected_bad == 1
+
+
 @pytest.mark.parametrize("body", [b'{"messages": [', b"\xff\xfe not json", b'{"model": NaN}'])
 def test_unparsable_body_is_forwarded_unchanged_and_marked(stack, body):
     async def go():
