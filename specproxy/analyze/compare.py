@@ -30,7 +30,7 @@ from specproxy.store.dataset import Turns, load_turns, parse_time
 from specproxy.store.queries import Connection, turn_labels
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
-from specproxy.analyze.workload import ROW_NEEDS, describe, differences
+from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
     bootstrap_ratio,
@@ -199,8 +199,12 @@ def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = Fa
 def _workload_guard(row: dict[str, Any], a: Turns, b: Turns) -> None:
     """A row whose figure depends on the workload (workload.py) gives no verdict where the arms'
     workloads differ materially: it says how (``workload_differs`` in JSON, a warning in the text)."""
-    diffs = differences(a, b, ROW_NEEDS.get(row["metric"], ()))
+    needs = ROW_NEEDS.get(row["metric"], ())
+    diffs = differences(a, b, needs)
     row["workload_differs"] = diffs
+    said = notes(a, b, needs)
+    if said:
+        row["warnings"] = [*row.get("warnings", []), *(f"{row['label']} depends on the workload: {n}" for n in said)]
     if not diffs:
         return
     said = "; ".join(describe(d) for d in diffs)

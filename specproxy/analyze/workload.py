@@ -8,6 +8,10 @@ so where the arms' workloads differ materially these rows say so, and by how muc
 (their estimate and interval are still given). Decode speed (tokens per second while text streams) is
 per token and keeps its verdict.
 
+Below that, a difference of ``NOTE_RATIO`` (1.2x) or more in the mean tokens is said beside the verdict
+(``notes``), and so is an arm without token counts (served without a tokenizer): then nobody can tell whether
+the workloads differ.
+
 "Differ materially", on the turns a row is over: the mean prompt or completion tokens per turn differ by
 ``RATIO_LIMIT`` (1.5x) or more either way, or the share of an API (chat, completions, Messages, Responses)
 or of streamed turns by ``SHARE_LIMIT`` (20 points) or more. It is a statement about the two samples, not
@@ -23,9 +27,11 @@ import numpy as np
 
 from specproxy.store.dataset import Turns
 
-__all__ = ["RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "differences", "describe", "ROW_NEEDS"]
+__all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "differences", "describe", "notes",
+           "ROW_NEEDS"]
 
 RATIO_LIMIT = 1.5
+NOTE_RATIO = 1.2
 SHARE_LIMIT = 0.2
 WORKLOAD_COLUMNS = ("prompt_tokens", "completion_tokens", "api", "streamed")
 
@@ -85,3 +91,23 @@ def describe(diff: dict[str, Any]) -> str:
     if f == "api":
         return f"APIs: A {_mix(diff['a'])}, B {_mix(diff['b'])}"
     return f"streamed turns: {diff['a'] * 100:.0f}% of A's, {diff['b'] * 100:.0f}% of B's"
+
+
+def notes(a: Turns, b: Turns, features: tuple[str, ...]) -> list[str]:
+    """What a reader of the row should know of the workloads short of a material difference: token means
+    ``NOTE_RATIO`` or more apart, or an arm whose turns have no token counts."""
+    out: list[str] = []
+    if not len(a) or not len(b):
+        return out
+    for col in ("prompt_tokens", "completion_tokens"):
+        if col not in features:
+            continue
+        ma, mb = _mean(a.num[col]), _mean(b.num[col])
+        if ma is None or mb is None:
+            missing = " and ".join(name for name, m in (("A", ma), ("B", mb)) if m is None)
+            out.append(f"{_NAMES[col]} unknown in {missing} (served without a tokenizer): whether the workloads "
+                       "differ cannot be told")
+        elif ma and mb and NOTE_RATIO <= max(mb / ma, ma / mb) < RATIO_LIMIT:
+            out.append(f"{_NAMES[col]}: mean {ma:.0f} in A, {mb:.0f} in B ({mb / ma:.2f}x), short of the "
+                       f"{RATIO_LIMIT:g}x that withholds the verdict")
+    return out

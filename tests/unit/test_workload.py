@@ -38,3 +38,18 @@ def test_the_guard_on_one_settings_turns_sampled_twice():
     assert rates["lognormal", 8] < 0.06 and rates["lognormal", 15] < 0.01 and rates["lognormal", 60] == 0
     # few long turns carrying most tokens: the samples themselves differ, often, until many turns
     assert rates["bimodal", 8] > rates["bimodal", 15] > rates["bimodal", 60]
+
+
+def test_a_smaller_difference_or_unknown_counts_are_said_beside_the_verdict():
+    """Means 1.45x apart (the audit's 57 short answers and three of 300 tokens against 60 short ones) keep
+    the verdict but say the difference; an arm without token counts says that nobody can tell."""
+    from specproxy.analyze.workload import notes
+
+    short = np.full(60, 30.0)
+    mixed = np.concatenate([np.full(57, 30.0), np.full(3, 300.0)])
+    assert differences(arm(short), arm(mixed), ("completion_tokens",)) == []
+    (said,) = notes(arm(short), arm(mixed), ("completion_tokens",))
+    assert "mean 30 in A, 44 in B (1.45x)" in said and "short of the 1.5x" in said
+    assert notes(arm(short), arm(short * 1.1), ("completion_tokens",)) == []  # 1.1x: nothing to say
+    (said,) = notes(arm(short), arm(np.full(60, np.nan)), ("completion_tokens",))
+    assert "unknown in B" in said and "cannot be told" in said
