@@ -129,6 +129,7 @@ def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
             continue
         row = {p: int(num[f"prompt_{p}_tokens"][i]) for p in PARTS}
         row.update(prompt_tokens=int(num["prompt_tokens"][i]), t_wall=float(num["t_wall"][i]),
+                   rowid=int(num["rowid"][i]),
                    ttft_s=float(num["ttft_s"][i]), streamed=bool(num["streamed"][i] == 1),
                    cached=_int_or_none(num["usage_cached_tokens"][i]),
                    session=txt["session"][i], api=txt["api"][i],
@@ -156,7 +157,11 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     for r in rows:
         if r["session"] is not None:
             sessions[r["session"]].append(r)
-    per_session = {s: _session(sorted(rs, key=lambda r: r["t_wall"])) for s, rs in sessions.items()}
+    # a session's turns in the order the proxy measured them (rowid: the writer stores records in that order),
+    # which is the order its prefix comparison ran in, so each turn's diff is against the turn before it here;
+    # by start time, two turns of one session in flight at once (two conversations that open alike) could
+    # swap, and the first-seen one would read as a restart
+    per_session = {s: _session(sorted(rs, key=lambda r: r["rowid"])) for s, rs in sessions.items()}
     timed = [r for r in rows if r["streamed"] and not np.isnan(r["ttft_s"])]
     fit = _fit([r["ttft_s"] for r in timed], [r["prompt_tokens"] - (r["cached"] or 0) for r in timed])
     cached = [r["cached"] for r in rows if r["cached"] is not None]
