@@ -207,8 +207,8 @@ def _turn_line(t: dict[str, Any]) -> str:
             head = f"turn {t['turn']} prefix intact: {t['reused_tokens']:,} of {t['prompt_tokens']:,} tokens reusable"
     diff = t["diff"]
     if diff is not None:
-        said = [f"+{diff['messages_added']} messages" if diff.get("messages_added") else "",
-                f"-{diff['messages_removed']} messages" if diff.get("messages_removed") else "",
+        said = [f"+{_plural(diff['messages_added'], 'message')}" if diff.get("messages_added") else "",
+                f"-{_plural(diff['messages_removed'], 'message')}" if diff.get("messages_removed") else "",
                 "system prompt changed" if diff.get("system_changed") else "",
                 "tools changed" if diff.get("tools_changed") else ""]
         head += "; " + (", ".join(x for x in said if x) or "nothing changed")
@@ -235,11 +235,11 @@ def render_audit(a: dict[str, Any]) -> str:
                      f"{_n(t['overall'], '{:.1%}')} of all prompt tokens")
         sc = c["server_cached_tokens"]
         if sc["n"]:
-            lines.append(f"  server's cached prompt tokens: median {_n(sc['median'])} over {sc['n']} turns")
+            lines.append(f"  server's cached prompt tokens: median {_n(sc['median'])} over {_plural(sc['n'], 'turn')}")
         fit = c["prefill_fit"]
         if fit is not None:
             cost = c["part_cost_s"]
-            lines.append(f"  fitted prefill: {fit['prefill_tps']:.0f} tok/s over {fit['n']} streamed turns "
+            lines.append(f"  fitted prefill: {fit['prefill_tps']:.0f} tok/s over {_plural(fit['n'], 'streamed turn')} "
                          f"(median TTFT {_n(c['median_ttft_s'], '{:.3f}')} s); at that rate, uncached: "
                          + ", ".join(f"{p} {cost[p]:.3f} s" for p in PARTS))
         for sid, s in sorted(c["session_detail"].items(), key=lambda kv: -kv[1]["turns"]):

@@ -204,12 +204,16 @@ def _ci(s: dict[str, Any], fmt) -> str:
 
 
 def _over(lv: dict[str, Any]) -> str:
-    """What the intervals are over: one unit when per-stream and aggregate agree, else each's."""
-    agg, ps = lv.get("aggregate_tps"), lv["ttft_s" if lv.get("prefill_tps") is not None else "decode_tps"]
+    """What the intervals are over: one unit when per-stream and aggregate agree, else each's. Only the
+    figures the row has count: without token counts the per-stream unit is TTFT's, and there is no
+    aggregate."""
+    agg = lv.get("aggregate_tps")
+    ps = lv["ttft_s" if lv.get("prefill_tps") is not None or lv["decode_tps"].get("median") is None
+            else "decode_tps"]
     per_stream = plural(ps.get("n_units"), ps.get("unit", "turns")[:-1])
     if ps.get("note"):  # why over turns when there were rounds
         per_stream += f" ({ps['note']})"
-    if agg is None:  # a prefill probe: no aggregate
+    if agg is None or agg["mean"] is None:  # a prefill probe, or no token counts: no aggregate
         return per_stream
     aggregate = plural(agg["n"], agg["unit"][:-1])
     return aggregate if per_stream == aggregate else f"{per_stream} / {aggregate}"

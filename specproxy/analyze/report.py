@@ -278,8 +278,13 @@ def why_empty(r: dict[str, Any]) -> str:
              f"until {_utc(w['until'])} UTC" if w.get("until") is not None else ""]
     where = ", ".join(p for p in parts if p)
     span = f" ({_utc(db['first_t_wall'])} to {_utc(db['last_t_wall'])} UTC)" if db["first_t_wall"] is not None else ""
-    return (f"no turns in this window{f' ({where})' if where else ''}; "
-            f"the database holds {plural(db['n'], 'turn')}{span}{f' and {others}' if others else ''}")
+    out = (f"no turns in this window{f' ({where})' if where else ''}; "
+           f"the database holds {plural(db['n'], 'turn')}{span}{f' and {others}' if others else ''}")
+    labels = db.get("labels")
+    if w.get("label") is not None and labels is not None and w["label"] not in labels:
+        shown = ", ".join(labels[:20]) + (f" and {len(labels) - 20} more" if len(labels) > 20 else "")
+        out += f"; no turn has label {w['label']} ({f'its labels are {shown}' if labels else 'no turn has a label'})"
+    return out
 
 
 def _figure_rows(summaries: dict[str, Any], figures: tuple) -> list[str]:
@@ -311,7 +316,7 @@ def render_text(r: dict[str, Any]) -> str:
     if gap["n"]:
         lines.append(
             f"  server usage.completion_tokens minus delivered tokens: median {_fmt(gap['median_usage_minus_delivered'], '{:+.0f}')}"
-            f" over {gap['n']} turns{', streamed or not' if kinds['non_streamed'] else ''}"
+            f" over {plural(gap['n'], 'turn')}{', streamed or not' if kinds['non_streamed'] else ''}"
             " (the server may count tokens the client never saw, e.g. an end-of-turn token)"
         )
     if kinds["non_streamed"]:
@@ -321,8 +326,8 @@ def render_text(r: dict[str, Any]) -> str:
         lines.extend(_figure_rows(r["non_streamed"], NON_STREAMED_FIGURES))
     p = r["prompt"]
     lines.append("")
-    lines.append(f"Prompt make-up (median tokens per turn; share of all prompt tokens, over the {p['split_turns']} "
-                 "turns split into parts)")
+    lines.append(f"Prompt make-up (median tokens per turn; share of all prompt tokens, over the {plural(p['split_turns'], 'turn')} "
+                 "split into parts)")
     lines.append(f"  prompt_tokens {_fmt(p['prompt_tokens']['median'], '{:.0f}')} "
                  f"(p95 {_fmt(p['prompt_tokens']['p95'], '{:.0f}')}, n {p['prompt_tokens']['n']})")
     percents = _percents([p[part]["share_of_prompt_tokens"] for part in PROMPT_PARTS])

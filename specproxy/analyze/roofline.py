@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from specproxy.errors import ConfigError
+from specproxy.analyze.stats import plural
 
 __all__ = ["no_decode_speed", "render_roofline", "roofline"]
 
@@ -30,11 +31,11 @@ def no_decode_speed(report: dict[str, Any], db: str, label: str | None) -> str:
     which = f" labelled {label}" if label else ""
     if not report["turns"]:
         held = (report.get("database_turns") or {}).get("n")
-        return (f"{db}: no turns{which}" + (f" (it holds {held} turns in all)" if label and held else "")
+        return (f"{db}: no turns{which}" + (f" (it holds {plural(held, 'turn')} in all)" if label and held else "")
                 + ": nothing measured to put beside the ceiling (bench or serve records turns there)")
     streamed = report["completed_turns"]["streamed"]
     if not streamed:
-        return (f"{db}: {report['turns']} turns{which}, none a completed streamed one: a decode speed needs a "
+        return (f"{db}: {plural(report['turns'], 'turn')}{which}, none a completed streamed one: a decode speed needs a "
                 "streamed answer")
     if not report["user"]["completion_tokens"]["n"]:
         return (f"{db}: {streamed} streamed turns{which}, none with a token count: they were measured without a "
@@ -99,6 +100,6 @@ def render_roofline(r: dict[str, Any]) -> str:
             for row in r["by_concurrency"]:
                 if row["passes_per_s"] is not None:
                     lines.append(f"    at concurrency {row['concurrency']}: {row['passes_per_s']:.1f} forward passes/s "
-                                 f"= {row['share']:.0%} of the ceiling ({row['turns']} turns)")
+                                 f"= {row['share']:.0%} of the ceiling ({plural(row['turns'], 'turn')})")
     lines.append("  (weights only: the KV cache and activations add bytes per pass, so the true ceiling is lower)")
     return "\n".join(lines) + "\n"

@@ -268,7 +268,7 @@ def render_server(s: dict[str, Any]) -> list[str]:
                      f"scrape interval is coarse against them); {proxy}")
     else:
         lines.append(f"  operating point: server running median {_f(r['median'], '{:.0f}')}, p95 {_f(r['p95'], '{:.0f}')}, "
-                     f"max {_f(r['max'], '{:.0f}')} (at the {r['n']} scrapes taken while these turns were in flight); "
+                     f"max {_f(r['max'], '{:.0f}')} (at the {plural(r['n'], 'scrape')} taken while these turns were in flight); "
                      f"{proxy}")
     w = s.get("window")
     if not w and s.get("span"):

@@ -142,7 +142,7 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
             t0 = time.monotonic()
             results = await asyncio.gather(*(_client(service.url, turns, tools, system, seed=level * 100 + i)
                                              for i in range(level)))
-            progress(f"demo: {level * turns} turns at concurrency {level} in {time.monotonic() - t0:.1f} s"
+            progress(f"demo: {level * turns} turn{'' if level * turns == 1 else 's'} at concurrency {level} in {time.monotonic() - t0:.1f} s"
                      + (f" ({sum(results)} errors)" if sum(results) else ""))
         assert service.proxy is not None
         await service.proxy.drain_measurements()

@@ -17,11 +17,12 @@ Connection = sqlite3.Connection
 
 def database_turns(conn: Connection) -> dict[str, Any]:
     """How many turns (measured rows, what a report counts as turns) the whole database holds, the wall
-    time of the first and last, and how many rows of other paths (``other``) beside them."""
+    time of the first and last, how many rows of other paths (``other``) beside them, and the labels the
+    turns carry (``labels``: so that a window naming a label no turn has can say which there are)."""
     n, first, last = conn.execute(
         "SELECT count(*), min(t_wall), max(t_wall) FROM turns WHERE measured IS NOT 0").fetchone()
     other = conn.execute("SELECT count(*) FROM turns WHERE measured = 0").fetchone()[0]
-    return {"n": int(n), "first_t_wall": first, "last_t_wall": last, "other": int(other)}
+    return {"n": int(n), "first_t_wall": first, "last_t_wall": last, "other": int(other), "labels": turn_labels(conn)}
 
 
 def unmeasured_rows(conn: Connection, where: str, params: Sequence[Any]) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from specproxy.analyze.report import why_empty
+from specproxy.analyze.stats import plural
 
 __all__ = ["document", "fragment"]
 
@@ -199,7 +200,7 @@ def _histogram(key: str, d: dict[str, Any], summary: dict[str, Any] | None) -> s
                           f'<text class="mark mark-{name}" x="{tx:.1f}" y="{MT + 10 + 14 * row}" text-anchor="{anchor}" '
                           f'fill="{color}">{name} {_f(v, fmt)}</text>')
     body = bars + marks + _axes(_f(edges[0], fmt), _f(edges[-1], fmt), str(top))
-    return _svg(body, f"{title}: {d['n']} streamed turns", cls=f"dist dist-{key}")
+    return _svg(body, f"{title}: {plural(d['n'], 'streamed turn')}", cls=f"dist dist-{key}")
 
 
 def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
@@ -213,7 +214,7 @@ def _concurrency(c: dict[str, Any], op: dict[str, Any]) -> str:
     bw = pw / hi
     bars = "".join(f'<rect class="level" data-concurrency="{v}" data-count="{n}" x="{ML + (v - 1) * bw:.1f}" '
                    f'y="{H - MB - n / top * ph:.1f}" width="{max(bw - 1, 1):.1f}" '
-                   f'height="{n / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{v} in flight: {n} turns</title></rect>'
+                   f'height="{n / top * ph:.1f}" fill="{DECODE_COLOR}"><title>{v} in flight: {plural(n, "turn")}</title></rect>'
                    for v, n in zip(values, counts))
     return _svg(bars + _axes("1", str(hi), str(top)), title, cls="dist dist-concurrency")
 
@@ -312,7 +313,7 @@ def _server(s: dict[str, Any] | None) -> str:
     if not s or not s.get("scrapes"):
         return '<h2>Server\'s own counters</h2><p class="muted">none scraped for this window</p>'
     w = s.get("window")
-    head = (f'<h2>Server\'s own counters ({escape(str(s.get("server_kind")))}; {s["scrapes"]} scrapes, '
+    head = (f'<h2>Server\'s own counters ({escape(str(s.get("server_kind")))}; {plural(s["scrapes"], "scrape")}, '
             f'{s.get("scrape_failures", 0)} failed)</h2>')
     if not w:
         return head + '<p class="muted">not enough scrapes for a window yet</p>'

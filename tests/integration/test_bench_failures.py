@@ -222,6 +222,8 @@ def test_without_a_tokenizer_bench_and_roofline_say_what_is_missing(tmp_path, up
                        "--repeats", "1", "--tokenizer", "none")
     assert chosen.returncode == 0 and "no --tokenizer" not in chosen.stderr, chosen.stderr
     assert "no tokenizer: tokens were not counted" in chosen.stdout
+    # no per-stream figure: the intervals are over the rounds of the aggregate alone, not "0 rounds"
+    assert " 0 rounds" not in chosen.stdout and " 0 turns" not in chosen.stdout, chosen.stdout
 
 
 def test_roofline_says_what_is_missing_for_the_measured_figure(tmp_path):

@@ -122,6 +122,8 @@ def test_an_empty_window_says_so_and_what_the_database_holds(demo_db):
     out = run("report", "--db", str(db), "--label", "no-such-arm", "--since", "2020-01-01").stdout
     assert "no turns in this window (label no-such-arm, since 2020-01-01 00:00:00 UTC); the database holds 15 turns (" in out
     assert "no turns recorded yet" not in out and "tokenizer" not in out
+    labels = json.loads(run("report", "--db", str(db), "--json").stdout)["labels"]
+    assert f"; no turn has label no-such-arm (its labels are {', '.join(labels)})" in out  # as compare says
     later = run("report", "--db", str(db), "--until", "1000").stdout
     assert "no turns in this window (until 1970-01-01 00:16:40 UTC); the database holds 15 turns" in later
     r = json.loads(run("report", "--db", str(db), "--json", "--label", "no-such-arm").stdout)
