@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -100,6 +101,7 @@ class BenchRun:
     instance_ids: dict[tuple[str, int], str] = field(default_factory=dict)
     # per block with a restart: True when the server showed it was a new process, None when it cannot tell
     verified: dict[tuple[str, int], bool | None] = field(default_factory=dict)
+    interrupted: bool = False  # Ctrl-C: no request is sent after it, whatever await it found the run in
 
 
 class _Collector:
@@ -250,57 +252,100 @@ async def run_bench(cfg: Config, plan: BenchPlan, run: BenchRun, *, progress: Be
     base = str(cfg.upstream_url).rstrip("/")
     rng = random.Random(plan.seed)
     progress.start(plan.planned_turns(), rounds=plan.planned_rounds(), round_s=plan.duration_s)
+    watching = _on_ctrl_c(run)
     try:
-        await service.start()
-        assert service.proxy is not None
-        default_instance = service.proxy.instance_id
-        async with _session() as session:
-            for arm, k in schedule(plan.arms, plan.instances):
-                label = arm
-                if plan.restart_cmd is not None:
-                    progress.phase(f"{arm} #{k}: restarting the server")
-                    before = await look(session, base)
-                    command = restart_command(plan.restart_cmd, arm, k)
-                    await asyncio.to_thread(run_restart, command, arm, k, plan.ready_timeout_s)
-                    instance = f"bench-{run.run_id}-{arm}-{k}"
-                    run.instance_ids[(arm, k)] = instance
-                    service.proxy.instance_id = lambda instance=instance: instance
-                else:
-                    service.proxy.instance_id = default_instance
-                progress.phase(f"{arm} #{k}: waiting for the server")
-                await wait_ready(base, plan.ready_timeout_s, arm=arm, instance=k, fail_fast=plan.restart_cmd is None,
-                                 note=note)
-                if plan.restart_cmd is not None:
-                    await _check_restarted(session, base, before, run, arm, k, note)
-                if on_block is not None:
-                    on_block(arm, k)
-                progress.phase(f"{arm} #{k}: warm-up")
-                await _warm_up(session, base, plan)
-                for repeat in range(1, plan.repeats + 1):
-                    for prompt_len, requests in plan.workloads:
-                        for level in plan.levels:
-                            what = f"{arm} #{k}: concurrency {level}, repeat {repeat}/{plan.repeats}"
-                            progress.phase(what + (f", prompt {prompt_len} words" if prompt_len else ""))
-                            rnd = Round(arm=arm, instance=k, level=level, repeat=repeat, prompt_len=prompt_len)
-                            progress.begin_round()
-                            try:
-                                await _round(session, service, collector, plan, rnd, requests, label, rng,
-                                             progress)
-                            except asyncio.CancelledError:  # Ctrl-C: the round so far is part of the summary
-                                if rnd.records:
-                                    run.rounds.append(rnd)
-                                raise
-                            run.rounds.append(rnd)
-                            _check_round(rnd, what, base)
-            await service.proxy.drain_measurements()
+        await _run_blocks(service, collector, plan, run, base, rng, progress, on_block, note)
+    except asyncio.CancelledError:
+        if run.interrupted:
+            raise KeyboardInterrupt from None
+        raise
     finally:
         progress.stop()
-        await service.stop()  # drains the writer: every record measured so far is stored
+        try:
+            await service.stop()  # drains the writer: every record measured so far is stored
+        finally:
+            if watching:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+    if run.interrupted:  # the cancel met an await that let it go: the sending stopped all the same
+        raise KeyboardInterrupt
     return run
 
 
+def _on_ctrl_c(run: BenchRun) -> bool:
+    """SIGINT, handled on the loop itself: mark the run interrupted (no round sends another request) and
+    cancel it. Both, because a cancel that lands as an awaited call completes can be lost (a wait_for whose
+    inner future finished at that moment), and Ctrl-C then went unheard for the rest of a --duration.
+    False where the loop cannot take signals (not the main thread): the default KeyboardInterrupt stands."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def interrupt() -> None:
+        run.interrupted = True
+        if task is not None and not task.done():
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    except (ValueError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+async def _run_blocks(service: Service, collector: _Collector, plan: BenchPlan, run: BenchRun, base: str,
+                      rng: random.Random, progress: BenchProgress, on_block: Callable[[str, int], None] | None,
+                      note: Callable[[str], None]) -> None:
+    """Every block of the schedule (arm, instance): restart, warm up, then its rounds."""
+    await service.start()
+    assert service.proxy is not None
+    default_instance = service.proxy.instance_id
+    async with _session() as session:
+        for arm, k in schedule(plan.arms, plan.instances):
+            if run.interrupted:
+                break
+            label = arm
+            if plan.restart_cmd is not None:
+                progress.phase(f"{arm} #{k}: restarting the server")
+                before = await look(session, base)
+                command = restart_command(plan.restart_cmd, arm, k)
+                await asyncio.to_thread(run_restart, command, arm, k, plan.ready_timeout_s)
+                instance = f"bench-{run.run_id}-{arm}-{k}"
+                run.instance_ids[(arm, k)] = instance
+                service.proxy.instance_id = lambda instance=instance: instance
+            else:
+                service.proxy.instance_id = default_instance
+            progress.phase(f"{arm} #{k}: waiting for the server")
+            await wait_ready(base, plan.ready_timeout_s, arm=arm, instance=k, fail_fast=plan.restart_cmd is None,
+                             note=note)
+            if plan.restart_cmd is not None:
+                await _check_restarted(session, base, before, run, arm, k, note)
+            if on_block is not None:
+                on_block(arm, k)
+            progress.phase(f"{arm} #{k}: warm-up")
+            await _warm_up(session, base, plan)
+            for repeat in range(1, plan.repeats + 1):
+                for prompt_len, requests in plan.workloads:
+                    for level in plan.levels:
+                        if run.interrupted:
+                            break
+                        what = f"{arm} #{k}: concurrency {level}, repeat {repeat}/{plan.repeats}"
+                        progress.phase(what + (f", prompt {prompt_len} words" if prompt_len else ""))
+                        rnd = Round(arm=arm, instance=k, level=level, repeat=repeat, prompt_len=prompt_len)
+                        progress.begin_round()
+                        try:
+                            await _round(session, service, collector, plan, rnd, requests, label, rng,
+                                         progress, lambda: run.interrupted)
+                        except asyncio.CancelledError:  # Ctrl-C: the round so far is part of the summary
+                            if rnd.records:
+                                run.rounds.append(rnd)
+                            raise
+                        run.rounds.append(rnd)
+                        _check_round(rnd, what, base)
+        await service.proxy.drain_measurements()
+
+
 async def _round(session, service: Service, collector: _Collector, plan: BenchPlan, rnd: Round,
-                 requests: list[Request], label: str, rng: random.Random, progress: BenchProgress) -> None:
+                 requests: list[Request], label: str, rng: random.Random, progress: BenchProgress,
+                 interrupted: Callable[[], bool] = lambda: False) -> None:
     responses = 0
     unreachable = 0  # failures to reach the server in a row (the proxy's 502 upstream_unreachable)
     first_error: list[str] = []
@@ -320,8 +365,8 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
             unreachable = 0
         progress.advance()
 
-    def halted() -> bool:  # the server went away: stop sending, rather than fill the database with failures
-        return rnd.gone is not None
+    def halted() -> bool:  # the server went away (or Ctrl-C): stop sending rather than record failures
+        return rnd.gone is not None or interrupted()
 
     n = plan.round_size(requests, rnd.level)
     t0 = clock()
