@@ -55,16 +55,19 @@ def _shares(values: np.ndarray) -> dict[str, float]:
     return {str(k): float(c) / len(values) for k, c in zip(names, counts)} if len(values) else {}
 
 
+def _token_means(a: Turns, b: Turns, features: tuple[str, ...]) -> list[tuple[str, float | None, float | None]]:
+    """(column, A's mean, B's mean) of each token count among ``features``: what both rules compare."""
+    return [(col, _mean(a.num[col]), _mean(b.num[col])) for col in ("prompt_tokens", "completion_tokens")
+            if col in features]
+
+
 def differences(a: Turns, b: Turns, features: tuple[str, ...]) -> list[dict[str, Any]]:
     """The material differences between the arms' workloads in ``features`` (ROW_NEEDS), each as a dict:
     ``feature``, ``a``, ``b`` and ``ratio`` (means) or ``difference`` (largest share difference)."""
     out: list[dict[str, Any]] = []
     if not len(a) or not len(b):
         return out
-    for col in ("prompt_tokens", "completion_tokens"):
-        if col not in features:
-            continue
-        ma, mb = _mean(a.num[col]), _mean(b.num[col])
+    for col, ma, mb in _token_means(a, b, features):
         if ma and mb and max(mb / ma, ma / mb) >= RATIO_LIMIT:
             out.append({"feature": col, "a": ma, "b": mb, "ratio": mb / ma})
     if "api" in features:
@@ -99,10 +102,7 @@ def notes(a: Turns, b: Turns, features: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     if not len(a) or not len(b):
         return out
-    for col in ("prompt_tokens", "completion_tokens"):
-        if col not in features:
-            continue
-        ma, mb = _mean(a.num[col]), _mean(b.num[col])
+    for col, ma, mb in _token_means(a, b, features):
         if ma is None or mb is None:
             missing = " and ".join(name for name, m in (("A", ma), ("B", mb)) if m is None)
             out.append(f"{_NAMES[col]} unknown in {missing} (served without a tokenizer): whether the workloads "
