@@ -79,11 +79,13 @@ def scrape_at_or_after(conn: Connection, t: float, not_after: float | None = Non
     return row[0]
 
 
-def lone_turn_mal(conn: Connection) -> list[tuple[int, float | None]]:
-    """Each stored lone-turn counter delta as ``(turn rowid, MAL)``, in the order the deltas were stored."""
+def lone_turn_mal(conn: Connection, where: str = "", params: Sequence[Any] = ()) -> list[tuple[int, float | None]]:
+    """The stored lone-turn counter deltas of the turns a ``dataset.where_clause`` selects (every turn's
+    without one) as ``(turn rowid, MAL)``, in the order the deltas were stored."""
     try:
-        return conn.execute("SELECT t.rowid, c.mal FROM turn_counters c JOIN turns t ON t.id = c.turn_id "
-                            "ORDER BY c.rowid").fetchall()
+        return conn.execute("SELECT t.rid, c.mal FROM turn_counters c JOIN "
+                            f"(SELECT rowid AS rid, id FROM turns{where}) t ON t.id = c.turn_id "
+                            "ORDER BY c.rowid", params).fetchall()
     except sqlite3.OperationalError:
         return []
 

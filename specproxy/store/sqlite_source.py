@@ -1,0 +1,73 @@
+"""The SQLite file as a ``Source``: the primitive reads of ``source.py`` over ``queries.py``'s SQL.
+
+Why a class over a connection: the CLI opens the file once (``db.open_existing``: every way it can be
+the wrong file is one line) and every read of a report goes through the same connection and the same
+filters (``dataset.where_clause``), with the columnar cache for the turns when ``cache`` is set.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specproxy.store import queries
+from specproxy.store.dataset import Turns, load_turns, where_clause
+from specproxy.store.db import connect
+from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes, Source, Window
+
+__all__ = ["SQLiteSource"]
+
+
+class SQLiteSource(Source):
+    """``db``: an open connection (kept open: the caller's) or a path (opened read-only here; ``close()``)."""
+
+    def __init__(self, db: str | Path | sqlite3.Connection, *, cache: bool = False) -> None:
+        self._own = not isinstance(db, sqlite3.Connection)
+        self.conn = connect(db, readonly=True) if self._own else db
+        self.cache = cache
+
+    def close(self) -> None:
+        if self._own:
+            self.conn.close()
+
+    def __enter__(self) -> SQLiteSource:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def turns(self, window: Window, columns: Sequence[str] | None = None) -> Turns:
+        return load_turns(self.conn, **window.as_dict(), columns=columns, cache=self.cache)
+
+    def scrapes(self, t0: float, t1: float) -> Scrapes:
+        return Scrapes.from_rows(queries.scrape_rows(self.conn, t0, t1, SCRAPE_FIELDS))
+
+    def scrape_time(self, t: float, *, after: bool, ok: bool = True, not_after: float | None = None) -> float | None:
+        if after:
+            return queries.scrape_at_or_after(self.conn, t, not_after, ok=ok)
+        return queries.scrape_at_or_before(self.conn, t, ok=ok)
+
+    def lone_joins(self, window: Window) -> LoneJoins:
+        rows = queries.lone_turn_mal(self.conn, *where_clause(**window.as_dict()))
+        if not rows:
+            return LoneJoins()
+        return LoneJoins(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
+
+    def unmeasured(self, window: Window) -> int:
+        return queries.unmeasured_rows(self.conn, *where_clause(**window.as_dict(), measured_only=False))
+
+    def database(self) -> dict[str, Any]:
+        return queries.database_turns(self.conn)
+
+    def labels(self) -> list[str]:
+        return queries.turn_labels(self.conn)
+
+    def recent(self, window: Window, fields: Sequence[str], limit: int) -> list[tuple]:
+        return queries.recent_turns(self.conn, fields, *where_clause(**window.as_dict()), limit)
+
+    def nth_newest_t_wall(self, window: Window, n: int) -> float | None:
+        return queries.nth_newest_t_wall(self.conn, *where_clause(**window.as_dict()), n)
