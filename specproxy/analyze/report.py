@@ -26,7 +26,8 @@ from specproxy.store.dataset import Turns, busy_seconds, distinct
 from specproxy.store.source import WindowData
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
-from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
+from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
+                                    which_to_read)
 from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask", "why_empty"]
@@ -186,8 +187,8 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
     """One row per non-empty cell: which cell it is, then n, TTFT and per-stream speed over the cell's
     streamed turns, plus ``extra(cell)`` over all its turns (``cell`` has ``columns`` besides those)."""
     rows = []
-    for b in np.unique(index[index >= 0]):
-        cell = turns.select(index == b, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
+    for b, at in groups(index):
+        cell = turns.select(at, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
         streamed = streamed_mask(cell)
         rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
                      "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})

@@ -90,6 +90,23 @@ def lone_turn_mal(conn: Connection, where: str = "", params: Sequence[Any] = ())
         return []
 
 
+def rows_in_time(conn: Connection, since: float | None, until: float | None, limit: int) -> int:
+    """How many rows (of any path) have ``t_wall`` in ``[since, until)``, counted up to ``limit`` only
+    (through the t_wall index: the cost is bounded by ``limit``, not by the table)."""
+    where, params = [], []
+    for clause, value in (("t_wall >= ?", since), ("t_wall < ?", until)):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    sql = f"SELECT count(*) FROM (SELECT 1 FROM turns{' WHERE ' + ' AND '.join(where) if where else ''} LIMIT ?)"
+    return int(conn.execute(sql, (*params, limit)).fetchone()[0])
+
+
+def max_rowid(conn: Connection) -> int:
+    """The largest rowid of the turns (as many rows as were ever written, at most: cheap, not a count)."""
+    return int(conn.execute("SELECT coalesce(max(rowid), 0) FROM turns").fetchone()[0])
+
+
 def turn_rows(conn: Connection, fields: Sequence[str], where: str, params: Sequence[Any]) -> Iterator[tuple]:
     """The turns a ``dataset.where_clause`` selects, oldest first, as tuples of ``fields``."""
     return conn.execute(f"SELECT {', '.join(fields)} FROM turns{where} ORDER BY t_wall", params)

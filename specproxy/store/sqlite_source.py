@@ -19,7 +19,11 @@ from specproxy.store.dataset import Turns, load_turns, where_clause
 from specproxy.store.db import connect
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes, Source, Window
 
-__all__ = ["SQLiteSource"]
+__all__ = ["NARROW", "SQLiteSource"]
+
+# a time window holding under 1/NARROW of the rows is read through the t_wall index, from SQLite: the
+# columnar cache holds every turn, and loading it for the last hour of a month would read the month
+NARROW = 8
 
 
 class SQLiteSource(Source):
@@ -41,7 +45,16 @@ class SQLiteSource(Source):
         self.close()
 
     def turns(self, window: Window, columns: Sequence[str] | None = None) -> Turns:
-        return load_turns(self.conn, **window.as_dict(), columns=columns, cache=self.cache)
+        """Through the columnar cache (when ``cache``) unless the window is narrow: both give the same
+        columns (``tests/unit/test_column_cache.py``), the cheaper one is read."""
+        cache = self.cache and not self._narrow(window)
+        return load_turns(self.conn, **window.as_dict(), columns=columns, cache=cache)
+
+    def _narrow(self, window: Window) -> bool:
+        if window.since is None and window.until is None:
+            return False
+        limit = queries.max_rowid(self.conn) // NARROW
+        return queries.rows_in_time(self.conn, window.since, window.until, limit) < limit
 
     def scrapes(self, t0: float, t1: float) -> Scrapes:
         return Scrapes.from_rows(queries.scrape_rows(self.conn, t0, t1, SCRAPE_FIELDS))

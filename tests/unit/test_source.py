@@ -113,3 +113,22 @@ def test_what_a_store_returns(db):
     assert lone.rowid.dtype == np.int64 and 0 < len(lone.rowid) < len(lone_all.rowid)
     assert set(lone.rowid.tolist()) <= set(some.num["rowid"].tolist())
     assert summary["n"] == len(every) and summary["labels"] == ["a", "b"]
+
+
+def test_a_narrow_window_is_read_by_its_index_not_from_the_whole_cache(db):
+    """The columnar cache holds every turn: the last hour of a month must not load the month. A window
+    holding under 1/NARROW of the rows is read from SQLite through the t_wall index; the same columns."""
+    from specproxy.store import column_cache
+
+    wide, narrow = Window(since=T0 + 100), Window(since=T0 + 300, until=T0 + 420)
+    with SQLiteSource(db, cache=True) as cached, SQLiteSource(db) as plain:
+        cached.turns(Window())  # builds the cache
+        column_cache.last_status = None
+        got = cached.turns(narrow, REPORT_COLUMNS)
+        assert column_cache.last_status is None  # the cache was not read
+        want = plain.turns(narrow, REPORT_COLUMNS)
+        cached.turns(wide, REPORT_COLUMNS)
+        assert column_cache.last_status in ("hit", "append", "build")  # a wide window is read from the cache
+    assert 0 < len(got) and got.num.keys() == want.num.keys()
+    assert all(np.array_equal(got.num[k], want.num[k], equal_nan=True) for k in got.num)
+    assert all(got.txt[k].tolist() == want.txt[k].tolist() for k in got.txt)
