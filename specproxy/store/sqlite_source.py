@@ -33,6 +33,7 @@ class SQLiteSource(Source):
         self._own = not isinstance(db, sqlite3.Connection)
         self.conn = connect(db, readonly=True) if self._own else db
         self.cache = cache
+        self._unmeasured: dict[Window, int] = {}  # counted from the cached columns of a window loaded
 
     def close(self) -> None:
         if self._own:
@@ -48,7 +49,11 @@ class SQLiteSource(Source):
         """Through the columnar cache (when ``cache``) unless the window is narrow: both give the same
         columns (``tests/unit/test_column_cache.py``), the cheaper one is read."""
         cache = self.cache and not self._narrow(window)
-        return load_turns(self.conn, **window.as_dict(), columns=columns, cache=cache)
+        counts: dict[str, int] = {}
+        turns = load_turns(self.conn, **window.as_dict(), columns=columns, cache=cache, counts=counts)
+        if "unmeasured" in counts:
+            self._unmeasured[window] = counts["unmeasured"]
+        return turns
 
     def _narrow(self, window: Window) -> bool:
         if window.since is None and window.until is None:
@@ -71,6 +76,9 @@ class SQLiteSource(Source):
         return LoneJoins(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
 
     def unmeasured(self, window: Window) -> int:
+        """From the cached columns when the window's turns came from them, else one count in SQL."""
+        if window in self._unmeasured:
+            return self._unmeasured[window]
         return queries.unmeasured_rows(self.conn, *where_clause(**window.as_dict(), measured_only=False))
 
     def database(self) -> dict[str, Any]:
