@@ -28,15 +28,20 @@ def _samples(scrapes: Scrapes, t0: float, t1: float) -> tuple[list[ScrapeSample]
     latest failure's error."""
     lo, hi = np.searchsorted(scrapes.t_wall, t0, side="left"), np.searchsorted(scrapes.t_wall, t1, side="right")
     samples, failures, last_error = [], 0, None
-    values = [scrapes.num[f][lo:hi].tolist() for f in SCRAPE_FIELDS]
-    for i, (t_wall, instance_id, kind, error) in enumerate(zip(
-            scrapes.t_wall[lo:hi].tolist(), scrapes.instance_id[lo:hi], scrapes.server_kind[lo:hi], scrapes.error[lo:hi])):
+    values = []
+    for f in SCRAPE_FIELDS:  # as the stored row had them: None for NULL
+        col = scrapes.num[f][lo:hi]
+        obj = col.astype(object)
+        obj[np.isnan(col)] = None
+        values.append(obj.tolist())
+    for t_wall, instance_id, kind, error, *fields in zip(
+            scrapes.t_wall[lo:hi].tolist(), scrapes.instance_id[lo:hi].tolist(), scrapes.server_kind[lo:hi].tolist(),
+            scrapes.error[lo:hi].tolist(), *values):
         if error is not None or kind is None:
             failures += 1
             last_error = error if error is not None else last_error
             continue
-        fields = {f: (None if v != v else v) for f, v in zip(SCRAPE_FIELDS, (col[i] for col in values))}
-        snap = Snapshot(server_kind=kind, **fields)
+        snap = Snapshot(server_kind=kind, **dict(zip(SCRAPE_FIELDS, fields)))
         samples.append(ScrapeSample(t_mono=t_wall, t_wall=t_wall, snapshot=snap, instance_id=instance_id or ""))
     return samples, failures, last_error
 
