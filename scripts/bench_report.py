@@ -15,8 +15,13 @@ every 5 s would have stored. Then, in one run:
 * the CLI as a user runs it (wall time including the interpreter's start and imports):
   ``specproxy report --no-cache`` (SQLite only), cold (the columnar cache ``DB.cache/`` removed
   first, so this run builds it) and warm (the cache present), ``--repeat`` times each;
-* in process, the warm path: ``load_turns(db, cache=True)``, ``build_report(turns, conn=...)`` and
-  ``render_text`` timed apart, then once under cProfile with the top costs.
+* in process, the warm path: ``SQLiteSource(db, cache=True).load(...)``, ``build_report(data)`` and
+  ``render_text`` timed apart, then once under cProfile with the top costs;
+* with ``--against main``, that revision's report (its tree from ``git archive``) on the same database,
+  its JSON compared with this code's field by field.
+
+Each CLI run's peak RSS (``wait4``'s ``ru_maxrss``) is printed beside its time. The database is
+generated 250k turns at a time, so 50M turns take no more memory than 250k.
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+import orjson  # noqa: E402
 
 from specproxy.store import column_cache  # noqa: E402
-from specproxy.store.dataset import load_turns  # noqa: E402
+from specproxy.store.source import Window  # noqa: E402
+from specproxy.store.sqlite_source import SQLiteSource  # noqa: E402
 from specproxy.record import FIELD_NAMES  # noqa: E402
 from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text  # noqa: E402
-from specproxy.store.db import connect, open_store  # noqa: E402
+from specproxy.store.db import open_store  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -68,11 +75,17 @@ def _maybe_null(rng: np.random.Generator, values: np.ndarray, p: float) -> list:
     return out
 
 
-def synth_columns(n: int, seed: int = 7) -> tuple[dict[str, list], float, float]:
+SPAN = 7 * 86400.0  # a week of traffic, whatever n
+T_START = 1_790_000_000.0
+CHUNK = 250_000  # turns made and written at a time: memory bounded by a chunk, not by n
+
+
+def synth_columns(n: int, seed: int = 7, t_from: float = T_START, t_to: float = T_START + SPAN
+                  ) -> tuple[dict[str, list], float, float]:
+    """n turns with wall times in [t_from, t_to), sorted: one chunk of the generated week."""
     rng = np.random.default_rng(seed)
-    t_start = 1_790_000_000.0
-    span = 7 * 86400.0
-    t_wall = np.sort(t_start + rng.random(n) * span)
+    t_start, span = T_START, SPAN
+    t_wall = np.sort(t_from + rng.random(n) * (t_to - t_from))
     conc = np.minimum(512, np.maximum(1, np.round(rng.lognormal(2.5, 1.3, n)))).astype(int)
     outcome = rng.choice(["ok", "upstream_error", "client_abort", "upstream_truncated", "upstream_unreachable"],
                          size=n, p=[0.95, 0.015, 0.025, 0.005, 0.005])
@@ -161,18 +174,23 @@ def synth_columns(n: int, seed: int = 7) -> tuple[dict[str, list], float, float]
 
 
 def generate(path: Path, n: int) -> float:
+    """The database, made and written CHUNK turns at a time (each chunk a slice of the week), so that
+    50M turns need no more memory than 250k."""
     t0 = time.perf_counter()
     conn = open_store(path)
     conn.execute("PRAGMA synchronous=OFF")
-    cols, t_a, t_b = synth_columns(n)
-    missing = [f for f in FIELD_NAMES if f not in cols]
-    if missing:  # the schema grew since this script was written: leave new columns NULL
-        for f in missing:
-            cols[f] = [None] * n
     names = list(FIELD_NAMES)
     sql = f"INSERT INTO turns ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+    chunks = max(1, -(-n // CHUNK))
+    t_a, t_b = T_START, T_START + SPAN
     conn.execute("BEGIN")
-    conn.executemany(sql, zip(*(cols[f] for f in names)))
+    for k in range(chunks):
+        m = n // chunks + (1 if k < n % chunks else 0)
+        cols, _, _ = synth_columns(m, seed=7 + k, t_from=t_a + SPAN * k / chunks, t_to=t_a + SPAN * (k + 1) / chunks)
+        for f in names:
+            cols.setdefault(f, [None] * m)  # the schema grew since this script was written: NULL
+        conn.executemany(sql, zip(*(cols[f] for f in names)))
+        del cols
     # the scrapes a serve polling every 5 s stores: llama.cpp counters, a restart half-way
     scrape_cols = [r[1] for r in conn.execute("PRAGMA table_info(scrapes)")]
     if scrape_cols:
@@ -203,13 +221,10 @@ def generate(path: Path, n: int) -> float:
 
 def run_once(db: Path, cache: bool = True) -> tuple[float, float, float, dict]:
     t0 = time.perf_counter()
-    conn = connect(db, readonly=True)
-    try:
-        turns = load_turns(conn, columns=REPORT_COLUMNS, cache=cache)
-        t1 = time.perf_counter()
-        r = build_report(turns, source=str(db), conn=conn)  # as the CLI calls it
-    finally:
-        conn.close()
+    with SQLiteSource(db, cache=cache) as store:  # as the CLI loads it
+        data = store.load(Window(), REPORT_COLUMNS, server=True, context=True)
+    t1 = time.perf_counter()
+    r = build_report(data, source=str(db))
     t2 = time.perf_counter()
     render_text(r)
     t3 = time.perf_counter()
@@ -228,6 +243,57 @@ def baseline(db: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _leaves(value, path=""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def compare_json(old: bytes, new: bytes) -> str:
+    """Two reports' JSON, leaf by leaf: identical, or how many leaves differ and by how much at most
+    (relative, for numbers; a mean summed in another order differs in its last bits)."""
+    if old == new:
+        return "identical, byte for byte"
+    a, b = dict(_leaves(orjson.loads(old))), dict(_leaves(orjson.loads(new)))
+    if set(a) != set(b):
+        return f"**fields differ**: {sorted(set(a) ^ set(b))[:10]}"
+    diff, worst = [], 0.0
+    for k in a:
+        if a[k] == b[k]:
+            continue
+        if isinstance(a[k], (int, float)) and isinstance(b[k], (int, float)) and not isinstance(a[k], bool):
+            rel = abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]))
+            worst = max(worst, rel)
+        else:
+            worst = float("inf")
+        diff.append(k)
+    return (f"{len(a) - len(diff)} of {len(a)} fields identical; {len(diff)} differ by at most {worst:.1e} relative"
+            f" ({', '.join(diff[:6])}{' ...' if len(diff) > 6 else ''})")
+
+
+def against_rev(rev: str, run, new_output: bytes) -> str:
+    """REV's tree (git archive) with this tree's built extensions, its report run on the same database."""
+    tree = Path(tempfile.mkdtemp(prefix="bench-report-rev-"))
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        for so in (ROOT / "specproxy").rglob("*.so"):
+            target = tree / so.relative_to(ROOT)
+            if target.parent.exists():
+                shutil.copy2(so, target)
+        wall, rc, out, peak = run(tree)
+        if rc:
+            return f"{rev}'s report failed (exit {rc})"
+        return f"{rev} ({wall:.1f} s, {peak:.0f} MiB): " + compare_json(out, new_output)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
 def schema_ok(db: Path) -> bool:
     try:
         have = {r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(turns)")}
@@ -242,6 +308,8 @@ def main() -> None:
     ap.add_argument("--db", help="database to generate, or reuse when it already holds n turns of today's schema")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each CLI variant and in-process [3]")
     ap.add_argument("--top", type=int, default=15, help="profile rows to print [15]")
+    ap.add_argument("--against", metavar="REV", help="also run REV's report (a git revision of this repository, "
+                    "e.g. main) and compare its JSON with this code's, figure by figure")
     args = ap.parse_args()
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]])
     tmpdir = None
@@ -270,36 +338,51 @@ def main() -> None:
 
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
-    def cli(*extra: str) -> tuple[float, int, bytes]:
+    def cli(*extra: str, cmd: str = "report", path: Path = ROOT) -> tuple[float, int, bytes, float]:
+        """One CLI run: wall seconds, exit status, stdout, and the process's peak RSS in MiB."""
+        run_env = dict(env, PYTHONPATH=str(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "report", "--db", str(db), "--json", *extra],
-                           capture_output=True, env=env, cwd=str(ROOT))
-        wall = time.perf_counter() - t0
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            p = subprocess.Popen([sys.executable, "-m", "specproxy.app.cli", cmd, "--db", str(db), "--json", *extra],
+                                 stdout=out, stderr=err, env=run_env, cwd=str(path))
+            _, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            wall = time.perf_counter() - t0
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
         if p.returncode != 0:
-            print(p.stderr.decode()[-2000:], file=sys.stderr)
-        return wall, p.returncode, p.stdout
+            print(stderr.decode()[-2000:], file=sys.stderr)
+        return wall, p.returncode, stdout, usage.ru_maxrss / 1024
 
     # interleaved, so that a slow minute of the shared machine touches every variant alike
     base, plain, cold, warm, failed = [], [], [], [], []
+    rss: dict[str, list[float]] = {"plain": [], "cold": [], "warm": []}
     outputs = set()
     for i in range(args.repeat):
         base.append(baseline(db))
-        w, rc, out = cli("--no-cache")
+        w, rc, out, m = cli("--no-cache")
         plain.append(w)
+        rss["plain"].append(m)
         outputs.add(out)
         failed += [rc] if rc else []
         shutil.rmtree(cdir, ignore_errors=True)
-        w, rc, out = cli()
+        w, rc, out, m = cli()
         cold.append(w)
+        rss["cold"].append(m)
         outputs.add(out)
         failed += [rc] if rc else []
         for _ in range(2):
-            w, rc, out = cli()
+            w, rc, out, m = cli()
             warm.append(w)
+            rss["warm"].append(m)
             outputs.add(out)
             failed += [rc] if rc else []
         print(f"round {i + 1}: baseline {base[-1]:.2f} s, --no-cache {plain[-1]:.2f} s, cold {cold[-1]:.2f} s, "
-              f"warm {warm[-2]:.2f} / {warm[-1]:.2f} s", file=sys.stderr)
+              f"warm {warm[-2]:.2f} / {warm[-1]:.2f} s; peak RSS warm {rss['warm'][-1]:.0f} MiB", file=sys.stderr)
+    against = None
+    if args.against:
+        against = against_rev(args.against, lambda tree: cli("--no-cache", path=tree), next(iter(outputs)))
     same = len(outputs) == 1
     cache_mib = sum(f.stat().st_size for f in cdir.rglob("*") if f.is_file()) / 2**20 if cdir.exists() else 0.0
 
@@ -343,19 +426,24 @@ def main() -> None:
     print(f"{args.n:,} synthetic turns ({size:.0f} MiB, {gen}); cache {cache_mib:.0f} MiB in {cdir.name}/. "
           f"Median of {args.repeat} rounds (min–max), variants interleaved; ratios to the baseline of the same run.")
     print()
-    print("| what | seconds | / baseline |")
-    print("|---|---:|---:|")
-    print(f"| baseline: the report's {len(REPORT_COLUMNS)} columns `SELECT`ed with sqlite3 into Python lists | {stat(base)} | 1.00x |")
-    print(f"| CLI `specproxy report --json --no-cache` (SQLite only) | {stat(plain)} | {ratio(plain)} |")
-    print(f"| CLI `specproxy report --json`, cold: builds `{cdir.name}/` | {stat(cold)} | {ratio(cold)} |")
-    print(f"| CLI `specproxy report --json`, warm: cache present | {stat(warm)} | {ratio(warm)} |")
-    print(f"| (CLI: interpreter start + imports alone) | {import_s:.2f} | |")
-    print(f"| in-process warm: `load_turns(..., cache=True)` | {stat([x[0] for x in runs])} | |")
-    print(f"| in-process warm: `build_report(turns, conn=...)` | {stat([x[1] for x in runs])} | |")
-    print(f"| in-process warm: `render_text(report)` | {stat([x[2] for x in runs], '{:.3f}')} | |")
+    def mib(xs):
+        return f"{max(xs):.0f}"
+
+    print("| what | seconds | / baseline | peak RSS MiB (max) |")
+    print("|---|---:|---:|---:|")
+    print(f"| baseline: the report's {len(REPORT_COLUMNS)} columns `SELECT`ed with sqlite3 into Python lists | {stat(base)} | 1.00x | |")
+    print(f"| CLI `specproxy report --json --no-cache` (SQLite only) | {stat(plain)} | {ratio(plain)} | {mib(rss['plain'])} |")
+    print(f"| CLI `specproxy report --json`, cold: builds `{cdir.name}/` | {stat(cold)} | {ratio(cold)} | {mib(rss['cold'])} |")
+    print(f"| CLI `specproxy report --json`, warm: cache present | {stat(warm)} | {ratio(warm)} | {mib(rss['warm'])} |")
+    print(f"| (CLI: interpreter start + imports alone) | {import_s:.2f} | | |")
+    print(f"| in-process warm: `SQLiteSource.load(...)` | {stat([x[0] for x in runs])} | | |")
+    print(f"| in-process warm: `build_report(data)` | {stat([x[1] for x in runs])} | | |")
+    print(f"| in-process warm: `render_text(report)` | {stat([x[2] for x in runs], '{:.3f}')} | | |")
     print()
     print(f"Outputs of every CLI run identical (no cache, cold, warm): {'yes' if same else '**NO**'}"
           f"{'' if not failed else f'; exit statuses {failed}'}.")
+    if against is not None:
+        print(f"Against {against}.")
     verdict = "met" if statistics.median(warm) < 5.0 and not failed and same else "**not met**"
     print(f"Target: report over {args.n:,} turns in under 5 s: warm CLI {statistics.median(warm):.2f} s "
           f"(cold {statistics.median(cold):.2f} s, no cache {statistics.median(plain):.2f} s) -> {verdict}.")

@@ -11,7 +11,7 @@ import numpy as np
 from specproxy.analyze.arrays import missing
 
 __all__ = ["CONCURRENCY_BUCKETS", "PER_STREAM_MAX_CONCURRENCY", "PROMPT_BUCKETS", "concurrency_bucket",
-           "concurrency_buckets", "prompt_bucket", "prompt_buckets", "which_to_read"]
+           "concurrency_buckets", "groups", "prompt_bucket", "prompt_buckets", "which_to_read"]
 
 
 CONCURRENCY_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
@@ -62,6 +62,21 @@ def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
     t = np.asarray(tokens, dtype=float)
     idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
     return np.where(np.isfinite(t), idx, -1)
+
+
+def groups(index: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Each cell of a table and its rows, from one pass: ``(cell, positions)`` for every cell ``>= 0`` in
+    ``index``, cells ascending, each cell's positions in their order in ``index`` (as a mask selects
+    them). One stable sort of small integers (a radix sort), not one selection over every row per cell."""
+    index = np.asarray(index)
+    keep = np.flatnonzero(index >= 0)
+    if not len(keep):
+        return []
+    order = keep[np.argsort(index[keep].astype(np.int16), kind="stable")]
+    cells = index[order]
+    starts = np.flatnonzero(np.concatenate(([True], cells[1:] != cells[:-1])))
+    ends = np.append(starts[1:], len(order))
+    return [(int(cells[a]), order[a:b]) for a, b in zip(starts, ends)]
 
 
 def which_to_read(concurrency_median: float | None) -> str | None:

@@ -26,8 +26,8 @@ import numpy as np
 
 from specproxy.analyze import arrays
 from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
-from specproxy.store.dataset import Turns, load_turns, parse_time
-from specproxy.store.queries import Connection, turn_labels
+from specproxy.store.dataset import Turns, parse_time
+from specproxy.store.source import Window, WindowData
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
 from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
@@ -57,6 +57,11 @@ class Arm:
     since: float | None = None
     until: float | None = None
 
+    @property
+    def window(self) -> Window:
+        """The turns this arm names, as the store loads them (``Source.load(arm.window, COMPARE_COLUMNS)``)."""
+        return Window(self.label, self.since, self.until)
+
 
 def parse_arm(spec: str) -> Arm:
     """``NAME`` is a label; ``@START..END`` is a time window."""
@@ -73,17 +78,18 @@ COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_toke
                    "streamed", "conn_id", "prompt_tokens", "api")
 
 
-def _load(conn: Connection, arm: Arm, cache: bool = False) -> Turns:
-    turns = load_turns(conn, label=arm.label, since=arm.since, until=arm.until, columns=COMPARE_COLUMNS, cache=cache)
+def _ok(data: WindowData) -> Turns:
+    turns = data.turns
     return turns.select(turns.ok) if len(turns) else turns
 
 
-def _no_turns(conn: Connection, arm: Arm) -> str:
-    """Why an arm is empty, in one line: a label that no turn carries lists the labels that exist."""
+def _no_turns(data: WindowData, arm: Arm) -> str:
+    """Why an arm is empty, in one line: a label that no turn carries lists the labels that exist (an
+    arm with turns, none completed, has its label)."""
     why = f"arm {arm.name!r} has no completed turns in this database"
-    if arm.label is None:
+    if arm.label is None or data.database is None:
         return why
-    labels = turn_labels(conn)
+    labels = data.database["labels"]
     if arm.label in labels:
         return why
     shown = ", ".join(labels[:20]) + (f" and {len(labels) - 20} more" if len(labels) > 20 else "")
@@ -164,16 +170,17 @@ def check_level(level: float) -> None:
         raise ConfigError(f"--level must be between 0.5 and 1 (e.g. 0.95 or 0.99), got {level:g}") from None
 
 
-def compare(conn: Connection, a: Arm, b: Arm, *, seed: int = 0, cache: bool = False,
+def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int = 0,
             level: float = 0.95) -> dict[str, Any]:
+    """B/A for each figure, from each arm's turns as the store loaded them (``COMPARE_COLUMNS``)."""
     check_level(level)
     if (a.label, a.since, a.until) == (b.label, b.since, b.until):
         raise ConfigError(f"compare {a.name} {b.name}: an arm against itself says nothing; to check the instrument "
                           f"on one arm, run `compare {a.name} --negative-control`")
-    ta, tb = _load(conn, a, cache), _load(conn, b, cache)
-    for arm, turns in ((a, ta), (b, tb)):
+    ta, tb = _ok(data_a), _ok(data_b)
+    for arm, turns, data in ((a, ta, data_a), (b, tb, data_b)):
         if not len(turns):
-            raise ConfigError(_no_turns(conn, arm))
+            raise ConfigError(_no_turns(data, arm))
     ca, cb = _clusters(ta), _clusters(tb)
     (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
     rows = [_ratio_row(metric, sa, sb, "streamed", seed, level) for metric in METRICS]
@@ -227,15 +234,14 @@ def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level:
             "a_median": None, "b_median": None, **r.to_dict()}
 
 
-def negative_control_report(conn: Connection, a: Arm, *, seed: int = 0, cache: bool = False,
-                            level: float = 0.95) -> dict[str, Any]:
+def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: float = 0.95) -> dict[str, Any]:
     """A against A: the arm split into random halves (by instance when it has several), within each
     kind: the stream rows split the streamed turns, the non-streamed row the non-streamed ones, so a
     half is never streamed turns against non-streamed ones."""
     check_level(level)
-    ta = _load(conn, a, cache)
+    ta = _ok(data)
     if not len(ta):
-        raise ConfigError(_no_turns(conn, a))
+        raise ConfigError(_no_turns(data, a))
     ca = _clusters(ta)
     streamed, whole = _kinds(ta)
     rows = [_control_row(metric, streamed, "streamed", seed, level) for metric in METRICS]

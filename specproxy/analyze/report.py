@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store.dataset import Turns, busy_seconds, distinct, where_clause
-from specproxy.store.queries import Connection, database_turns, unmeasured_rows
+from specproxy.store.dataset import Turns, busy_seconds, distinct
+from specproxy.store.source import WindowData
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
-from specproxy.analyze.cells import CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, prompt_buckets, which_to_read
+from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
+                                    which_to_read)
 from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask", "why_empty"]
@@ -89,13 +90,15 @@ def streamed_mask(turns: Turns) -> np.ndarray:
     return turns.num["streamed"] == 1
 
 
-def build_report(turns: Turns, *, source: str = "", conn: Connection | None = None,
-                 window: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything ``specproxy report`` says, as plain data.
+def build_report(data: WindowData, *, source: str = "") -> dict[str, Any]:
+    """Everything ``specproxy report`` says, as plain data, from one window's data as the store loaded it
+    (``Source.load(window, REPORT_COLUMNS, server=True, context=True)``; without ``server`` there is no
+    server section, without ``context`` no count of other paths' rows).
 
-    ``window``: the label/since/until that selected ``turns`` (said back, and when it selects nothing
-    the report says how many turns the database holds instead of "no turns recorded yet").
+    The window (label/since/until) is said back, and when it selects nothing the report says how many
+    turns the database holds instead of "no turns recorded yet".
     """
+    turns, window = data.turns, data.window.as_dict()
     n_all = len(turns)
     outcomes: dict[str, int] = {}
     for o, count in Counter(turns.txt["outcome"].tolist()).items():
@@ -109,12 +112,11 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
         "last_t_wall": float(np.max(turns.num["t_wall"])) if n_all else None,
         "tokenizers": sorted({str(t) for t in distinct(turns.txt["tokenizer"]) if t}),
         "labels": sorted({str(t) for t in distinct(turns.txt["label"]) if t}),
-        "window": {k: (window or {}).get(k) for k in ("label", "since", "until")},
-        # looked up only when the window selects nothing: None otherwise
-        "database_turns": database_turns(conn) if conn is not None and not n_all else None,
+        "window": window,
+        # the whole database, loaded only when the window selects nothing: None otherwise
+        "database_turns": data.database if not n_all else None,
         # other paths' rows in the same window: forwarded and recorded, never part of a figure
-        "unmeasured": unmeasured_rows(conn, *where_clause(**_window_args(window), measured_only=False))
-        if conn is not None else None,
+        "unmeasured": data.unmeasured,
     }
     is_streamed = streamed_mask(ok)
     streamed = ok if is_streamed.all() else ok.select(is_streamed, columns=STREAM_COLUMNS)
@@ -130,13 +132,9 @@ def build_report(turns: Turns, *, source: str = "", conn: Connection | None = No
     report["by_content_class"] = _by_content_class(streamed)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
-    if conn is not None:
-        report["server"] = server_section(conn, ok, span=turns, until=(window or {}).get("until"))
+    if data.scrapes is not None and data.lone is not None:
+        report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
-
-
-def _window_args(window: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (window or {}).items() if k in ("label", "since", "until")}
 
 
 def _usage_gap(ok: Turns) -> dict[str, Any]:
@@ -189,8 +187,8 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
     """One row per non-empty cell: which cell it is, then n, TTFT and per-stream speed over the cell's
     streamed turns, plus ``extra(cell)`` over all its turns (``cell`` has ``columns`` besides those)."""
     rows = []
-    for b in np.unique(index[index >= 0]):
-        cell = turns.select(index == b, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
+    for b, at in groups(index):
+        cell = turns.select(at, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
         streamed = streamed_mask(cell)
         rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
                      "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})

@@ -15,46 +15,60 @@ from typing import Any
 import numpy as np
 
 from specproxy.store.dataset import Turns, distinct
-from specproxy.store.queries import (Connection, lone_turn_mal, scrape_at_or_after, scrape_at_or_before,
-                                     scrape_rows)
+from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes
 from specproxy.observe.counters import ScrapeSample, running_distribution, window_counters
 from specproxy.observe.server_metrics import Snapshot
 from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["server_section", "render_server"]
 
-_FIELDS = ("requests_running", "requests_waiting", "generation_tokens_total", "prompt_tokens_total",
-           "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
-           "spec_accept_length", "spec_accept_rate")
 
-
-def _samples(conn: Connection, t0: float, t1: float) -> tuple[list[ScrapeSample], int, str | None]:
+def _samples(scrapes: Scrapes, t0: float, t1: float) -> tuple[list[ScrapeSample], int, str | None]:
     """Stored scrapes in [t0, t1] as ScrapeSamples (wall time as their clock), the failed scrapes, and the
     latest failure's error."""
-    rows = scrape_rows(conn, t0, t1, _FIELDS)
+    lo, hi = np.searchsorted(scrapes.t_wall, t0, side="left"), np.searchsorted(scrapes.t_wall, t1, side="right")
     samples, failures, last_error = [], 0, None
-    for t_wall, instance_id, kind, error, *values in rows:
+    values = []
+    for f in SCRAPE_FIELDS:  # as the stored row had them: None for NULL
+        col = scrapes.num[f][lo:hi]
+        obj = col.astype(object)
+        obj[np.isnan(col)] = None
+        values.append(obj.tolist())
+    for t_wall, instance_id, kind, error, *fields in zip(
+            scrapes.t_wall[lo:hi].tolist(), scrapes.instance_id[lo:hi].tolist(), scrapes.server_kind[lo:hi].tolist(),
+            scrapes.error[lo:hi].tolist(), *values):
         if error is not None or kind is None:
             failures += 1
             last_error = error if error is not None else last_error
             continue
-        snap = Snapshot(server_kind=kind, **dict(zip(_FIELDS, values)))
+        snap = Snapshot(server_kind=kind, **dict(zip(SCRAPE_FIELDS, fields)))
         samples.append(ScrapeSample(t_mono=t_wall, t_wall=t_wall, snapshot=snap, instance_id=instance_id or ""))
     return samples, failures, last_error
 
 
-def _turn_counters(conn: Connection, rowids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lone turns' counter deltas joined (in SQL, by turn id) to these turns: the position of each
+def _turn_counters(lone: LoneJoins, rowids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lone turns' counter deltas joined (by turn id, in the store) to these turns: the position of each
     joined turn in ``rowids`` (ascending) and its MAL, in the order the deltas were stored."""
-    rows = lone_turn_mal(conn)
-    if not rows:
+    rid, mal = lone.rowid, lone.mal
+    if not len(rid):
         return np.empty(0, dtype=np.int64), np.empty(0)
-    rid = np.array([r[0] for r in rows], dtype=np.int64)
-    mal = np.array([r[1] for r in rows], dtype=float)  # NULL becomes NaN
     pos = np.searchsorted(rowids, rid)
     pos = np.minimum(pos, max(len(rowids) - 1, 0))
     hit = (rowids[pos] == rid) if len(rowids) else np.zeros(len(rid), dtype=bool)
     return pos[hit], mal[hit]
+
+
+def _last_at_or_before(t: np.ndarray, ok: np.ndarray | None, at: float) -> float | None:
+    i = int(np.searchsorted(t, at, side="right"))
+    idx = np.flatnonzero(ok[:i]) if ok is not None else np.arange(i)
+    return float(t[idx[-1]]) if len(idx) else None
+
+
+def _first_at_or_after(t: np.ndarray, ok: np.ndarray | None, at: float, not_after: float | None) -> float | None:
+    i = int(np.searchsorted(t, at, side="left"))
+    j = len(t) if not_after is None else int(np.searchsorted(t, not_after, side="right"))
+    idx = np.flatnonzero(ok[i:j]) if ok is not None else np.arange(i, j) - i
+    return float(t[i + idx[0]]) if len(idx) else None
 
 
 # Padding (scraped time outside the turns) above this share of the span: the rates would be diluted by
@@ -69,24 +83,26 @@ def _turn_times(turns: Turns) -> tuple[np.ndarray, np.ndarray]:
     return start, start + np.nan_to_num(turns.num["total_s"])
 
 
-def _span(conn: Connection, turns: Turns, until: float | None) -> dict[str, Any]:
+def _span(scrapes: Scrapes, turns: Turns, until: float | None) -> dict[str, Any]:
     """The scrapes the counters are read between, fixed by the turns alone (so a report gives the same
     figures whenever it runs): the last successful scrape at or before the first turn's start and the
     first at or after the last turn's end, never past ``until``. Where there is none, the nearest one
     inside the turns' time (the span then cuts them: said by ``cut_s``). ``from``/``to``: where the
     failed scrapes are counted: from the same start (the last attempt before the turns when none
-    succeeded) to the first attempt, failed or not, after the last turn's end."""
+    succeeded) to the first attempt, failed or not, after the last turn's end. ``scrapes``: the store's
+    (``Source.load``), which hold every scrape these bounds can be."""
     start, end = _turn_times(turns)
     first, last = float(np.min(start)), float(np.max(end))
     stop = last if until is None else min(last, until)
-    s1 = scrape_at_or_after(conn, last, until)
+    t, ok = scrapes.t_wall, scrapes.ok()
+    s1 = _first_at_or_after(t, ok, last, until)
     if s1 is None:
-        s1 = scrape_at_or_before(conn, stop)
-    s0 = scrape_at_or_before(conn, first)
+        s1 = _last_at_or_before(t, ok, stop)
+    s0 = _last_at_or_before(t, ok, first)
     if s0 is None and s1 is not None:
-        s0 = scrape_at_or_after(conn, first, s1)
-    lo = s0 if s0 is not None else (scrape_at_or_before(conn, first, ok=False) or first)
-    after = scrape_at_or_after(conn, last, until, ok=False)  # the first attempt after, failed or not
+        s0 = _first_at_or_after(t, ok, first, s1)
+    lo = s0 if s0 is not None else (_last_at_or_before(t, None, first) or first)
+    after = _first_at_or_after(t, None, last, until)  # the first attempt after, failed or not
     hi = max(s1 if s1 is not None else stop, after if after is not None else stop)
     return {"from": lo, "to": max(hi, lo), "first_scrape": s0, "last_scrape": s1, "turns_from": first,
             "turns_to": last}
@@ -133,19 +149,20 @@ def _window(d, span: dict[str, Any], delivered: float | None, per_stream: float 
     }
 
 
-def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None,
+def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Turns | None = None,
                    until: float | None = None) -> dict[str, Any]:
     """Everything the server's counters add to a report over these turns' window.
 
     ``span``: all of the report's turns, failed ones included; when none of ``turns`` is there (every
     turn failed, e.g. the upstream never answered) the scrapes are counted over their window instead,
     so that the failed scrapes of that time are said, not "none recorded". ``until``: the report's
-    --until: no scrape after it is read."""
+    --until: no scrape after it is read. ``scrapes`` and ``lone``: the window's, loaded by the store
+    (``store.source.Source.load`` with ``server=True``)."""
     window = turns if len(turns) or span is None else span
     if not len(window):
         return {"scrapes": 0}
-    bounds = _span(conn, window, until)
-    samples, failures, last_error = _samples(conn, bounds["from"], bounds["to"])
+    bounds = _span(scrapes, window, until)
+    samples, failures, last_error = _samples(scrapes, bounds["from"], bounds["to"])
     s0, s1 = bounds["first_scrape"], bounds["last_scrape"]
     # the counters over the successful scrapes of the span (none when no successful scrape bounds the turns)
     samples = [] if s0 is None or s1 is None else [x for x in samples if s0 <= x.t_wall <= s1]
@@ -177,7 +194,7 @@ def server_section(conn: Connection, turns: Turns, *, span: Turns | None = None,
     # nothing about steps, and it has no decode speed to divide by the MAL
     order = np.flatnonzero(streamed)
     order = order[np.argsort(turns.num["rowid"][order], kind="stable")]
-    pos, mal = _turn_counters(conn, turns.num["rowid"][order])
+    pos, mal = _turn_counters(lone, turns.num["rowid"][order])
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``
         with np.errstate(divide="ignore", invalid="ignore"):

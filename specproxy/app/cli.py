@@ -241,13 +241,15 @@ def _echo(result: dict, render, as_json: bool) -> None:
 
 def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
             cache: bool = True) -> dict:
-    from specproxy.store.dataset import load_turns, parse_time
+    from specproxy.store.dataset import parse_time
+    from specproxy.store.source import Window
+    from specproxy.store.sqlite_source import SQLiteSource
     from specproxy.analyze.report import REPORT_COLUMNS, build_report
 
-    window = {"label": label, "since": parse_time(since), "until": parse_time(until)}
+    window = Window(label, parse_time(since), parse_time(until))
     with _open(db) as conn:
-        turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
-        return build_report(turns, source=_db_path(db), conn=conn, window=window)
+        data = SQLiteSource(conn, cache=cache).load(window, REPORT_COLUMNS, server=True, context=True)
+    return build_report(data, source=_db_path(db))
 
 
 window_options = [
@@ -277,10 +279,12 @@ def _window(fn):
 def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
     """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill."""
     from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, render_audit
-    from specproxy.store.dataset import load_turns, parse_time
+    from specproxy.store.dataset import parse_time
+    from specproxy.store.source import Window
+    from specproxy.store.sqlite_source import SQLiteSource
 
     with _open(db) as conn:
-        turns = load_turns(conn, label=label, since=parse_time(since), until=parse_time(until), columns=AUDIT_COLUMNS)
+        turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), AUDIT_COLUMNS)
     _echo(build_audit(turns, source=_db_path(db)), render_audit, as_json)
 
 
@@ -301,12 +305,13 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
         _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
+    from specproxy.store.sqlite_source import SQLiteSource
     from specproxy.view.html import document
     from specproxy.view.snapshot import snapshot
 
     with _open(db) as conn:
-        snap = snapshot(conn, source=_db_path(db), label=label, since=parse_time(since), until=parse_time(until),
-                        cache=cache)
+        snap = snapshot(SQLiteSource(conn, cache=cache), source=_db_path(db), label=label, since=parse_time(since),
+                        until=parse_time(until))
     try:
         Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {_db_path(db)}"),
                                    encoding="utf-8")
@@ -382,16 +387,20 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
     (ISO 8601, UTC unless a zone is given), e.g. @2026-11-29T08:00..2026-11-29T09:00.
     """
-    from specproxy.analyze.compare import check_level, compare, negative_control_report, parse_arm, render_compare
+    from specproxy.analyze.compare import (COMPARE_COLUMNS, check_level, compare, negative_control_report, parse_arm,
+                                           render_compare)
+    from specproxy.store.sqlite_source import SQLiteSource
 
     check_level(level)
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
+    a = parse_arm(arm_a)
+    b = None if negative_control else parse_arm(arm_b)
     with _open(db) as conn:
-        if negative_control:
-            r = negative_control_report(conn, parse_arm(arm_a), seed=seed, cache=cache, level=level)
-        else:
-            r = compare(conn, parse_arm(arm_a), parse_arm(arm_b), seed=seed, cache=cache, level=level)
+        store = SQLiteSource(conn, cache=cache)
+        data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
+    r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
+        compare(a, b, *data, seed=seed, level=level)
     _echo(r, render_compare, as_json)
 
 

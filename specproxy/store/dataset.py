@@ -118,12 +118,15 @@ def load_turns(
     path: str | None = None,
     columns: Sequence[str] | None = None,
     cache: bool = False,
+    counts: dict[str, int] | None = None,
 ) -> Turns:
     """The measured turns (not the rows of other paths: ``measured`` false), oldest first (ties in insertion order), optionally one label and a wall-time
     window; ``num["rowid"]`` (int64) is always there.
 
     ``columns``: only these of NUMERIC and TEXT (default: all). ``cache``: serve them from the columnar
     cache beside the database (see column_cache), creating or extending it; the result is identical.
+    ``counts``: when the cache served the turns, ``counts["unmeasured"]`` is set to the rows of other
+    paths in the same window, counted from the same columns (so that nothing is read twice).
     """
     conn = db if isinstance(db, sqlite3.Connection) else connect(db, readonly=True)
     cols = tuple(columns) if columns is not None else NUMERIC + TEXT
@@ -140,7 +143,8 @@ def load_turns(
             found = load_columns(conn, NUMERIC, tuple(dict.fromkeys((*want_num, "measured"))),
                                  tuple(dict.fromkeys(want_txt + filters)))
             if found is not None:
-                return _select(found, want_num, want_txt, label=label, since=since, until=until, path=path)
+                return _select(found, want_num, want_txt, label=label, since=since, until=until, path=path,
+                               counts=counts)
         return _load_sql(conn, want_num, want_txt, label=label, since=since, until=until, path=path)
     finally:
         if not isinstance(db, sqlite3.Connection):
@@ -164,10 +168,11 @@ def _load_sql(conn: sqlite3.Connection, want_num: tuple[str, ...], want_txt: tup
 
 
 def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *, label: str | None,
-            since: float | None, until: float | None, path: str | None) -> Turns:
+            since: float | None, until: float | None, path: str | None, counts: dict[str, int] | None = None) -> Turns:
     """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first)."""
     t = found.num["t_wall"]
-    mask = found.num["measured"] != 0  # NULL (NaN) is a row from before unmeasured rows: measured
+    measured = found.num["measured"] != 0  # NULL (NaN) is a row from before unmeasured rows: measured
+    mask = np.ones(len(t), dtype=bool)
     if label is not None:
         mask &= found.txt["label"] == label
     if since is not None:
@@ -176,6 +181,9 @@ def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *,
         mask &= t < until
     if path is not None:
         mask &= found.txt["path"] == path
+    if counts is not None:  # as queries.unmeasured_rows counts them: measured = 0 (not NULL)
+        counts["unmeasured"] = int(np.count_nonzero(mask & (found.num["measured"] == 0)))
+    mask &= measured
     idx = np.flatnonzero(mask)
     tw = t[idx]
     in_order = len(tw) < 2 or bool(np.all(tw[1:] >= tw[:-1]))  # rowid order is usually t_wall order already

@@ -79,13 +79,32 @@ def scrape_at_or_after(conn: Connection, t: float, not_after: float | None = Non
     return row[0]
 
 
-def lone_turn_mal(conn: Connection) -> list[tuple[int, float | None]]:
-    """Each stored lone-turn counter delta as ``(turn rowid, MAL)``, in the order the deltas were stored."""
+def lone_turn_mal(conn: Connection, where: str = "", params: Sequence[Any] = ()) -> list[tuple[int, float | None]]:
+    """The stored lone-turn counter deltas of the turns a ``dataset.where_clause`` selects (every turn's
+    without one) as ``(turn rowid, MAL)``, in the order the deltas were stored."""
     try:
-        return conn.execute("SELECT t.rowid, c.mal FROM turn_counters c JOIN turns t ON t.id = c.turn_id "
-                            "ORDER BY c.rowid").fetchall()
+        return conn.execute("SELECT t.rid, c.mal FROM turn_counters c JOIN "
+                            f"(SELECT rowid AS rid, id FROM turns{where}) t ON t.id = c.turn_id "
+                            "ORDER BY c.rowid", params).fetchall()
     except sqlite3.OperationalError:
         return []
+
+
+def rows_in_time(conn: Connection, since: float | None, until: float | None, limit: int) -> int:
+    """How many rows (of any path) have ``t_wall`` in ``[since, until)``, counted up to ``limit`` only
+    (through the t_wall index: the cost is bounded by ``limit``, not by the table)."""
+    where, params = [], []
+    for clause, value in (("t_wall >= ?", since), ("t_wall < ?", until)):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    sql = f"SELECT count(*) FROM (SELECT 1 FROM turns{' WHERE ' + ' AND '.join(where) if where else ''} LIMIT ?)"
+    return int(conn.execute(sql, (*params, limit)).fetchone()[0])
+
+
+def max_rowid(conn: Connection) -> int:
+    """The largest rowid of the turns (as many rows as were ever written, at most: cheap, not a count)."""
+    return int(conn.execute("SELECT coalesce(max(rowid), 0) FROM turns").fetchone()[0])
 
 
 def turn_rows(conn: Connection, fields: Sequence[str], where: str, params: Sequence[Any]) -> Iterator[tuple]:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import time
 
-from specproxy.store.dataset import where_clause
 from html import escape
 from typing import Any
 
-from specproxy.store.db import connect
-from specproxy.store.queries import nth_newest_t_wall
+from specproxy.store.source import Window
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.view.html import document, fragment
 from specproxy.view.snapshot import snapshot
 
@@ -58,14 +57,10 @@ class LivePages:
         return f'<p class="muted" id="store">{escape(text)}</p>'
 
     def _snapshot(self) -> dict:
-        conn = connect(self.db, readonly=True)
-        try:
+        with SQLiteSource(self.db) as store:
             since = time.time() - self.window_s
-            where, params = where_clause(since=since)
-            nth = nth_newest_t_wall(conn, where, params, self.max_turns)
-            return snapshot(conn, source=self.db, since=since if nth is None else max(since, nth))
-        finally:
-            conn.close()
+            nth = store.nth_newest_t_wall(Window(since=since), self.max_turns)
+            return snapshot(store, source=self.db, since=since if nth is None else max(since, nth))
 
     def document(self) -> str:
         title = (f"specproxy live: the last {self.window_s / 60:g} minutes of {self.db} "

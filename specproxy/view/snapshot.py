@@ -12,8 +12,7 @@ from typing import Any
 from specproxy.analyze.pictures import pictures
 from specproxy.analyze.report import REPORT_COLUMNS, build_report
 from specproxy.record import FIELD_NAMES
-from specproxy.store.dataset import load_turns, where_clause
-from specproxy.store.queries import Connection, recent_turns
+from specproxy.store.source import Source, Window
 
 __all__ = ["RECENT_TURNS", "RECORD_FIELDS", "snapshot"]
 
@@ -23,11 +22,11 @@ RECENT_TURNS = 40
 RECORD_FIELDS = tuple(f for f in FIELD_NAMES if f not in ("prompt_text", "response_text"))
 
 
-def snapshot(conn: Connection, *, source: str, label: str | None = None, since: float | None = None,
-             until: float | None = None, cache: bool = False, recent: int = RECENT_TURNS) -> dict[str, Any]:
-    window = {"label": label, "since": since, "until": until}
-    turns = load_turns(conn, **window, columns=REPORT_COLUMNS, cache=cache)
-    report = build_report(turns, source=source, conn=conn, window=window)
-    where, params = where_clause(**window)
-    rows = recent_turns(conn, RECORD_FIELDS, where, params, recent)
-    return {"report": report, "pictures": pictures(turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}
+def snapshot(store: Source, *, source: str, label: str | None = None, since: float | None = None,
+             until: float | None = None, recent: int = RECENT_TURNS) -> dict[str, Any]:
+    """The window's report, pictures and newest turns, from one load of ``store``."""
+    window = Window(label, since, until)
+    data = store.load(window, REPORT_COLUMNS, server=True, context=True)
+    report = build_report(data, source=source)
+    rows = store.recent(window, RECORD_FIELDS, recent)
+    return {"report": report, "pictures": pictures(data.turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}

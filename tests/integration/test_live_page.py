@@ -24,6 +24,7 @@ import openai
 import orjson
 import pytest
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.app.demo import ANSWERS, QUESTIONS, SYSTEM_PROMPT
 from specproxy.app.fake_upstream import Script, pieces_of
 from specproxy.store.db import connect
@@ -366,7 +367,7 @@ def test_the_html_report_of_a_window_opens_offline_with_the_same_figures(make_st
     assert report["turns"] == len(rows) == n
     conn = connect(db, readonly=True)  # before the browser: its event loop runs in this thread
     try:
-        snap = snapshot(conn, source=db, label="arm", since=since)
+        snap = snapshot(SQLiteSource(conn), source=db, label="arm", since=since)
     finally:
         conn.close()
     context = chromium().new_context(offline=True)

@@ -6,6 +6,7 @@ import sqlite3
 
 import aiohttp
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.dataset import load_turns
 from specproxy.analyze.report import build_report, render_text
 from specproxy.app.fake_upstream import Script
@@ -27,7 +28,7 @@ def report_of(stack):
     stack.settle()
     stack.run(stack.service.stop())  # drains the measurements and the writer's queue
     conn = sqlite3.connect(stack.cfg.db)
-    r = build_report(load_turns(conn), source="test", conn=conn)
+    r = build_report(SQLiteSource(conn).load(server=True, context=True), source="test")
     return r, conn
 
 

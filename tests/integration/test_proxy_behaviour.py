@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from rawpeers import SSE_HEAD, chunk, read_request, wait_closed
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.analyze.report import build_report
 from specproxy.app.fake_upstream import Script, pieces_of
 from specproxy.store.dataset import load_turns
@@ -257,7 +258,7 @@ def test_other_paths_are_forwarded_untouched_and_recorded_unmeasured(stack):
     assert row["ttft_s"] is None and row["response_bytes"] is None and row["api"] is None
     for cache in (False, True):  # the figures are over measured turns only, from SQL or the column cache
         assert load_turns(db, cache=cache).num["t_wall"].size == 0
-    report = build_report(load_turns(db), conn=sqlite3.connect(db))
+    report = build_report(SQLiteSource(sqlite3.connect(db)).load(server=True, context=True))
     assert report["turns"] == 0 and report["unmeasured"] == 1
 
 

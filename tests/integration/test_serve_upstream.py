@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.config import load_config, server_root
 from specproxy.store.dataset import load_turns
 from specproxy.analyze.report import build_report, render_text
@@ -33,7 +34,7 @@ def report_of(stack):
     stack.settle()
     stack.run(stack.service.stop())  # drains the measurements and the writer's queue
     conn = sqlite3.connect(stack.cfg.db)
-    return build_report(load_turns(conn), source="test", conn=conn), conn
+    return build_report(SQLiteSource(conn).load(server=True, context=True), source="test"), conn
 
 
 CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -228,6 +229,6 @@ def test_a_report_whose_scrapes_all_failed_says_how_many_and_why(make_stack, dea
     assert s["scrapes"] == 0 and 1 <= s["scrape_failures"] <= watch.failures and "Connect" in s["last_scrape_error"]
     text = render_text(r)
     assert f"Server's own counters: 0 scrapes, {s['scrape_failures']} failed (last error: {s['last_scrape_error']})" in text
-    again = build_report(load_turns(conn), source="test", conn=conn)  # later: the same count
+    again = build_report(SQLiteSource(conn).load(server=True, context=True), source="test")  # later: the same count
     assert again["server"]["scrape_failures"] == s["scrape_failures"]
     assert "none recorded" not in text

@@ -19,6 +19,7 @@ from real.clientkit import (
 )
 from real.server import LlamaServer
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.analyze.report import build_report, render_text
 from specproxy.store.dataset import load_turns
 
@@ -182,7 +183,7 @@ def test_speculative_decoding_counters_match_the_servers_accounting(make_stack, 
         mals.append(mal)
         tpcs.append(rec.tokens_per_chunk)
 
-    report = build_report(load_turns(conn), source="spec", conn=conn)
+    report = build_report(SQLiteSource(conn).load(server=True, context=True), source="spec")
     lone = report["server"]["lone_turns"]
     assert lone["joined"] == n_turns
     assert lone["mal"]["median"] == pytest.approx(statistics.median(mals))
@@ -234,7 +235,7 @@ def test_server_restart_shows_as_two_instances(make_stack, counter, llama_server
     ids = [r.instance_id for r in records]
     assert ids[:2] == [first, first] and ids[2] in (first, second) and ids[3:] == [second, second]
     conn = sqlite3.connect(stack.cfg.db)
-    report = build_report(load_turns(conn), source="restart", conn=conn)
+    report = build_report(SQLiteSource(conn).load(server=True, context=True), source="restart")
     assert sorted(report["server"]["instances"]) == sorted([first, second])
     assert sorted(report["server"]["turn_instances"]) == sorted([first, second])
     assert report["server"]["window"]["segments"] == 2

@@ -16,8 +16,10 @@ import numpy as np
 import orjson
 import pytest
 
+from specproxy.store.source import Window
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store import column_cache
-from specproxy.analyze.compare import Arm, compare, negative_control_report
+from specproxy.analyze.compare import COMPARE_COLUMNS, Arm, compare, negative_control_report
 from specproxy.store.dataset import TEXT, load_turns
 from specproxy.store import rows
 from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
@@ -60,8 +62,8 @@ def write_turns(path: Path, n: int, *, seed: int, t0: float = 1_790_000_000.0) -
 def report_json(db: Path, cache: bool, **window) -> str:
     conn = connect(db, readonly=True)
     try:
-        turns = load_turns(conn, columns=REPORT_COLUMNS, cache=cache, **window)
-        r = build_report(turns, source="db", conn=conn)
+        data = SQLiteSource(conn, cache=cache).load(Window(**window), REPORT_COLUMNS, server=True, context=True)
+        r = build_report(data, source="db")
     finally:
         conn.close()
     return orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() + render_text(r)
@@ -304,10 +306,14 @@ def test_compare_from_the_cache_equals_sqlite(db):
         conn = connect(db, readonly=True)
         try:
             a, b = Arm("old", label="old"), Arm("new", label="new")
-            got = (compare(conn, a, b, seed=3, cache=cache), negative_control_report(conn, a, seed=3, cache=cache),
-                   compare(conn, Arm("@", until=1_790_001_000.0), Arm("@@", since=1_790_010_000.0), cache=cache))
-            want = (compare(conn, a, b, seed=3), negative_control_report(conn, a, seed=3),
-                    compare(conn, Arm("@", until=1_790_001_000.0), Arm("@@", since=1_790_010_000.0)))
+            c, d = Arm("@", until=1_790_001_000.0), Arm("@@", since=1_790_010_000.0)
+
+            def three(store):
+                arm = {x: store.load(x.window, COMPARE_COLUMNS) for x in (a, b, c, d)}
+                return (compare(a, b, arm[a], arm[b], seed=3), negative_control_report(a, arm[a], seed=3),
+                        compare(c, d, arm[c], arm[d]))
+
+            got, want = three(SQLiteSource(conn, cache=cache)), three(SQLiteSource(conn))
         finally:
             conn.close()
         assert orjson.dumps(got, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)

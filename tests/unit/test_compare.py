@@ -258,16 +258,20 @@ def test_few_turns_carrying_most_tokens_get_no_interval(lumpy_db):
 
 def intervals(path: Path, *args: str) -> dict[str, tuple[float, float]]:
     """Each row's interval at 95% and 99%, from compare itself (the command line is checked once, below)."""
-    from specproxy.analyze.compare import compare, negative_control_report, parse_arm
+    from specproxy.analyze.compare import COMPARE_COLUMNS, compare, negative_control_report, parse_arm
     from specproxy.store.db import open_existing
+    from specproxy.store.sqlite_source import SQLiteSource
 
     out = {}
     for level in ("0.95", "0.99"):
         with open_existing(str(path)) as conn:
             if args[1] == "--negative-control":
-                r = negative_control_report(conn, parse_arm(args[0]), level=float(level))
+                a = parse_arm(args[0])
+                r = negative_control_report(a, SQLiteSource(conn).load(a.window, COMPARE_COLUMNS), level=float(level))
             else:
-                r = compare(conn, parse_arm(args[0]), parse_arm(args[1]), level=float(level))
+                a, b = parse_arm(args[0]), parse_arm(args[1])
+                r = compare(a, b, *(SQLiteSource(conn).load(arm.window, COMPARE_COLUMNS) for arm in (a, b)),
+                            level=float(level))
         assert r["level"] == float(level) and all(row["level"] == float(level) for row in r["rows"])
         out[level] = {row["metric"]: (row["ci_low"], row["ci_high"], row["method"]) for row in r["rows"]}
     return out

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specproxy.analyze.compare import negative_control_report, parse_arm, render_compare
+from specproxy.analyze.compare import COMPARE_COLUMNS, negative_control_report, parse_arm, render_compare
 from specproxy.analyze.stats import CONFOUNDED_WARNING
 from specproxy.app.fake_upstream import make_record
 from specproxy.store.db import open_existing
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,8 @@ def test_the_negative_control_names_the_direction_of_a_time_right(db):
     seen = 0
     for seed in range(20):
         with open_existing(str(db)) as conn:
-            r = negative_control_report(conn, parse_arm("split"), seed=seed)
+            arm = parse_arm("split")
+            r = negative_control_report(arm, SQLiteSource(conn).load(arm.window, COMPARE_COLUMNS), seed=seed)
         text = render_compare(r)
         for row in r["rows"]:
             if row["verdict"] not in ("faster", "slower"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.dataset import load_turns
 from specproxy.analyze.report import build_report, render_text
 from specproxy.store.db import open_store
@@ -62,7 +63,7 @@ def mixed(tmp_path_factory):
     path = tmp_path_factory.mktemp("kinds") / "mixed.db"
     truth = write_mixed(path)
     conn = open_store(path)
-    r = build_report(load_turns(conn), source="mixed", conn=conn)
+    r = build_report(SQLiteSource(conn).load(server=True, context=True), source="mixed")
     conn.close()
     return r, truth
 
@@ -116,7 +117,7 @@ def test_an_all_streamed_report_has_no_non_streamed_section(tmp_path):
     path = tmp_path / "streamed.db"
     write_mixed(path, streamed=6, whole=0)
     conn = open_store(path)
-    r = build_report(load_turns(conn), source="s", conn=conn)
+    r = build_report(SQLiteSource(conn).load(server=True, context=True), source="s")
     conn.close()
     assert r["completed_turns"] == {"streamed": 6, "non_streamed": 0} and r["non_streamed"]["total_s"]["n"] == 0
     text = render_text(r)

@@ -9,6 +9,7 @@ import sqlite3
 
 import pytest
 
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.analyze.report import PROMPT_PARTS, build_report, render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store.dataset import load_turns
@@ -31,7 +32,7 @@ def report(tmp_path) -> dict:
     w.close()
     conn = sqlite3.connect(path)
     try:
-        return build_report(load_turns(conn), source="t", conn=conn)
+        return build_report(SQLiteSource(conn).load(server=True, context=True), source="t")
     finally:
         conn.close()
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from specproxy.store.source import Window
+from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.analyze.report import build_report, render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
@@ -53,8 +55,7 @@ def write_scrapes(w: Writer, times, every: float, t_from: float, t_to: float) ->
 def report(path: Path, **window) -> dict:
     conn = sqlite3.connect(path)
     try:
-        turns = load_turns(conn, **window)
-        return build_report(turns, source="test", conn=conn, window=window)
+        return build_report(SQLiteSource(conn).load(Window(**window), server=True, context=True), source="test")
     finally:
         conn.close()
 

@@ -1,0 +1,147 @@
+"""The load path (store/source.py): what a store returns, and that loading a window's data once gives the
+analysis every figure it gave when it queried the database itself.
+
+The server section reads the scrapes between bounds it finds itself; ``Source.load`` hands it only the
+scrapes around the window's turns. Held here against a store that hands it every scrape it holds, over
+windows that cut the turns anywhere, with failed scrapes and gaps where the bounds fall.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.app.fake_upstream import make_record
+from specproxy.store import rows
+from specproxy.store.dataset import NUMERIC, TEXT
+from specproxy.store.source import Scrapes, Window
+from specproxy.store.sqlite_source import SQLiteSource
+from specproxy.store.writer import Writer
+
+T0 = 1_800_000_000.0
+
+
+class EveryScrape(SQLiteSource):
+    """The reference: every stored scrape, whatever the window."""
+
+    def _server_scrapes(self, turns, until) -> Scrapes:
+        return self.scrapes(-np.inf, np.inf)
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    """300 turns over ~40 minutes (labels, outcomes, NULLs, ties), lone-turn counters for some, and scrapes
+    every ~5 s with failures, a run of failures and an hour-long gap in the middle."""
+    path = tmp_path_factory.mktemp("source") / "s.db"
+    rng = random.Random(5)
+    w = Writer(path)
+    for i in range(300):
+        t = T0 + i * 8.0 + (rng.random() * 30 if rng.random() < 0.1 else 0.0)
+        rec = make_record(seed=rng.random(), t_wall=t, label=rng.choice(["a", "b", None]),
+                          instance_id=rng.choice(["i1", "i2"]), concurrency=rng.choice([1, 1, 2, 5]),
+                          outcome="ok" if rng.random() > 0.1 else "client_abort",
+                          decode_tps=rng.uniform(20, 90) if rng.random() > 0.05 else None)
+        w.put(rec)
+        if rng.random() < 0.05:  # another path's row: forwarded, recorded, never a figure
+            w.put(make_record(seed=rng.random(), t_wall=t + 1.0, label=rec.label, path="/v1/models",
+                              measured=False))
+        if rec.concurrency == 1 and rng.random() < 0.6:
+            w.put(rows.turn_counters(rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
+                                     rng.choice([2.5, 1.8, None]), 0.75))
+    t, tokens = T0 - 60.0, 0.0
+    while t < T0 + 2500.0:
+        if T0 + 900 < t < T0 + 1300:  # no scrape at all here
+            t += 5.0
+            continue
+        if rng.random() < 0.15 or T0 + 1600 < t < T0 + 1700:
+            w.put(rows.failed_scrape(t, t - T0, "i1", "connection refused"))
+        else:
+            tokens += rng.randint(100, 900)
+            w.put(rows.scrape((t, t - T0, rng.choice(["i1", "i2"]), "llamacpp", float(rng.randint(0, 5)), 0.0,
+                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None)))
+        t += rng.uniform(2.0, 8.0)
+    w.close()
+    return path
+
+
+def windows() -> list[Window]:
+    rng = random.Random(9)
+    out = [Window(), Window("a"), Window("nobody"), Window(since=T0 + 1000), Window(until=T0 + 1000),
+           Window(since=T0 + 5000)]
+    for _ in range(25):
+        lo = T0 + rng.uniform(-100, 2500)
+        out.append(Window(rng.choice([None, "a", "b"]), lo, lo + rng.choice([30.0, 300.0, 1500.0])))
+    return out
+
+
+@pytest.mark.parametrize("window", windows(), ids=str)
+def test_the_loaded_window_gives_the_report_every_scrape_gives(db, window):
+    with SQLiteSource(db) as store, EveryScrape(db) as every:
+        got = build_report(store.load(window, REPORT_COLUMNS, server=True, context=True), source="s")
+        want = build_report(every.load(window, REPORT_COLUMNS, server=True, context=True), source="s")
+    assert orjson.dumps(got, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def test_a_window_loads_fewer_scrapes_than_the_store_holds(db):
+    """The point of the bounds: a window of a few minutes does not read the whole scrape table."""
+    with SQLiteSource(db) as store:
+        short = store.load(Window(since=T0 + 300, until=T0 + 420), REPORT_COLUMNS, server=True)
+        held = len(store.scrapes(-np.inf, np.inf))
+    assert 0 < len(short.scrapes) < held / 10
+    assert short.scrapes.t_wall.min() <= short.turns.num["t_wall"].min() <= short.turns.num["t_wall"].max() <= short.scrapes.t_wall.max()
+
+
+def test_what_a_store_returns(db):
+    """The contract fleet stores are written to: dtypes, NULL as nan/None, order, filters in the query."""
+    with SQLiteSource(db) as store:
+        every = store.turns(Window())
+        some = store.turns(Window("a", T0 + 100, T0 + 1500), ("ttft_s", "label"))
+        lone = store.lone_joins(Window("a", T0 + 100, T0 + 1500))
+        lone_all = store.lone_joins(Window())
+        summary = store.database()
+    assert every.num["rowid"].dtype == np.int64
+    assert all(every.num[c].dtype == np.float64 for c in NUMERIC if c in every.num)
+    assert all(every.txt[c].dtype == object for c in TEXT if c in every.txt)
+    assert np.isnan(every.num["decode_tps"]).any()  # NULL is nan, never 0
+    t = every.num["t_wall"]
+    assert np.all((t[1:] > t[:-1]) | ((t[1:] == t[:-1]) & (every.num["rowid"][1:] > every.num["rowid"][:-1])))
+    assert set(some.num) == {"rowid", "t_wall", "ttft_s"} and set(some.txt) == {"label"}
+    assert set(some.txt["label"].tolist()) == {"a"}
+    assert some.num["t_wall"].min() >= T0 + 100 and some.num["t_wall"].max() < T0 + 1500
+    assert lone.rowid.dtype == np.int64 and 0 < len(lone.rowid) < len(lone_all.rowid)
+    assert set(lone.rowid.tolist()) <= set(some.num["rowid"].tolist())
+    assert summary["n"] == len(every) and summary["labels"] == ["a", "b"]
+
+
+def test_a_narrow_window_is_read_by_its_index_not_from_the_whole_cache(db):
+    """The columnar cache holds every turn: the last hour of a month must not load the month. A window
+    holding under 1/NARROW of the rows is read from SQLite through the t_wall index; the same columns."""
+    from specproxy.store import column_cache
+
+    wide, narrow = Window(since=T0 + 100), Window(since=T0 + 300, until=T0 + 420)
+    with SQLiteSource(db, cache=True) as cached, SQLiteSource(db) as plain:
+        cached.turns(Window())  # builds the cache
+        column_cache.last_status = None
+        got = cached.turns(narrow, REPORT_COLUMNS)
+        assert column_cache.last_status is None  # the cache was not read
+        want = plain.turns(narrow, REPORT_COLUMNS)
+        cached.turns(wide, REPORT_COLUMNS)
+        assert column_cache.last_status in ("hit", "append", "build")  # a wide window is read from the cache
+    assert 0 < len(got) and got.num.keys() == want.num.keys()
+    assert all(np.array_equal(got.num[k], want.num[k], equal_nan=True) for k in got.num)
+    assert all(got.txt[k].tolist() == want.txt[k].tolist() for k in got.txt)
+
+
+@pytest.mark.parametrize("window", windows()[:12], ids=str)
+def test_other_paths_counted_from_the_cached_columns_as_sql_counts_them(db, window):
+    """Served from the cache, the window's other-path rows are counted from its columns (not read again)."""
+    with SQLiteSource(db, cache=True) as cached, SQLiteSource(db) as plain:
+        got = cached.load(window, REPORT_COLUMNS, context=True).unmeasured
+        want = plain.load(window, REPORT_COLUMNS, context=True).unmeasured
+    assert got == want
+    assert windows()[0] != window or want > 0
