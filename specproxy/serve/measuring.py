@@ -61,7 +61,7 @@ MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a ba
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
 GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
-TRIM_BYTES = 16 << 20  # a batch that let go of this much gives the heaps' free pages back to the system
+TRIM_BYTES = 16 << 20  # a batch that let go of (or parsed) this much gives the heaps' free pages back to the system
 LARGE_TURN_BYTES = 1 << 20  # a turn holding this much (body and kept response) is built apart (see above)
 
 Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
@@ -154,7 +154,9 @@ class MeasuringWorker:
                 results.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
             freed = builder.let_go(body=not self._keep_bodies)
             memory.give(freed)
-            released += freed
+            # what parsing and counting made of the body (objects several times its size, never charged)
+            # is freed too: counted here, or a backlog of such turns would never trim
+            released += freed + builder.request_bytes
         if released >= TRIM_BYTES:
             memory.trim()  # the heaps' free pages back to the system (large blocks went back on free)
         self.batches += 1
