@@ -325,6 +325,45 @@ def test_large_prompts_with_a_tokenizer_stay_within_the_budget(tmp_path, loop_th
     loop_thread.run(upstream.close())
 
 
+def test_prompts_near_the_counting_cap_are_counted_and_small_turns_not_held_behind_them(tmp_path, loop_thread):
+    """Three distinct prompts just under ``max_counted_bytes`` (4 MiB) with a tokenizer, then small turns:
+    each prompt is counted in full (the tokenizer runs near the cap, where the 20 MB test never lets it),
+    its count the tokenizer's own, none measured less; every small turn after them is counted and written.
+    (That small turns are not built behind a backlog of large ones: tests/unit/test_measuring.py.)"""
+    from specproxy.measure.openai import PromptParts
+    from specproxy.measure.tokens import load_tokenizer
+
+    upstream = ScriptedUpstream(_respond)
+    loop_thread.run(upstream.start())
+    proc, _ = _serve(tmp_path, upstream, "--tokenizer", "tiktoken:o200k_base")
+    rng = random.Random(4)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    contents = [f"{i} " + " ".join(rng.choice(words) for _ in range(800_000))[:4_000_000] for i in range(3)]
+
+    async def load():
+        async with KeptClient(proc.port) as client:
+            for content in contents:
+                body = orjson.dumps({"model": "near", "stream": True, "messages": [{"role": "user", "content": content}]})
+                assert len(body) < 4 * MIB
+                resp = await client.ask(_request(body), timeout=60)
+                assert resp is not None and resp.status == 200
+            for i in range(5):
+                resp = await client.ask(_request(_small_body(f"after {i}")), timeout=60)
+                assert resp is not None and resp.status == 200
+
+    asyncio.run(load())
+    wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 5 + 3 + 5, 120, 0.1, "every turn written")
+    rows = db_rows(tmp_path / "turns.db", "SELECT rowid, model, prompt_tokens, measure_capped FROM turns ORDER BY rowid")
+    near = [r for r in rows if r[1] == "near"]
+    small = [r for r in rows[5:] if r[1] == "small"]
+    tok = load_tokenizer("tiktoken:o200k_base")
+    expected = [tok.count_prompt(PromptParts(new=({"role": "user", "content": c},))).total for c in contents]
+    assert sorted(r[2] for r in near) == sorted(expected) and not any(r[3] for r in near)
+    assert len(small) == 5 and all(r[2] is not None for r in small)
+    proc.stop()
+    loop_thread.run(upstream.close())
+
+
 def test_pipelined_requests_of_many_connections_stay_within_the_budget(tmp_path, loop_thread):
     """400 connections each send a request the upstream holds, and 2 MiB pipelined behind it: what the lane
     reads of those is charged to the budget and bounded by its pipelined share (one read more each), not
