@@ -57,7 +57,8 @@ class Config:
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 and never reaches the upstream."""
     max_concurrent: int = 1024
-    """Requests in flight at once; one more gets an immediate 503."""
+    """Requests in flight at once; one more gets an immediate 503. An exchange whose response waits on a
+    client that is not reading does not count (``send_timeout_s`` ends it), up to twice this in all."""
     connect_timeout_s: float = 10.0
     """Seconds to connect to the upstream before answering 504 (a refused connection is a 502 at once)."""
     idle_timeout_s: float = 600.0
@@ -68,7 +69,7 @@ class Config:
     exchange ends: the client's connection is cut, the upstream's closed, and the turn recorded as
     ``client_stalled``. It runs only while the client is what holds the body back (the proxy has stopped
     reading the upstream for it); a slow reader that keeps taking bytes is never cut. Bounds how long
-    clients that never read can hold their places in ``max_concurrent``."""
+    clients that never read hold an exchange (past ``max_concurrent``, which does not count them)."""
     header_timeout_s: float = 30.0
     """Seconds a client may take to send its request headers (counted from connecting, or from the end
     of the previous response on a kept-alive connection, which is also how long an idle kept-alive

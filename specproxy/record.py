@@ -207,7 +207,8 @@ class Record:
     ``prompt_memory_budget`` (the request body was let go of before measuring, to stay within the budget:
     the prompt is not counted, ``usage_prompt_tokens`` is the server's own), ``prompt_over_max_counted_bytes``
     and ``completion_over_max_counted_bytes`` (too large for the tokenizer to count: their token counts are
-    null)."""
+    null), ``prompt_over_max_counted_items`` (more messages and tool definitions than are counted: the
+    prompt's token counts are null)."""
 
     measured: bool = True
     """The path is one specproxy measures (a generation endpoint). False: any other path (``GET

@@ -398,13 +398,18 @@ def db_rows(db: Path, sql: str = "SELECT id FROM turns", params: tuple = ()) -> 
 
 @contextlib.contextmanager
 def tiny_tmpfs(path: Path, size: str = "16m") -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (made here) for the test's duration; skips the test where
-    mounting is not allowed (not root)."""
+    """A tmpfs of ``size`` mounted at ``path`` (made here) for the test's duration (a small file system to
+    fill: a full disk). Mounting needs root (CI runs as root); elsewhere the test skips and says so, and
+    with ``SPECPROXY_REQUIRE_TMPFS=1`` (CI sets it) it fails instead."""
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True, timeout=10)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+        why = (f"needs to mount a {size} tmpfs (a full disk), which needs root: `mount` said "
+               f"{done.stderr.decode(errors='replace').strip() or done.returncode}")
+        if os.environ.get("SPECPROXY_REQUIRE_TMPFS") == "1":
+            pytest.fail(f"{why} (SPECPROXY_REQUIRE_TMPFS=1 forbids skipping)", pytrace=False)
+        pytest.skip(why)
     try:
         yield path
     finally:

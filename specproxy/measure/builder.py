@@ -35,7 +35,7 @@ from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
 from specproxy.measure.texts import Texts, body_texts, stream_texts_reference
-from specproxy.measure.tokens import Tokenizer
+from specproxy.measure.tokens import Tokenizer, over_max_counted_items
 
 __all__ = ["RecordBuilder", "is_measured"]
 
@@ -361,7 +361,9 @@ class RecordBuilder:
         else:
             counts = count_completion(texts, tok, first_only) if tok is not None else None
         prompt = None
-        if tok is not None and request.parts is not None:
+        if tok is not None and request.parts is not None and over_max_counted_items(request.parts):
+            self.shed.append("prompt_over_max_counted_items")  # work per message, as max_counted is per byte
+        elif tok is not None and request.parts is not None:
             try:
                 prompt = tok.count_prompt(request.parts)
             except Exception as exc:  # the prompt's figures are null; the turn keeps the rest

@@ -67,7 +67,8 @@ from specproxy.measure.template_inputs import (
     server_tools,
 )
 
-__all__ = ["PromptCounts", "Tokenizer", "completion_text", "describe", "load_tokenizer", "tokens_in_first"]
+__all__ = ["MAX_COUNTED_ITEMS", "PromptCounts", "Tokenizer", "completion_text", "describe", "load_tokenizer",
+           "over_max_counted_items", "tokens_in_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,20 @@ def completion_text(tok: Tokenizer, parts: PromptParts) -> str:
     """A completions prompt's text as the server tokenizes it: after the beginning-of-text token the
     server adds to a prompt that opens with text (the tokenizer's ``bos_text``; none for tiktoken)."""
     return (getattr(tok, "bos_text", "") if parts.prompt_bos else "") + (parts.prompt or "")
+
+
+# The per-turn bound on counting work besides max_counted_bytes: a prompt's messages and tool definitions.
+# Counting costs per message as well as per byte (each message is a template render's loop, a memo
+# lookup, an object or two): 100,000 tiny messages within 4 MiB took 4-5 s of a core and grew the heap.
+# 4,096 is far past any conversation a client sends whole (an agent's long session: hundreds to a couple
+# of thousand messages) and costs at most about a fifth of a second (docs/operations.md, "Memory").
+MAX_COUNTED_ITEMS = 4096
+
+
+def over_max_counted_items(parts: PromptParts) -> bool:
+    """Whether a prompt has more messages and tool definitions than are counted (``MAX_COUNTED_ITEMS``):
+    its token counts are then null and the record says ``prompt_over_max_counted_items``."""
+    return len(parts.system) + len(parts.history) + len(parts.new) + len(parts.tools) > MAX_COUNTED_ITEMS
 
 
 _REPEATED_TEXTS = 128  # distinct system prompts / tool sets remembered by their text (LRU)

@@ -21,8 +21,9 @@ stalls or is not whole within ``body_timeout_s`` (408, as aiohttp's path answers
 ``max_concurrent`` once its body is whole (503, the same check).
 Config ``lane = false`` sends every connection to aiohttp (comparisons, and a way around a lane bug).
 
-A connection's requests are served one at a time, in order (pipelined ones wait in the buffer; reading
-pauses when too much waits). A client that hangs up cancels its exchange, which ``Proxy.forward``
+A connection's requests are served one at a time, in order (pipelined ones wait in the buffer, charged to
+the memory budget; a connection stops reading when more than ``PIPELINED_BYTES`` waits on it, or
+``PIPELINED_SHARE`` of the budget on all of them). A client that hangs up cancels its exchange, which ``Proxy.forward``
 records as ``client_abort``. An idle connection closes ``header_timeout_s`` after its last response
 (aiohttp's keep-alive timeout, set to the same); the first request's head deadline is ``service.py``'s.
 """
@@ -41,6 +42,7 @@ from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
 from specproxy.serve.proxy import SMALL_BODY, Incoming
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
+from specproxy.wire import memory
 from specproxy.wire.relay_thread import no_delay
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ log = logging.getLogger("specproxy.serve.lane")
 MAX_LINE_BYTES = 8190  # aiohttp's request-line limit; every line the lane takes is within it
 MAX_FIELDS = 100  # aiohttp refuses more than 128 header lines
 PIPELINED_BYTES = 1 << 20  # stop reading while this much waits behind the exchange in progress
+PIPELINED_SHARE = 0.125  # of the memory budget: what all connections' pipelined bytes may hold (and a read each)
 LINGER_S = 10.0  # after refusing a body unread, read and drop what the client still sends for this long
 
 _METHODS = frozenset((b"GET", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS", b"HEAD"))
@@ -156,6 +159,7 @@ class Lanes:
         self.open: set[Lane] = set()
         self.requests = 0  # requests the lane forwarded
         self.handed_over = 0  # connections the lane gave to aiohttp's server
+        self.piped = 0  # bytes read behind exchanges in progress (pipelined), charged to the memory budget
         self.closing = False
 
     def close_idle(self) -> None:
@@ -179,7 +183,7 @@ class Lane(asyncio.Protocol):
     It is also the ``proxy.Client`` of its exchanges: the response head goes straight to the transport."""
 
     __slots__ = ("_big", "_body_by", "_charged", "_deadline", "_drain", "_fallback", "_inner", "_keep", "_lanes", "_loop", "_parts", "_pending",
-                 "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
+                 "_piped", "_proxy", "_reading_paused", "_size", "_task", "_timeout", "_timer", "_writing_paused",
                  "transport")
 
     def __init__(self, proxy: Proxy, lanes: Lanes, fallback: Callable[[], asyncio.Protocol], timeout: float) -> None:
@@ -194,6 +198,7 @@ class Lane(asyncio.Protocol):
         self._size = 0
         self._pending: tuple[Incoming, int, int] | None = None  # a head read, its body still coming
         self._charged = 0  # the pending body's charge to the memory budget, until its exchange takes it
+        self._piped = 0  # bytes that came during an exchange, charged to the budget until it ends
         self._big: bytearray | None = None  # a large pending body, grown in place as it comes (no join)
         self._task: asyncio.Task | None = None  # the exchange in progress
         self._keep = False
@@ -224,7 +229,18 @@ class Lane(asyncio.Protocol):
         self._size += len(data)
         if self._task is None:
             self._take()
-        elif self._size > PIPELINED_BYTES and not self._reading_paused and self.transport is not None:
+            return
+        # pipelined behind the exchange in progress: charged to the memory budget (read already, so even
+        # past it); past PIPELINED_BYTES on this connection, or PIPELINED_SHARE of the budget on all of
+        # them, this connection reads no more until its exchange ends: many connections cannot hold more
+        # than that share and one read each
+        n = len(data)
+        memory.charge(n)
+        self._piped += n
+        lanes = self._lanes
+        lanes.piped += n
+        if ((self._size > PIPELINED_BYTES or lanes.piped > self._proxy.budget * PIPELINED_SHARE)
+                and not self._reading_paused and self.transport is not None):
             self._reading_paused = True
             self.transport.pause_reading()
 
@@ -333,6 +349,7 @@ class Lane(asyncio.Protocol):
 
     def _next(self) -> None:
         """After an exchange: close, or wait for the next request (it may be here already)."""
+        self._release_piped()  # what came meanwhile is the next request's: its body is charged as such
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -356,6 +373,13 @@ class Lane(asyncio.Protocol):
         charged, self._charged = self._charged, 0
         if charged:
             self._proxy.release_body(charged)
+        self._release_piped()
+
+    def _release_piped(self) -> None:
+        piped, self._piped = self._piped, 0
+        if piped:
+            self._lanes.piped -= piped
+            memory.give(piped)
 
     def _refuse_unread(self, size: int) -> None:
         """503 for a body the memory budget has no room for, before a byte more of it is read; what the

@@ -21,6 +21,12 @@ later; a lone turn's, at once. Gathering longer than ``GATHER_S`` is not better:
 hold the interpreter lock while a turn's head and first chunks, written by the event loop, wait for it.
 The figures behind both choices are in docs/performance.md ("Design figures").
 
+Large turns go aside. A turn whose request body and kept response come to ``LARGE_TURN_BYTES`` or more
+(a near-``max_counted_bytes`` prompt is about a second of tokenizer) is held apart from the others, and
+built alone, one after each batch of the others (or alone, when none waits): a small turn waits behind
+at most one large turn's build, never behind a backlog of them, and a large turn waits at most one
+batch of small ones per large turn ahead of it (none starves).
+
 ``activity()`` is the relay's clock of its latest read (``UpstreamPool.activity``: the loop's reads and
 the relay thread's); reading two floats is all the worker does to the relay. With the relay thread
 (the default) the bodies' reads do not need the interpreter lock at all, so a build does not delay
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections import deque
 import threading
 import time
 import traceback
@@ -54,7 +61,8 @@ MAX_DEFER_S = 0.02  # never wait longer than this for a gap before building a ba
 POLL_S = 0.004
 MAX_BATCH = 32  # turns built per batch (and records handed on at once: the writer's queue sees bursts no larger)
 GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more before building (see above)
-TRIM_BYTES = 16 << 20  # a batch that let go of this much gives the heaps' free pages back to the system
+TRIM_BYTES = 16 << 20  # a batch that let go of (or parsed) this much gives the heaps' free pages back to the system
+LARGE_TURN_BYTES = 1 << 20  # a turn holding this much (body and kept response) is built apart (see above)
 
 Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
 
@@ -97,17 +105,19 @@ class MeasuringWorker:
     def _run(self) -> None:
         name_os_thread()
         stopping = False
-        while not stopping:
-            first = self._queue.get()
-            if first is not None and self._gather_s > 0 and self._queue.qsize() < MAX_BATCH:
-                self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+        large: deque[RecordBuilder] = deque()  # large turns taken from the queue, built one per batch
+        while not (stopping and not large):
+            batch: list[RecordBuilder] = []
+            if not large and not stopping:
+                first = self._queue.get()
+                if first is not None and self._gather_s > 0 and self._queue.qsize() < MAX_BATCH:
+                    self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+                if first is None:
+                    stopping = True
+                else:
+                    self._sort(first, batch, large)
             self._gathered.clear()  # before taking the batch: a later end of gathering is for the next
-            batch = []
-            if first is None:
-                stopping = True
-            else:
-                batch.append(first)
-            while len(batch) < MAX_BATCH:  # what has queued meanwhile, up to a batch
+            while len(batch) < MAX_BATCH and not stopping:  # what has queued meanwhile, up to a batch
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
@@ -115,31 +125,46 @@ class MeasuringWorker:
                 if more is None:
                     stopping = True
                     break
-                batch.append(more)
-            if not batch:
-                continue
+                self._sort(more, batch, large)
             behind = stopping or self._queue.qsize() >= MAX_BATCH  # then build now, do not wait
-            deadline = clock() + MAX_DEFER_S
-            results = []
-            released = 0
-            for builder in batch:
-                if not behind:  # before each build: a burst that began meanwhile goes first
-                    self._wait_for_quiet(deadline)
-                try:
-                    results.append((builder, builder.build(self.tokenizer, self.prefixes), None))
-                except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
-                    why = f"{type(exc).__name__} ({where(exc)})"
-                    results.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
-                freed = builder.let_go(body=not self._keep_bodies)
-                memory.give(freed)
-                released += freed
-            if released >= TRIM_BYTES:
-                memory.trim()  # the heaps' free pages back to the system (large blocks went back on free)
-            self.batches += 1
-            try:
-                self._loop.call_soon_threadsafe(self._done, results)
-            except RuntimeError:  # the loop is closed: nobody is left to take the records
+            if batch and not self._build(batch, behind):
                 return
+            if large and not self._build([large.popleft()], behind):  # one large turn per round
+                return
+
+    @staticmethod
+    def _sort(builder: RecordBuilder, batch: list, large: deque) -> None:
+        if _cost(builder) >= LARGE_TURN_BYTES:
+            large.append(builder)
+        else:
+            batch.append(builder)
+
+    def _build(self, batch: list[RecordBuilder], behind: bool) -> bool:
+        """Build a batch and hand its records to the loop; False when the loop is gone."""
+        deadline = clock() + MAX_DEFER_S
+        results = []
+        released = 0
+        for builder in batch:
+            if not behind:  # before each build: a burst that began meanwhile goes first
+                self._wait_for_quiet(deadline)
+            try:
+                results.append((builder, builder.build(self.tokenizer, self.prefixes), None))
+            except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
+                why = f"{type(exc).__name__} ({where(exc)})"
+                results.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
+            freed = builder.let_go(body=not self._keep_bodies)
+            memory.give(freed)
+            # what parsing and counting made of the body (objects several times its size, never charged)
+            # is freed too: counted here, or a backlog of such turns would never trim
+            released += freed + builder.request_bytes
+        if released >= TRIM_BYTES:
+            memory.trim()  # the heaps' free pages back to the system (large blocks went back on free)
+        self.batches += 1
+        try:
+            self._loop.call_soon_threadsafe(self._done, results)
+        except RuntimeError:  # the loop is closed: nobody is left to take the records
+            return False
+        return True
 
     def _wait_for_quiet(self, deadline: float) -> None:
         t0 = clock()
@@ -150,6 +175,12 @@ class MeasuringWorker:
                 break
             time.sleep(min(max(QUIET_S - since, POLL_S), deadline - now))
         self.deferred_s += clock() - t0
+
+
+def _cost(builder: RecordBuilder) -> int:
+    """What building a turn will read: its request body and its kept response (the relay thread's too)."""
+    relayed = builder.relayed
+    return len(builder.body) + sum(map(len, builder.reads)) + (relayed.kept if relayed is not None else 0)
 
 
 def where(exc: BaseException) -> str:

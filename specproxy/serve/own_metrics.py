@@ -221,6 +221,12 @@ STATE = (
      "Records the store never wrote: its queue was full, or they were still unwritten at shutdown", "counter"),
     ("write_failures", "specproxy_store_write_failures",
      "Database writes refused (full disk, locked, read-only): the records wait and are retried", "counter"),
+    ("text_shed", "specproxy_store_text_shed",
+     "Records queued for the database without their text: the memory budget's share for the queue was full",
+     "counter"),
+    ("captures_shed", "specproxy_store_captures_shed",
+     "Captured request bodies not queued for the database: the memory budget's share for the queue was full",
+     "counter"),
     ("measure_dropped", "specproxy_dropped_records_measure",
      "Turns forwarded but not measured (too many waiting to be measured)", "counter"),
     ("measure_errors", "specproxy_measure_errors", "Turns whose measuring failed (recorded unmeasured)", "counter"),
@@ -233,7 +239,8 @@ STATE = (
      "Finished turns that let go of their body (or response) before measuring, to stay within the memory "
      "budget", "counter"),
     ("memory_used", "specproxy_memory_used_bytes",
-     "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured",
+     "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured, "
+     "pipelined requests, texts and captured bodies waiting for the database",
      "gauge"),
     ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", "gauge"),
 )

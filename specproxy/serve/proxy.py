@@ -185,6 +185,17 @@ class Proxy:
             return not self.in_flight
         return True
 
+    def _busy(self) -> bool:
+        """``max_concurrent`` reached, not counting exchanges whose response waits on a client that is not
+        reading (``held_by_client``): clients that never read must not lock the readers out until their
+        ``send_timeout_s``. Up to twice ``max_concurrent`` in flight in all, whoever holds them."""
+        cap = self.cfg.max_concurrent
+        if self.in_flight < cap:
+            return False
+        if self.in_flight >= 2 * cap or self._pool is None:
+            return True
+        return self.in_flight - self._pool.held_by_clients() >= cap
+
     # --- the memory budget ------------------------------------------------------------------------
 
     def admit_body(self, n: int, *, large: bool = False) -> bool:
@@ -212,7 +223,7 @@ class Proxy:
         """A request whose body is whole, from either front, its ``len(body)`` already charged to the memory
         budget (``admit_body``; the charge is this exchange's from here): 503 past ``max_concurrent``
         (counted from here: a request still sending its body holds no one's place), else ``forward``."""
-        if self.in_flight >= self.cfg.max_concurrent:
+        if self._busy():
             self.rejected_busy += 1
             memory.give(len(body))
             return busy(self.cfg)

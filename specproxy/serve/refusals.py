@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 from typing import NamedTuple
-from urllib.parse import unquote
+from urllib.parse import unquote_to_bytes
 
 import aiohttp
 import orjson
@@ -109,16 +109,24 @@ def refuse(request: web.BaseRequest) -> Refusal | None:
     return None
 
 
+# overlong UTF-8 encodings of "." and "/" (invalid UTF-8, but decoders that do not check, such as old
+# servers' and some path normalisers', read them as the character): a segment of them is read as dots
+_OVERLONG = re.compile(rb"\xc0[\xae\xaf]|\xe0\x80[\xae\xaf]|\xf0\x80\x80[\xae\xaf]")
+
+
 def climbs(raw_path: str) -> bool:
     """Whether a request path (as sent, without the query) has a ``..`` segment as any server behind the
-    proxy might read it: percent-escapes decoded (twice: ``%252e`` too), a backslash as a slash, a
-    segment's parameters dropped (``..;x``, as servlet containers read it)."""
-    path = raw_path
+    proxy might read it: percent-escapes decoded (twice: ``%252e`` too), an overlong UTF-8 ``.`` or ``/``
+    (``%c0%ae``, ``%c0%af``) as the character, a backslash as a slash, a segment's parameters dropped
+    (``..;x``, as servlet containers read it)."""
+    path = raw_path.encode("utf-8", "surrogateescape")
     for _ in range(2):
-        if "%" not in path:
+        if b"%" not in path:
             break
-        path = unquote(path)
-    return any(segment.partition(";")[0] == ".." for segment in path.replace("\\", "/").split("/"))
+        path = unquote_to_bytes(path)
+    if b"\xc0" in path or b"\xe0" in path or b"\xf0" in path:
+        path = _OVERLONG.sub(lambda m: b"." if m.group()[-1] == 0xAE else b"/", path)
+    return any(segment.partition(b";")[0] == b".." for segment in path.replace(b"\\", b"/").split(b"/"))
 
 
 def out_of_base(raw_path: str) -> Refusal | None:

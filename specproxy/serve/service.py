@@ -334,6 +334,8 @@ class Service:
             "written": w.written if w else 0,
             "dropped": w.dropped if w else 0,
             "write_failures": w.write_failures if w else 0,  # attempts the database refused (logged per cause)
+            "text_shed": w.text_shed if w else 0,  # records queued without their text: the budget was full
+            "captures_shed": w.captures_shed if w else 0,  # captured bodies not queued: the budget was full
             "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
             **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
         }
@@ -347,6 +349,8 @@ class Service:
             "queued": w.pending if w else 0,
             "dropped": w.dropped if w else 0,
             "write_failures": w.write_failures if w else 0,
+            "text_shed": w.text_shed if w else 0,
+            "captures_shed": w.captures_shed if w else 0,
             "measure_dropped": p.measure_dropped if p else 0,
             "measure_errors": p.measure_errors if p else 0,
             "scrape_failures": self.watch.failures if self.watch else 0,

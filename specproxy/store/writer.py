@@ -10,6 +10,14 @@ failed attempt, and writes row by row when one record of a batch is bad, so one 
 the others. What it still holds at shutdown after ``STOP_RETRY_S`` of failures is counted as dropped
 and said in one line. A record waits at most about ``COMMIT_GAP_S`` plus a commit once it is ready: that
 is what a SIGKILL can lose of turns that had ended.
+
+Why what waits is charged to the memory budget (``wire.memory``): with ``--store-text`` and ``--capture``
+each queued item can hold megabytes (a prompt's text, a captured body), and a database that refuses
+writes for long (a full disk) let ``queue_size`` of them pile up outside any bound. Each item is charged
+by what it holds (``held_bytes``) from ``put`` until it is written or dropped, within ``QUEUE_SHARE`` of
+the budget and the budget's large share; past either, a record is queued without its text
+(``text_shed``) and a capture is not queued (``captures_shed``), so that the turn's figures are still
+stored; past ``queue_size`` the record is dropped and counted as ever.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ import logging
 import queue
 import re
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Iterable
 from contextlib import suppress
+from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -29,11 +39,12 @@ from typing import Any
 from specproxy.record import FIELD_NAMES, Record
 from specproxy.store.db import SQLITE_FULL, open_store
 from specproxy.store.retention import ScrapeRetention
+from specproxy.wire import memory
 from specproxy.wire.os_thread import name_os_thread
 
 log = logging.getLogger("specproxy")
 
-__all__ = ["COMMIT_GAP_S", "INSERT_TURN", "Writer", "record_row"]
+__all__ = ["COMMIT_GAP_S", "INSERT_TURN", "QUEUE_SHARE", "Writer", "held_bytes", "record_row"]
 
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
@@ -69,6 +80,24 @@ COMMIT_GAP_S = 0.05  # at most one commit per this long: records that come meanw
 GAP_BATCH = 32  # unless this many wait already: enough to make a commit cheap per row (and no cap on throughput)
 RETRY_S = (0.2, 0.4, 0.8, 1.6)  # waits between attempts at a batch the database refuses, while none of it fits
 STOP_RETRY_S = 5.0  # closing: how long a refused batch is retried before it is dropped (counted, logged)
+QUEUE_SHARE = 0.25  # of the memory budget: what records' texts and captured bodies waiting here may hold
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def held_bytes(item: Any) -> int:
+    """What a queued item holds that can be large, in bytes of memory: a record's stored texts, a
+    ``(sql, params)`` item's text and bytes parameters (a captured body). The same for an item whenever
+    it is asked (records and tuples do not change), so a charge is given back exactly."""
+    if isinstance(item, Record):
+        return ((sys.getsizeof(item.prompt_text) if item.prompt_text is not None else 0)
+                + (sys.getsizeof(item.response_text) if item.response_text is not None else 0))
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], tuple):
+        return sum(len(p) for p in item[1] if isinstance(p, (bytes, bytearray, memoryview))) + sum(
+            sys.getsizeof(p) for p in item[1] if isinstance(p, str) and len(p) > 256)
+    return 0
 
 
 class Writer:
@@ -101,6 +130,10 @@ class Writer:
         self.bad_rows = 0
         self.last_error: str | None = None
         self._held = 0  # records the writer has taken from the queue and not yet written
+        self._lock = threading.Lock()  # over held_total: put (the loop) adds, the writer thread gives back
+        self.held_total = 0  # bytes the queued and held items hold, charged to the memory budget
+        self.text_shed = 0  # records queued without their text: the memory budget had no room for it
+        self.captures_shed = 0  # captured bodies not queued: the memory budget had no room for them
         self._full = False  # the latest refusal was for want of room (worth splitting the batch for)
         self._logged: set[str] = set()  # the causes of failure logged since the last write that succeeded
         self._thread.start()
@@ -113,8 +146,45 @@ class Writer:
         if self._queue.qsize() >= self._queue_size:
             self.dropped += 1
             return False
+        n = held_bytes(item)
+        if n and not self._charge(n):  # the budget has no room: the text or the body goes, the figures stay
+            if not isinstance(item, Record):
+                self.captures_shed += 1
+                self._note_shed()
+                return False
+            self.text_shed += 1
+            self._note_shed()
+            item = replace(item, prompt_text=None, response_text=None)
         self._queue.put(item)
         return True
+
+    def _charge(self, n: int) -> bool:
+        """Charge ``n`` bytes of a queued item: within ``QUEUE_SHARE`` of the budget and its large share."""
+        full = memory.limit()[1]
+        with self._lock:
+            if full and self.held_total + n > full * QUEUE_SHARE:
+                return False
+            if not memory.take(n):
+                return False
+            self.held_total += n
+            return True
+
+    def _release(self, items: Iterable) -> None:
+        """Give back the charge of items written or dropped."""
+        n = sum(map(held_bytes, items))
+        if n:
+            with self._lock:
+                self.held_total -= n
+            memory.give(n)
+
+    _shed_logged = False
+
+    def _note_shed(self) -> None:
+        if not self._shed_logged:  # once: the counts say how many since
+            self._shed_logged = True
+            log.error("database %s: the writer's queue holds its share of the memory budget; records are "
+                      "queued without their text and captured bodies are not kept (counted: text_shed, "
+                      "captures_shed)", self.path)
 
     @property
     def pending(self) -> int:
@@ -185,14 +255,20 @@ class Writer:
 
     def _drop_at_stop(self, pending: list) -> None:
         """Closing, and the database still refuses: count what is lost (held and still queued), say it once."""
-        lost = len(pending)
         with suppress(queue.Empty):
             while True:
-                lost += self._queue.get_nowait() is not _WAKE
+                item = self._queue.get_nowait()
+                if item is not _WAKE:
+                    pending.append(item)
         self._held = 0
-        self.dropped += lost
-        log.error("database %s: %d records could not be written before shutdown and are lost (%s)",
-                  self.path, lost, self.last_error)
+        turns = sum(isinstance(i, Record) for i in pending)
+        captures = sum(1 for i in pending if not isinstance(i, Record) and " captures " in i[0])
+        self.dropped += len(pending)
+        self._release(pending)
+        others = len(pending) - turns - captures  # scrapes
+        log.error("database %s: %d records could not be written before shutdown and are lost: %s, %s, %s (%s)",
+                  self.path, len(pending), _count(turns, "turn"), _count(captures, "captured body", "captured bodies"),
+                  _count(others, "scrape"), self.last_error)
 
     def _write_what_fits(self, items: list) -> list:
         """Write ``items`` in order, as many as the database takes: the whole batch, else the longest
@@ -211,6 +287,7 @@ class Writer:
                     return skipped + items
                 skipped, items = items[:1], items[1:]
             else:
+                self._release(items[:n])
                 items = items[n:]
             self._held = len(skipped) + len(items)
         return skipped

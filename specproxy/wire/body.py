@@ -224,6 +224,13 @@ class BodyRelay:
             self._stalled()
         return min(left, self.pool.send_timeout_s / LOOKS)
 
+    @property
+    def held_by_client(self) -> bool:
+        """The body waits on the client alone: this relay paused for it, or the thread's turn blocked on
+        it (``Proxy.exchange`` does not count such an exchange toward ``max_concurrent``)."""
+        turn = self._turn
+        return self.state == _BODY and (self.paused or (turn is not None and turn.blocked))
+
     def resume(self) -> None:
         if not self.paused or self.state != _BODY:
             return

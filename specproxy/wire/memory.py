@@ -9,7 +9,9 @@ tokenizer) could take the process past the machine's memory. What counts against
   arrives (aiohttp's front, a chunked body), until measuring is done with it (or the request is refused);
 - every response read kept for measuring, from the read that keeps it until measuring is done with it:
   the relay thread charges it as it keeps it (``_pump.c``, lock-free), the Python relay in
-  ``RecordBuilder.on_bytes``.
+  ``RecordBuilder.on_bytes``;
+- a connection's pipelined requests, read while its exchange runs (``serve/lane.py``, ``charge``);
+- records' texts and captured bodies waiting for the database (``store/writer.py``).
 
 A request body that does not fit is refused (503) before it is read; a response read that does not fit
 is relayed as ever and not kept (the record's ``measure_capped`` says why). The counter is an atomic in
@@ -26,7 +28,7 @@ import ctypes.util
 import os
 import threading
 
-__all__ = ["default_budget", "give", "limit", "release_large_at_once", "set_limit", "take", "trim", "used"]
+__all__ = ["charge", "default_budget", "give", "limit", "release_large_at_once", "set_limit", "take", "trim", "used"]
 
 try:
     from specproxy.wire import _relayc
@@ -96,6 +98,13 @@ else:  # no C extension: the same count in Python (nothing but the loop and the 
 
     def _set(large: int, full: int) -> None:
         _limits[:] = [large, full]
+
+
+def charge(n: int) -> None:
+    """Charge ``n`` bytes already held, whatever the limit (bytes read that cannot be refused any more: a
+    connection's pipelined requests); the holder stops taking more. ``give`` returns them."""
+    give(-n)
+
 
 _LIMIT = [0, 0]
 SMALL_KEEP = 64 * 1024  # _pump.h's PUMP_SMALL_KEEP: a turn's first bytes kept are a small turn's

@@ -91,6 +91,11 @@ class UpstreamPool:
         """Every idle connection, fresh or kept for a client (oldest first within each)."""
         return [*self.fresh, *(c for conns in self.kept.values() for c in conns)]
 
+    def held_by_clients(self) -> int:
+        """Exchanges whose body waits on its client alone (``BodyRelay.held_by_client``): a look at each
+        one in use, made only when ``max_concurrent`` is reached."""
+        return sum(1 for conn in self.active if conn.held_by_client)
+
     @property
     def thread_turns(self) -> int:
         """Bodies handed to the relay thread on this loop so far."""

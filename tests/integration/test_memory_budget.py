@@ -325,6 +325,96 @@ def test_large_prompts_with_a_tokenizer_stay_within_the_budget(tmp_path, loop_th
     loop_thread.run(upstream.close())
 
 
+def test_prompts_near_the_counting_cap_are_counted_and_small_turns_not_held_behind_them(tmp_path, loop_thread):
+    """Three distinct prompts just under ``max_counted_bytes`` (4 MiB) with a tokenizer, then small turns:
+    each prompt is counted in full (the tokenizer runs near the cap, where the 20 MB test never lets it),
+    its count the tokenizer's own, none measured less; every small turn after them is counted and written.
+    (That small turns are not built behind a backlog of large ones: tests/unit/test_measuring.py.)"""
+    from specproxy.measure.openai import PromptParts
+    from specproxy.measure.tokens import load_tokenizer
+
+    upstream = ScriptedUpstream(_respond)
+    loop_thread.run(upstream.start())
+    proc, _ = _serve(tmp_path, upstream, "--tokenizer", "tiktoken:o200k_base")
+    rng = random.Random(4)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    contents = [f"{i} " + " ".join(rng.choice(words) for _ in range(800_000))[:4_000_000] for i in range(3)]
+
+    async def load():
+        async with KeptClient(proc.port) as client:
+            for content in contents:
+                body = orjson.dumps({"model": "near", "stream": True, "messages": [{"role": "user", "content": content}]})
+                assert len(body) < 4 * MIB
+                resp = await client.ask(_request(body), timeout=60)
+                assert resp is not None and resp.status == 200
+            for i in range(5):
+                resp = await client.ask(_request(_small_body(f"after {i}")), timeout=60)
+                assert resp is not None and resp.status == 200
+
+    asyncio.run(load())
+    wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 5 + 3 + 5, 120, 0.1, "every turn written")
+    rows = db_rows(tmp_path / "turns.db", "SELECT rowid, model, prompt_tokens, measure_capped FROM turns ORDER BY rowid")
+    near = [r for r in rows if r[1] == "near"]
+    small = [r for r in rows[5:] if r[1] == "small"]
+    tok = load_tokenizer("tiktoken:o200k_base")
+    expected = [tok.count_prompt(PromptParts(new=({"role": "user", "content": c},))).total for c in contents]
+    assert sorted(r[2] for r in near) == sorted(expected) and not any(r[3] for r in near)
+    assert len(small) == 5 and all(r[2] is not None for r in small)
+    proc.stop()
+    loop_thread.run(upstream.close())
+
+
+def test_pipelined_requests_of_many_connections_stay_within_the_budget(tmp_path, loop_thread):
+    """400 connections each send a request the upstream holds, and 2 MiB pipelined behind it: what the lane
+    reads of those is charged to the budget and bounded by its pipelined share (one read more each), not
+    1 MiB per connection (+558 MiB before); a normal client is answered meanwhile; all is given back."""
+
+    held = asyncio.Event()
+    arrived: list[int] = []
+
+    async def respond(req, writer, index) -> bool:
+        if b"held" in req.body:
+            arrived.append(1)
+            await asyncio.wait_for(held.wait(), 120)
+        writer.write(sse_head() + chunk(_SMALL_STREAM) + b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    upstream = ScriptedUpstream(respond)
+    loop_thread.run(upstream.start())
+    proc, before = _serve(tmp_path, upstream)
+    n = 400
+    piped = _request(_small_body("next")) * (2 * MIB // len(_request(_small_body("next"))) + 1)
+    read_max = 256 * 1024  # asyncio's largest read
+
+    async def load():
+        conns = [await asyncio.open_connection("127.0.0.1", proc.port) for _ in range(n)]
+        for _, w in conns:
+            w.write(_request(_small_body("held")))
+        await asyncio.to_thread(wait_until, lambda: len(arrived) == n, 60, 0.05, "every held request upstream")
+        for _, w in conns:
+            w.write(piped)
+        share = BUDGET / 8  # lane.PIPELINED_SHARE
+        state = await asyncio.to_thread(wait_until, lambda: (s := proc.state())["memory_used"] > share and s,
+                                        60, 0.05, "the pipelined bytes charged")
+        normal = Normal(proc.port)
+        normal.stop.set()
+        await asyncio.wait_for(normal.run(), 60)  # one whole answer while the pipelined bytes wait
+        state = proc.state()
+        peak = _assert_within_budget(proc, before)
+        loop_thread.loop.call_soon_threadsafe(held.set)
+        for _, w in conns:
+            w.close()
+        return state, normal, peak, share
+
+    state, normal, peak, share = asyncio.run(load())
+    assert normal.statuses == [200]
+    assert share < state["memory_used"] <= share + n * read_max, state["memory_used"]
+    wait_until(lambda: proc.state()["memory_used"] == 0, 30, 0.1, "the budget given back")
+    proc.stop()
+    loop_thread.run(upstream.close())
+
+
 def test_one_large_body_peaks_near_its_size_and_is_let_go_of(tmp_path, loop_thread):
     """One 200 MB request body (limits raised for it): the process's RSS peaks within about 1.5 times
     what it keeps, and returns to near where it was once the turn is measured, before any next request."""

@@ -88,6 +88,31 @@ def test_a_client_that_never_reads_is_cut_after_send_timeout(make_stack, each_fr
             s.close()
 
 
+def test_clients_that_never_read_do_not_hold_max_concurrent_from_readers(make_stack, each_front, each_relay):
+    """``max_concurrent`` 3 and three clients that ask for 20 MB and never read (``send_timeout_s`` 60 s):
+    once their responses wait on them alone, a client that reads is answered (it got 503 until the
+    stalled ones were cut, a minute later); past twice ``max_concurrent`` in flight, 503 again."""
+    sent: list[int] = []
+    up = _big_upstream(sent, chunked=each_relay == "thread")
+    stack = make_stack(raw_script=up.serve, send_timeout_s=60.0, scrape_interval_s=0, max_concurrent=3)
+    clients = [_stalled_client(stack.service.port) for _ in range(3)]
+    try:
+        wait_until(lambda: len(sent) == 3, 20, what="three big answers started")
+        proxy = stack.service.proxy
+        # as soon as the three wait on their clients (a moment after they started), not after 60 s
+        wait_until(lambda: _small_get(stack.service.port) == 200, 20, 0.1, "a reading client answered")
+        wait_until(lambda: proxy.in_flight == 3, 20, what="the reading client's exchange over")
+        assert proxy._pool.held_by_clients() == 3
+        clients += [_stalled_client(stack.service.port) for _ in range(3)]
+        wait_until(lambda: proxy.in_flight == 6, 20, what="three more stalled exchanges admitted")
+        busy = proxy.rejected_busy
+        assert _small_get(stack.service.port) == 503  # twice max_concurrent in flight: the bound holds
+        assert proxy.rejected_busy == busy + 1
+    finally:
+        for s in clients:
+            s.close()
+
+
 def test_a_slow_reader_that_keeps_reading_is_never_cut(make_stack, each_relay):
     """``send_timeout_s`` 1 s, and a client that reads 4 kB every 20 ms (200 kB/s, far slower than the
     upstream sends): it gets the whole 3 MB answer and the turn is ``ok``. Progress is the client's

@@ -83,7 +83,10 @@ def test_an_upstream_given_with_v1_gets_no_doubled_prefix(make_stack, tiktoken_t
 
 CLIMBING = ["/../admin", "/v1/../../admin", "/%2e%2e/admin", "/.%2E/admin", "/%2E./admin", "/v1/..%2f..%2fadmin",
             "/v1/%2e%2e%2F%2e%2e%2Fadmin", "/..;/admin", "/v1/..;x/..;/admin", "/%252e%252e/admin",
-            "/v1/..%5c..%5cadmin", "/..", "/v1/.."]
+            "/v1/..%5c..%5cadmin", "/..", "/v1/..",
+            # overlong UTF-8 "." and "/", which decoders that do not check read as the character
+            "/%c0%ae%c0%ae/admin", "/v1/.%c0%ae%c0%afadmin", "/%e0%80%ae%e0%80%ae/admin", "/%f0%80%80%ae./admin",
+            "/%25c0%25ae%25c0%25ae/admin"]
 
 
 @pytest.mark.usefixtures("each_front")

@@ -146,3 +146,20 @@ def test_the_model_of_a_prompt_too_large_to_parse_is_found_by_its_one_key():
     assert _model_only(b'{"model":"a","tools":[{"model":"b"}]}') is None  # two: which is unknown
     assert _model_only(b'{"messages":[]}') is None and _model_only(b'{"model":1}') is None
     assert _model_only(b'{"model":"' + b"x" * 300 + b'"}') is None
+
+
+def test_a_prompt_of_more_messages_than_are_counted_is_not_counted():
+    """Counting costs per message too: 100,000 tiny messages within 4 MiB took seconds of a core. Past
+    ``MAX_COUNTED_ITEMS`` messages and tools the prompt is not counted (the record says why); at it, it is."""
+    from specproxy.measure.tokens import MAX_COUNTED_ITEMS
+
+    def body(n: int) -> bytes:
+        return orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}] * n})
+
+    tok = _Tok()
+    rec = _turn(body(MAX_COUNTED_ITEMS + 1)).build(tok)
+    assert tok.prompts == 0 and rec.prompt_tokens is None and rec.request_parsed and rec.model == "m"
+    assert rec.measure_capped and rec.measure_capped_reason == "prompt_over_max_counted_items"
+    assert rec.completion_tokens == 8  # the response is still counted
+    rec = _turn(body(MAX_COUNTED_ITEMS)).build(tok)
+    assert tok.prompts == 1 and rec.prompt_tokens == 5 and rec.measure_capped_reason is None

@@ -343,3 +343,72 @@ def test_the_servers_cached_prompt_tokens_from_usage_else_from_llama_cpps_timing
     assert cached_tokens({}, {"cache_n": 9, "prompt_n": 3}) == 9  # llama.cpp's usage has no cached count
     assert cached_tokens({}, None) is None and cached_tokens({"prompt_tokens_details": None}, {}) is None
 
+
+
+def test_small_turns_are_not_built_behind_a_backlog_of_large_ones():
+    """Three large turns (a 1.5 MB prompt each) then three small ones, all queued before the worker starts:
+    the small ones are handed back after at most one large one (FIFO built all three large first), and
+    every large one is still built."""
+    from specproxy.serve.measuring import LARGE_TURN_BYTES
+
+    order: list[str] = []
+    done = asyncio.Event()
+    pad = "x" * (LARGE_TURN_BYTES + LARGE_TURN_BYTES // 2)
+
+    def on_done(results):
+        order.extend(r.model for _, r, _ in results)
+        if len(order) == 6:
+            done.set()
+
+    async def go():
+        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done)
+        for i in range(3):
+            b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
+                              body=b'{"model":"big%d","messages":[{"role":"user","content":"%s"}]}' % (i, pad.encode()))
+            b.on_headers(1.1, 200, "text/event-stream")
+            b.on_bytes(SSE, 1.2, 1.2)
+            b.finish(1.3)
+            worker.submit(b, more_in_flight=True)
+        for i in range(3):
+            worker.submit(_turn(i), more_in_flight=i < 2)
+        worker.held.set()
+        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert sorted(order) == ["big0", "big1", "big2", "m0", "m1", "m2"]
+    assert max(order.index(f"m{i}") for i in range(3)) < order.index("big1"), order
+    assert [m for m in order if m.startswith("big")] == ["big0", "big1", "big2"]  # large ones in their order
+
+
+def test_a_batch_that_parsed_much_gives_the_heaps_pages_back(monkeypatch):
+    """Parsing and counting a prompt makes objects several times its size, charged to nobody: a batch that
+    parsed ``TRIM_BYTES`` of request bodies trims the heaps even when it gave nothing back to the budget
+    (before, only charged bytes counted, and a backlog of uncharged prompts never trimmed)."""
+    from specproxy.serve import measuring
+
+    trims: list[int] = []
+    monkeypatch.setattr(measuring, "TRIM_BYTES", 1 << 20)
+    monkeypatch.setattr(measuring.memory, "trim", lambda: trims.append(1))
+    got: list = []
+    done = asyncio.Event()
+
+    def on_done(results):
+        got.extend(results)
+        done.set()
+
+    async def go():
+        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done)
+        b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
+                          body=b'{"model":"m","messages":[{"role":"user","content":"%s"}]}' % (b"x" * (1 << 20)))
+        b.on_headers(1.1, 200, "text/event-stream")
+        b.on_bytes(SSE, 1.2, 1.2)
+        b.finish(1.3)
+        assert b.charged() == 0  # nothing charged (no budget): only the parsing counts
+        worker.submit(b, more_in_flight=False)
+        worker.held.set()
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert got[0][1].model == "m" and trims == [1]
