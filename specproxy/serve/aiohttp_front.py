@@ -25,7 +25,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from specproxy.serve.admin import reserved
 from specproxy.serve.headers import LABEL_HEADER
-from specproxy.serve.proxy import SMALL_BODY, Incoming, where
+from specproxy.serve.incoming import Incoming
+from specproxy.serve.proxy import SMALL_BODY, where
 from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, out_of_base, refuse
 
 if TYPE_CHECKING:

@@ -39,7 +39,8 @@ from aiohttp import http_parser as _aiohttp_parser
 
 from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
-from specproxy.serve.proxy import SMALL_BODY, Incoming
+from specproxy.serve.incoming import Incoming
+from specproxy.serve.proxy import SMALL_BODY
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire.relay_thread import no_delay
 

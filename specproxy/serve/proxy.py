@@ -25,8 +25,8 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
@@ -34,13 +34,14 @@ from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import LABEL_HEADER, host_header, request_head, response_head
+from specproxy.serve.incoming import Client, Incoming
 from specproxy.serve.measuring import MeasuringWorker, where
 from specproxy.serve.refusals import Refusal, busy, error_response
 from specproxy.wire import memory
 from specproxy.wire.pool import UpstreamPool
 from specproxy.wire.upstream import CHUNKED, UpstreamError
 
-__all__ = ["Client", "Incoming", "Proxy", "conn_id", "where"]
+__all__ = ["Proxy", "conn_id", "where"]
 
 log = logging.getLogger("specproxy.serve.proxy")
 
@@ -387,37 +388,6 @@ class Proxy:
                 self.sink(record, builder.timing)
             if self.on_built is not None and builder.measured:
                 self.on_built(builder)
-
-
-class Incoming(NamedTuple):
-    """What the forwarding path needs of a client's request, whichever front read it (aiohttp's server or
-    the lane): the request line, the header bytes as they came, and the few header values it acts on."""
-
-    method: str
-    path: str  # the decoded path, without the query: which endpoint (``is_measured``)
-    target: bytes  # the path and query as sent, forwarded as they are
-    http11: bool
-    keep_alive: bool  # the client allows another request on the connection after this one
-    raw_headers: Sequence[tuple[bytes, bytes]]
-    connection: Sequence[str | bytes]  # the Connection header's values: more hop-by-hop names
-    label: str | None  # X-Specproxy-Label
-    content_encoding: str  # of the request body
-
-
-class Client(Protocol):
-    """The front's side of one exchange: where the response goes."""
-
-    @property
-    def transport(self) -> asyncio.Transport | None: ...
-
-    async def start(self, status: int, head: bytes, keep_alive: bool) -> None:
-        """Write the response head (the body follows on ``transport``)."""
-
-    async def drain(self) -> None:
-        """Until the client has taken what waits in the transport's buffer."""
-
-    def abort(self) -> None:
-        """Cut the connection (a bug of ours mid-response)."""
 
 
 def _latin(value: bytes | None) -> str:
