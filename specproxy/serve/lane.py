@@ -443,7 +443,7 @@ class Lane(asyncio.Protocol):
             return
         if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
             self._release()
-            self._proxy.rejected_bad += 1
+            self._proxy.counters.rejected("bad")
             refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
             transport.write(refusal.as_bytes(False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled

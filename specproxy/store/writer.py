@@ -91,6 +91,7 @@ class Writer:
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._stop = threading.Event()
+        self._lost_lock = threading.Lock()
         self.retention = ScrapeRetention(scrape_retention_days)
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
@@ -106,15 +107,17 @@ class Writer:
         self._thread.start()
 
     def put(self, item: Record | tuple[str, tuple]) -> bool:
-        """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full."""
-        if self._stop.is_set():  # closing: what comes after close() is not waited for
-            self.dropped += 1
-            return False
-        if self._queue.qsize() >= self._queue_size:
-            self.dropped += 1
+        """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full. From
+        any thread (the measuring thread puts records, the event loop scrapes)."""
+        if self._stop.is_set() or self._queue.qsize() >= self._queue_size:  # closing: not waited for
+            self._lost(1)
             return False
         self._queue.put(item)
         return True
+
+    def _lost(self, n: int) -> None:
+        with self._lost_lock:  # ``+=`` is not atomic, and two threads may drop at once
+            self.dropped += n
 
     @property
     def pending(self) -> int:
@@ -190,7 +193,7 @@ class Writer:
             while True:
                 lost += self._queue.get_nowait() is not _WAKE
         self._held = 0
-        self.dropped += lost
+        self._lost(lost)
         log.error("database %s: %d records could not be written before shutdown and are lost (%s)",
                   self.path, lost, self.last_error)
 

@@ -76,7 +76,7 @@ def test_a_client_that_never_reads_is_cut_after_send_timeout(make_stack, each_fr
         wait_until(lambda: len(sent) == 3, 20, what="three big answers started")
         wait_until(lambda: len(up.peer_closed_at) == 3, 30, what="the proxy to close the three upstream connections")
         stack.settle(30)
-        assert stack.service.proxy.in_flight == 0
+        assert stack.service.counters.in_flight == 0
         assert max(sent) < BIG  # the upstream was held back, then let go: not read to the end
         turns = [r for r in stack.records if r.path == CHAT]
         assert [r.outcome for r in turns] == ["client_stalled"] * 3, [(r.outcome, r.error) for r in turns]
