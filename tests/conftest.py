@@ -243,7 +243,7 @@ class LiveStack:
         deadline = time.monotonic() + timeout
         while True:
             self.run(proxy.drain_measurements())
-            if (proxy.in_flight == 0 and proxy.pending_measure == 0) or time.monotonic() > deadline:
+            if (proxy.counters.in_flight == 0 and proxy.pending_measure == 0) or time.monotonic() > deadline:
                 return
             time.sleep(0.002)
 

@@ -1,9 +1,8 @@
 """The command line of the active side: ``bench``, ``roofline`` and ``export --format replay``.
 
 Why apart from ``cli.py``: these commands have many options of their own, and ``cli.py`` stays the
-passive proxy's. ``cli.py`` adds them to its group (``register``) with its own one-line errors and
-``--db`` option, passed in, so this module never imports ``cli`` at import time (``python -m
-specproxy.app.cli`` runs it as ``__main__``, and a second copy of it would get the commands).
+passive proxy's. ``cli.py`` adds them to its group (``register``); what both need (one-line errors,
+``--db``, reading a report) is ``cli_common.py``'s, so this module never imports ``cli``.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 import click
 import orjson
 
+from specproxy.app.cli_common import db_option, echo, friendly, report_of
 from specproxy.errors import ConfigError, SpecproxyError
 
 __all__ = ["NO_TOKENIZER", "export_replay", "register"]
@@ -130,15 +130,8 @@ async def _first_model(base: str) -> str | None:
         return None
 
 
-def _cli():
-    """The command line module, for its report and printing helpers (imported when a command runs)."""
-    from specproxy.app import cli
-
-    return cli
-
-
-def register(group: click.Group, *, friendly, db_option) -> None:
-    """Add ``bench`` and ``roofline`` to ``group``; ``friendly`` turns a SpecproxyError into one line."""
+def register(group: click.Group) -> None:
+    """Add ``bench`` and ``roofline`` to ``group`` (``cli.main``)."""
 
     @group.command()
     @click.option("--upstream", help="Base URL of the inference server [required unless set in --config or "
@@ -278,7 +271,7 @@ def register(group: click.Group, *, friendly, db_option) -> None:
         if mal is not None:
             mal_source = "--mal"
         if db is not None:
-            report: dict[str, Any] = _cli()._report(db, label)
+            report: dict[str, Any] = report_of(db, label)
             if label is None and len(report["labels"]) > 1:  # arms and phases: a median over them is none of them
                 raise ConfigError(f"{db}: its turns carry several labels ({', '.join(report['labels'])}): give "
                                   "--label to measure one of them")
@@ -297,6 +290,6 @@ def register(group: click.Group, *, friendly, db_option) -> None:
             levels = [{"concurrency": row["concurrency"], "turns": row["per_stream_tps"]["n"],
                        "decode_tps": row["per_stream_tps"]["median"]} for row in report["by_concurrency"]
                       if row["per_stream_tps"]["n"]]
-        _cli()._echo(ceiling(active_params, bits, bandwidth_gbs, mal=mal, measured_fps=measured_fps,
+        echo(ceiling(active_params, bits, bandwidth_gbs, mal=mal, measured_fps=measured_fps,
                              measured_tps=measured_tps, used=used, mal_source=mal_source, by_concurrency=levels),
                      render_roofline, as_json)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
-import functools
 import logging
 import signal
 import sys
@@ -17,24 +16,12 @@ import click
 import orjson
 
 from specproxy import __version__
+from specproxy.app.bench_cli import register as register_bench
+from specproxy.app.cli_common import db_option, db_path, echo, friendly, open_db, report_of, setting
 from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, SCAN_MODES, UPSTREAM_REUSE_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
-
-
-def _friendly(fn):
-    """Turn SpecproxyError into one clear line and exit status 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except SpecproxyError as exc:
-            click.echo(f"specproxy: error: {exc}", err=True)
-            sys.exit(2)
-
-    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -47,29 +34,6 @@ def main() -> None:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-
-def _shown(value: Any) -> str:
-    """A default as a user would type it."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-_DEFAULTS = Config()
-
-
-def _setting(flag: str, key: str, help: str, **kwargs: Any):
-    """The option that sets Config ``key``; not given, the config file's, SPECPROXY_<KEY>'s or the default
-    value holds. The default in the help is read from Config, so help and code cannot differ."""
-    return click.option(flag, key, default=None, help=f"{help} [default: {_shown(getattr(_DEFAULTS, key))}]",
-                        **kwargs)
-
-
-db_option = _setting("--db", "db", "SQLite database file")
 
 # Config keys with no serve flag, each with the reason; the test suite checks that every other key has one.
 CONFIG_ONLY: dict[str, str] = {
@@ -107,68 +71,68 @@ def _pages_line(cfg: Config, url: str) -> str:
 @click.option("--upstream", "upstream",
               help="Base URL of the inference server, e.g. http://127.0.0.1:8000 "
                    "[required unless set in the --config file or SPECPROXY_UPSTREAM]")
-@_setting("--host", "host", "Address to listen on")
-@_setting("--port", "port", "Port to listen on", type=int)
+@setting("--host", "host", "Address to listen on")
+@setting("--port", "port", "Port to listen on", type=int)
 @db_option
-@_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
-@_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
-@_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
-@_setting("--client-header", "client_header",
+@setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
+@setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
+@setting("--client-header", "client_header",
           "The request header naming the client for audit (its value is stored: a header that may carry a "
           "credential, such as authorization, cookie or *key*, *token*, *auth*, *secret*, is refused)")
-@_setting("--capture/--no-capture", "capture",
+@setting("--capture/--no-capture", "capture",
           "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
-@_setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
-@_setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
-@_setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
-@_setting("--idle-timeout", "idle_timeout_s",
+@setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
+@setting("--max-body-bytes", "max_body_bytes", "Largest request body; a larger one gets 413", type=int)
+@setting("--connect-timeout", "connect_timeout_s", "Seconds to connect to the upstream before 504", type=float)
+@setting("--idle-timeout", "idle_timeout_s",
           "Seconds without upstream bytes before giving up; no total deadline", type=float)
-@_setting("--send-timeout", "send_timeout_s",
+@setting("--send-timeout", "send_timeout_s",
           "Seconds a client may take no more of a response before the exchange ends (client_stalled)",
           type=float)
-@_setting("--header-timeout", "header_timeout_s",
+@setting("--header-timeout", "header_timeout_s",
           "Seconds a client may take to send its request headers, and the longest pause inside a request "
           "body (408); also how long an idle kept-alive connection stays open", type=float)
-@_setting("--body-timeout", "body_timeout_s",
+@setting("--body-timeout", "body_timeout_s",
           "Seconds a client may take to send a whole request body, from the end of its headers (408)", type=float)
-@_setting("--max-measured-bytes", "max_measured_bytes",
+@setting("--max-measured-bytes", "max_measured_bytes",
           "Response bytes of one measured turn kept for measuring; past it relayed, not kept, and the "
           "record says so", type=int)
-@_setting("--memory-budget-bytes", "memory_budget_bytes",
+@setting("--memory-budget-bytes", "memory_budget_bytes",
           "Bytes the process may hold for request bodies, kept response bytes and turns waiting to be "
           "measured; past it new bodies get 503 and turns are measured less (0: automatic)", type=int)
-@_setting("--max-counted-bytes", "max_counted_bytes",
+@setting("--max-counted-bytes", "max_counted_bytes",
           "Bytes of one prompt, and of one completion's text, the tokenizer counts; past it not counted",
           type=int)
-@_setting("--queue-size", "queue_size",
+@setting("--queue-size", "queue_size",
           "Records waiting for the database writer; beyond it one is dropped and counted, never traffic",
           type=int)
-@_setting("--metrics-path", "metrics_path", "The upstream's Prometheus endpoint")
-@_setting("--scrape-interval", "scrape_interval_s", "Seconds between polls of the upstream's metrics; 0 = off",
+@setting("--metrics-path", "metrics_path", "The upstream's Prometheus endpoint")
+@setting("--scrape-interval", "scrape_interval_s", "Seconds between polls of the upstream's metrics; 0 = off",
           type=float)
-@_setting("--scrape-retention-days", "scrape_retention_days",
+@setting("--scrape-retention-days", "scrape_retention_days",
           "Days of polled metrics kept in the database (turns are kept); 0 = all", type=float)
-@_setting("--cadence-poll", "cadence_poll",
+@setting("--cadence-poll", "cadence_poll",
           "With few streams, poll for each next token on the server's decode clock instead of sleeping until "
           "it comes; auto: only while a core is idle", type=click.Choice(CADENCE_POLL_MODES))
-@_setting("--drain-timeout", "drain_timeout_s",
+@setting("--drain-timeout", "drain_timeout_s",
           "Seconds requests in flight get to finish at SIGTERM or Ctrl-C before they are cut (outcome "
           "shutdown); a second Ctrl-C cuts them at once", type=float)
-@_setting("--upstream-reuse", "upstream_reuse",
+@setting("--upstream-reuse", "upstream_reuse",
           "Keep an upstream connection for the same client connection's next request, or never reuse one "
           "(off: for a front proxy whose connections carry many users)", type=click.Choice(UPSTREAM_REUSE_MODES))
-@_setting("--relay", "relay",
+@setting("--relay", "relay",
           "Who relays a chunked response body: the native relay thread, or Python on the event loop (more CPU)",
           type=click.Choice(RELAY_MODES))
-@_setting("--relay-slice-us", "relay_slice_us",
+@setting("--relay-slice-us", "relay_slice_us",
           "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
-@_setting("--lane/--no-lane", "lane",
+@setting("--lane/--no-lane", "lane",
           "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
-@_setting("--scan", "scan", "The measuring's per-chunk scans in C or in Python (more CPU, same results)",
+@setting("--scan", "scan", "The measuring's per-chunk scans in C or in Python (more CPU, same results)",
           type=click.Choice(SCAN_MODES))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
-@_friendly
+@friendly
 def serve(config_path: str | None, **flags: Any) -> None:
     """Run the measuring proxy in front of an inference server."""
     from specproxy.serve.service import FEW_FILES, Service, install_uvloop, raise_open_files_limit
@@ -221,37 +185,6 @@ def serve(config_path: str | None, **flags: Any) -> None:
         raise SpecproxyError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
 
 
-def _db_path(db: str | None) -> str:
-    return db or load_config(overrides={}).db
-
-
-def _open(db: str | None):
-    """The database for reading: every way it can be the wrong file is one line (store.open_existing)."""
-    from specproxy.store.db import open_existing
-
-    return open_existing(_db_path(db))
-
-
-def _echo(result: dict, render, as_json: bool) -> None:
-    if as_json:
-        click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
-    else:
-        click.echo(render(result), nl=False)
-
-
-def _report(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
-            cache: bool = True) -> dict:
-    from specproxy.store.dataset import parse_time
-    from specproxy.store.source import Window
-    from specproxy.store.sqlite_source import SQLiteSource
-    from specproxy.analyze.report import REPORT_COLUMNS, build_report
-
-    window = Window(label, parse_time(since), parse_time(until))
-    with _open(db) as conn:
-        data = SQLiteSource(conn, cache=cache).load(window, REPORT_COLUMNS, server=True, context=True)
-    return build_report(data, source=_db_path(db))
-
-
 window_options = [
     click.option("--label", default=None, help="Only turns with this label"),
     click.option("--since", default=None, help="Only turns at or after this time (ISO 8601 UTC or epoch s)"),
@@ -275,7 +208,7 @@ def _window(fn):
 @db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the audit as JSON")
-@_friendly
+@friendly
 def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
     """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill."""
     from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, render_audit
@@ -283,9 +216,9 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
     from specproxy.store.source import Window
     from specproxy.store.sqlite_source import SQLiteSource
 
-    with _open(db) as conn:
+    with open_db(db) as conn:
         turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), AUDIT_COLUMNS)
-    _echo(build_audit(turns, source=_db_path(db)), render_audit, as_json)
+    echo(build_audit(turns, source=db_path(db)), render_audit, as_json)
 
 
 @main.command()
@@ -295,29 +228,29 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write the report's pictures to this file: one self-contained HTML page (opens offline)")
 @cache_option
-@_friendly
+@friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
            html_file: str | None, cache: bool) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
     from specproxy.analyze.report import render_text
 
     if html_file is None:
-        _echo(_report(db, label, since, until, cache=cache), render_text, as_json)
+        echo(report_of(db, label, since, until, cache=cache), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
     from specproxy.store.sqlite_source import SQLiteSource
     from specproxy.view.html import document
     from specproxy.view.snapshot import snapshot
 
-    with _open(db) as conn:
-        snap = snapshot(SQLiteSource(conn, cache=cache), source=_db_path(db), label=label, since=parse_time(since),
+    with open_db(db) as conn:
+        snap = snapshot(SQLiteSource(conn, cache=cache), source=db_path(db), label=label, since=parse_time(since),
                         until=parse_time(until))
     try:
-        Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {_db_path(db)}"),
+        Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {db_path(db)}"),
                                    encoding="utf-8")
     except OSError as exc:
         raise SpecproxyError(f"cannot write {html_file}: {exc.strerror or exc}") from None
-    _echo(snap["report"], render_text, as_json)
+    echo(snap["report"], render_text, as_json)
     if not as_json:
         click.echo(f"pictures written to {html_file}", err=True)
 
@@ -329,7 +262,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
               help="replay: the request bodies `serve --capture` stored, for `specproxy bench --from FILE`")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default="-",
               help="File to write [default: stdout]")
-@_friendly
+@friendly
 def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
     """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names; or with
     --format replay, every captured request body (docs/bench.md)."""
@@ -340,11 +273,11 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
     if fmt == "replay":
         from specproxy.app.bench_cli import export_replay
 
-        with _open(db) as conn:
-            export_replay(conn, _db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
+        with open_db(db) as conn:
+            export_replay(conn, db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
         return
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
-    with _open(db) as conn:
+    with open_db(db) as conn:
         try:
             _write_rows(conn, FIELD_NAMES, turn_rows, where, params, fmt, output)
         except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
@@ -379,7 +312,7 @@ def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: st
               help="Confidence level of every interval (e.g. 0.99: a verdict on an A/A is then wrong 1% of the time)")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
 @cache_option
-@_friendly
+@friendly
 def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, level: float,
                 as_json: bool, cache: bool) -> None:
     """Ratio B/A with 95% intervals (--level) and a verdict: faster, slower or not distinguishable.
@@ -396,12 +329,12 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     a = parse_arm(arm_a)
     b = None if negative_control else parse_arm(arm_b)
-    with _open(db) as conn:
+    with open_db(db) as conn:
         store = SQLiteSource(conn, cache=cache)
         data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
     r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
         compare(a, b, *data, seed=seed, level=level)
-    _echo(r, render_compare, as_json)
+    echo(r, render_compare, as_json)
 
 
 @main.command()
@@ -412,7 +345,7 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 @click.option("--vacuum", is_flag=True,
               help="Then rewrite the file to give the freed space back to the disk (needs that much free space "
                    "again, and blocks a running serve's writes meanwhile); without it the space is reused by new rows")
-@_friendly
+@friendly
 def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     """Delete the server scrapes (and with --turns, the turns) stored before a time; print how many.
 
@@ -431,7 +364,7 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     assert cutoff is not None  # --before is required
     if cutoff > time.time():
         raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
-    path = _db_path(db)
+    path = db_path(db)
     size = Path(path).stat().st_size if Path(path).is_file() else 0
     scrapes = turns = counters = 0
     with open_existing(path, readonly=False) as conn:
@@ -462,7 +395,7 @@ def _iso(t: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
 @click.option("--stay", is_flag=True,
               help="After the traffic, keep the proxy and its live page up until Ctrl-C, then print the report")
-@_friendly
+@friendly
 def demo(db: str | None, turns: int, as_json: bool, stay: bool) -> None:
     """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
     from specproxy.app.demo import run_demo
@@ -492,15 +425,13 @@ def demo(db: str | None, turns: int, as_json: bool, stay: bool) -> None:
         if not stay:
             raise
         # --stay ends here: run_demo stopped the proxy and its writer, every turn is stored
-    r = _report(str(path))
-    _echo(r, render_text, as_json)
+    r = report_of(str(path))
+    echo(r, render_text, as_json)
     if not as_json:
         click.echo(f"\nThe turns are in {path}: try `specproxy report --db {path} --json` or `specproxy export --db {path}`")
 
 
-from specproxy.app.bench_cli import register as _register_bench  # noqa: E402
-
-_register_bench(main, friendly=_friendly, db_option=db_option)
+register_bench(main)
 
 if __name__ == "__main__":
     main()

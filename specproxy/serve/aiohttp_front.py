@@ -25,7 +25,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from specproxy.serve.admin import reserved
 from specproxy.serve.headers import LABEL_HEADER
-from specproxy.serve.proxy import SMALL_BODY, Incoming, where
+from specproxy.serve.incoming import Incoming
+from specproxy.serve.proxy import SMALL_BODY, where
 from specproxy.serve.refusals import MAX_FIELD_BYTES, Refusal, body_timeout, error_response, out_of_base, refuse
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class _ServerLog(logging.LoggerAdapter):
         if not isinstance(exc, HttpProcessingError):
             super().log(level, msg, *args, **kwargs)
             return
-        self.proxy.rejected_bad += 1
+        self.proxy.counters.rejected("bad")
         self.unsaid += 1
         now = time.monotonic()
         if now < self.next_line_at:
@@ -116,19 +117,19 @@ class AiohttpFront:
         proxy = self.proxy
         refused = refuse(request)  # before anything else, e.g. CONNECT's authority-form target
         if refused is not None:
-            proxy.rejected_bad += 1
+            proxy.counters.rejected("bad")
             return refused.as_response()
         if reserved(request.rel_url.raw_path):  # specproxy's own pages: never forwarded (admin.py)
             return await proxy.admin(request) if proxy.admin is not None else _not_here()
         if self._based:
             refused = out_of_base(request.rel_url.raw_path)
             if refused is not None:
-                proxy.rejected_bad += 1
+                proxy.counters.rejected("bad")
                 return refused.as_response()
         body = await self._read_body(request)  # not counted in flight yet: a slow body holds no one's place
         if not isinstance(body, bytes):
             if body.kind != "memory_budget":  # (counted apart, as rejected_memory)
-                proxy.rejected_bad += 1
+                proxy.counters.rejected("bad")
             resp = body.as_response()
             if body.status == 408:  # the client stalled: answer and hang up now, not after lingering on
                 await resp.prepare(request)

@@ -11,14 +11,10 @@ forwarded either way, as nginx drops them from requests by default: a server tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from yarl import URL
 
+from specproxy.serve.incoming import Incoming
 from specproxy.wire.upstream import CHUNKED, CLOSE, DECHUNK, ENCODE, PASS, ResponseHead
-
-if TYPE_CHECKING:
-    from specproxy.serve.proxy import Incoming
 
 __all__ = ["LABEL_HEADER", "connection_tokens", "host_header", "request_head", "response_head"]
 

@@ -40,7 +40,8 @@ from aiohttp import http_parser as _aiohttp_parser
 
 from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
-from specproxy.serve.proxy import SMALL_BODY, Incoming
+from specproxy.serve.incoming import Incoming
+from specproxy.serve.proxy import SMALL_BODY
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire import memory
 from specproxy.wire.relay_thread import no_delay
@@ -466,7 +467,7 @@ class Lane(asyncio.Protocol):
             return
         if self._pending is not None:  # a head read, its body stalled or too slow to be whole in time
             self._release()
-            self._proxy.rejected_bad += 1
+            self._proxy.counters.rejected("bad")
             refusal = body_timeout(self._proxy.cfg, self._loop.time() >= self._body_by)
             transport.write(refusal.as_bytes(False))
         transport.close()  # idle for the keep-alive timeout, or a body that stalled

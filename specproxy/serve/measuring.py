@@ -9,7 +9,9 @@ again before each turn of the batch (a burst that began during a build goes firs
 traffic that never pauses it waits at most ``MAX_DEFER_S`` per batch and builds the batch anyway, so
 measuring keeps up (a batch is every turn that ended meanwhile) and records arrive at most that much
 later; when turns queue faster than that (``MAX_BATCH`` waiting), it stops waiting until it has caught
-up. Results go back to the event loop once per batch of at most ``MAX_BATCH``, not once per turn.
+up. Each batch's records go from this thread straight to the store's queue (``store``: a put that never
+blocks), in the order they were built; then the event loop hears of the batch once (``done``: /metrics,
+the proxy's count of turns being measured), not once per turn.
 
 Batches are gathered: after the first turn of a batch arrives the worker waits, and then takes every
 turn that queued meanwhile, until one of: ``MAX_BATCH`` turns are waiting; a turn ended with no other
@@ -36,12 +38,14 @@ them; the wait still keeps builds off the loop's per-turn work in a burst of new
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
-from collections import deque
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.prefix import PrefixTracker
@@ -50,7 +54,9 @@ from specproxy.measure.tokens import Tokenizer
 from specproxy.wire import memory
 from specproxy.wire.os_thread import name_os_thread
 
-__all__ = ["MAX_DEFER_S", "QUIET_S", "MeasuringWorker", "where"]
+__all__ = ["MAX_DEFER_S", "QUIET_S", "Built", "MeasuringWorker", "Store", "where"]
+
+log = logging.getLogger("specproxy.serve.measuring")
 
 clock = time.perf_counter
 
@@ -64,16 +70,30 @@ GATHER_S = 0.1  # after a batch's first turn, wait at most this long for more be
 TRIM_BYTES = 16 << 20  # a batch that let go of (or parsed) this much gives the heaps' free pages back to the system
 LARGE_TURN_BYTES = 1 << 20  # a turn holding this much (body and kept response) is built apart (see above)
 
-Done = Callable[[list[tuple[RecordBuilder, Record | None, BaseException | None]]], None]
+
+class Built(NamedTuple):
+    """One turn the worker built: its record (made unmeasured when measuring failed: ``error``), and
+    whether the store took it (its queue may be full)."""
+
+    builder: RecordBuilder
+    record: Record
+    error: BaseException | None
+    stored: bool
+
+
+# a finished turn's record (with ``capture``, its request body too) into the store's queue: called in this
+# thread, never blocks; True when the store took the record
+Store = Callable[[RecordBuilder, Record], bool]
+Done = Callable[[list[Built]], None]
 
 
 class MeasuringWorker:
     def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
-                 loop: asyncio.AbstractEventLoop, done: Done, *, gather_s: float | None = None,
-                 keep_bodies: bool = False) -> None:
-        """``keep_bodies``: ``done`` reads each turn's request body (``capture``): keep it for the loop to
-        let go of. Every other byte a turn held (its body, its kept response) is let go of here, right after
-        its build, and given back to the memory budget (``wire.memory``)."""
+                 loop: asyncio.AbstractEventLoop, done: Done, *, store: Store,
+                 gather_s: float | None = None, keep_bodies: bool = False) -> None:
+        """``keep_bodies``: ``store`` reads each turn's request body (``capture``): keep it until the turn is
+        stored. Every byte a turn held (its body, its kept response) is let go of here, right after its
+        build (the body kept, after ``store``), and given back to the memory budget (``wire.memory``)."""
         self.tokenizer = tokenizer
         self.prefixes = PrefixTracker()  # each session's previous turn, compared with its next (this thread's)
         self._gather_s = GATHER_S if gather_s is None else gather_s
@@ -81,6 +101,7 @@ class MeasuringWorker:
         self._activity = activity
         self._loop = loop
         self._done = done
+        self._store = store
         self._keep_bodies = keep_bodies
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="specproxy-measure", daemon=True)
@@ -140,23 +161,36 @@ class MeasuringWorker:
             batch.append(builder)
 
     def _build(self, batch: list[RecordBuilder], behind: bool) -> bool:
-        """Build a batch and hand its records to the loop; False when the loop is gone."""
+        """Build a batch, put its records in the store's queue, and tell the loop once; False when the loop is
+        gone."""
         deadline = clock() + MAX_DEFER_S
-        results = []
+        made = []
         released = 0
         for builder in batch:
             if not behind:  # before each build: a burst that began meanwhile goes first
                 self._wait_for_quiet(deadline)
             try:
-                results.append((builder, builder.build(self.tokenizer, self.prefixes), None))
+                made.append((builder, builder.build(self.tokenizer, self.prefixes), None))
             except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
                 why = f"{type(exc).__name__} ({where(exc)})"
-                results.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
+                made.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
             freed = builder.let_go(body=not self._keep_bodies)
             memory.give(freed)
             # what parsing and counting made of the body (objects several times its size, never charged)
             # is freed too: counted here, or a backlog of such turns would never trim
             released += freed + builder.request_bytes
+        results = []
+        for builder, record, exc in made:  # the batch to the store at once: the writer wakes once for it
+            try:
+                stored = self._store(builder, record)
+            except Exception as error:  # a bug of ours: the turn is lost, this thread is not
+                log.error("storing a turn failed: %s", f"{type(error).__name__} ({where(error)})")
+                stored = False
+            results.append(Built(builder, record, exc, stored))
+            if self._keep_bodies:
+                freed = builder.let_go()
+                memory.give(freed)
+                released += freed
         if released >= TRIM_BYTES:
             memory.trim()  # the heaps' free pages back to the system (large blocks went back on free)
         self.batches += 1

@@ -36,6 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
+from specproxy.serve.counters import COUNTS, GAUGE
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
 
@@ -210,44 +211,8 @@ class OwnMetrics:
         return generate_latest(registry)
 
 
-# (state key, name, help, kind)
-STATE = (
-    ("in_flight", "specproxy_requests_in_flight", "Requests being forwarded now", "gauge"),
-    ("measured_in_flight", "specproxy_measured_requests_in_flight",
-     "Generation requests in flight (the operating point the upstream sees)", "gauge"),
-    ("queued", "specproxy_store_queue_records",
-     "Records waiting for the database writer (queued, and a batch it retries)", "gauge"),
-    ("dropped", "specproxy_dropped_records_store",
-     "Records the store never wrote: its queue was full, or they were still unwritten at shutdown", "counter"),
-    ("write_failures", "specproxy_store_write_failures",
-     "Database writes refused (full disk, locked, read-only): the records wait and are retried", "counter"),
-    ("text_shed", "specproxy_store_text_shed",
-     "Records queued for the database without their text: the memory budget's share for the queue was full",
-     "counter"),
-    ("captures_shed", "specproxy_store_captures_shed",
-     "Captured request bodies not queued for the database: the memory budget's share for the queue was full",
-     "counter"),
-    ("measure_dropped", "specproxy_dropped_records_measure",
-     "Turns forwarded but not measured (too many waiting to be measured)", "counter"),
-    ("measure_errors", "specproxy_measure_errors", "Turns whose measuring failed (recorded unmeasured)", "counter"),
-    ("scrape_failures", "specproxy_scrape_failures", "Failed polls of the upstream's metrics", "counter"),
-    ("rejected_busy", "specproxy_rejected_busy", "Requests answered 503 over max_concurrent", "counter"),
-    ("rejected_bad", "specproxy_rejected_bad", "Malformed, ambiguous, too large or too slow requests", "counter"),
-    ("rejected_memory", "specproxy_rejected_memory",
-     "Request bodies answered 503 unread: the memory budget had no room for them", "counter"),
-    ("measure_shed", "specproxy_measure_shed",
-     "Finished turns that let go of their body (or response) before measuring, to stay within the memory "
-     "budget", "counter"),
-    ("memory_used", "specproxy_memory_used_bytes",
-     "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured, "
-     "pipelined requests, texts and captured bodies waiting for the database",
-     "gauge"),
-    ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", "gauge"),
-)
-
-
 def _state_families(state: dict[str, float]) -> Iterable[Metric]:
-    for key, name, doc, kind in STATE:
-        if key in state:
-            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+    for key, name, doc, kind in COUNTS:
+        if name is not None and key in state:
+            cls = GaugeMetricFamily if kind == GAUGE else CounterMetricFamily
             yield cls(name, doc, value=state[key])

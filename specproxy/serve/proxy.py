@@ -9,9 +9,9 @@ upstream's body, inside the socket callback (or the relay thread), it takes a mo
 writes the bytes to the client's transport (chunk framing passed verbatim), takes another timestamp and
 appends to the turn's ``RecordBuilder``. The handler's task only waits: for the end, or for a slow
 client to drain (backpressure). No parsing, tokenizing or database work happens on the event loop; once
-the response has ended, the builder is handed to a worker thread that makes the ``Record``, and the
-record goes to a sink whose ``put`` never blocks. Request and response bodies pass byte-identical; the
-header rules are ``headers.py``'s. A request of any method, POST included, is sent twice in one case only:
+the response has ended, the builder is handed to a worker thread that makes the ``Record`` and puts it
+in the store's queue (``store``: a put that never blocks); the loop hears of it after (``heard``).
+Request and response bodies pass byte-identical; the header rules are ``headers.py``'s. A request of any method, POST included, is sent twice in one case only:
 the upstream closed a kept-alive connection before a byte of the answer (``UpstreamPool.request``: once
 more, on a new connection, never a third time); nothing else is retried.
 
@@ -25,8 +25,8 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
@@ -34,13 +34,15 @@ from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import LABEL_HEADER, host_header, request_head, response_head
-from specproxy.serve.measuring import MeasuringWorker, where
+from specproxy.serve.incoming import Client, Incoming
+from specproxy.serve.counters import Counters
+from specproxy.serve.measuring import Built, MeasuringWorker, Store, where
 from specproxy.serve.refusals import Refusal, busy, error_response
 from specproxy.wire import memory
 from specproxy.wire.pool import UpstreamPool
 from specproxy.wire.upstream import CHUNKED, UpstreamError
 
-__all__ = ["Client", "Incoming", "Proxy", "conn_id", "where"]
+__all__ = ["Proxy", "conn_id", "where"]
 
 log = logging.getLogger("specproxy.serve.proxy")
 
@@ -75,16 +77,33 @@ def conn_id(transport: asyncio.BaseTransport | None) -> int | None:
         return None
 
 
+# What the service gives the proxy, each at construction (``service.py`` composes them):
+# each turn that ended: its id, when its request was read, when the measured turn before it ended, and
+# whether it ran alone (``watch.ServerWatch.turn_ended``: to join it with the server's counter deltas)
+TurnEnded = Callable[[str, float, float, bool], object]
+# each record, on the loop, after the measuring thread handed it to the store (``Store``): its stream's
+# per-chunk times (None when its measuring failed) and whether the store took it (/metrics counts only those)
+Heard = Callable[[Record, StreamTiming | None, bool], object]
+# specproxy's own pages (``admin.Admin.handle``), answered by aiohttp's front: the lane declines them
+AdminPages = Callable[[Any], Awaitable[Any]]
+
+
 class Proxy:
-    """Holds the upstream session, the in-flight counts and the measuring workers."""
+    """Holds the upstream pool, the measuring worker and what it was given: the counters it and the fronts
+    keep (``counters.Counters``), where records go (``store``, in the measuring thread; ``heard``, on the
+    loop) and who hears of turns ending (``on_turn_end``) or answers the reserved pages (``admin``)."""
 
     def __init__(
         self,
         cfg: Config,
         *,
         tokenizer: Tokenizer | None,
-        sink: Callable[[Record, StreamTiming | None], Any],
+        counters: Counters,
+        store: Store,
+        heard: Heard,
         instance_id: Callable[[], str | None] = lambda: None,
+        on_turn_end: TurnEnded | None = None,
+        admin: AdminPages | None = None,
     ) -> None:
         self.cfg = cfg
         self.upstream = cfg.upstream_url
@@ -95,23 +114,16 @@ class Proxy:
         self._client_header = cfg.client_header.strip().lower().encode()
         self._c_scans = cfg.scan == "c"  # each turn's measuring scans (RecordBuilder's c_scans)
         self.tokenizer = tokenizer
-        self.sink = sink  # (record, its stream's StreamTiming for the metrics or None): never blocks
+        self.counters = counters
+        self._store = store
+        self._heard = heard
         self.instance_id = instance_id
-        self.in_flight = 0  # every request being handled
-        self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
+        self.on_turn_end = on_turn_end
+        self.admin = admin
         self.turns_started = 0
         self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
-        self.on_turn_end: Callable[[str, float, float, bool], object] | None = None
-        # specproxy's own pages (admin.Admin.handle), answered by aiohttp's front: the lane declines them
-        self.admin: Callable[[Any], Awaitable[Any]] | None = None
-        self.on_built: Callable[[RecordBuilder], object] | None = None  # each measured turn, once built
-        self.measure_dropped = 0
-        self.measure_errors = 0
-        self.rejected_busy = 0
-        self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
-        self.rejected_memory = 0  # request bodies refused (503) because the memory budget had no room
-        self.shed_prompts = 0  # finished turns that let go of their body (or response) to stay within it
         self.budget = cfg.memory_budget_bytes or memory.default_budget(cfg.max_body_bytes)
+        counters.memory_budget = self.budget
         self._backlog_bytes = 0  # budget held by turns waiting to be measured
         # why, once the service's shutdown cuts what is still in flight (its drain limit passed, or a second
         # Ctrl-C): those turns are the proxy's doing, recorded as ``shutdown``, not as the client's abort
@@ -135,7 +147,7 @@ class Proxy:
                                          reuse=self.cfg.upstream_reuse != "off",
                                          send_timeout_s=self.cfg.send_timeout_s)
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),
-                                         self._built, keep_bodies=self.cfg.capture)
+                                         self._built, store=self._store, keep_bodies=self.cfg.capture)
 
     async def close(self) -> None:
         """After the last request: close the pool, measure what is pending, stop the worker. Idempotent."""
@@ -163,7 +175,7 @@ class Proxy:
         return len(self._pool.idle) if self._pool is not None else 0
 
     async def drain_measurements(self, timeout: float = 30.0) -> None:
-        """Wait until every finished turn has been measured and handed to the sink."""
+        """Wait until every finished turn has been measured, stored and heard of."""
         deadline = time.monotonic() + timeout
         while self._pending_builds and time.monotonic() < deadline:
             self._idle.clear()
@@ -177,12 +189,12 @@ class Proxy:
         if self._quiet is None:
             self._quiet = asyncio.Event()
         self._quiet.clear()
-        if not self.in_flight:
+        if not self.counters.in_flight:
             return True
         try:
             await asyncio.wait_for(self._quiet.wait(), timeout)
         except TimeoutError:
-            return not self.in_flight
+            return not self.counters.in_flight
         return True
 
     def _busy(self) -> bool:
@@ -190,11 +202,12 @@ class Proxy:
         reading (``held_by_client``): clients that never read must not lock the readers out until their
         ``send_timeout_s``. Up to twice ``max_concurrent`` in flight in all, whoever holds them."""
         cap = self.cfg.max_concurrent
-        if self.in_flight < cap:
+        in_flight = self.counters.in_flight
+        if in_flight < cap:
             return False
-        if self.in_flight >= 2 * cap or self._pool is None:
+        if in_flight >= 2 * cap or self._pool is None:
             return True
-        return self.in_flight - self._pool.held_by_clients() >= cap
+        return in_flight - self._pool.held_by_clients() >= cap
 
     # --- the memory budget ------------------------------------------------------------------------
 
@@ -209,13 +222,9 @@ class Proxy:
         memory.give(n)
 
     def memory_full(self, n: int) -> Refusal:
-        self.rejected_memory += 1
+        self.counters.rejected("memory")
         return error_response(503, "memory_budget", f"memory budget full: a request body of {n} bytes is "
                               "refused before it is read; try again later", close=True)
-
-    @property
-    def memory_used(self) -> int:
-        return memory.used()
 
     # --- the handler ------------------------------------------------------------------------------
 
@@ -224,21 +233,21 @@ class Proxy:
         budget (``admit_body``; the charge is this exchange's from here): 503 past ``max_concurrent``
         (counted from here: a request still sending its body holds no one's place), else ``forward``."""
         if self._busy():
-            self.rejected_busy += 1
+            self.counters.rejected("busy")
             memory.give(len(body))
             return busy(self.cfg)
         if req.label is not None and req.label.startswith("@"):
             # compare reads an arm beginning with "@" as a time window: such a label could never be named
-            self.rejected_bad += 1
+            self.counters.rejected("bad")
             memory.give(len(body))
             return error_response(400, "bad_label", f"{LABEL_HEADER} {req.label[:64]!r} begins with '@', which "
                                   "compare reads as a time window (@START..END): choose a label that does not")
-        self.in_flight += 1
+        self.counters.request_began()
         try:
             return await self.forward(req, body, client)
         finally:
-            self.in_flight -= 1
-            if not self.in_flight and self._quiet is not None:
+            self.counters.request_ended()
+            if not self.counters.in_flight and self._quiet is not None:
                 self._quiet.set()
 
     async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
@@ -249,7 +258,7 @@ class Proxy:
         t_request = clock()
         measured = is_measured(req.method, req.path)
         if measured:
-            self.measured_in_flight += 1
+            self.counters.turn_began()
             self.turns_started += 1
         started_before = self.turns_started
         prev_done = self.last_turn_done
@@ -260,7 +269,7 @@ class Proxy:
             body=body,
             t_wall=time.time(),
             t_request=t_request,
-            concurrency=self.measured_in_flight,
+            concurrency=self.counters.measured_in_flight,
             label=req.label or self.cfg.label,
             instance_id=self.instance_id(),
             conn_id=conn_id(client.transport),
@@ -287,7 +296,7 @@ class Proxy:
             raise
         finally:
             if measured:
-                self.measured_in_flight -= 1
+                self.counters.turn_ended()
             self._submit(builder)
             if measured:
                 # a turn that ran alone can be joined with the server's counter deltas over it
@@ -347,7 +356,7 @@ class Proxy:
         if self.cutting and builder.outcome == "client_abort":  # the client did not leave: the proxy cut it
             builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
         if self._pending_builds >= MAX_PENDING_BUILDS:
-            self.measure_dropped += 1
+            self.counters.measure_dropped_one()
             memory.give(builder.let_go())
             return
         if not builder.measured:  # nothing reads an unmeasured turn's body or response: let go of them now
@@ -356,7 +365,7 @@ class Proxy:
         if charge and self._backlog_bytes + charge > self.budget * BACKLOG_SHARE:
             # measuring is behind: measure this turn less rather than hold more (the record says so)
             # the larger of its prompt and its response first, the other only if that was not enough
-            self.shed_prompts += 1
+            self.counters.measure_shed_one()
             sheds = [builder.shed_prompt, builder.shed_response]
             if builder.body_charge * 2 < charge:
                 sheds.reverse()
@@ -369,66 +378,29 @@ class Proxy:
         builder.backlog_charge = charge
         self._pending_builds += 1
         assert self._measurer is not None
-        self._measurer.submit(builder, more_in_flight=self.measured_in_flight > 0)
+        self._measurer.submit(builder, more_in_flight=self.counters.measured_in_flight > 0)
 
-    def _built(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
-        """On the loop, once per batch the measuring worker built. The turns stay pending until their
-        records are handed on: another thread that reads ``pending_measure`` as 0 (a test, a drain) must
-        find every record already with the sink, and the interpreter may switch threads between any two
-        lines here."""
+    def _built(self, results: list[Built]) -> None:
+        """On the loop, once per batch the measuring worker built and handed to the store. The turns stay
+        pending until they have been heard of: another thread that reads ``pending_measure`` as 0 (a test, a
+        drain) must find every record already with the store and the listeners, and the interpreter may
+        switch threads between any two lines here."""
         try:
-            self._hand_on(results)
+            for built in results:
+                if built.error is not None:
+                    # measuring failed (a bug, e.g. on input nobody foresaw): the turn still got its row, made
+                    # by the measuring thread (``builder.unmeasured``)
+                    self.counters.measure_failed()
+                    log.error("measuring a turn failed: %s", f"{type(built.error).__name__} ({where(built.error)})")
+                    self._heard(built.record, None, built.stored)
+                else:
+                    self._heard(built.record, built.builder.timing, built.stored)
         finally:
-            for builder, _, _ in results:
-                self._backlog_bytes -= builder.backlog_charge
-                memory.give(builder.let_go())  # what the measuring thread did not give back (capture's bodies)
+            for built in results:
+                self._backlog_bytes -= built.builder.backlog_charge
             self._pending_builds -= len(results)
             if not self._pending_builds:
                 self._idle.set()
-
-    def _hand_on(self, results: list[tuple[RecordBuilder, Record | None, BaseException | None]]) -> None:
-        for builder, record, exc in results:
-            if exc is not None:
-                # measuring failed (a bug, e.g. on input nobody foresaw): the turn still gets its row, made
-                # by the measuring thread (``builder.unmeasured``)
-                self.measure_errors += 1
-                log.error("measuring a turn failed: %s", f"{type(exc).__name__} ({where(exc)})")
-                self.sink(record, None)
-            else:
-                self.sink(record, builder.timing)
-            if self.on_built is not None and builder.measured:
-                self.on_built(builder)
-
-
-class Incoming(NamedTuple):
-    """What the forwarding path needs of a client's request, whichever front read it (aiohttp's server or
-    the lane): the request line, the header bytes as they came, and the few header values it acts on."""
-
-    method: str
-    path: str  # the decoded path, without the query: which endpoint (``is_measured``)
-    target: bytes  # the path and query as sent, forwarded as they are
-    http11: bool
-    keep_alive: bool  # the client allows another request on the connection after this one
-    raw_headers: Sequence[tuple[bytes, bytes]]
-    connection: Sequence[str | bytes]  # the Connection header's values: more hop-by-hop names
-    label: str | None  # X-Specproxy-Label
-    content_encoding: str  # of the request body
-
-
-class Client(Protocol):
-    """The front's side of one exchange: where the response goes."""
-
-    @property
-    def transport(self) -> asyncio.Transport | None: ...
-
-    async def start(self, status: int, head: bytes, keep_alive: bool) -> None:
-        """Write the response head (the body follows on ``transport``)."""
-
-    async def drain(self) -> None:
-        """Until the client has taken what waits in the transport's buffer."""
-
-    def abort(self) -> None:
-        """Cut the connection (a bug of ours mid-response)."""
 
 
 def _latin(value: bytes | None) -> str:

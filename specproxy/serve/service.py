@@ -34,6 +34,7 @@ from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.aiohttp_front import AiohttpFront
+from specproxy.serve.counters import Counters
 from specproxy.serve.lane import Lane, Lanes
 from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.serve.own_metrics import OwnMetrics
@@ -194,7 +195,7 @@ class Service:
     proxy: Proxy | None = None
     watch: ServerWatch | None = None
     port: int = 0
-    header_timeouts: int = 0  # connections closed because their first request's headers came too slowly
+    counters: Counters | None = None  # every count of the running proxy (counters.py), from start()
     lanes: Lanes = field(default_factory=Lanes)
     cadence: CadenceGate | None = None
     pages: Pages | None = None  # the live page's pictures, composed in from above (view.live); None: no page
@@ -220,8 +221,20 @@ class Service:
                 sock.close()
             raise
 
-    def _sink(self, record: Record, timing: StreamTiming | None = None) -> None:
-        stored = self.writer.put(record) if self.writer is not None else True
+    def _store(self, builder: RecordBuilder, record: Record) -> bool:
+        """In the measuring thread: the record to the writer's queue (a put that never blocks), and with
+        ``capture`` the request body as the client sent it, beside its turn (store/captures.py)."""
+        writer = self.writer
+        if writer is None:
+            return True
+        stored = writer.put(record)
+        if self.cfg.capture and record.measured:
+            writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
+                                    builder.request_encoding, builder.body))
+        return stored
+
+    def _heard(self, record: Record, timing: StreamTiming | None, stored: bool) -> None:
+        """On the loop, each record once the store has it (or refused it): /metrics and the observers."""
         if not record.measured:  # another path's row: stored, but no turn of the figures or observers
             return
         if self.metrics is not None and stored:  # the metrics count the store's rows, not those it dropped
@@ -232,30 +245,22 @@ class Service:
             except Exception as exc:  # a broken observer must not cost the record
                 log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
 
-    def _capture(self, builder: RecordBuilder) -> None:
-        """``capture``: the request body as the client sent it, beside its turn (store/captures.py)."""
-        if self.writer is not None:
-            self.writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
-                                         builder.request_encoding, builder.body))
-
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
-        self.watch = ServerWatch(self.cfg, self.writer)
-        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, sink=self._sink,
-                           instance_id=lambda: self.watch.instance_id if self.watch else None)
-        self.proxy.on_turn_end = self.watch.turn_ended
-        self.metrics = OwnMetrics(self._metric_state)
+        watch = self.watch = ServerWatch(self.cfg, self.writer)
+        counters = self.counters = Counters(self.writer, lambda: watch.failures)
+        self.metrics = OwnMetrics(counters.read)
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
         self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)
                            if writer is not None else 0, self.pages)
-        self.proxy.admin = self.admin.handle
         if not is_loopback(self.cfg.host) and self.cfg.admin_token is None:
             log.warning("listening on %s without admin_token: the live page and /_specproxy/metrics answer 401 "
                         "to every client (set admin_token to reach them)", self.cfg.host)
-        if self.cfg.capture:
-            self.proxy.on_built = self._capture
+        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, counters=counters, store=self._store,
+                           heard=self._heard, instance_id=lambda: watch.instance_id, on_turn_end=watch.turn_ended,
+                           admin=self.admin.handle)
         await self.proxy.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
@@ -270,9 +275,7 @@ class Service:
         assert server is not None
         timeout = self.cfg.header_timeout_s
 
-        def expired() -> None:
-            self.header_timeouts += 1
-
+        expired = counters.header_timed_out
         proxy, lanes = self.proxy, self.lanes
         if self.cfg.lane:  # the common request without aiohttp's server; any other goes on to it (lane.py)
             def protocol() -> asyncio.Protocol:
@@ -310,56 +313,19 @@ class Service:
     def state(self, fds: int = -1) -> dict[str, int | float]:
         """Counters for leak hunting and operators: what is alive now and what was refused or dropped.
         ``fds``: open descriptors, counted by the caller off the event loop (``count_fds``)."""
-        p, w = self.proxy, self.writer
+        p = self.proxy
         return {
+            **(self.counters.read() if self.counters is not None else {}),  # every count (counters.COUNTS)
             "tasks": len(asyncio.all_tasks()),
             "connections": self.open_connections(),
             "lane_requests": self.lanes.requests,  # forwarded by the lane, without aiohttp's server
             "handed_over": self.lanes.handed_over,  # connections the lane gave to aiohttp's server
             "upstream_idle": p.upstream_idle if p else 0,  # kept-alive upstream connections
             "fds": fds,
-            "in_flight": p.in_flight if p else 0,
             "pending_measure": p.pending_measure if p else 0,
-            "measure_errors": p.measure_errors if p else 0,
-            "measure_dropped": p.measure_dropped if p else 0,
             "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
-            "rejected_busy": p.rejected_busy if p else 0,
-            "rejected_bad": p.rejected_bad if p else 0,
-            "rejected_memory": p.rejected_memory if p else 0,  # bodies refused: the memory budget was full
-            "measure_shed": p.shed_prompts if p else 0,  # finished turns measured less to stay within it
-            "memory_used": p.memory_used if p else 0,  # bytes charged to the memory budget now
-            "memory_budget": p.budget if p else 0,
-            "header_timeouts": self.header_timeouts,
-            "queued": w.pending if w else 0,  # waiting for the writer: queued, and a batch it retries
-            "written": w.written if w else 0,
-            "dropped": w.dropped if w else 0,
-            "write_failures": w.write_failures if w else 0,  # attempts the database refused (logged per cause)
-            "text_shed": w.text_shed if w else 0,  # records queued without their text: the budget was full
-            "captures_shed": w.captures_shed if w else 0,  # captured bodies not queued: the budget was full
             "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
             **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
-        }
-
-    def _metric_state(self) -> dict[str, float]:
-        """What /_specproxy/metrics reads of the running service at each scrape."""
-        p, w = self.proxy, self.writer
-        return {
-            "in_flight": p.in_flight if p else 0,
-            "measured_in_flight": p.measured_in_flight if p else 0,
-            "queued": w.pending if w else 0,
-            "dropped": w.dropped if w else 0,
-            "write_failures": w.write_failures if w else 0,
-            "text_shed": w.text_shed if w else 0,
-            "captures_shed": w.captures_shed if w else 0,
-            "measure_dropped": p.measure_dropped if p else 0,
-            "measure_errors": p.measure_errors if p else 0,
-            "scrape_failures": self.watch.failures if self.watch else 0,
-            "rejected_busy": p.rejected_busy if p else 0,
-            "rejected_bad": p.rejected_bad if p else 0,
-            "rejected_memory": p.rejected_memory if p else 0,
-            "measure_shed": p.shed_prompts if p else 0,
-            "memory_used": p.memory_used if p else 0,
-            "memory_budget": p.budget if p else 0,
         }
 
     def log_state(self) -> asyncio.Future:
@@ -391,7 +357,7 @@ class Service:
             server.pre_shutdown()  # each of aiohttp's connections closes after its current request
         proxy = self.proxy
         why = AFTER_DRAIN
-        if proxy is not None and proxy.in_flight:
+        if proxy is not None and proxy.counters.in_flight:
             why = await self._drain(proxy, self.cfg.drain_timeout_s, now)
         if proxy is not None:
             proxy.cutting = why  # whatever ends from here on was ended by us
@@ -399,7 +365,7 @@ class Service:
         if self._runner is not None:
             await self._runner.cleanup()  # cuts aiohttp's handlers still running (CUT_S)
             self._runner = None
-        if proxy is not None and proxy.in_flight:
+        if proxy is not None and proxy.counters.in_flight:
             await proxy.wait_quiet(CUT_WAIT_S)  # the cut exchanges hand their turns to the measuring
         if self.cadence is not None:
             await asyncio.to_thread(self.cadence.stop)
@@ -433,7 +399,7 @@ class Service:
 
     def _on_stop_signal(self, stop: asyncio.Event, now: asyncio.Event) -> None:
         """SIGINT/SIGTERM: the first drains (one line says what and for how long), the second cuts."""
-        n = self.proxy.in_flight if self.proxy is not None else 0
+        n = self.counters.in_flight if self.counters is not None else 0
         streams = f"{n} stream{'' if n == 1 else 's'}"
         if not stop.is_set():
             stop.set()

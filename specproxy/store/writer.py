@@ -120,6 +120,7 @@ class Writer:
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._stop = threading.Event()
+        self._lost_lock = threading.Lock()
         self.retention = ScrapeRetention(scrape_retention_days)
         self._thread = threading.Thread(target=self._run, name="specproxy-writer", daemon=True)
         self.written = 0
@@ -139,20 +140,20 @@ class Writer:
         self._thread.start()
 
     def put(self, item: Record | tuple[str, tuple]) -> bool:
-        """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full."""
-        if self._stop.is_set():  # closing: what comes after close() is not waited for
-            self.dropped += 1
-            return False
-        if self._queue.qsize() >= self._queue_size:
-            self.dropped += 1
+        """Enqueue a Record (or a ``(sql, params)`` pair); False (and counted) when the queue is full. From
+        any thread (the measuring thread puts records, the event loop scrapes)."""
+        if self._stop.is_set() or self._queue.qsize() >= self._queue_size:  # closing: not waited for
+            self._lost(1)
             return False
         n = held_bytes(item)
         if n and not self._charge(n):  # the budget has no room: the text or the body goes, the figures stay
             if not isinstance(item, Record):
-                self.captures_shed += 1
+                with self._lost_lock:  # two threads put
+                    self.captures_shed += 1
                 self._note_shed()
                 return False
-            self.text_shed += 1
+            with self._lost_lock:
+                self.text_shed += 1
             self._note_shed()
             item = replace(item, prompt_text=None, response_text=None)
         self._queue.put(item)
@@ -185,6 +186,10 @@ class Writer:
             log.error("database %s: the writer's queue holds its share of the memory budget; records are "
                       "queued without their text and captured bodies are not kept (counted: text_shed, "
                       "captures_shed)", self.path)
+
+    def _lost(self, n: int) -> None:
+        with self._lost_lock:  # ``+=`` is not atomic, and two threads may drop at once
+            self.dropped += n
 
     @property
     def pending(self) -> int:
@@ -263,7 +268,7 @@ class Writer:
         self._held = 0
         turns = sum(isinstance(i, Record) for i in pending)
         captures = sum(1 for i in pending if not isinstance(i, Record) and " captures " in i[0])
-        self.dropped += len(pending)
+        self._lost(len(pending))
         self._release(pending)
         others = len(pending) - turns - captures  # scrapes
         log.error("database %s: %d records could not be written before shutdown and are lost: %s, %s, %s (%s)",

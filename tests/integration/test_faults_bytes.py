@@ -422,7 +422,7 @@ def test_a_turn_whose_measuring_fails_still_gets_its_row(make_stack, monkeypatch
     assert bad["error"].startswith("measuring failed: KeyError (raised at ") and "sk-secret" not in bad["error"]
     assert bad["error"].endswith("forwarding outcome ok")
     assert good["outcome"] == "ok"
-    assert stack.service.proxy.measure_errors == 1
+    assert stack.service.counters.measure_errors == 1
 
 
 def test_a_prompt_count_that_fails_is_null_and_counted(make_stack, tiktoken_tok):

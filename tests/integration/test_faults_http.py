@@ -78,7 +78,7 @@ def test_slowloris_is_cut_at_the_header_timeout_while_others_are_served(make_sta
     assert all(status == 200 for status, _ in honest)
     assert max(latency for _, latency in honest) < 1.5, honest
     assert len(stack.upstream.sent) == 25  # not one slow request reached the upstream
-    assert stack.service.header_timeouts == 20
+    assert stack.service.counters.header_timeouts == 20
 
 
 def test_slow_second_request_on_a_kept_alive_connection_is_cut(make_stack):
@@ -479,7 +479,7 @@ def test_malformed_requests_are_counted_and_said_once_per_interval(make_stack, c
     said = [r for r in caplog.records if r.name == "specproxy.http"]
     assert [r.levelname for r in said] == ["WARNING"], [r.getMessage() for r in said]
     assert "malformed request from 127.0.0.1 answered 400: BadHttpM" in said[0].getMessage()
-    assert stack.service.proxy.rejected_bad == 20
+    assert stack.service.counters.rejected_bad == 20
     assert "specproxy_rejected_bad_total 20.0" in stack.service.metrics.exposition().decode()
     server_log = stack.service._runner.server._kwargs["logger"]
     assert isinstance(server_log, aiohttp_front._ServerLog)

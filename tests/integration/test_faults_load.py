@@ -78,7 +78,7 @@ def test_one_over_the_cap_gets_an_immediate_503(make_stack):
     assert elapsed < 20
     assert all(st == 200 and body == STREAM for st, body, _ in held)
     assert len(upstream.requests) == 8  # the one over the cap never reached the upstream
-    assert stack.service.proxy.rejected_busy == 1
+    assert stack.service.counters.rejected_busy == 1
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_500_streams_at_once_with_zero_errors(make_stack, tiktoken_tok):
             tasks = [asyncio.ensure_future(_post(s, stack.url)) for _ in range(n)]
             async with box["cond"]:
                 await asyncio.wait_for(box["cond"].wait_for(lambda: box["arrived"] == n), 60)
-            in_flight = stack.service.proxy.in_flight
+            in_flight = stack.service.counters.in_flight
             box["go"].set()
             return in_flight, await asyncio.gather(*tasks, return_exceptions=True)
 

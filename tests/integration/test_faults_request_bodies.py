@@ -80,7 +80,7 @@ def test_slow_request_bodies_do_not_lock_other_clients_out(make_stack):
 
     honest = stack.run(go())
     assert [r.status for r in honest] == [200] * 6
-    assert stack.service.proxy.rejected_busy == 0
+    assert stack.service.counters.rejected_busy == 0
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
@@ -164,4 +164,4 @@ def test_bodies_past_the_memory_budget_are_refused_before_they_are_read(make_sta
     assert refused is not None and refused.status == 503 and b"memory_budget" in refused.body
     assert chunked.startswith(b"HTTP/1.1 503 ") and b"memory_budget" in chunked
     assert small is not None and small.status == 200
-    assert proxy.rejected_memory == 2
+    assert proxy.counters.rejected_memory == 2

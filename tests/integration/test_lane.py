@@ -255,7 +255,7 @@ def test_a_stalled_body_gets_408_and_nothing_is_forwarded(make_stack):
     resp, _ = parse_response(got)
     assert (resp.status, closed) == (408, True) and b"request_timeout" in resp.body
     assert 0.35 < took < 20  # the 0.4 s deadline, not the exchange's 30 s give-up (nor never)
-    assert upstream.requests == [] and stack.service.proxy.rejected_bad == 1
+    assert upstream.requests == [] and stack.service.counters.rejected_bad == 1
 
 
 def test_an_idle_connection_closes_at_the_keepalive_timeout(make_stack):

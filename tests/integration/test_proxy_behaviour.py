@@ -127,6 +127,34 @@ def test_a_turn_stays_pending_until_its_record_is_handed_on(stack, tiktoken_tok)
     assert len(pending_at_hand_over) == 3 and min(pending_at_hand_over) >= 1, pending_at_hand_over
 
 
+def test_a_record_reaches_the_store_while_the_event_loop_is_held(stack, tiktoken_tok):
+    """The measuring thread puts each record in the writer's queue itself: the event loop, held here from
+    the moment the turn was handed to measuring, is not on the record's way to the store (it once was: the
+    record went to the loop, and from there to the writer's queue)."""
+    from specproxy.record import Record
+
+    writer, measurer = stack.service.writer, stack.service.proxy._measurer
+    taken: list = []
+    put = writer.put
+    writer.put = lambda item: (taken.append(item), put(item))[1]
+    submit = measurer.submit
+    reached: list[bool] = []
+
+    def submit_then_hold_the_loop(builder, *, more_in_flight: bool) -> None:
+        submit(builder, more_in_flight=more_in_flight)
+        deadline = time.monotonic() + 20  # a loaded machine builds in far less; the old way never arrives
+        while not any(isinstance(i, Record) for i in taken) and time.monotonic() < deadline:
+            pass  # held without a blocking call (the suite forbids those on the loop): the GIL still switches
+        reached.append(any(isinstance(i, Record) for i in taken))
+
+    measurer.submit = submit_then_hold_the_loop
+    stack.upstream.script = Script(pieces=pieces_of("One two three.", tiktoken_tok))
+    _sdk(stack.url).chat.completions.create(model="m", messages=[{"role": "user", "content": "Count."}])
+    stack.settle()
+    assert reached == [True]
+    assert [r.completion_tokens for r in stack.records] == [tiktoken_tok.count("One two three.")]
+
+
 async def _done_then_hold(reader, writer):
     await read_request(reader)
     writer.write(SSE_HEAD + chunk(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
@@ -198,7 +226,7 @@ def test_a_label_header_beginning_with_at_is_refused_before_the_upstream(stack):
 
     status, body = stack.run(go())
     assert status == 400 and body["error"]["type"] == "bad_label" and "time window" in body["error"]["message"]
-    assert stack.upstream.sent == [] and stack.service.proxy.rejected_bad == 1
+    assert stack.upstream.sent == [] and stack.service.counters.rejected_bad == 1
 
 
 @pytest.mark.parametrize("body", [b'{"messages": [', b"\xff\xfe not json", b'{"model": NaN}'])

@@ -76,7 +76,7 @@ def test_a_client_that_never_reads_is_cut_after_send_timeout(make_stack, each_fr
         wait_until(lambda: len(sent) == 3, 20, what="three big answers started")
         wait_until(lambda: len(up.peer_closed_at) == 3, 30, what="the proxy to close the three upstream connections")
         stack.settle(30)
-        assert stack.service.proxy.in_flight == 0
+        assert stack.service.counters.in_flight == 0
         assert max(sent) < BIG  # the upstream was held back, then let go: not read to the end
         turns = [r for r in stack.records if r.path == CHAT]
         assert [r.outcome for r in turns] == ["client_stalled"] * 3, [(r.outcome, r.error) for r in turns]
@@ -101,13 +101,13 @@ def test_clients_that_never_read_do_not_hold_max_concurrent_from_readers(make_st
         proxy = stack.service.proxy
         # as soon as the three wait on their clients (a moment after they started), not after 60 s
         wait_until(lambda: _small_get(stack.service.port) == 200, 20, 0.1, "a reading client answered")
-        wait_until(lambda: proxy.in_flight == 3, 20, what="the reading client's exchange over")
+        wait_until(lambda: proxy.counters.in_flight == 3, 20, what="the reading client's exchange over")
         assert proxy._pool.held_by_clients() == 3
         clients += [_stalled_client(stack.service.port) for _ in range(3)]
-        wait_until(lambda: proxy.in_flight == 6, 20, what="three more stalled exchanges admitted")
-        busy = proxy.rejected_busy
+        wait_until(lambda: proxy.counters.in_flight == 6, 20, what="three more stalled exchanges admitted")
+        busy = proxy.counters.rejected_busy
         assert _small_get(stack.service.port) == 503  # twice max_concurrent in flight: the bound holds
-        assert proxy.rejected_busy == busy + 1
+        assert proxy.counters.rejected_busy == busy + 1
     finally:
         for s in clients:
             s.close()

@@ -107,7 +107,7 @@ def test_a_client_path_never_leaves_the_upstreams_base_path(make_stack, target):
     resp = stack.run(request_once(stack.service.port, f"GET {target} HTTP/1.1\r\nHost: p\r\n\r\n".encode()))
     assert resp.status == 400 and b"'..' segment" in resp.body, (target, resp)
     assert upstream.requests == []
-    assert stack.service.proxy.rejected_bad == 1
+    assert stack.service.counters.rejected_bad == 1
     # a path without one goes under the base as ever
     resp = stack.run(request_once(stack.service.port, b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n"))
     assert (resp.status, resp.body) == (200, b"ok")

@@ -1,7 +1,8 @@
 """The pipeline's direction holds: ``lint-imports`` checks the contracts in pyproject.toml.
 
 A module that imports against the layers (analysis reaching into the wire, SQL outside the store,
-measuring doing I/O) fails here, in the same run as every other test.
+measuring doing I/O), or two modules that import each other (directly or through others: a circle that
+makes a reader read both to understand either), fail here, in the same run as every other test.
 """
 
 import shutil

@@ -26,6 +26,11 @@ def _turn(n: int) -> RecordBuilder:
     return b
 
 
+def _stored(builder, record) -> bool:
+    """The store, for tests of when and how turns are built: it takes every record."""
+    return True
+
+
 class _Broken(RecordBuilder):
     __slots__ = ()
 
@@ -37,9 +42,9 @@ class _Held(MeasuringWorker):
     """A worker whose thread starts working only once every turn was submitted: "at once" for certain
     (a worker that wakes between two submits would make two batches of them, on a loaded machine)."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         self.held = threading.Event()
-        super().__init__(*args)
+        super().__init__(*args, **kwargs)
 
     def _run(self) -> None:
         self.held.wait(30)
@@ -57,7 +62,7 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
             done.set()
 
     async def go():
-        worker = _Held(None, activity, asyncio.get_running_loop(), on_done)
+        worker = _Held(None, activity, asyncio.get_running_loop(), on_done, store=_stored)
         for i in range(n):
             b = _turn(i)
             if i == broken:
@@ -76,13 +81,13 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
 
 def test_a_quiet_relay_is_measured_at_once():
     got, worker = _run(5, lambda: 0.0)  # the last read was long ago
-    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+    assert sorted(r.model for _, r, _, _ in got) == [f"m{i}" for i in range(5)]
     assert worker.deferred_s < MAX_DEFER_S
 
 
 def test_a_busy_relay_defers_each_batch_at_most_max_defer():
     got, worker = _run(3, time.perf_counter)  # a read "just now", always: never a gap
-    assert len(got) == 3 and all(exc is None for _, _, exc in got)
+    assert len(got) == 3 and all(exc is None for _, _, exc, _ in got)
     assert worker.deferred_s >= MAX_DEFER_S * 0.9 * worker.batches  # it did wait for a gap...
     assert worker.deferred_s <= (MAX_DEFER_S + 0.05) * worker.batches  # ...and no longer than allowed
 
@@ -123,9 +128,9 @@ def test_a_backlog_is_built_without_waiting():
 
 def test_a_failing_build_comes_back_as_its_error():
     got, _ = _run(4, lambda: 0.0, broken=2)
-    errors = [(b, exc) for b, rec, exc in got if exc is not None]
+    errors = [(b, exc) for b, rec, exc, _ in got if exc is not None]
     assert len(got) == 4 and len(errors) == 1
-    builder, record, exc = next(r for r in got if r[2] is not None)
+    builder, record, exc, _ = next(r for r in got if r[2] is not None)
     assert isinstance(exc, ValueError) and isinstance(builder, _Broken)
     # the turn's row, made by the measuring thread, whose bytes it then let go of
     assert record.outcome == "proxy_error" and "measuring failed: ValueError" in record.error
@@ -133,12 +138,48 @@ def test_a_failing_build_comes_back_as_its_error():
     assert builder.body == b"" and builder.reads == []
 
 
+def test_the_worker_hands_each_record_to_the_store_itself_before_the_loop_hears_of_it():
+    """Records go from the measuring thread to the store's queue, in the order built, and the loop hears of
+    the batch after that, with whether the store took each (its queue may be full: /metrics counts only
+    what it took)."""
+    stored: list = []  # (the thread that stored it, the turn's model)
+    heard: list = []  # how many were stored when the loop heard of each batch, and the batch
+    loop_thread: list = []
+
+    def store(builder, record) -> bool:
+        stored.append((threading.current_thread(), record.model))
+        return record.model != "m1"  # the store's queue was full for this one
+
+    async def go():
+        loop_thread.append(threading.current_thread())
+        done = asyncio.Event()
+
+        def on_done(results):
+            heard.append((len(stored), list(results)))
+            if sum(len(r) for _, r in heard) == 3:
+                done.set()
+
+        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=store)
+        for i in range(3):
+            worker.submit(_turn(i), more_in_flight=i < 2)
+        worker.held.set()
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert [m for _, m in stored] == ["m0", "m1", "m2"]
+    assert all(t.name == "specproxy-measure" and t is not loop_thread[0] for t, _ in stored)
+    results = [b for _, batch in heard for b in batch]
+    assert heard[0][0] >= len(heard[0][1])  # the batch was with the store before the loop heard of it
+    assert [(b.record.model, b.stored) for b in results] == [("m0", True), ("m1", False), ("m2", True)]
+
+
 @pytest.mark.parametrize("n", [1, MAX_BATCH + 3])
 def test_stop_builds_what_is_queued(n):
     got: list = []
 
     async def go():
-        worker = MeasuringWorker(None, time.perf_counter, asyncio.get_running_loop(), got.extend)
+        worker = MeasuringWorker(None, time.perf_counter, asyncio.get_running_loop(), got.extend, store=_stored)
         for i in range(n):
             worker.submit(_turn(i), more_in_flight=True)
         # the worker schedules its results before it ends, so they run before this task resumes
@@ -212,7 +253,8 @@ def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together
             done.set()
 
     async def go():
-        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), on_done, gather_s=2.0)
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=_stored,
+                                 gather_s=2.0)
         for i in range(5):  # spread over ~40 ms, well inside the window; the last ends with none in flight
             worker.submit(_turn(i), more_in_flight=i < 4)
             await asyncio.sleep(0.01)
@@ -222,7 +264,7 @@ def test_turns_that_end_while_a_batch_gathers_are_built_and_handed_back_together
 
     worker = asyncio.run(go())
     assert calls == [5] and worker.batches == 1
-    assert sorted(r.model for _, r, _ in got) == [f"m{i}" for i in range(5)]
+    assert sorted(r.model for _, r, _, _ in got) == [f"m{i}" for i in range(5)]
 
 
 def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
@@ -233,7 +275,8 @@ def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
     async def go():
         built = asyncio.Event()
         worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
-                                 lambda results: (got.extend(results), built.set()), gather_s=120.0)
+                                 lambda results: (got.extend(results), built.set()), store=_stored,
+                                 gather_s=120.0)
         worker.submit(_turn(0), more_in_flight=True)  # another turn still runs: this one waits for it
         worker.submit(_turn(1), more_in_flight=False)  # the last one ended: build both now
         await asyncio.wait_for(built.wait(), 30)
@@ -241,7 +284,7 @@ def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
         return worker
 
     worker = asyncio.run(go())
-    assert [r.model for _, r, _ in got] == ["m0", "m1"] and worker.batches == 1
+    assert [r.model for _, r, _, _ in got] == ["m0", "m1"] and worker.batches == 1
 
 
 def test_a_full_batch_ends_the_gathering():
@@ -252,7 +295,8 @@ def test_a_full_batch_ends_the_gathering():
     async def go():
         built = asyncio.Event()
         worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
-                                 lambda results: (calls.append(len(results)), built.set()), gather_s=120.0)
+                                 lambda results: (calls.append(len(results)), built.set()), store=_stored,
+                                 gather_s=120.0)
         for i in range(MAX_BATCH):
             worker.submit(_turn(i), more_in_flight=True)
         await asyncio.wait_for(built.wait(), 30)
@@ -266,7 +310,8 @@ def test_stop_does_not_wait_out_a_gathering_batch():
     got: list = []
 
     async def go():
-        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), got.extend, gather_s=120.0)
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(), got.extend, store=_stored,
+                                 gather_s=120.0)
         worker.submit(_turn(0), more_in_flight=True)
         t0 = time.perf_counter()
         await asyncio.to_thread(worker.stop)
@@ -356,12 +401,12 @@ def test_small_turns_are_not_built_behind_a_backlog_of_large_ones():
     pad = "x" * (LARGE_TURN_BYTES + LARGE_TURN_BYTES // 2)
 
     def on_done(results):
-        order.extend(r.model for _, r, _ in results)
+        order.extend(built.record.model for built in results)
         if len(order) == 6:
             done.set()
 
     async def go():
-        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done)
+        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=_stored)
         for i in range(3):
             b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
                               body=b'{"model":"big%d","messages":[{"role":"user","content":"%s"}]}' % (i, pad.encode()))
@@ -398,7 +443,7 @@ def test_a_batch_that_parsed_much_gives_the_heaps_pages_back(monkeypatch):
         done.set()
 
     async def go():
-        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done)
+        worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=_stored)
         b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
                           body=b'{"model":"m","messages":[{"role":"user","content":"%s"}]}' % (b"x" * (1 << 20)))
         b.on_headers(1.1, 200, "text/event-stream")

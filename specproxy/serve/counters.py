@@ -1,0 +1,162 @@
+"""Every count the running proxy keeps of itself, defined once: the state line, ``/_specproxy/metrics``
+and the live page's store line all read ``Counters.read``.
+
+Why one object: the fronts (lane, aiohttp's server), the proxy and the service each see part of what
+happens to a request (refused before it was read, refused at the gate, measured less, dropped), and an
+operator needs all of it in one place under one name. Each count is changed by one method, on the event
+loop. The store's and the server watch's counts stay with the objects that keep them (the writer thread,
+the scraper) and are read from them here, never copied.
+
+``COUNTS`` is the one list: each count's key (the state line's), its Prometheus name (None: the state
+line only) and what it means (docs/operations.md lists the same names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from specproxy.wire import memory
+
+__all__ = ["COUNTS", "Counters", "StoreCounts"]
+
+GAUGE, COUNTER = "gauge", "counter"
+
+# (key, Prometheus name or None, what it means, kind)
+COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("in_flight", "specproxy_requests_in_flight", "Requests being forwarded now", GAUGE),
+    ("measured_in_flight", "specproxy_measured_requests_in_flight",
+     "Generation requests in flight (the operating point the upstream sees)", GAUGE),
+    ("queued", "specproxy_store_queue_records",
+     "Records waiting for the database writer (queued, and a batch it retries)", GAUGE),
+    ("written", None, "Records the database writer wrote", COUNTER),
+    ("dropped", "specproxy_dropped_records_store",
+     "Records the store never wrote: its queue was full, or they were still unwritten at shutdown", COUNTER),
+    ("write_failures", "specproxy_store_write_failures",
+     "Database writes refused (full disk, locked, read-only): the records wait and are retried", COUNTER),
+    ("text_shed", "specproxy_store_text_shed",
+     "Records queued for the database without their text: the memory budget's share for the queue was full",
+     COUNTER),
+    ("captures_shed", "specproxy_store_captures_shed",
+     "Captured request bodies not queued for the database: the memory budget's share for the queue was full",
+     COUNTER),
+    ("measure_dropped", "specproxy_dropped_records_measure",
+     "Turns forwarded but not measured (too many waiting to be measured)", COUNTER),
+    ("measure_errors", "specproxy_measure_errors", "Turns whose measuring failed (recorded unmeasured)", COUNTER),
+    ("scrape_failures", "specproxy_scrape_failures", "Failed polls of the upstream's metrics", COUNTER),
+    ("rejected_busy", "specproxy_rejected_busy", "Requests answered 503 over max_concurrent", COUNTER),
+    ("rejected_bad", "specproxy_rejected_bad", "Malformed, ambiguous, too large or too slow requests", COUNTER),
+    ("rejected_memory", "specproxy_rejected_memory",
+     "Request bodies answered 503 unread: the memory budget had no room for them", COUNTER),
+    ("measure_shed", "specproxy_measure_shed",
+     "Finished turns that let go of their body (or response) before measuring, to stay within the memory "
+     "budget", COUNTER),
+    ("header_timeouts", None,
+     "Connections closed because their first request's headers came too slowly (header_timeout_s)", COUNTER),
+    ("memory_used", "specproxy_memory_used_bytes",
+     "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured, "
+     "pipelined requests, texts and captured bodies waiting for the database", GAUGE),
+    ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", GAUGE),
+)
+
+Rejection = Literal["busy", "bad", "memory"]
+
+
+class StoreCounts(Protocol):
+    """What the counters read of the store's writer (``store.writer.Writer``)."""
+
+    written: int
+    dropped: int
+    write_failures: int
+    text_shed: int
+    captures_shed: int
+
+    @property
+    def pending(self) -> int: ...
+
+
+class Counters:
+    """The proxy's own counts, changed through its methods (on the loop), and the store's and the server
+    watch's read beside them (``read``). ``store`` and ``scrape_failures`` are where those live; the
+    memory budget is the proxy's (set once it is known, ``memory_budget``)."""
+
+    __slots__ = ("header_timeouts", "in_flight", "measure_dropped", "measure_errors", "measure_shed",
+                 "measured_in_flight", "memory_budget", "rejected_bad", "rejected_busy", "rejected_memory",
+                 "scrape_failures", "store")
+
+    def __init__(self, store: StoreCounts | None = None, scrape_failures: Callable[[], int] = lambda: 0) -> None:
+        self.store = store
+        self.scrape_failures = scrape_failures
+        self.in_flight = 0  # every request being handled
+        self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
+        self.rejected_busy = 0
+        self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
+        self.rejected_memory = 0  # request bodies refused (503) because the memory budget had no room
+        self.measure_dropped = 0
+        self.measure_errors = 0
+        self.measure_shed = 0  # finished turns that let go of their body (or response) to stay within the budget
+        self.header_timeouts = 0
+        self.memory_budget = 0
+
+    # --- the changes, each in one place -----------------------------------------------------------
+
+    def request_began(self) -> None:
+        self.in_flight += 1
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+
+    def turn_began(self) -> None:
+        """A measured turn (``measure.builder.is_measured``) is being forwarded: the operating point rises."""
+        self.measured_in_flight += 1
+
+    def turn_ended(self) -> None:
+        self.measured_in_flight -= 1
+
+    def rejected(self, why: Rejection) -> None:
+        """A request refused before it was forwarded: over ``max_concurrent`` (busy), malformed, ambiguous,
+        too large or too slow (bad), or its body had no room in the memory budget (memory)."""
+        if why == "bad":
+            self.rejected_bad += 1
+        elif why == "busy":
+            self.rejected_busy += 1
+        else:
+            self.rejected_memory += 1
+
+    def header_timed_out(self) -> None:
+        self.header_timeouts += 1
+
+    def measure_dropped_one(self) -> None:
+        self.measure_dropped += 1
+
+    def measure_failed(self) -> None:
+        self.measure_errors += 1
+
+    def measure_shed_one(self) -> None:
+        self.measure_shed += 1
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def read(self) -> dict[str, int]:
+        """Every count of ``COUNTS``, now. Safe from any thread: it reads ints."""
+        w = self.store
+        return {
+            "in_flight": self.in_flight,
+            "measured_in_flight": self.measured_in_flight,
+            "queued": w.pending if w is not None else 0,  # waiting for the writer: queued, and a batch it retries
+            "written": w.written if w is not None else 0,
+            "dropped": w.dropped if w is not None else 0,
+            "write_failures": w.write_failures if w is not None else 0,  # the database refused (logged per cause)
+            "text_shed": w.text_shed if w is not None else 0,  # records queued without their text: the budget was full
+            "captures_shed": w.captures_shed if w is not None else 0,  # captured bodies not queued: the budget was full
+            "measure_dropped": self.measure_dropped,
+            "measure_errors": self.measure_errors,
+            "scrape_failures": self.scrape_failures(),
+            "rejected_busy": self.rejected_busy,
+            "rejected_bad": self.rejected_bad,
+            "rejected_memory": self.rejected_memory,
+            "measure_shed": self.measure_shed,
+            "header_timeouts": self.header_timeouts,
+            "memory_used": memory.used(),  # bytes charged to the memory budget now
+            "memory_budget": self.memory_budget,
+        }
