@@ -27,9 +27,9 @@ from operator import getitem
 
 __all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_whole_frames"]
 
-try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here
+try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here too
     from specproxy.frames import _scanc
-except ImportError:  # no C compiler at install: the Python paths, same results
+except ImportError:  # no C compiler at install: the Python references read every turn, same results
     _scanc = None
 
 _HEX = b"0123456789abcdefABCDEF"
