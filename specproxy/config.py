@@ -252,8 +252,6 @@ def _validate(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be positive")
     if cfg.drain_timeout_s < 0:
         raise ConfigError("drain_timeout_s must be >= 0 (0 cuts in-flight requests at once)")
-    if cfg.upstream_reuse not in UPSTREAM_REUSE_MODES:
-        raise ConfigError(f"upstream_reuse must be one of {', '.join(UPSTREAM_REUSE_MODES)}, not {cfg.upstream_reuse!r}")
     if cfg.scrape_interval_s < 0:
         raise ConfigError("scrape_interval_s must be >= 0")
     if cfg.label is not None:
@@ -262,12 +260,12 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("scrape_retention_days must be >= 0 (0 keeps every scrape)")
     if cfg.admin_token is not None and len(cfg.admin_token) < 16:
         raise ConfigError("admin_token must be at least 16 characters (e.g. the output of `openssl rand -hex 16`)")
-    if cfg.relay not in RELAY_MODES:
-        raise ConfigError(f"relay must be one of {', '.join(RELAY_MODES)}, not {cfg.relay!r}")
     if cfg.relay_slice_us < 0:
         raise ConfigError("relay_slice_us must be >= 0 (0 keeps the kernel's default)")
-    if cfg.cadence_poll not in CADENCE_POLL_MODES:
-        raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
+    for key, modes in (("upstream_reuse", UPSTREAM_REUSE_MODES), ("relay", RELAY_MODES),
+                       ("cadence_poll", CADENCE_POLL_MODES)):
+        if getattr(cfg, key) not in modes:
+            raise ConfigError(f"{key} must be one of {', '.join(modes)}, not {getattr(cfg, key)!r}")
     return cfg
 
 
