@@ -1,7 +1,7 @@
 """What measuring one streamed turn costs per chunk: ``RecordBuilder.build`` and its parts, in one run.
 
     python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
-    python scripts/bench_measure.py --turns 100 --vs main~5     # the Python scans against main~5's
+    python scripts/bench_measure.py --turns 100 --repeats 15
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -13,28 +13,23 @@ chunk with finish_reason and usage, ``[DONE]``, the last-chunk frame). Two shape
 tokenizer is ``tiktoken:o200k_base``, loaded as the proxy loads it.
 
 Printed, in µs per chunk (an SSE event read; median over the repeats of the mean over all turns, with
-the range of the repeats): ``build`` (the fast path with the C scans of ``specproxy.frames._scanc``, what the
-proxy runs), the same build with the Python scans and that one's parts: dechunk, stream_texts, and the
-rest (request parse, token counting, the Record), and what the C scans do instead of the first two
-(``C join + stream_texts``); the reference build
-(``_build(fast=False)``) and the reference stream parse, measured in the same run; and, when git has
-them, ``frames/chunked.py`` and ``measure/fast_texts.py`` as committed at ``--vs`` (default HEAD) timed
-the same way (their Python scans), for a
-before/after in one run. The machine may be noisy: compare ratios within one run, not numbers across runs.
+the range of the repeats): ``build`` (what the proxy runs: the framing joined and the stream read by
+the chat stream's native reader, ``specproxy.frames._scanc``, where built), its parts (``C join +
+native read``, and the rest: request parse, token counting, the Record), the reference build
+(``_build(fast=False)``) and the reference's parts (``dechunk``, ``reference stream_texts``), measured in
+the same run. The machine may be noisy: compare ratios within one run, not numbers across runs; for a
+before/after, run this script of each checkout in turn, alternating, several times.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from functools import partial
+from itertools import accumulate
 from pathlib import Path
 
 import orjson
@@ -46,6 +41,7 @@ from benchlib import cpu_model  # the machine line every benchmark script prints
 
 from specproxy.frames import chunked
 from specproxy.measure import fast_texts, texts
+from specproxy.measure.apis import CHAT
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.tokens import load_tokenizer
 
@@ -129,51 +125,31 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
     return turns
 
 
-def load_committed(rev: str, tmp: Path) -> tuple[object, object] | None:
-    """``frames/chunked.py`` and ``measure/fast_texts.py`` as committed at ``rev``, their imports the working
-    tree's. None, with a line on stderr, when git or either file is missing there (a revision before the
-    subpackage layout has neither path)."""
-    mods = []
-    for name, rel in (("chunked", "specproxy/frames/chunked.py"), ("fast_texts", "specproxy/measure/fast_texts.py")):
-        try:
-            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"],
-                                 capture_output=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            print(f"--vs {rev}: no {rel} there; timing the working tree only", file=sys.stderr)
-            return None
-        path = tmp / f"{name}.py"
-        path.write_bytes(src)
-        spec = importlib.util.spec_from_file_location(f"specproxy._bench_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-        mods.append(mod)
-    return mods[0], mods[1]
-
-
-def time_parts(turns: list[RecordBuilder], dechunk, stream, label: str) -> dict[str, float]:
-    """Seconds over all turns to dechunk, and to parse the stream, with the given functions."""
+def time_reference_parts(turns: list[RecordBuilder]) -> dict[str, float]:
+    """Seconds over all turns to dechunk, and to parse the stream, by the references."""
     t0 = time.perf_counter()
-    payloads = [dechunk(b.reads) for b in turns]
+    payloads = [chunked.dechunk_reads(b.reads) for b in turns]
     t1 = time.perf_counter()
     for b, p in zip(turns, payloads):
-        stream(p, b.read_times)
+        texts.stream_texts_reference(p, b.read_times)
     t2 = time.perf_counter()
-    return {f"{label}dechunk": t1 - t0, f"{label}stream_texts": t2 - t1}
+    return {"dechunk": t1 - t0, "reference stream_texts": t2 - t1}
 
 
-def time_c_scans(turns: list[RecordBuilder]) -> float:
-    """Seconds over all turns for what the C scans replace: the join of the frames and the stream parse."""
+def time_native(turns: list[RecordBuilder]) -> float:
+    """Seconds over all turns for the build's reading of the stream: the frames joined in C and the chat
+    stream read as the builder reads it (``Api.read_stream``)."""
     t0 = time.perf_counter()
     for b in turns:
-        buf, ends, _ = chunked.join_whole_frames(b.reads)
-        fast_texts.stream_texts_joined(buf, ends, b.read_times)
+        joined = chunked.join_whole_frames(b.reads)
+        if joined is None:  # not built: the Python reference's join, then the reference read
+            reads = chunked.dechunk_reads(b.reads)
+            joined = b"".join(reads), list(accumulate(map(len, reads))), True
+        CHAT.read_stream(joined[0], joined[1], b.read_times)
     return time.perf_counter() - t0
 
 
-def time_builds(turns: list[RecordBuilder], tok, fast: bool, c_scans: bool = True) -> float:
-    for b in turns:
-        b.c_scans = c_scans  # each turn's own setting (the proxy gives it Config scan's)
+def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
     t0 = time.perf_counter()
     for b in turns:
         b._build(tok, fast=fast)
@@ -185,14 +161,11 @@ def same_records(b: RecordBuilder, tok) -> bool:
     return all(getattr(fast, f) == getattr(ref, f) for f in fast.__dataclass_fields__ if f != "id")
 
 
-def run(args, tmp: Path) -> None:
+def run(args) -> None:
     tok = load_tokenizer("tiktoken:o200k_base")
-    c_scans = fast_texts._scanc is not None
-    committed = load_committed(args.vs, tmp) if args.vs else None
-    vs = f"{args.vs} " if committed is not None else None
     print(f"# {cpu_model()}, Python {sys.version.split()[0]}; {args.turns} turns x {args.chunks} chunks, "
           f"{args.repeats} repeats; µs per chunk: median of the repeats [their range]; C scans "
-          f"{'built' if c_scans else 'NOT built (build is the Python path)'}")
+          f"{'built' if fast_texts.C_BUILT else 'NOT built (build is the reference)'}")
     for shape in ("plain", "t_send"):
         turns = make_turns(tok, args.turns, args.chunks, shape == "t_send")
         nchunks = sum(len(b.reads) - 1 for b in turns)  # every read but the last-chunk frame is an event
@@ -203,15 +176,7 @@ def run(args, tmp: Path) -> None:
             gc.disable()
             try:
                 rep = {"build": time_builds(turns, tok, True), "reference build": time_builds(turns, tok, False),
-                       "build, Python scans": time_builds(turns, tok, True, c_scans=False)}
-                if c_scans:
-                    rep["C join + stream_texts"] = time_c_scans(turns)
-                python_scans = partial(fast_texts.stream_texts, c_scans=False)  # the parts: the Python path's
-                rep.update(time_parts(turns, chunked.dechunk_reads, python_scans, ""))
-                rep.update(time_parts(turns, chunked.dechunk_reads, texts.stream_texts_reference, "reference "))
-                if committed is not None:
-                    rep.update(time_parts(turns, committed[0].dechunk_reads,
-                                           partial(committed[1].stream_texts, c_scans=False), vs))
+                       "C join + native read": time_native(turns), **time_reference_parts(turns)}
             finally:
                 gc.enable()
             for k, v in rep.items():
@@ -219,22 +184,13 @@ def run(args, tmp: Path) -> None:
         for v in samples.values():
             del v[0]
         med = {k: statistics.median(v) for k, v in samples.items()}
-        med["rest of build"] = med["build, Python scans"] - med["dechunk"] - med["stream_texts"]
-        rows = ["build", "build, Python scans", "dechunk", "stream_texts", *(["C join + stream_texts"] if c_scans else []),
-                "rest of build", "reference build", "reference stream_texts"]
-        if vs:
-            med[f"{vs}build (est.)"] = med[f"{vs}dechunk"] + med[f"{vs}stream_texts"] + med["rest of build"]
-            rows += [f"{vs}build (est.)", f"{vs}dechunk", f"{vs}stream_texts"]
+        med["rest of build"] = med["build"] - med["C join + native read"]
+        rows = ["build", "C join + native read", "rest of build", "reference build", "dechunk", "reference stream_texts"]
         print(f"\n## {shape}: {nchunks} chunks")
         for k in rows:
             spread = f"[{min(samples[k]):6.3f} .. {max(samples[k]):6.3f}]" if k in samples else " " * 18
             ratio = f"  {med[k] / med['reference build']:4.2f}x the reference build" if "build" in k else ""
             print(f"{k:>34}: {med[k]:7.3f}  {spread}{ratio}")
-        if vs:
-            for part in ("dechunk", "stream_texts"):
-                print(f"{part + ' speed-up vs ' + args.vs:>34}: {med[vs + part] / med[part]:6.2f}x")
-            now, before = med["dechunk"] + med["stream_texts"], med[f"{vs}dechunk"] + med[f"{vs}stream_texts"]
-            print(f"{'both: ' + args.vs + ' / now':>34}: {before:.3f} / {now:.3f} = {before / now:.2f}x")
 
 
 def main() -> None:
@@ -242,9 +198,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=40)
     p.add_argument("--chunks", type=int, default=100, help="content chunks per turn")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--vs", default="HEAD", help="the git revision of chunked.py/fast_texts.py to compare with ('' for none)")
-    with tempfile.TemporaryDirectory() as tmp:
-        run(p.parse_args(), Path(tmp))
+    run(p.parse_args())
 
 
 if __name__ == "__main__":

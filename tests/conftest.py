@@ -301,15 +301,3 @@ def each_front(request):
     what ships: the common request without aiohttp's server, any other handed to it) and aiohttp's server
     alone. ``make_stack`` builds its Config with the one picked."""
     return request.param
-
-
-@pytest.fixture(params=["c", "python"])
-def each_scan(request):
-    """Run a test with the measuring's per-chunk scans in C (``_scanc``, what ships) and in Python (the
-    path without a compiler, kept equal to the reference): Config ``scan``'s value, which the test gives
-    what it builds (``c_scans=each_scan == "c"``, or ``scan=`` to ``make_stack``)."""
-    from specproxy.measure import fast_texts
-
-    if request.param == "c" and not fast_texts.C_BUILT:
-        pytest.skip("specproxy.frames._scanc is not built (no C compiler at install time)")
-    return request.param

@@ -1,19 +1,37 @@
-"""A streamed chat turn handed to ``RecordBuilder`` as the proxy hands it, and a count of the JSON parses
-made meanwhile: how the tests of the fast stream parse feed it and see what it parsed."""
+"""A streamed chat turn handed to ``RecordBuilder`` as the proxy hands it, the chat stream's readers
+over a list of reads, and a count of the JSON parses made meanwhile: how the tests of the native stream
+reader feed it and see what it parsed."""
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import orjson
+import pytest
 
+from specproxy.measure import fast_texts
+from specproxy.measure.apis import CHAT
 from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.texts import Texts
+
+needs_native = pytest.mark.skipif(not fast_texts.C_BUILT, reason="specproxy.frames._scanc is not built")
 
 
-def builder(reads: list[bytes], chunked: bool, scan: str = "c", times: list[float] | None = None) -> RecordBuilder:
+def read_native(reads: list[bytes], times: list[float]) -> Texts | None:
+    """``reads`` (payloads) read by the chat stream's native reader: None when it leaves them to the reference."""
+    return fast_texts.read_chat_stream(b"".join(reads), list(accumulate(map(len, reads))), times)
+
+
+def read_chat(reads: list[bytes], times: list[float]) -> Texts:
+    """``reads`` (payloads) read as the builder reads a chat stream (``Api.read_stream``)."""
+    return CHAT.read_stream(b"".join(reads), list(accumulate(map(len, reads))), times)
+
+
+def builder(reads: list[bytes], chunked: bool, times: list[float] | None = None) -> RecordBuilder:
     """A finished turn whose response was ``reads`` (read i at time ``1.0 + i``, or ``times[i]``: nondecreasing,
-    from 1.0), chunked-framed or not, to be measured with Config ``scan``'s scans."""
+    from 1.0), chunked-framed or not."""
     body = b'{"model":"m","stream":true,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}'
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5,
-                      c_scans=scan == "c")
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5)
     b.on_headers(0.6, 200, "text/event-stream", chunked=chunked)
     if times is None:
         times = [1.0 + i for i in range(len(reads))]

@@ -18,7 +18,7 @@ import orjson
 from specproxy import __version__
 from specproxy.app.bench_cli import register as register_bench
 from specproxy.app.cli_common import db_option, db_path, echo, friendly, open_db, report_of, setting
-from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, SCAN_MODES, UPSTREAM_REUSE_MODES, Config, load_config
+from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -128,8 +128,6 @@ def _pages_line(cfg: Config, url: str) -> str:
           "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
 @setting("--lane/--no-lane", "lane",
           "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
-@setting("--scan", "scan", "The measuring's per-chunk scans in C or in Python (more CPU, same results)",
-          type=click.Choice(SCAN_MODES))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @friendly
@@ -159,9 +157,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
         relay = "the relay thread (C)" if thread else (
             "Python on the event loop (relay = python: more CPU)" if THREAD_BUILT else
             "Python on the event loop (specproxy.wire._relayc not built: more CPU)")
-        scans = "C" if cfg.scan == "c" and fast_texts.C_BUILT else (
-            "pure Python (scan = python: more CPU)" if fast_texts.C_BUILT else
-            "pure Python (specproxy.frames._scanc not built: more CPU)")
+        scans = "C" if fast_texts.C_BUILT else "pure Python (specproxy.frames._scanc not built: more CPU)"
         front = "the lane, aiohttp's server for the rest" if cfg.lane else (
             "aiohttp's server (lane off: more CPU)")
         counting = tokens.describe(svc.tokenizer)

@@ -1,12 +1,12 @@
 /* _scanc: the measuring's per-chunk scans in C.
 
-Why: at many concurrent streams about half of the measuring thread's cost per chunk was in
-chunked.dechunk_reads and fast_texts.stream_texts (docs/performance.md, "Design figures"), which are C calls over many chunks driven by Python (object slicing, joins, splits per turn). These two functions
-do the same reading with one pass over the bytes and no object per chunk. The Python code stays the
-reference and the fallback (this module is optional at install); tests/unit/test_measure_fast.py checks
-that both paths give the reference's Texts and Records. chunk_gaps does in one pass what the
-per-chunk metrics need of a turn (when its chunks arrived, bucketed), which in Python builds lists per
-chunk and costs a numpy call chain per turn; test_measure_fast.py checks it gives the reference's.
+Why: at many concurrent streams about half of the measuring thread's cost per chunk was in removing
+the chunked framing and reading the stream (docs/performance.md, "Design figures"). These functions are
+the chat stream's native reader's (measure/fast_texts.py): one pass over the bytes, no object per
+chunk. The reference (frames/chunked.py, frames/sse.py with openai.read_chunk) reads every stream this
+module is not built for (it is optional at install) or declines; tests/unit/test_measure_fast.py checks
+that the native reader gives the reference's Texts and Records, the per-chunk metrics' gaps (chunk_gaps)
+included.
 
 join_frames(reads) -> (payload, ends, complete) | None
     HTTP/1.1 chunked reads through the native framing parser (_chunked.h, the relay's): the payloads
@@ -14,7 +14,7 @@ join_frames(reads) -> (payload, ends, complete) | None
     the body ended. None for malformed framing or bytes after the end: the reference says what is wrong.
 
 template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonempty, text_size)
-    chunk_templates._Template.run over an SSE buffer by positions: how many events in a row from buf[pos] are
+    A run of a chunk template (measure/chunk_templates.py) from buf[pos]: how many events in a row are
     "prefix + body + head + <dlen digits> + closing" followed by a blank line (LF LF), where body is a
     JSON string's inside that is valid UTF-8 and needs no decision (no lone surrogate escape); their
     bytes with blank lines, their bodies' text joined, how many had text, and the bytes up to the end
@@ -29,7 +29,7 @@ chunk_gaps(buf, cum, times, skip, tail_chunk, bounds) -> ((count per bucket, ...
     between consecutive reads that completed chunks are counted per bucket of bounds (bisect_left: a
     gap equal to a bound is in its bucket; the last count is over the last bound), a read's further
     chunks as gaps of 0; gap_sum is the last such read's time less the first's. None with fewer than
-    two chunks. The same as fast_texts._chunk_clock then chunk_gaps.gap_buckets (the Python reference).
+    two chunks. What the reference's chunk times give bucketed by chunk_gaps.gap_buckets.
 */
 
 #define PY_SSIZE_T_CLEAN

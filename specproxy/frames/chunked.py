@@ -12,24 +12,20 @@ the same strict rules (see ``_chunked.h``): what the relay refused, measuring re
 stream cut short yields what arrived (``complete`` is False); malformed framing stops decoding there,
 the remaining reads give ``b""`` and ``error`` says what was wrong, so the Record can say so.
 
-Most streams are one whole frame per read (an engine writes one per token) and then the last chunk.
-That shape is checked and cut for all reads but the last at once, with ``map`` over C methods
-(``_whole_frames``): a Python step per read costs as much as the rest of measuring the chunk. Anything
-else goes to the parser from the start, which gives the same result for the common shape too
-(``tests/unit/test_chunked.py``). With ``_scanc`` built, ``join_whole_frames`` does it all natively.
+With ``_scanc`` built, ``join_whole_frames`` takes the framing off a stream in one native pass (the
+relay's parser, ``_chunked.h``) and ``dechunk_reads`` is its reference (``tests/unit/test_chunked.py``
+holds them equal), what reads every other body, and what says what is wrong with malformed framing.
 """
 
 from __future__ import annotations
 
 import re
-from itertools import repeat
-from operator import getitem
 
 __all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_whole_frames"]
 
-try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here
+try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here too
     from specproxy.frames import _scanc
-except ImportError:  # no C compiler at install: the Python paths, same results
+except ImportError:  # no C compiler at install: the Python references read every turn, same results
     _scanc = None
 
 _HEX = b"0123456789abcdefABCDEF"
@@ -158,10 +154,7 @@ class Dechunked(list):
 
 def dechunk_reads(reads: list[bytes]) -> Dechunked:
     """For each raw read, the payload bytes it carried (framing removed), aligned 1:1 with ``reads``."""
-    payloads = _whole_frames(reads[:-1])
-    if payloads is None:
-        return _stepwise(reads, Dechunked())
-    return _stepwise(reads[-1:], Dechunked(payloads))  # after whole frames: the state machine's start
+    return _stepwise(reads, Dechunked())
 
 
 def join_whole_frames(reads: list[bytes]) -> tuple[bytes, list[int], bool] | None:
@@ -171,22 +164,6 @@ def join_whole_frames(reads: list[bytes]) -> tuple[bytes, list[int], bool] | Non
     if _scanc is None:
         return None
     return _scanc.join_frames(reads)
-
-
-def _whole_frames(reads: list[bytes]) -> list[bytes] | None:
-    """The payloads if every read is exactly one whole frame of a non-empty chunk, ``<hex>CRLF<payload>CRLF``,
-    else None. Each check is one C call over all the reads, none is a Python step per read."""
-    if not reads:
-        return None
-    sizes, _, rests = zip(*map(bytes.partition, reads, repeat(b"\r\n")))  # no CRLF: all size, no data
-    digits = b"".join(sizes)
-    if b"" in sizes or digits.translate(None, _HEX) or max(map(len, sizes)) > _MAX_DIGITS:
-        return None  # no size, not hex (an extension, a sign, a space, a LF), or too long
-    lengths = list(map(int, sizes, repeat(16)))
-    payloads = list(map(getitem, rests, repeat(slice(None, -2))))
-    if 0 in lengths or list(map(len, payloads)) != lengths or not all(map(bytes.endswith, rests, repeat(b"\r\n"))):
-        return None  # the last chunk, or data not of the size given, or not followed by CRLF
-    return payloads
 
 
 def _stepwise(reads: list[bytes], out: Dechunked) -> Dechunked:

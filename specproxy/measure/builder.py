@@ -5,12 +5,14 @@ everything that costs CPU (SSE decoding, JSON parsing, decompression, tokenizing
 which runs once per turn in a worker thread after the last byte was forwarded. Events are timed by the
 read that completed them, so deferring the parse loses no precision.
 
-What a response delivered (text per choice and kind, and when) is read by ``texts.py`` and, for the common
-stream shape, by ``fast_texts.py``: a fast path proved equal to the obviously-correct reference.
+What a response delivered (text per choice and kind, and when) is read by one function per API:
+``Api.read_stream`` for a stream (``apis.py``: the chat stream's native reader, else the reference of
+``texts.py``), ``texts.body_texts`` with the API's body reader for a whole body.
 
 When the proxy relays HTTP/1.1 chunked framing verbatim (``on_headers(..., chunked=True)``), the reads
-hold framed bytes; ``build`` removes the framing first (``chunked.dechunk_reads``, one payload per
-read, so read times stay aligned), then undoes a Content-Encoding, then parses.
+hold framed bytes; ``build`` removes the framing first (``chunked.join_whole_frames`` in C, else
+``chunked.dechunk_reads``: one payload per read, so read times stay aligned), then undoes a
+Content-Encoding, then reads.
 
 Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at most once) ->
 ``on_bytes`` (any number) -> exactly one of ``finish`` or ``fail`` -> ``build`` (once).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from operator import sub
 
 import orjson
@@ -33,8 +36,7 @@ from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
-from specproxy.measure.fast_texts import C_BUILT, stream_texts, stream_texts_joined
-from specproxy.measure.texts import Texts, body_texts, stream_texts_reference
+from specproxy.measure.texts import Texts, body_texts
 from specproxy.measure.tokens import Tokenizer, over_max_counted_items
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -52,7 +54,6 @@ class RecordBuilder:
         "body_charge",
         "budget_capped",
         "max_counted",
-        "c_scans",
         "chunked",
         "concurrency",
         "conn_id",
@@ -104,7 +105,6 @@ class RecordBuilder:
         max_bytes: int | None = None,
         measured: bool = True,
         client_header: bytes = b"user-agent",
-        c_scans: bool = True,
         take: Callable[[int, bool], bool] | None = None,
         body_charge: int = 0,
         max_counted: int | None = None,
@@ -113,8 +113,6 @@ class RecordBuilder:
         value, is read off the loop).
         ``measured=False``: a path specproxy does not measure; its row says what the forwarding path
         saw (method, path, status, timings, outcome), and none of its body is kept.
-        ``c_scans``: Config ``scan = "c"``: ``build`` reads a stream with the C scans where built, else
-        with the Python ones (the same Record either way; the choice is the proxy's, not the process's).
         ``take``: charges a kept response read to the process's memory budget (``wire.memory.take``; the
         first ``SMALL_KEEP`` bytes as a small turn's), False when it has no room: that read and every
         later one is relayed, not kept. ``body_charge``: what the
@@ -140,7 +138,6 @@ class RecordBuilder:
         self.request_encoding = request_encoding
         self.headers = headers
         self.client_header = client_header
-        self.c_scans = c_scans
         self.measured = measured
         if not measured:
             max_bytes = 0
@@ -269,7 +266,7 @@ class RecordBuilder:
         return self._build(tokenizer, fast=True, prefixes=prefixes)
 
     def _build(self, tokenizer: Tokenizer | None, *, fast: bool, prefixes: PrefixTracker | None = None) -> Record:
-        """``fast=False`` parses a stream with the reference path only (for differential tests)."""
+        """``fast=False`` reads a stream with the reference alone (for differential tests)."""
         assert self._ended, "build before finish/fail"
         self.take_relayed()
         if not self.measured:
@@ -289,15 +286,15 @@ class RecordBuilder:
             request = read_request(inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
         framing_error = None
+        # the common stream's framing removed and its payloads joined in one C pass (None: not built,
+        # or malformed framing, which dechunk_reads then reports)
         joined = None
-        if api.stream_reader is not None:  # another API's events: read by its reader, one by one
-            fast = False
-        if fast and streamed and self.chunked and not self.content_encoding and self.c_scans and C_BUILT:
-            joined = join_whole_frames(self.reads)  # the common stream, in one C pass (or None)
+        if fast and streamed and self.chunked and not self.content_encoding:
+            joined = join_whole_frames(self.reads)
         if joined is not None:
             buf, ends, _ = joined
-            texts = stream_texts_joined(buf, ends, self.read_times)
             response_bytes = len(buf)
+            inflated = True
         else:
             payload = self.reads
             if self.chunked:
@@ -306,16 +303,16 @@ class RecordBuilder:
                     framing_error = f"malformed chunked framing: {payload.error}"
             response_bytes = sum(map(len, payload))
             reads, inflated = self._decoded_reads(payload)
-            if streamed and api.stream_reader is not None:
-                texts = stream_texts_reference(reads, self.read_times, api.stream_reader())
-            elif streamed and fast:
-                texts = stream_texts(reads, self.read_times, c_scans=self.c_scans)
-            elif streamed:
-                texts = stream_texts_reference(reads, self.read_times)
-            else:
-                texts = body_texts(reads, self.read_times, api.read_full)
-            if not inflated:
-                texts.unreadable = f"response body did not decompress ({self.content_encoding})"
+            if streamed:
+                buf, ends = b"".join(reads), list(accumulate(map(len, reads)))
+        if not streamed:
+            texts = body_texts(reads, self.read_times, api.read_full)
+        elif fast:
+            texts = api.read_stream(buf, ends, self.read_times)
+        else:
+            texts = api.read_stream_reference(buf, ends, self.read_times)
+        if not inflated:
+            texts.unreadable = f"response body did not decompress ({self.content_encoding})"
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered

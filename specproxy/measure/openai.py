@@ -73,12 +73,20 @@ class Delta:
 def _read_message(delta: Delta, idx: int, msg: dict) -> None:
     """A message (non-streamed) or a delta (streamed). A tool call's name is in its message, or in the
     first delta of the call (later deltas of the same ``index`` carry only arguments)."""
-    delta.add(idx, "content", msg.get("content"))
+    # (each read only when there: ``add`` takes nothing but a non-empty string, and a chunk's delta
+    # usually holds one text, so that skipping the calls is most of the cost of reading a chunk)
+    text = msg.get("content")
+    if text:
+        delta.add(idx, "content", text)
     # vLLM / llama.cpp / DeepSeek say reasoning_content; OpenRouter and newer vLLM say reasoning
-    delta.add(idx, "reasoning", msg.get("reasoning_content"))
-    delta.add(idx, "reasoning", msg.get("reasoning"))
+    text = msg.get("reasoning_content")
+    if text:
+        delta.add(idx, "reasoning", text)
+    text = msg.get("reasoning")
+    if text:
+        delta.add(idx, "reasoning", text)
     calls = msg.get("tool_calls")
-    if isinstance(calls, list):
+    if calls and isinstance(calls, list):
         for call in calls:
             if isinstance(call, dict):
                 fn = call.get("function")
@@ -86,7 +94,7 @@ def _read_message(delta: Delta, idx: int, msg: dict) -> None:
                     delta.add(idx, "tool_args", fn.get("arguments"))
                     delta.call(fn.get("name"))
     fn = msg.get("function_call")  # the legacy single-function form
-    if isinstance(fn, dict):
+    if fn and isinstance(fn, dict):
         delta.add(idx, "tool_args", fn.get("arguments"))
         delta.call(fn.get("name"))
 
@@ -103,7 +111,9 @@ def _read_choices(obj: dict, delta: Delta, key: str) -> None:
         msg = choice.get(key)
         if isinstance(msg, dict):
             _read_message(delta, idx, msg)
-        delta.add(idx, "content", choice.get("text"))  # /v1/completions
+        text = choice.get("text")  # /v1/completions
+        if text:
+            delta.add(idx, "content", text)
         if choice.get("finish_reason"):
             delta.finish_reason = str(choice["finish_reason"])
 
@@ -145,7 +155,8 @@ def read_chunk(obj: Any) -> Delta:
     delta = Delta()
     if isinstance(obj, dict):
         _read_choices(obj, delta, "delta")
-        if not _another_tasks(obj):
+        # (most chunks have neither: whose task they close is looked at only when there is something to take)
+        if ("usage" in obj or "timings" in obj) and not _another_tasks(obj):
             _read_accounting(obj, delta)
     return delta
 

@@ -2,11 +2,12 @@
 
 Here are ``Texts`` (what is gathered), the reference parse of a stream and the reading of a
 non-streamed body. ``stream_texts_reference`` is the obviously-correct parse (the WHATWG SSE decoder,
-then an API's event reader per event); the measuring reads the common stream with
-``fast_texts.stream_texts`` instead, which must give identical ``Texts`` and exists because the
-reference alone would cost about half the proxy's whole CPU budget per chunk (docs/performance.md,
-"Design figures"). What an event says besides its text (usage, timings, finish reason, ``[DONE]``, an
-error) is taken by one rule, ``_take_accounting``, for every path.
+then an API's event reader per event), and the path without a compiler; the chat stream has a native
+reader too (``fast_texts.read_chat_stream``), which must give identical ``Texts`` and exists because
+the reference alone would cost about half the proxy's whole CPU budget per chunk (docs/performance.md,
+"Design figures"). Which reads a turn is ``Api.read_stream``'s choice (``apis.py``). What an event says
+besides its text (usage, timings, finish reason, ``[DONE]``, an error) is taken by one rule,
+``_take_accounting``, for every path.
 """
 
 from __future__ import annotations

@@ -112,7 +112,6 @@ class Proxy:
         self._base_path = self.upstream.raw_path.rstrip("/").encode()
         self._host_header = host_header(self.upstream)
         self._client_header = cfg.client_header.strip().lower().encode()
-        self._c_scans = cfg.scan == "c"  # each turn's measuring scans (RecordBuilder's c_scans)
         self.tokenizer = tokenizer
         self.counters = counters
         self._store = store
@@ -277,7 +276,6 @@ class Proxy:
             request_encoding=req.content_encoding,
             headers=req.raw_headers,
             client_header=self._client_header,
-            c_scans=self._c_scans,
             max_bytes=self.cfg.max_measured_bytes,
             measured=measured,
             take=memory.take,

@@ -29,6 +29,7 @@ def test_precedence_file_env_flags(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("port = 'x'", "port must be int"),
     ("nope = 1", "unknown key"),
+    ("scan = 'python'", "'scan' was removed: the measuring reads streams with its C scans"),
     ("upstream = 'ftp://x'", "not an http"),
     ("[[", "not valid TOML"),
     ("client_header = 'Authorization'", "may carry credentials"),
@@ -39,6 +40,11 @@ def test_bad_config_is_one_clear_error(tmp_path, text, message):
     f.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(f, env={})
+
+
+def test_a_removed_setting_in_the_environment_is_one_clear_error():
+    with pytest.raises(ConfigError, match="SPECPROXY_SCAN was removed: .*; delete it$"):
+        load_config(env={"SPECPROXY_SCAN": "c"})
 
 
 @pytest.mark.parametrize("name", [

@@ -1,12 +1,14 @@
-"""The fast stream parse gives exactly the reference's result (a differential test).
+"""The chat stream's native reader gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` parses streams with ``fast_texts.stream_texts`` (bytes.split, runs of chunks read by
-a template of a plain content chunk, inline reading of the common chunk shape); ``_build(fast=False)``
-uses the reference (the SSE decoder and ``read_chunk`` per event). On random streams of many shapes,
-split at random read boundaries and optionally sent with HTTP/1.1 chunked framing, both must give equal
-Texts and Records; ``template_stream`` makes streams of mostly one chunk shape, so that runs are long
-and meet every kind of body and deviation. What the fast path must not do (parse, derive templates or
-look at events more than it needs to) is checked in test_measure_fast_work.py.
+``RecordBuilder.build`` reads a chat stream with ``Api.read_stream``: the native reader
+(``fast_texts.read_chat_stream``: runs of chunks read by a template of a plain content chunk in C, every
+other event by ``read_chunk``) where it is built and the stream has its shape, else the reference;
+``_build(fast=False)`` uses the reference alone (the SSE decoder and ``read_chunk`` per event). On
+random streams of many shapes, split at random read boundaries and optionally sent with HTTP/1.1
+chunked framing, both must give equal Texts and Records; ``template_stream`` makes streams of mostly
+one chunk shape, so that runs are long and meet every kind of body and deviation. What the native
+reader must not do (parse, derive templates or look at events more than it needs to) is checked in
+test_measure_fast_work.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from specproxy.measure import texts as texts_mod
 from specproxy.frames.chunked import dechunk_reads
 from specproxy.measure.builder import RecordBuilder
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, StreamTiming
-from measurekit import builder, counting_loads
+from measurekit import builder, counting_loads, needs_native, read_chat, read_native
 from readsplit import split
 
 
@@ -152,18 +154,18 @@ def frame(payload: bytes, sizes: list[int]) -> bytes:
     return bytes(out) + b"0\r\nX-T: 1\r\n\r\n"
 
 
-def _each_scan(tok, b: RecordBuilder, payload: list[bytes]) -> None:
-    """The fast path with each scan this build has (C, what ships, when built; Python always) equals the
-    reference, in Texts and in the Record. Both scans run on the same example, so Hypothesis draws each
-    example once (drawing is most of these tests' time) and each scan still gets every example."""
+def _equal_to_reference(tok, b: RecordBuilder, payload: list[bytes]) -> None:
+    """The native reader (when built and the stream has its shape) and the builder's reading equal the
+    reference, in Texts, in the Record and in what the per-chunk metrics get."""
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
     ref_record = b._build(tok, fast=False)
     ref_timing = b.timing
-    for c in (True, False) if fast_texts.C_BUILT else (False,):
-        assert fast_texts.stream_texts(list(payload), b.read_times, c_scans=c) == ref, "C scans" if c else "Python scans"
-        b.c_scans = c  # the turn's own setting (the proxy gives it Config scan's)
-        assert b._build(tok, fast=True) == ref_record, "C scans" if c else "Python scans"
-        assert b.timing == ref_timing, "C scans" if c else "Python scans"
+    if fast_texts.C_BUILT:
+        native = read_native(list(payload), b.read_times)
+        assert native is None or native == ref
+    assert read_chat(list(payload), b.read_times) == ref
+    assert b._build(tok, fast=True) == ref_record
+    assert b.timing == ref_timing
 
 
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -175,7 +177,7 @@ def test_fast_path_equals_reference(tiktoken_tok, data, cuts, chunked, sizes, fr
         wire = wire[: len(wire) // 2]  # truncated inside the framing
     reads = split(wire, cuts, empty_reads=True)
     b = builder(reads, chunked)
-    _each_scan(tiktoken_tok, b, b.reads if not chunked else dechunk_reads(reads))
+    _equal_to_reference(tiktoken_tok, b, b.reads if not chunked else dechunk_reads(reads))
 
 
 # content written in place of the placeholder, byte for byte: raw text the template path decodes joined
@@ -255,10 +257,11 @@ def test_template_runs_equal_reference(tiktoken_tok, data, framing, cuts):
     else:
         reads = one_frame_per_event(data, framing == 3)
     b = builder(reads, framing >= 2)
-    _each_scan(tiktoken_tok, b, b.reads if framing < 2 else dechunk_reads(reads))
+    _equal_to_reference(tiktoken_tok, b, b.reads if framing < 2 else dechunk_reads(reads))
 
 
-def test_template_stream_is_fast_and_equal(each_scan, tiktoken_tok):
+@needs_native
+def test_template_stream_is_fast_and_equal(tiktoken_tok):
     """The common shape: a template is derived once and matches the following content chunks."""
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     reads = [head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n']
@@ -266,26 +269,27 @@ def test_template_stream_is_fast_and_equal(each_scan, tiktoken_tok):
     for w in words * 5:
         reads.append(head + b'"delta":{"content":"' + w.encode() + b'"},"finish_reason":null}]}\n\n')
     reads.append(head + b'"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    b = builder(reads, False, each_scan)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
+    b = builder(reads, False)
+    fast = read_native(b.reads, b.read_times)
     assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
     assert b._build(tiktoken_tok, fast=True) == b._build(tiktoken_tok, fast=False)
 
 
-def test_odd_shapes_fall_back_to_the_reference(each_scan):
+@needs_native
+def test_odd_shapes_fall_back_to_the_reference():
     for data in (b"data: {}\r\n\r\n", b": ping\n\ndata: {}\n\n", b"data: a\ndata: b\n\n", b"data:{}\n\n",
                  b"event: x\ndata: {}\n\n", b"data: {}\n\n\n", b"data: {}\n"):
-        assert fast_texts._stream_texts_fast([data], [1.0], c_scans=each_scan == "c") is None, data
+        assert read_native([data], [1.0]) is None, data
 
 
-def test_chunked_record_matches_the_unframed_one(each_scan, tiktoken_tok):
+def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     events = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(20))
     framed = frame(events + b"data: [DONE]\n\n", [37, 5, 80])
     reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
-    chunked = builder(reads, True, each_scan)
-    plain = builder(list(dechunk_reads(reads)), False, each_scan)
+    chunked = builder(reads, True)
+    plain = builder(list(dechunk_reads(reads)), False)
     a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
     assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
     fields = [f for f in a.__dataclass_fields__ if f != "id"]
@@ -293,9 +297,9 @@ def test_chunked_record_matches_the_unframed_one(each_scan, tiktoken_tok):
     assert a.error is None and a.saw_done and a.chunks == 20
 
 
-def test_malformed_chunked_framing_sets_an_error(each_scan, tiktoken_tok):
+def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
-    rec = builder(reads, True, each_scan).build(tiktoken_tok)
+    rec = builder(reads, True).build(tiktoken_tok)
     assert rec.error and "malformed chunked framing" in rec.error
 
 
@@ -305,26 +309,28 @@ def _varying(field: bytes, values: list[bytes]) -> list[bytes]:
             for i, v in enumerate(values)]
 
 
-def test_a_number_the_record_never_reads_may_vary_without_a_parse(each_scan, monkeypatch, tiktoken_tok):
+@needs_native
+def test_a_number_the_record_never_reads_may_vary_without_a_parse(monkeypatch, tiktoken_tok):
     """A send time or ``created`` changing every chunk: after one derivation, no event is parsed."""
     reads = _varying(b'"t_send"', [b"%d" % (1_700_000_000_000_000_000 + 1_000_000_007 * i) for i in range(60)])
     reads[30] = reads[30].replace(b'"t_send":', b'"t_send":0')  # a leading zero: not JSON
-    b = builder(reads, False, each_scan)
+    b = builder(reads, False)
     calls = counting_loads(monkeypatch)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
+    fast = read_native(b.reads, b.read_times)
     parsed = len(calls)
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.chunks == 59 and fast.bad_events == 1
     assert parsed <= 8  # the first event, its two probes, the leading-zero one (and its retry)
 
 
-def test_digits_the_record_reads_never_vary_in_a_template(each_scan, monkeypatch):
+@needs_native
+def test_digits_the_record_reads_never_vary_in_a_template(monkeypatch):
     """A choice index after the delta decides which text the content belongs to: every event is parsed."""
     head = b'data: {"choices":[{"delta":{"content":" w%d"},"index":%d}]}\n\n'
     reads = [head % (i, i % 3) for i in range(30)]
-    b = builder(reads, False, each_scan)
+    b = builder(reads, False)
     calls = counting_loads(monkeypatch)
-    fast = fast_texts._stream_texts_fast(b.reads, b.read_times, c_scans=each_scan == "c")
+    fast = read_native(b.reads, b.read_times)
     assert len(calls) >= 30
     assert fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert sorted(fast.texts) == [(0, "content"), (1, "content"), (2, "content")]
@@ -335,7 +341,7 @@ def _chunk(content: str) -> bytes:
     return b"data: " + (HEAD + json.dumps({"index": 0, "delta": {"content": content}}) + "]}").encode()
 
 
-def test_chunk_times_count_each_read_s_events_with_data(each_scan):
+def test_chunk_times_count_each_read_s_events_with_data():
     """When each chunk arrived (``chunk_times``, ``chunk_counts``), as the reference times them: a chunk
     is any event with data, whatever it carries (a role-only chunk, empty content in a run, ``[DONE]``,
     as well as text), timed by the read that ended it; a bare ``data: `` is none; a stream's tail not
@@ -347,13 +353,13 @@ def test_chunk_times_count_each_read_s_events_with_data(each_scan):
     tail = [role, _chunk("a") + b"\n\n", _chunk(" b") + b"\n\n", _chunk(" c")]  # the last has no blank line
     for stream in (reads, tail):
         times = [float(i) for i in range(len(stream))]
-        assert fast_texts.stream_texts(stream, times) == texts_mod.stream_texts_reference(stream, times)
+        assert read_chat(stream, times) == texts_mod.stream_texts_reference(stream, times)
     ref = texts_mod.stream_texts_reference(reads, [float(i) for i in range(len(reads))])
     assert (ref.chunk_times, ref.chunk_counts, ref.t_first_event, ref.chunks) == (
         [0.0, 1.0, 2.0, 3.0, 4.0, 6.0], [1, 2, 1, 2, 2, 2], 0.0, 5)  # ten chunks, five with text
     ref = texts_mod.stream_texts_reference(tail, [0.0, 1.0, 2.0, 3.0])
     assert (ref.chunk_times, ref.chunk_counts) == ([0.0, 1.0, 2.0, 3.0], [1, 1, 1, 1])
-    # what the builder hands the metrics, with each scan (the reads timed 1.0 + i, the request at 0.5):
+    # what the builder hands the metrics, native and reference (the reads timed 1.0 + i, the request at 0.5):
     # between the reads that completed chunks, gaps of 1 s (the 1.28 s bucket) and 2 s (the 2.56 s
     # one); the chunks that came with another in one read, gaps of 0 (the first bucket)
     def bucketed(**at: int) -> tuple[int, ...]:
@@ -364,7 +370,7 @@ def test_chunk_times_count_each_read_s_events_with_data(each_scan):
 
     for stream, want in ((reads, StreamTiming(0.5, bucketed(b0_001=4, b1_28=4, b2_56=1), 6.0)),
                          (tail, StreamTiming(0.5, bucketed(b1_28=3), 3.0))):
-        b = builder(stream, False, each_scan)
+        b = builder(stream, False)
         b._build(None, fast=True)
         fast = b.timing
         b._build(None, fast=False)
@@ -396,16 +402,14 @@ def timed_stream(draw):
     return reads, times
 
 
-# each_scan only names the scans (nothing in it to reset between examples)
-@settings(max_examples=examples(300), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream_times=timed_stream())
-def test_the_gaps_the_metrics_get_equal_the_reference_s(each_scan, stream_times):
+def test_the_gaps_the_metrics_get_equal_the_reference_s(stream_times):
     """What a streamed turn hands the per-chunk metrics (``StreamTiming``: the gaps bucketed, their sum),
-    read with the scans of Config ``scan`` (in C: counted and bucketed by ``_scanc.chunk_gaps``), is
+    as the builder reads it (natively: counted and bucketed by ``_scanc.chunk_gaps``), is
     exactly what the reference parse's chunk times bucketed by ``gap_buckets`` give."""
     reads, times = stream_times
-    b = builder(reads, False, each_scan, times)
+    b = builder(reads, False, times)
     b._build(None, fast=True)
     fast = b.timing
     b._build(None, fast=False)

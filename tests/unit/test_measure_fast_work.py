@@ -1,7 +1,7 @@
-"""What the fast stream parse does not do: parse, derive templates or look at events more than it needs
-to, which only its speed would show; and the rules of the templates' reading (escaped bodies, where a
-template is safe) at their edges. Every read here is also checked equal to the reference parse; the
-differential tests on random streams are in test_measure_fast.py.
+"""What the chat stream's native reader does not do: parse, derive templates or look at events more than
+it needs to, which only its speed would show; and the rules of the templates' reading (escaped bodies,
+where a template is safe) at their edges. Every read here is also checked equal to the reference
+parse; the differential tests on random streams are in test_measure_fast.py.
 """
 
 from __future__ import annotations
@@ -12,52 +12,47 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budget import examples
-from specproxy.measure import chunk_templates, fast_texts
+from specproxy.measure import fast_texts
 from specproxy.measure import texts as texts_mod
-from measurekit import counting_loads
+from measurekit import counting_loads, needs_native, read_native
+
+pytestmark = needs_native
 
 
 class _Watch:
-    """Counts what ``_stream_texts_fast`` does: chunk parses (not those of escaped bodies, as strings),
-    template derivations, and the windows of events its runs read."""
+    """Counts what ``read_chat_stream`` does: chunk parses (not those of escaped bodies, as strings),
+    template derivations, and the events each ``template_run`` call read."""
 
     def __init__(self, monkeypatch) -> None:
         self.loads = counting_loads(monkeypatch)
         self.parses = 0
         self.derivations = 0
-        self.windows: list[tuple[int, int]] = []
-        derive, run = fast_texts._content_template, chunk_templates._Template.run
+        derive = fast_texts._content_template
 
         def counted_derive(*args):
             self.derivations += 1
             return derive(*args)
 
-        def recorded_run(tmpl, segs, i, j, buf, pos):
-            self.windows.append((i, j))
-            return run(tmpl, segs, i, j, buf, pos)
-
         monkeypatch.setattr(fast_texts, "_content_template", counted_derive)
-        monkeypatch.setattr(chunk_templates._Template, "run", recorded_run)
-        self.c_runs: list[int] = []  # the C path: events each template_run call read
-        if fast_texts._scanc is not None:
-            scanc, runs = fast_texts._scanc, self.c_runs
+        self.c_runs: list[int] = []  # events each template_run call read
+        scanc, runs = fast_texts._scanc, self.c_runs
 
-            class _Recorded:
-                join_frames = staticmethod(scanc.join_frames)
-                chunk_gaps = staticmethod(scanc.chunk_gaps)
+        class _Recorded:
+            join_frames = staticmethod(scanc.join_frames)
+            chunk_gaps = staticmethod(scanc.chunk_gaps)
 
-                @staticmethod
-                def template_run(*args):
-                    out = scanc.template_run(*args)
-                    runs.append(out[0])
-                    return out
+            @staticmethod
+            def template_run(*args):
+                out = scanc.template_run(*args)
+                runs.append(out[0])
+                return out
 
-            monkeypatch.setattr(fast_texts, "_scanc", _Recorded)
+        monkeypatch.setattr(fast_texts, "_scanc", _Recorded)
 
-    def read(self, reads: list[bytes], scan: str):
-        """``reads`` parsed by the fast path with Config ``scan``'s scans (checked equal to the reference)."""
+    def read(self, reads: list[bytes]):
+        """``reads`` read by the native reader (checked equal to the reference)."""
         times = [float(i) for i in range(len(reads))]
-        fast = fast_texts._stream_texts_fast(reads, times, c_scans=scan == "c")
+        fast = read_native(reads, times)
         self.parses = sum(1 for data in self.loads if data[:1] in (b"{", "{"))
         assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
         return fast
@@ -70,50 +65,44 @@ CLOSING = [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n
            b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300}}\n\n', b"data: [DONE]\n\n"]
 
 
-def test_a_long_run_is_read_in_few_windows(monkeypatch, each_scan):
-    """Windows double while the run lasts, and stop before the closing chunks; escapes do not end it.
-    In C the run is one call; the closing chunks each cost a call that reads none."""
+def test_a_long_run_is_read_in_one_call(monkeypatch):
+    """The run (from event 2: the first derives) is one call, which stops before the closing chunks;
+    escapes do not end it. The closing chunks each cost a call that reads none."""
     words = [b" w%d" % i if i % 7 else b"\\n" for i in range(300)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words), *CLOSING]
     watch = _Watch(monkeypatch)
-    monkeypatch.setattr(fast_texts, "_WINDOWS", (4, 16))
-    fast = watch.read(reads, each_scan)
+    fast = watch.read(reads)
     assert fast.chunks == 300 and fast.finish_reason == "stop" and fast.usage
-    if each_scan == "python":
-        assert [j - i for i, j in watch.windows] == [16, 32, 64, 128, 59]  # from event 2: the first derives
-        assert watch.windows[-1][1] == 1 + len(words)  # not into the closing chunks
-    else:
-        assert watch.c_runs == [len(words) - 1, 0, 0, 0] and not watch.windows
+    assert watch.c_runs == [len(words) - 1, 0, 0, 0]
     assert watch.parses <= 6  # the role chunk, the first content (and its probe), the closing ones
 
 
-def test_a_window_that_continues_a_run_checks_its_first_chunk(monkeypatch):
-    """The first chunk of a window after a full one is not known to be the template's: another
-    choice's chunk there starts no run of the first one's."""
+def test_another_choice_s_chunk_ends_a_run(monkeypatch):
+    """A chunk of another choice inside a run of the first one's is no event of its template: the run
+    stops before it, and its text goes to its own choice."""
     words = [b" w%d" % i for i in range(300)]
     reads = [ROLE, *(CHUNK % (int(k == 258), w) for k, w in enumerate(words, 1)), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads, "python")
-    assert fast.texts[(1, "content")] == " w257" and watch.windows[1][0] == 258
+    fast = watch.read(reads)
+    assert fast.texts[(1, "content")] == " w257" and watch.c_runs[0] == 256  # events 2 to 257
 
 
 def test_shapes_taking_turns_cost_little(monkeypatch):
     """Two choices' chunks in turn (each its own shape) thrash one template: derivations stop after a few
-    (only a run long enough refills them), runs start with small windows, other shapes start none."""
+    (only a run long enough refills them), and each event costs at most one call that reads it."""
     reads = [CHUNK % (i % 2, b" w%d" % i) for i in range(200)]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads, "python")
+    fast = watch.read(reads)
     assert sorted(fast.texts) == [(0, "content"), (1, "content")]
     assert watch.derivations <= 4
-    assert len(watch.windows) <= 100  # only events of the template's shape start a run
-    assert sum(j - i for i, j in watch.windows) <= 256 + 4 * 100  # the first window, then short ones
+    assert len(watch.c_runs) <= 200 and sum(watch.c_runs) <= 200
 
 
 @pytest.mark.parametrize("contents", [[b" a", b" b", b"", b""], [b" a", b"", b""]])
-def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(each_scan, contents):
+def test_a_run_ending_in_empty_content_is_timed_by_its_last_text(contents):
     reads = [ROLE, *(CHUNK % (0, c) for c in contents), *CLOSING]
     times = [float(i) for i in range(len(reads))]
-    fast = fast_texts._stream_texts_fast(reads, times, c_scans=each_scan == "c")
+    fast = read_native(reads, times)
     assert fast == texts_mod.stream_texts_reference(reads, times)
     texts = sum(map(bool, contents))
     assert (fast.t_first, fast.t_last, fast.chunks) == (1.0, float(texts), texts)
@@ -133,9 +122,17 @@ def _string(body: bytes) -> str | None:
                                                  b"\x01", b"\xe6\x97", "é".encode()]), max_size=6).map(b"".join),
                        min_size=1, max_size=5))
 def test_escaped_bodies_read_each_as_its_own_string(bodies):
+    """A run's bodies, escaped or not, each read as the string the reference reads (a body that is none
+    is a bad event): the run stops before the first that is none, and the rest is read one by one."""
+    words = [b" w%d" % i for i in range(3)]
+    reads = [ROLE, *(CHUNK % (0, w) for w in [*words, *bodies, *words]), *CLOSING]
+    times = [float(i) for i in range(len(reads))]
+    fast = read_native(reads, times)
+    assert fast is not None and fast == texts_mod.stream_texts_reference(reads, times)
     values = list(map(_string, bodies))
-    ok = (values + [None]).index(None)
-    assert chunk_templates._escaped_bodies(b"\n".join(bodies)) == ("".join(values[:ok]), ok)
+    if None not in values:
+        plain = "".join(map(bytes.decode, words))
+        assert fast.bad_events == 0 and fast.texts[(0, "content")] == plain + "".join(values) + plain
 
 
 @pytest.mark.parametrize(("bodies", "bad"), [
@@ -149,7 +146,7 @@ def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
     words = [b" w%d" % i for i in range(20)]
     reads = [ROLE, *(CHUNK % (0, w) for w in words[:10] + bodies + words[10:]), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads, "python")
+    fast = watch.read(reads)
     assert fast.bad_events == bad
     if not bad:
         assert not [data for data in watch.loads if isinstance(data, str) and data.startswith('"')]
@@ -165,9 +162,9 @@ def test_escaped_bodies_are_each_one_string(monkeypatch, bodies, bad):
     # a digit run that is no number of the allowed shape (a leading zero): no varying number, one template
     lambda i, w: b'data: {"choices":[{"index":0,"delta":{"content":"%b"}}],"sig":"s0123"}\n\n' % w,
 ])
-def test_templates_are_found_where_they_are_safe(each_scan, monkeypatch, chunk):
+def test_templates_are_found_where_they_are_safe(monkeypatch, chunk):
     reads = [ROLE, *(chunk(i, b" w%d" % i) for i in range(60)), *CLOSING]
     watch = _Watch(monkeypatch)
-    fast = watch.read(reads, each_scan)
+    fast = watch.read(reads)
     assert fast.chunks == 60
     assert watch.parses <= 8

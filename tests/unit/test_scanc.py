@@ -1,12 +1,10 @@
 """specproxy.frames._scanc, the measuring's per-chunk scans in C, read by their own contracts.
 
-The streams it reads are checked against the reference in test_measure_fast.py (every test there that
-says ``each_scan`` runs with the C scans and without) and the join against the state machine in
-test_chunked.py. Here: that CI builds it; that ``template_run`` takes exactly the content strings
-orjson reads (the reference parses each event with orjson), reading them as orjson does; that
-``chunk_gaps`` counts and buckets what the Python chunk clock does; and that
-whether the C scans or the Python ones read a turn is that turn's setting, from its proxy's Config
-(``scan``), not the process's.
+The streams it reads are checked against the reference in test_measure_fast.py and the join against
+the state machine in test_chunked.py. Here: that CI builds it; that ``template_run`` takes exactly the
+content strings orjson reads (the reference parses each event with orjson), reading them as orjson
+does; that ``chunk_gaps`` counts and buckets the chunks each read ended as a plain count of its blank
+lines does; and that the proxy measures chat streams with it.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from hypothesis import strategies as st
 from budget import examples
 from measurekit import builder
 from specproxy.app.fake_upstream import Script
-from specproxy.measure import chunk_templates, fast_texts
+from specproxy.measure import fast_texts
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, gap_buckets
 from specproxy.measure.texts import Texts
 
@@ -120,46 +118,37 @@ def test_bad_arguments_are_errors_not_crashes():
         _scanc.join_frames(b"1\r\nx\r\n")
 
 
-class _PathCounts:
-    """How many times each scan path read a run of like chunks since the last ``take``: the C scans'
-    ``template_run`` and the Python path's ``_Template.run`` (a turn's runs are read by one of them)."""
+class _Runs:
+    """How many times ``template_run`` read a run of like chunks since the last ``take``."""
 
     def __init__(self, monkeypatch) -> None:
-        self.c = self.python = 0
-        c_run, python_run = _scanc.template_run, chunk_templates._Template.run
+        self.calls = 0
+        run = _scanc.template_run
 
-        def counted_c(*args):
-            self.c += 1
-            return c_run(*args)
+        def counted(*args):
+            self.calls += 1
+            return run(*args)
 
-        def counted_python(*args):
-            self.python += 1
-            return python_run(*args)
+        monkeypatch.setattr(_scanc, "template_run", counted)
 
-        monkeypatch.setattr(_scanc, "template_run", counted_c)
-        monkeypatch.setattr(chunk_templates._Template, "run", counted_python)
-
-    def take(self) -> str:
-        """Which scans read runs since the last call: "c", "python", or "both"/"none" (no turn may show those)."""
-        c, python = self.c > 0, self.python > 0
-        self.c = self.python = 0
-        return "both" if c and python else "c" if c else "python" if python else "none"
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
 
 
-def test_builders_with_different_scans_in_one_process_each_take_their_own(monkeypatch, tiktoken_tok):
-    """The scans are the turn's setting (``RecordBuilder(c_scans=...)``, from its proxy's Config), not the
-    process's: builders made with either, built alternately, each read their stream with their own
-    scans, and their Records are the same."""
+def test_a_builder_reads_a_chat_stream_natively_and_as_the_reference_does(monkeypatch, tiktoken_tok):
+    """A chunked chat stream is read by the C scans (a run of its like chunks in one call), and its
+    Record is the reference's."""
     events = [b'data: {"choices":[{"index":0,"delta":{"content":" w%d"}}]}\n\n' % i for i in range(30)]
     reads = [b"%x\r\n%b\r\n" % (len(e), e) for e in [*events, b"data: [DONE]\n\n"]] + [b"0\r\n\r\n"]
-    counts = _PathCounts(monkeypatch)
-    records = []
-    for scan in ("c", "python", "c", "python"):
-        records.append(builder(reads, True, scan).build(tiktoken_tok))
-        assert counts.take() == scan
-    fields = [f for f in records[0].__dataclass_fields__ if f != "id"]
-    assert len({tuple(getattr(r, f) for f in fields) for r in records}) == 1
-    assert records[0].chunks == 30 and records[0].saw_done
+    runs = _Runs(monkeypatch)
+    native = builder(reads, True).build(tiktoken_tok)
+    assert runs.take() > 0
+    reference = builder(reads, True)._build(tiktoken_tok, fast=False)
+    assert runs.take() == 0
+    fields = [f for f in native.__dataclass_fields__ if f != "id"]
+    assert [getattr(native, f) for f in fields] == [getattr(reference, f) for f in fields]
+    assert native.chunks == 30 and native.saw_done
 
 
 async def _chat(url: str) -> bytes:
@@ -170,34 +159,15 @@ async def _chat(url: str) -> bytes:
             return await r.read()
 
 
-def _turn_through(stack, counts: _PathCounts) -> str:
-    """One streamed turn through ``stack``, measured: which scans read it."""
+def test_the_proxy_measures_chat_streams_with_the_c_scans(make_stack, monkeypatch):
+    """What ships: a streamed turn through the proxy is read by the C scans, not left to the reference."""
+    runs = _Runs(monkeypatch)
+    stack = make_stack(None, scrape_interval_s=0)
     stack.upstream.script = Script(pieces=[f" w{i}" for i in range(30)])
     assert b"[DONE]" in stack.run(_chat(stack.url))
     stack.settle()
-    return counts.take()
-
-
-@pytest.mark.parametrize("scan", ["python", "c"])
-def test_config_scan_picks_the_scans_when_the_proxy_starts(make_stack, monkeypatch, scan):
-    """``SPECPROXY_SCAN`` is Config's ``scan`` (read at start, not at import), and a proxy started with
-    it measures with those scans."""
-    from specproxy.config import load_config
-
-    assert load_config(env={"SPECPROXY_SCAN": scan}).scan == scan
-    counts = _PathCounts(monkeypatch)
-    stack = make_stack(None, scrape_interval_s=0, scan=scan)
-    assert _turn_through(stack, counts) == scan
+    assert runs.take() > 0
     assert len(stack.records) == 1 and stack.records[0].chunks == 30
-
-
-def test_two_proxies_in_one_process_scan_as_their_own_configs_say(make_stack, tmp_path, monkeypatch):
-    """Two proxies started in one process with different Configs (the second started last, so a setting
-    shared by the process would be its) each measure with their own scans, in either order."""
-    counts = _PathCounts(monkeypatch)
-    c_stack = make_stack(None, scrape_interval_s=0, scan="c")
-    python_stack = make_stack(None, scrape_interval_s=0, scan="python", db=str(tmp_path / "python.db"))
-    assert [_turn_through(s, counts) for s in (c_stack, python_stack, c_stack)] == ["c", "python", "c"]
 
 
 @st.composite
@@ -220,14 +190,33 @@ def clocked(draw):
     return buf, cum, times, skip, bool(tail) and draw(st.booleans())
 
 
+def _chunk_clock(buf: bytes, cum: list[int], times: list[float], skip: list[int], tail_chunk: bool) -> Texts:
+    """The plain count ``chunk_gaps`` is held to: each LF LF pair (counted from the start without
+    overlap, as ``bytes.count``) ends a chunk in the read holding its second LF, less one per ``skip``
+    entry, plus the tail in the last read; each read's chunks ticked at its time (``Texts.tick``)."""
+    per_read = [0] * len(cum)
+    at = buf.find(b"\n\n")
+    while at >= 0:
+        per_read[next(r for r, end in enumerate(cum) if end > at + 1)] += 1
+        at = buf.find(b"\n\n", at + 2)
+    for r in skip:
+        per_read[r] -= 1
+    if tail_chunk:
+        per_read[-1] += 1
+    ref = Texts()
+    for t, n in zip(times, per_read):
+        if n:
+            ref.tick(t, n)
+    return ref
+
+
 @settings(max_examples=examples(300), deadline=None)
 @given(case=clocked())
-def test_chunk_gaps_equal_the_python_chunk_clock_bucketed(case):
+def test_chunk_gaps_equal_a_plain_count_bucketed(case):
     """``chunk_gaps``: the chunks each read completed (blank lines ended in it, less ``skip``, plus the
-    tail) and their gaps bucketed, exactly as ``fast_texts._chunk_clock`` then ``gap_buckets`` give them."""
+    tail) and their gaps bucketed, exactly as a plain count, ticked and bucketed by ``gap_buckets``."""
     buf, cum, times, skip, tail_chunk = case
-    ref = Texts()
-    fast_texts._chunk_clock(ref, buf, cum, times, skip, tail_chunk)
+    ref = _chunk_clock(buf, cum, times, skip, tail_chunk)
     assert _scanc.chunk_gaps(buf, cum, times, skip, tail_chunk, GAP_BOUNDS_S) == gap_buckets(
         ref.chunk_times, ref.chunk_counts)
 

@@ -289,7 +289,7 @@ def test_a_stream_of_several_completions_prompts_keeps_the_first_prompts_usage()
     """llama-server streams each prompt's task to its end, with its usage and timings (then a ``data:
     null``): the turn's usage is the first prompt's (choice 0), as the non-streamed answer's is, not the
     last task's (seen against the real server: usage 4 for the second prompt, 3 for the first)."""
-    from specproxy.measure import fast_texts
+    from measurekit import read_chat
     from specproxy.measure.texts import stream_texts_reference
 
     def event(index, text, finish=None, **extra):
@@ -301,6 +301,6 @@ def test_a_stream_of_several_completions_prompts_keeps_the_first_prompts_usage()
     reads = [event(0, " quick"), event(0, " brown"), event(0, "", "length", **first), b"data: null\n\n",
              event(1, " quick"), event(1, " brown"), event(1, "", "length", **second), b"data: [DONE]\n\n"]
     times = [float(i) for i in range(len(reads))]
-    for texts in (stream_texts_reference(reads, times), fast_texts.stream_texts(reads, times)):
+    for texts in (stream_texts_reference(reads, times), read_chat(reads, times)):
         assert texts.usage == first["usage"] and texts.timings == first["timings"]
         assert texts.texts == {(0, "content"): " quick brown", (1, "content"): " quick brown"}

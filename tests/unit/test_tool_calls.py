@@ -78,7 +78,6 @@ def frames(reads: list[bytes]) -> list[bytes]:
     return [b"%x\r\n%b\r\n" % (len(r), r) for r in reads if r] + [b"0\r\n\r\n"]
 
 
-@pytest.mark.usefixtures("each_scan")
 def test_a_streamed_chat_answers_calls_wherever_the_reads_are_cut():
     """Cut in two at every byte of the calls (inside each name too) and here and there in the content
     before them, plain and chunked: the distinct tools, in order."""
