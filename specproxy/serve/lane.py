@@ -41,7 +41,7 @@ from specproxy.serve.admin import PREFIX, reserved
 from specproxy.serve.headers import LABEL_HEADER, connection_tokens
 from specproxy.serve.proxy import SMALL_BODY, Incoming
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
-from specproxy.wire.relay_thread import no_delay
+from specproxy.wire.sockets import no_delay
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy

@@ -129,7 +129,7 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
     client has taken nothing for the send deadline, it is cut; a client that takes bytes, or a buffer
     that drained, is left alone. (Driven with a transport of our own: which answers end so depends on
     the kernel's buffers.)"""
-    from specproxy.wire.body import _watch_unsent
+    from specproxy.wire.exchange import watch_unsent
 
     class Out:
         def __init__(self, takes: int = 0) -> None:
@@ -156,7 +156,7 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
         loop = asyncio.get_running_loop()
         stuck, reading, drained = Out(), Out(takes=100), Out()
         for out in (stuck, reading, drained):
-            _watch_unsent(out, loop, 0.01)
+            watch_unsent(out, loop, 0.01)
         drained.unsent = 0
         await asyncio.wait_for(stuck.aborted.wait(), 10)
         await asyncio.wait_for(reading.looked_at.wait(), 10)  # several looks, each finding it took some
