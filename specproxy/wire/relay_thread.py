@@ -109,11 +109,15 @@ class ThreadRelay:
 
     def settled(self) -> bool:
         """If the thread had already ended the turn, its report still on the way to the loop, that ending
-        stands (the client has the whole body, say, before it hung up): delivered now. True: it was."""
+        stands (the client has the whole body, say, before it hung up): delivered now. True: it was.
+        False: the thread has let go of it now (cancelled), for the loop to end it."""
         turn = self.turn
-        if turn is not None and not turn.cancel():
+        if turn is None:
+            return False
+        if not turn.cancel():
             self.ended()
             return True
+        self.stop()
         return False
 
     def stop(self) -> None:
