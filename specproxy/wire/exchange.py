@@ -264,6 +264,9 @@ class Exchange:
                 self.pool.discard(conn)
         if outcome in _CUT and out is not None:
             out.abort()
+        # the relay refers back to this exchange: let go of it, so that the pair is freed by reference
+        # counting when the handler is done, not left to the cyclic collector once per turn
+        self.relay = None
         self._wake()
 
     # --- deadlines -------------------------------------------------------------------------------------
