@@ -201,7 +201,7 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
 CATEGORIES = (  # by the leaf frame of a sample on the event loop's thread
     ("event loop core (uvloop C: epoll, recv, send, callbacks, Task steps)", lambda f: f.startswith(("Runner.run ", "run_until_complete ", "run_forever "))),
     ("aiohttp server layers (request parsing, StreamResponse, keep-alive)", lambda f: any(x in f for x in ("web_protocol.py", "web_response.py", "web_request.py", "http_writer.py", "streams.py", "base_protocol.py", "aiohttp/helpers.py"))),
-    ("specproxy per turn (handler, upstream request and head, hand-over to the relay thread)", lambda f: any(x in f for x in ("proxy.py", "upstream.py", "pool.py", "body.py", "relay_thread.py", "http1.py", "service.py"))),
+    ("specproxy per turn (handler, upstream request and head, hand-over to the relay thread)", lambda f: any(x in f for x in ("proxy.py", "exchange.py", "upstream.py", "pool.py", "relay.py", "relay_thread.py", "sockets.py", "http1.py", "service.py"))),
 )
 
 

@@ -30,7 +30,7 @@ def _rows(tokens, starts, ends) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def aggregate_throughput(tokens, starts, ends) -> float | None:
-    """Total completion_tokens / (max(end) - min(start)) over the requests given (METRICS.md).
+    """Total completion_tokens / (max(end) - min(start)) over the requests given (docs/metrics.md, "aggregate throughput").
 
     Rows with any field missing are dropped whole. None when there is no data or no elapsed
     time. Read it at high concurrency; at low concurrency the gaps between requests dominate.

@@ -161,7 +161,12 @@ class RecordBuilder:
         self.timing: StreamTiming | None = None  # set by build for a stream: the metrics', not stored
         self._ended = False
 
-    # --- the forwarding path: cheap, no parsing --------------------------------------------------
+    # --- the forwarding path (specproxy.recorder.Recorder): cheap, no parsing ------------------------
+
+    @property
+    def ended(self) -> bool:
+        """``finish`` or ``fail`` was called: the turn's outcome is decided."""
+        return self._ended
 
     def on_headers(
         self, t: float, status: int, content_type: str, content_encoding: str = "", *, chunked: bool = False

@@ -44,7 +44,7 @@ from specproxy.serve.incoming import Incoming
 from specproxy.serve.proxy import SMALL_BODY
 from specproxy.serve.refusals import MAX_HEADER_BYTES, Refusal, body_timeout
 from specproxy.wire import memory
-from specproxy.wire.relay_thread import no_delay
+from specproxy.wire.sockets import no_delay
 
 if TYPE_CHECKING:
     from specproxy.serve.proxy import Proxy

@@ -4,10 +4,10 @@ Why it looks like this: a measuring tool must not disturb what it measures. Two 
 the lane (``lane.py``) takes the common, plainly well-formed request straight from the socket, and hands
 any other, from its first byte, to aiohttp's low-level server (``aiohttp_front.py``), which parses and
 vets it (``refusals.py``); both call ``Proxy.exchange`` with an ``Incoming`` and a ``Client`` once the
-request's body is whole. The response is relayed by ``upstream.UpstreamConn``: per read of the
-upstream's body, inside the socket callback (or the relay thread), it takes a monotonic timestamp,
-writes the bytes to the client's transport (chunk framing passed verbatim), takes another timestamp and
-appends to the turn's ``RecordBuilder``. The handler's task only waits: for the end, or for a slow
+request's body is whole. Each request is one ``wire.exchange.Exchange``: per read of the upstream's
+body, inside the socket callback (or the relay thread), its relay takes a monotonic timestamp, writes the
+bytes to the client's transport (chunk framing passed verbatim), takes another timestamp and appends to
+the turn's ``RecordBuilder`` (the wire's ``Recorder``). The handler's task only waits: for the end, or for a slow
 client to drain (backpressure). No parsing, tokenizing or database work happens on the event loop; once
 the response has ended, the builder is handed to a worker thread that makes the ``Record`` and puts it
 in the store's queue (``store``: a put that never blocks); the loop hears of it after (``heard``).
@@ -39,8 +39,9 @@ from specproxy.serve.counters import Counters
 from specproxy.serve.measuring import Built, MeasuringWorker, Store, where
 from specproxy.serve.refusals import Refusal, busy, error_response
 from specproxy.wire import memory
+from specproxy.wire.exchange import Exchange
 from specproxy.wire.pool import UpstreamPool
-from specproxy.wire.upstream import CHUNKED, UpstreamError
+from specproxy.wire.upstream import UpstreamError
 
 __all__ = ["Proxy", "conn_id", "where"]
 
@@ -130,6 +131,7 @@ class Proxy:
         self._quiet: asyncio.Event | None = None  # set when in_flight falls to 0 (``wait_quiet``)
         self._pending_builds = 0
         self._pool: UpstreamPool | None = None
+        self._exchanges: set[Exchange] = set()  # in progress (``_busy`` looks at them only at max_concurrent)
         self._measurer: MeasuringWorker | None = None
         self._idle = asyncio.Event()
 
@@ -206,7 +208,13 @@ class Proxy:
             return False
         if in_flight >= 2 * cap or self._pool is None:
             return True
-        return in_flight - self._pool.held_by_clients() >= cap
+        return in_flight - self.held_by_clients >= cap
+
+    @property
+    def held_by_clients(self) -> int:
+        """Exchanges whose body waits on its client alone (``Exchange.held_by_client``): a look at each one in
+        progress, made only when ``max_concurrent`` is reached."""
+        return sum(1 for ex in self._exchanges if ex.held_by_client)
 
     # --- the memory budget ------------------------------------------------------------------------
 
@@ -285,7 +293,7 @@ class Proxy:
         try:
             return await self._relay(req, body, builder, client)
         except Exception as exc:  # a bug of ours, not the client's nor the upstream's: still one record
-            if not builder._ended:
+            if not builder.ended:
                 reason = f"{type(exc).__name__} ({where(exc)})"  # its message might quote the request
                 if builder.t_upstream_headers is None:
                     builder.fail(clock(), "proxy_error", None, reason)
@@ -305,14 +313,22 @@ class Proxy:
 
     async def _relay(self, req: Incoming, body: bytes, b: RecordBuilder, client: Client) -> Refusal | None:
         assert self._pool is not None
+        exchange = Exchange(self._pool, b)
+        self._exchanges.add(exchange)
+        try:
+            return await self._carry(exchange, req, body, b, client)
+        finally:
+            self._exchanges.discard(exchange)
+
+    async def _carry(self, exchange: Exchange, req: Incoming, body: bytes, b: RecordBuilder,
+                     client: Client) -> Refusal | None:
         try:
             head_bytes = request_head(self._base_path, self._host_header, req, body)
             # the upstream connection stays this client connection's (none if it will not send another)
             owner = client.transport if req.http11 and req.keep_alive else None
             # a large body is written after the head as it is: joining them would copy it
             data = head_bytes + body if len(body) < SMALL_BODY else (head_bytes, body)
-            conn = await self._pool.request(req.method, data, owner)
-            exchange = conn.exchanges  # abandon only this exchange, never a later one on a reused connection
+            head = await exchange.send(req.method, data, owner)
         except UpstreamError as exc:
             # refused, reset or malformed: 502; no connection within connect_timeout_s, or no response
             # head within idle_timeout_s: 504. Either way the upstream gave no response to relay.
@@ -321,35 +337,31 @@ class Proxy:
             b.fail(clock(), kind, status, str(exc))
             return error_response(status, kind, f"no response from the upstream: {exc}")
         try:
-            head = conn.head
-            assert head is not None
-            b.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
-                         _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
             raw, mode, keep = response_head(head, req)
             await client.start(head.status, raw, keep)
             transport = client.transport
             if transport is None:  # the client left while we waited for the upstream
-                conn.abandon("client_abort", "client disconnected", exchange)
+                exchange.abandon("client_abort", "client disconnected")
                 return None
-            conn.attach(transport, b, mode)
-            while conn.outcome is None:
-                await conn.wait()
-                if conn.paused:  # the client reads slower than the upstream sends: wait for it to drain
+            exchange.attach(transport, mode)
+            while exchange.outcome is None:
+                await exchange.wait()
+                if exchange.paused:  # the client reads slower than the upstream sends: wait for it to drain
                     await client.drain()
-                    conn.resume()
+                    exchange.resume()
             return None
         except asyncio.CancelledError:  # the client hung up (its front cancels the handler): keep the turn
-            conn.abandon("client_abort", "client disconnected", exchange)
+            exchange.abandon("client_abort", "client disconnected")
             raise
         except Exception as exc:  # a bug of ours: the turn is recorded as such, the client sees a cut
-            conn.abandon("proxy_error", f"{type(exc).__name__} ({where(exc)})", exchange)
+            exchange.abandon("proxy_error", f"{type(exc).__name__} ({where(exc)})")
             client.abort()
             raise
 
     # --- measuring, off the forwarding path -----------------------------------------------------------
 
     def _submit(self, builder: RecordBuilder) -> None:
-        if not builder._ended:  # e.g. cancelled while reading: still one record per turn
+        if not builder.ended:  # e.g. cancelled while reading: still one record per turn
             builder.fail(clock(), "client_abort", None, "client disconnected before the response")
         if self.cutting and builder.outcome == "client_abort":  # the client did not leave: the proxy cut it
             builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"

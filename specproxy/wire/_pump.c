@@ -6,7 +6,7 @@ transport calls, several times nginx's CPU per chunk (docs/performance.md); and 
 waits on the same lock. Here one native thread, which never takes the interpreter lock, relays the
 bodies themselves: epoll, read, find the end (_chunked.h), send, clock.
 
-What Python hands over and gets back (body.BodyRelay is the only user):
+What Python hands over and gets back (relay_thread.ThreadRelay is the only user):
   Sink(loop side)  -- a queue of finished turns and an eventfd the event loop watches (one per loop).
   Turn(sink, upstream_fd, client_fd, framing)
                    -- the body of one exchange, relayed by the thread from now on: dup()s of both sockets
@@ -22,8 +22,8 @@ What Python hands over and gets back (body.BodyRelay is the only user):
   The turn ends in the thread (the body's end, a framing error, the upstream's EOF or error, the client's
   error) or by Turn.cancel() from Python (the idle deadline, the client hanging up, closing); either way
   the thread touches neither socket afterwards and both dups are closed. A turn the thread ended goes to
-  its sink, which wakes the loop: Sink.done() returns the turns' ids and Python calls the same edges as
-  the Python relay (_complete, _truncated, _client_gone).
+  its sink, which wakes the loop: Sink.done() returns the turns' ids and ThreadRelay reports each to its
+  exchange as the Python relay reports the same event (exchange.Exchange.relay_ended).
 
 Backpressure: a read the client's socket does not take at once stays in the turn; the thread stops
 reading the upstream (the kernel's buffers push back on the server) until the client has taken it.

@@ -1,9 +1,10 @@
 /* _relayc: the relay thread (_pump.c, _pump_py.c) and the native chunked-framing parser's Python face.
 
 The relay thread is the one native relay: once a response's head is out and its body is a chunked stream
-passed through, upstream.UpstreamConn hands the body to it (see _pump.c for why). Where the thread cannot
-take a turn (a TLS upstream, bytes still queued for the client) or relay = "python" says so, the body is
-relayed on the event loop by upstream.py's Python methods, the reference the thread is tested against.
+passed through, the exchange (exchange.py) hands the body to it through relay_thread.ThreadRelay (see
+_pump.c for why). Where the thread cannot take a turn (a TLS upstream, bytes still queued for the client)
+or relay = "python" says so, the body is relayed on the event loop by relay.PythonRelay, the reference the
+thread is tested against.
 
 Types:
   ChunkedEnd  -- _chunked.h's parser, fed from Python: feed(data) -> -1 or the index just past the body's
@@ -104,7 +105,7 @@ static PyTypeObject ChunkedEndType = {
 static PyMethodDef module_methods[] = {{NULL}};
 
 static struct PyModuleDef relayc_module = {
-    PyModuleDef_HEAD_INIT, "specproxy.wire._relayc", "The relay thread and the native chunked-framing parser (see upstream.py).", -1,
+    PyModuleDef_HEAD_INIT, "specproxy.wire._relayc", "The relay thread and the native chunked-framing parser (see relay_thread.py).", -1,
     module_methods};
 
 PyMODINIT_FUNC

@@ -10,7 +10,11 @@ upstream misframed, never another. A fresh connection that never carried an exch
 may go to anyone. An idle connection with bytes waiting, or closed, when it is taken from the pool is
 dropped (a peek; a TLS connection is not peeked). A request is sent twice only when a connection kept
 alive after an exchange is closed by the upstream before one byte of the next answer (its close raced
-our send): once more, on a new connection, never a third time; nothing else is retried.
+our send): once more, on a new connection, never a third time (``exchange.Exchange.send``); nothing else
+is retried.
+
+The pool's whole surface for an exchange: ``checkout`` (an idle connection for a client, or None),
+``connect`` (a new one), ``checkin`` (after an exchange that ended well) and ``discard`` (close it).
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ import ssl
 from yarl import URL
 
 from specproxy.errors import UpstreamError
-from specproxy.wire.body import _IDLE
-from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink, plain_socket_fd
+from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink
 from specproxy.wire.relay_thread import last_read as thread_last_read
-from specproxy.wire.upstream import UpstreamConn
+from specproxy.wire.sockets import plain_socket_fd
+from specproxy.wire.upstream import ConnState, UpstreamConn
 
 __all__ = ["POOL_IDLE_S", "SWEEP_S", "UpstreamPool"]
 
@@ -63,7 +67,7 @@ class UpstreamPool:
                  relay_slice_us: int = 100, reuse: bool = True, send_timeout_s: float = 60.0) -> None:
         """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
         ``python`` (every body relayed on the loop); Config's ``relay``, ``relay_slice_us`` and
-        ``send_timeout_s`` (how long a client may take nothing more of a body: ``body.py``). ``reuse``
+        ``send_timeout_s`` (how long a client may take nothing more of a body: ``exchange.py``). ``reuse``
         False (Config ``upstream_reuse = "off"``): a connection that carried an exchange is closed after
         it, never kept for anyone."""
         if url.scheme not in ("http", "https") or not url.host:
@@ -85,16 +89,12 @@ class UpstreamPool:
         self.last_read = 0.0  # the latest read on the loop, any connection (perf_counter)
         self._turn_sink: TurnSink | None = None
         self._sweep: asyncio.TimerHandle | None = None
+        self._idle_timers: dict[UpstreamConn, asyncio.TimerHandle] = {}  # an idle connection's close
 
     @property
     def idle(self) -> list[UpstreamConn]:
         """Every idle connection, fresh or kept for a client (oldest first within each)."""
         return [*self.fresh, *(c for conns in self.kept.values() for c in conns)]
-
-    def held_by_clients(self) -> int:
-        """Exchanges whose body waits on its client alone (``BodyRelay.held_by_client``): a look at each
-        one in use, made only when ``max_concurrent`` is reached."""
-        return sum(1 for conn in self.active if conn.held_by_client)
 
     @property
     def thread_turns(self) -> int:
@@ -111,52 +111,38 @@ class UpstreamPool:
         """The latest read of any body, on the loop or by the relay thread (the measuring worker waits for a gap)."""
         return max(self.last_read, thread_last_read())
 
-    async def request(self, method: str, data: bytes | tuple[bytes, bytes],
-                      owner: asyncio.BaseTransport | None = None) -> UpstreamConn:
-        """Send one request (head and body in ``data``, or a tuple of them, written one after the other) for the client connection ``owner`` (its transport;
-        None: a client that will not send another request); return the connection once its response head
-        is in. Raises ``UpstreamError``."""
-        conn = self._take_idle(owner)
-        if conn is not None:
-            try:
-                return await self._send(conn, method, data, owner)
-            except UpstreamError:
-                if not (conn.unanswered and conn.exchanges > 1):
-                    raise
-                # A kept-alive connection the upstream closed as the request went out, before a byte of any
-                # answer: the idle close raced our send (llama-server closes after each streamed response;
-                # the peek at checkout cannot see a close still on its way). Once more, on a new connection.
-        return await self._send(await self._connect(), method, data, owner)
-
-    async def _send(self, conn: UpstreamConn, method: str, data: bytes | tuple[bytes, bytes], owner) -> UpstreamConn:
-        self.active.add(conn)
-        conn.owner = owner
-        try:
-            await conn.send(method, data)
-        except BaseException:
-            self.active.discard(conn)
-            conn.abandon("client_abort", "no response")
-            raise
-        return conn
-
-    def _take_idle(self, owner: asyncio.BaseTransport | None) -> UpstreamConn | None:
-        """The newest idle connection kept for ``owner``, else a fresh one; never one another client's
-        exchange went over. One that has bytes waiting (the loop has not read them yet) or has been closed
-        by the upstream is dropped: whatever waits there is no answer to the request about to be sent."""
+    def checkout(self, owner: asyncio.BaseTransport | None) -> UpstreamConn | None:
+        """An idle connection for the client connection ``owner`` (None: a client that will not send
+        another request), now this exchange's: the newest kept for ``owner``, else a fresh one; never one
+        another client's exchange went over. None when there is none: ``connect``. One that has bytes
+        waiting (the loop has not read them yet) or has been closed by the upstream is dropped: whatever
+        waits there is no answer to the request about to be sent."""
         mine = self.kept.pop(owner, None) if owner is not None else None
         try:
             for conns in (mine, self.fresh):
                 while conns:
                     conn = conns.pop()
+                    self._cancel_idle_timer(conn)
                     transport = conn.transport
-                    if transport is not None and not transport.is_closing() and conn.state == _IDLE:
+                    if transport is not None and not transport.is_closing() and conn.state is ConnState.IDLE:
                         if not _pending(transport):
+                            self._lend(conn, owner)
                             return conn
                     conn.close()
             return None
         finally:
             if mine:  # the owner's others stay kept for it
                 self.kept[owner] = mine
+
+    async def connect(self, owner: asyncio.BaseTransport | None) -> UpstreamConn:
+        """A new connection, for the client connection ``owner``'s exchange. Raises ``UpstreamError``."""
+        conn = await self._connect()
+        self._lend(conn, owner)
+        return conn
+
+    def _lend(self, conn: UpstreamConn, owner: asyncio.BaseTransport | None) -> None:
+        self.active.add(conn)
+        conn.owner = owner
 
     async def probe(self, timeout_s: float) -> UpstreamError | None:
         """Connect once: None when the upstream accepts a connection within ``timeout_s``, else why not, in
@@ -193,37 +179,23 @@ class UpstreamPool:
             raise UpstreamError(f"cannot connect to the upstream: {detail}") from None
         return conn
 
-    def _release(self, conn: UpstreamConn) -> None:
+    def checkin(self, conn: UpstreamConn) -> None:
         """After an exchange that ended well: kept for the client connection it served, if that is still
         there; else closed."""
         self.active.discard(conn)
         owner = conn.owner
         if self.closed or not self.reuse or conn.transport is None or owner is None or owner.is_closing():
-            conn.close()
+            self.discard(conn)
             return
         self._idle(conn)
         self.kept.setdefault(owner, []).append(conn)
         if self._sweep is None:
             self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
 
-    def _idle(self, conn: UpstreamConn) -> None:
-        conn.state = _IDLE
-        conn.head = None
-        conn._parked = []
-        conn.framing = None
-        conn._pool_timer = self.loop.call_later(POOL_IDLE_S, conn.close)
-
-    def _sweep_kept(self) -> None:
-        """Close the connections kept for clients that have gone; again in ``SWEEP_S`` while any are kept."""
-        self._sweep = None
-        for owner in [o for o in self.kept if o.is_closing()]:
-            for conn in self.kept.pop(owner):
-                conn.close()
-        if self.kept and not self.closed:
-            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
-
-    def _forget(self, conn: UpstreamConn) -> None:
+    def discard(self, conn: UpstreamConn) -> None:
+        """Forget a connection and close it (idempotent: also what a connection that was lost calls)."""
         self.active.discard(conn)
+        self._cancel_idle_timer(conn)
         if conn in self.fresh:
             self.fresh.remove(conn)
         conns = self.kept.get(conn.owner) if conn.owner is not None else None
@@ -231,6 +203,25 @@ class UpstreamPool:
             conns.remove(conn)
             if not conns:
                 del self.kept[conn.owner]
+        conn.close()
+
+    def _idle(self, conn: UpstreamConn) -> None:
+        conn.make_idle()
+        self._idle_timers[conn] = self.loop.call_later(POOL_IDLE_S, self.discard, conn)
+
+    def _cancel_idle_timer(self, conn: UpstreamConn) -> None:
+        timer = self._idle_timers.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _sweep_kept(self) -> None:
+        """Close the connections kept for clients that have gone; again in ``SWEEP_S`` while any are kept."""
+        self._sweep = None
+        for owner in [o for o in self.kept if o.is_closing()]:
+            for conn in list(self.kept.get(owner, ())):
+                self.discard(conn)
+        if self.kept and not self.closed:
+            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
 
     def close(self) -> None:
         self.closed = True
@@ -238,7 +229,7 @@ class UpstreamPool:
             self._sweep.cancel()
             self._sweep = None
         for conn in [*self.idle, *self.active]:
-            conn.close()
+            self.discard(conn)
         self.fresh.clear()
         self.kept.clear()
         if self._turn_sink is not None:

@@ -1,14 +1,16 @@
-"""The event loop's side of the relay thread (``_relayc.Turn``/``Sink``, see ``_pump.c``).
+"""The relay thread's side on the event loop: ``ThreadRelay`` (one body) and ``TurnSink`` (one loop's mailbox).
 
 Why a thread: relayed on the event loop, even in C, each read costs uvloop's callbacks under the
-interpreter lock and objects per read, several times nginx's CPU per chunk (docs/performance.md). Once a response's head is out and its body is a chunked stream
-passed through, ``UpstreamConn`` hands the body to one native thread that never takes the interpreter
-lock: it reads, finds the end, sends, stamps and keeps each read; the loop hears back once per turn.
+interpreter lock and objects per read, several times nginx's CPU per chunk (docs/performance.md). Once a
+response's head is out and its body is a chunked stream passed through, the exchange hands the body to
+one native thread (``_pump.c``) that never takes the interpreter lock: it reads, finds the end, sends,
+stamps and keeps each read; the loop hears back once per turn.
 
-``TurnSink`` is one loop's mailbox: it starts turns, and when the thread has ended some (the body's end,
-a framing error, a closed upstream, a client gone) it calls each connection's ``_thread_ended`` on the
-loop. Everything else (the idle deadline, the client hanging up, closing) ends a turn from the loop with
-``Turn.cancel()``, after which the thread touches neither socket.
+``ThreadRelay`` is the ``relay.Relay`` of a body the thread has; it reports to its exchange as
+``PythonRelay`` does. ``TurnSink`` starts turns, and when the thread has ended some (the body's end, a
+framing error, a closed upstream, a client gone) it calls each one's ``ThreadRelay.ended`` on the loop.
+Everything else (the idle deadline, the client hanging up, closing) ends a turn from the loop with
+``Turn.cancel()`` (``ThreadRelay.stop``), after which the thread touches neither socket.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from specproxy.wire.upstream import UpstreamConn
+from specproxy.recorder import Recorder
+from specproxy.wire.relay import CLIENT_GONE, OK, TRUNCATED, RelayReport
+from specproxy.wire.sockets import plain_socket_fd
 
-__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "TurnSink", "acked_bytes", "ended_reason", "last_read",
-           "plain_socket_fd"]
+__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "ThreadRelay", "TurnSink", "ended_reason", "last_read"]
 
 log = logging.getLogger("specproxy.relay")
 
@@ -43,46 +43,98 @@ def last_read() -> float:
     return _relayc.pump_last_read() if _relayc is not None else 0.0
 
 
-def plain_socket_fd(transport: asyncio.BaseTransport) -> int | None:
-    """The descriptor under a transport, if its bytes are the wire's (no TLS in between); else None."""
-    if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
-        return None
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return None
-    fd = sock.fileno()
-    return fd if fd >= 0 else None
+class ThreadRelay:
+    """A body the relay thread relays: its ``_relayc.Turn``, and the exchange it reports to."""
 
+    __slots__ = ("_last", "recorder", "report", "sink", "turn", "upstream")
+    paused = False  # the thread holds the upstream back itself: the handler never waits for a drain
 
-_TCP_INFO = getattr(socket, "TCP_INFO", None)
-_ACKED = slice(120, 128)  # struct tcp_info's tcpi_bytes_acked (Linux >= 4.1), a u64 in the host's byte order
+    def __init__(self, sink: TurnSink, report: RelayReport, upstream: asyncio.Transport,
+                 recorder: Recorder | None, last_read: float) -> None:
+        self.sink = sink
+        self.report = report
+        self.upstream = upstream
+        self.recorder = recorder
+        self.turn = None
+        self._last = last_read  # the body's latest read before the thread took it
 
-
-def acked_bytes(transport: asyncio.BaseTransport) -> int | None:
-    """Bytes of ours the peer's TCP has acknowledged on this connection: it goes up as the peer reads
-    (its window opens), and stays put while it does not. None where the kernel does not say.
-
-    Why not the writes we manage: the kernel reports a full socket writable again only once half of its
-    send queue (megabytes, autotuned) has gone, so a client reading slowly but steadily would look
-    stalled for many seconds between two writes."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or _TCP_INFO is None:
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 232)
-    except (OSError, AttributeError):
-        return None
-    return int.from_bytes(info[_ACKED], sys.byteorder) if len(info) >= _ACKED.stop else None
-
-
-def no_delay(transport: asyncio.BaseTransport) -> None:
-    """TCP_NODELAY on the socket under a transport: a token must not wait for Nagle's algorithm."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
+    @classmethod
+    def start(cls, sink: TurnSink, report: RelayReport, upstream: asyncio.Transport, out: asyncio.Transport,
+              framing: Any, recorder: Recorder | None, last_read: float) -> ThreadRelay | None:
+        """Hand the body to the thread: only when both ends are plain sockets and nothing of ours waits in
+        the client's write buffer (the thread's bytes must come after it). None: relay it on the loop."""
+        if out.is_closing() or out.get_write_buffer_size():
+            return None
+        up_fd = plain_socket_fd(upstream)
+        client_fd = plain_socket_fd(out)
+        if up_fd is None or client_fd is None:
+            return None
+        relay = cls(sink, report, upstream, recorder, last_read)
+        upstream.pause_reading()  # from now on the thread reads this socket, not the loop
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # keep for measuring what the recorder has room for; of an unmeasured turn, nothing
+            keep = max(recorder.room, 0) if recorder is not None else 0
+            relay.turn = sink.start(relay, up_fd, client_fd, framing, keep)
         except OSError:
-            pass
+            upstream.resume_reading()
+            return None
+        return relay
+
+    @property
+    def watches_client(self) -> bool:
+        return self.turn is not None
+
+    @property
+    def blocked(self) -> bool:
+        turn = self.turn
+        return turn is not None and turn.blocked
+
+    @property
+    def last_activity(self) -> float:
+        turn = self.turn
+        return max(self._last, turn.last_activity) if turn is not None else self._last
+
+    def resume(self) -> None:
+        pass  # never paused: the thread itself waits for the client
+
+    def ended(self) -> None:
+        """From ``TurnSink``: the thread ended this turn; reported as ``PythonRelay`` reports the same event."""
+        turn = self.turn
+        if turn is None:
+            return
+        past_end = turn.past_end
+        how, reason = ended_reason(turn.outcome)
+        self.stop()
+        self.report.relay_ended(how, reason, past_end)
+
+    def settled(self) -> bool:
+        """If the thread had already ended the turn, its report still on the way to the loop, that ending
+        stands (the client has the whole body, say, before it hung up): delivered now. True: it was.
+        False: the thread has let go of it now (cancelled), for the loop to end it."""
+        turn = self.turn
+        if turn is None:
+            return False
+        if not turn.cancel():
+            self.ended()
+            return True
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        """Take the body back from the thread (it stops, if it had not): its reads go to the recorder."""
+        turn = self.turn
+        if turn is None:
+            return
+        self.turn = None
+        turn.cancel()
+        self.sink.forget(turn)
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.relayed_by_thread(turn)  # its reads become objects in the measuring thread, not here
+        self._last = max(self._last, turn.last_activity)
+        upstream = self.upstream
+        if not upstream.is_closing():
+            upstream.resume_reading()
 
 
 class TurnSink:
@@ -91,33 +143,33 @@ class TurnSink:
     def __init__(self, loop: asyncio.AbstractEventLoop, slice_us: int) -> None:
         self.loop = loop
         self._sink = _relayc.Sink(slice_us)  # the thread's scheduler slice, if this loop's turn starts it
-        self._conns: dict[int, UpstreamConn] = {}
+        self._relays: dict[int, ThreadRelay] = {}
         self._fd = self._sink.fileno()
         loop.add_reader(self._fd, self._collect)
         self.closed = False
         self.started = 0  # turns handed to the thread: tests read it to know the thread took a body
 
-    def start(self, conn: UpstreamConn, upstream_fd: int, client_fd: int, framing: Any, keep: int):
+    def start(self, relay: ThreadRelay, upstream_fd: int, client_fd: int, framing: Any, keep: int):
         """The thread relays the body from now on, keeping its first reads within ``keep`` bytes for
         measuring. Raises OSError (no descriptor left, no thread)."""
         turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing, keep)
-        self._conns[turn.id] = conn
+        self._relays[turn.id] = relay
         self.started += 1
         return turn
 
     def forget(self, turn) -> None:
-        self._conns.pop(turn.id, None)
+        self._relays.pop(turn.id, None)
 
     def _collect(self) -> None:
         for turn_id in self._sink.done():
-            conn = self._conns.pop(turn_id, None)
-            if conn is None:  # the loop had cancelled it meanwhile
+            relay = self._relays.pop(turn_id, None)
+            if relay is None:  # the loop had cancelled it meanwhile
                 continue
             try:
-                conn._thread_ended()
+                relay.ended()
             except Exception as exc:  # a bug: the other turns of this report must still end
                 log.error("ending a relayed turn failed: %s", type(exc).__name__)
-                conn.abandon("proxy_error", f"{type(exc).__name__} while ending the turn")
+                relay.report.abandon("proxy_error", f"{type(exc).__name__} while ending the turn")
 
     def close(self) -> None:
         if not self.closed:
@@ -126,18 +178,18 @@ class TurnSink:
 
 
 def ended_reason(outcome: tuple[str, int, str | None]) -> tuple[str, str | None]:
-    """What a turn the thread ended means to ``UpstreamConn``: ("ok"|"truncated"|"client_gone", reason), in
-    the words the Python relay uses for the same event."""
+    """What a turn the thread ended means to its exchange: (``OK`` | ``TRUNCATED`` | ``CLIENT_GONE``,
+    reason), in the words the Python relay uses for the same event."""
     name, err, framing = outcome
     if name == "end":
-        return "ok", None
+        return OK, None
     if name == "framing":
-        return "truncated", f"malformed chunked framing from the upstream ({framing})"
+        return TRUNCATED, f"malformed chunked framing from the upstream ({framing})"
     if name == "upstream_eof":
-        return "truncated", "body incomplete: the upstream closed the connection"
+        return TRUNCATED, "body incomplete: the upstream closed the connection"
     if name == "upstream_error":
-        return "truncated", f"body incomplete: {type(OSError(err, os.strerror(err))).__name__}: connection lost"
+        return TRUNCATED, f"body incomplete: {type(OSError(err, os.strerror(err))).__name__}: connection lost"
     if name == "client_gone":
-        return "client_gone", "client disconnected"
+        return CLIENT_GONE, "client disconnected"
     why = os.strerror(err) if err else name  # "thread_error": out of memory, or epoll refused the socket
-    return "truncated", f"the relay thread could not go on ({why})"
+    return TRUNCATED, f"the relay thread could not go on ({why})"

@@ -1,14 +1,15 @@
-"""The upstream half of the relay: HTTP/1.1 connections to the one inference server, on asyncio Protocols.
+"""One HTTP/1.1 connection to the upstream, on an asyncio Protocol: it sends a request and reads the
+response head; the body's reads go to whoever the exchange named (``start_body``).
 
 Why not aiohttp's client here: per chunk of a stream, aiohttp's client parses the chunked framing, feeds
 a StreamReader and wakes the handler's task, which then writes through StreamResponse's own chunked
 framing: a task switch and two framing passes per chunk, a quarter to a third of the relay's CPU
-(scripts/bench_overhead.py). Here the bytes of a response body are written to the client's transport
-inside ``data_received``, the moment they are read, with the upstream's framing passed through verbatim,
-or handed to the relay thread (``body.py`` decides, and relays what the thread does not take).
+(scripts/bench_overhead.py). Here the bytes of a response body are handed on inside ``data_received``,
+the moment they are read (to ``relay.PythonRelay``), or the relay thread reads the socket itself.
 
-This module owns the connection, the request and the response head; ``body.BodyRelay`` the body;
-``pool.UpstreamPool`` which connection carries which exchange (and who may reuse it).
+This module owns the connection, its state (``ConnState``), the request and the response head;
+``exchange.Exchange`` one request's exchange over it; ``pool.UpstreamPool`` which connection carries
+which exchange (and who may reuse it).
 
 Scope, deliberately narrow: one configured origin (http or https); the request body is complete before it
 is sent; one request at a time per connection (no pipelining). Response heads are parsed strictly
@@ -17,28 +18,23 @@ is sent; one request at a time per connection (no pipelining). Response heads ar
 interim 1xx responses are skipped (at most ``MAX_INTERIM`` of them, their heads inside the one head
 limit). Bytes past a response's end are never relayed, and the connection that had them is not reused:
 nor is one after a response with no body by rule or an interim 1xx (an upstream that disagrees may send
-that body later, when the connection carries the next exchange).
-Deadlines: ``connect_timeout_s`` to connect; ``idle_timeout_s`` for the response head and between reads
-of the body (not while the client is the one not reading); ``send_timeout_s`` while the client is the one
-not reading (no progress writing to it: the turn ends as ``client_stalled``, ``body.py``). There is no
-total deadline: a long prefill or a long answer is not an error.
+that body later, when the connection carries the next exchange). Deadline here: ``idle_timeout_s`` for
+the response head (the body's are the exchange's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from specproxy.errors import UpstreamError
 from specproxy.frames.chunked import ChunkedEnd, FramingError
-from specproxy.wire.body import _BODY, _DONE, _IDLE, _PARKED, _WAIT_HEAD, DECHUNK, ENCODE, LOOKS, PASS, BodyRelay
-from specproxy.wire.http1 import LengthEnd, UntilClose
+from specproxy.wire.relay import DECHUNK, ENCODE, PASS
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
-from specproxy.wire.relay_thread import no_delay
-
-if TYPE_CHECKING:
-    from specproxy.wire.pool import UpstreamPool
+from specproxy.wire.sockets import no_delay
 
 __all__ = [
     "CHUNKED",
@@ -49,6 +45,7 @@ __all__ = [
     "NO_BODY",
     "PASS",
     "ChunkedEnd",
+    "ConnState",
     "FramingError",
     "ResponseHead",
     "UpstreamConn",
@@ -62,19 +59,40 @@ MAX_HEAD_BYTES = 65536  # the heads of one response, interim ones included, long
 MAX_INTERIM = 8  # more interim 1xx responses than this before the answer: 502
 
 
-class UpstreamConn(BodyRelay, asyncio.Protocol):
+class ConnState(enum.IntEnum):
+    """Where a connection is in its exchange; only the connection changes it."""
+
+    IDLE = 0  # in the pool, or new: may send a request
+    WAIT_HEAD = 1  # a request sent, its response head not yet in
+    PARKED = 2  # the head is in; reads of the body wait for the exchange to start it
+    BODY = 3  # the body's reads go to the exchange's reader
+    DONE = 4  # the exchange ended; back to IDLE only through the pool
+
+
+IDLE, WAIT_HEAD, PARKED, BODY, DONE = ConnState
+
+
+class ConnHome(Protocol):
+    """What a connection needs of the pool that made it (``pool.UpstreamPool``)."""
+
+    loop: asyncio.AbstractEventLoop
+    idle_timeout_s: float
+    last_read: float  # the latest read on the loop, any connection: the measuring worker waits for a gap
+
+    def discard(self, conn: UpstreamConn) -> None:
+        """The connection is closed or closing: forget it."""
+
+
+class UpstreamConn(asyncio.Protocol):
     """One connection to the upstream, carrying one exchange at a time.
 
-    The handler sends a request (``UpstreamPool.request``), gets the head, writes the client's response
-    head, then ``attach``es the client's transport: from then on each read is forwarded from
-    ``data_received``. The handler waits on ``wait()``, which returns when the body has ended (see
-    ``outcome``) or when the client's transport is full (``paused``): then it waits for the client to
-    drain and calls ``resume()``. The turn's builder is told of every read and of the end."""
+    ``send`` a request and await its head; then ``start_body`` names who gets the body's reads (and
+    which reads came meanwhile); ``body_lost`` is told if the connection goes during the body."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.pool = pool
+    def __init__(self, home: ConnHome) -> None:
+        self.home = home
         self.transport: asyncio.Transport | None = None
-        self.state = _IDLE
+        self.state = IDLE
         self._head_buf = b""
         self._head_waiter: asyncio.Future | None = None
         self.head: ResponseHead | None = None
@@ -82,23 +100,13 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._parked: list[tuple[bytes, float]] = []
         self._eof = False
         self._method = "GET"
-        self.out: asyncio.Transport | None = None
-        self.builder = None
-        self.framing: ChunkedEnd | LengthEnd | UntilClose | None = None
-        self.mode = PASS
-        self.outcome: str | None = None  # "ok", "upstream_truncated", "client_abort" once finished
-        self.error: str | None = None
-        self.paused = False
-        self._waiter: asyncio.Future | None = None
-        self._high = 65536
-        self.last_read = 0.0
-        self._took = 0  # how far the client had taken the body at the last look (body._taken)
-        self._took_at = 0.0  # and when it was last seen taking more
+        self._reader: Callable[[bytes, float], None] | None = None
+        self._lost: Callable[[BaseException | None], None] | None = None
+        self._letgo: Callable[[], None] | None = None  # the body's relay lets go of the sockets, before a close
         self._timer: asyncio.TimerHandle | None = None
-        self._pool_timer: asyncio.TimerHandle | None = None
-        self.reusable = True
-        self._turn = None  # the body's _relayc.Turn while the relay thread has it
-        self.exchanges = 0  # requests sent on this connection: names the exchange a handler is part of
+        self.last_read = 0.0
+        self.reusable = True  # False once anything makes the connection untrustworthy for another exchange
+        self.exchanges = 0  # requests sent on this connection
         self.owner: asyncio.BaseTransport | None = None  # the client connection of its latest exchange
         self._head_seen = 0  # bytes of this exchange's interim heads
         self._interim = 0
@@ -113,13 +121,13 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         t_read = clock()
         self.last_read = t_read
-        self.pool.last_read = t_read  # the measuring worker waits for a gap in these
+        self.home.last_read = t_read
         state = self.state
-        if state == _BODY:
-            self._body(data, t_read)
-        elif state == _WAIT_HEAD:
+        if state is BODY:
+            self._reader(data, t_read)
+        elif state is WAIT_HEAD:
             self._on_head_bytes(data, t_read)
-        elif state == _PARKED:
+        elif state is PARKED:
             self._parked.append((data, t_read))
         else:  # bytes nobody asked for: this connection cannot be trusted with another exchange
             self.reusable = False
@@ -132,23 +140,17 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self.transport = None
         self.reusable = False
         self._cancel_timer()
-        if self._pool_timer is not None:
-            self._pool_timer.cancel()
-        self.pool._forget(self)
         state = self.state
-        if state == _WAIT_HEAD:
+        if state is WAIT_HEAD:
             self.unanswered = not self._head_buf  # not one byte of a response: the request may not have been read
             why = f"the upstream closed the connection before responding ({type(exc).__name__})" if exc else \
                 "the upstream closed the connection before responding"
             self._fail_head(UpstreamError(why))
-        elif state == _PARKED:
+        elif state is PARKED:
             self._eof = True
-        elif state == _BODY:
-            if isinstance(self.framing, UntilClose):
-                self._complete("ok", None)
-            else:
-                reason = f"{type(exc).__name__}: connection lost" if exc else "the upstream closed the connection"
-                self._truncated(f"body incomplete: {reason}")
+        elif state is BODY:
+            self._lost(exc)  # before the pool hears: a turn the relay thread had ended stays as it ended
+        self.home.discard(self)
 
     def pause_writing(self) -> None:  # our request is large and the upstream is slow to read it
         pass
@@ -156,25 +158,53 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
     def resume_writing(self) -> None:
         pass
 
-    # --- sending and the head -----------------------------------------------------------------------------
+    # --- one exchange: the request, the head, the body ----------------------------------------------
 
     def send(self, method: str, data: bytes | tuple[bytes, bytes]) -> asyncio.Future:
-        assert self.state == _IDLE and self.transport is not None
-        if self._pool_timer is not None:
-            self._pool_timer.cancel()
-            self._pool_timer = None
+        """Send a request (or a tuple of its head and a large body, written without joining them): a
+        future of its response head (raises ``UpstreamError``)."""
+        assert self.state is IDLE and self.transport is not None
         self._method = method
         self.exchanges += 1
         self._head_seen = self._interim = 0
-        self.state = _WAIT_HEAD
-        self._head_waiter = self.pool.loop.create_future()
-        if type(data) is tuple:  # (head, a large body): written without joining them (a copy of the body)
+        self.state = WAIT_HEAD
+        self._head_waiter = self.home.loop.create_future()
+        if type(data) is tuple:
             self.transport.writelines(data)
         else:
             self.transport.write(data)
         self.last_read = clock()
         self._arm_timer()
         return self._head_waiter
+
+    def start_body(self, reader: Callable[[bytes, float], None], lost: Callable[[BaseException | None], None],
+                   letgo: Callable[[], None]) -> tuple[list[tuple[bytes, float]], bool]:
+        """From now on each read of the body goes to ``reader``, a lost connection to ``lost``, and
+        ``letgo`` is called before the connection is closed (the relay thread lets go of the sockets
+        first). Returns the reads that came with or after the head (with their times) and whether the
+        upstream has closed."""
+        assert self.state is PARKED and self.head is not None
+        self.state = BODY
+        self._reader = reader
+        self._lost = lost
+        self._letgo = letgo
+        parked, self._parked = self._parked, []
+        return parked, self._eof
+
+    def end_body(self) -> None:
+        """The exchange ended: no read goes anywhere until the pool makes the connection idle again."""
+        self.state = DONE
+        self._reader = self._lost = self._letgo = None
+
+    def make_idle(self) -> None:
+        """Back in the pool after an exchange: ready for the next request."""
+        self.state = IDLE
+        self.head = None
+        self._parked = []
+        self._eof = False
+
+    def forbid_reuse(self) -> None:
+        self.reusable = False
 
     def _on_head_bytes(self, data: bytes, t_read: float) -> None:
         """Bytes of the response head. One size limit for the heads of a response (interim ones included),
@@ -225,7 +255,7 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
             self._head_buf = b""
             self.head = head
             self.t_head = t_read
-            self.state = _PARKED
+            self.state = PARKED
             self._cancel_timer()
             if rest:
                 self._parked.append((rest, t_read))
@@ -243,68 +273,46 @@ class UpstreamConn(BodyRelay, asyncio.Protocol):
         self._cancel_timer()
         waiter = self._head_waiter
         self._head_waiter = None
-        self.state = _DONE
+        self.state = DONE
         self.reusable = False
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
-    def abandon(self, outcome: str, reason: str, exchange: int | None = None) -> None:
-        """The handler is going away (the client hung up, or a bug): end the exchange, drop the connection.
-
-        ``exchange`` (``exchanges`` when the handler's request was sent): when that exchange is over and the
-        connection already serves another handler's (it went back to the pool as this handler was being
-        cancelled), there is nothing of this handler's left to end."""
-        if exchange is not None and exchange != self.exchanges:
-            return
-        if self._thread_ended_first():
-            return  # the body had ended: the connection is as good as after any other exchange
-        if self.state == _WAIT_HEAD:
+    def fail_head(self, reason: str) -> None:
+        """The exchange is going away while its head is awaited: fail the wait, and the connection."""
+        if self.state is WAIT_HEAD:
             self._fail_head(UpstreamError(reason))
-        if self.state != _DONE:
-            self.reusable = False
-            self._complete(outcome, reason)
         self.close()
 
-    # --- deadlines and closing ----------------------------------------------------------------------
+    # --- the head's deadline, and closing -----------------------------------------------------------
 
-    def _arm_timer(self, delay: float | None = None) -> None:
+    def _arm_timer(self) -> None:
         self._cancel_timer()
-        self._timer = self.pool.loop.call_later(self.pool.idle_timeout_s if delay is None else delay,
-                                                self._check_idle)
+        self._timer = self.home.loop.call_later(self.home.idle_timeout_s, self._check_head)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _check_idle(self) -> None:
-        """One timer per idle period, not per read: re-armed for what is left when bytes came meanwhile.
-        While the client is what holds the body back, its send deadline instead (``_send_left``)."""
+    def _check_head(self) -> None:
+        """One timer for the head's wait, re-armed for what is left when bytes of it came meanwhile."""
         self._timer = None
-        now = clock()
-        left = self._send_left(now)
-        if left is not None:
-            if left > 0:
-                self._timer = self.pool.loop.call_later(left, self._check_idle)
+        if self.state is not WAIT_HEAD:
             return
-        turn = self._turn
-        if turn is not None:  # the thread's reads
-            self.last_read = max(self.last_read, turn.last_activity)
-        left = self.last_read + self.pool.idle_timeout_s - now
+        left = self.last_read + self.home.idle_timeout_s - clock()
         if left > 0:
-            if turn is not None:  # soon enough to see the client hold the thread back (send_timeout_s)
-                left = min(left, self.pool.send_timeout_s / LOOKS)
-            self._timer = self.pool.loop.call_later(left, self._check_idle)
+            self._timer = self.home.loop.call_later(left, self._check_head)
             return
-        limit = f"idle_timeout_s ({self.pool.idle_timeout_s:g} s)"
-        if self.state == _WAIT_HEAD:
-            self._fail_head(UpstreamError(f"no response head within {limit}", timeout=True))
-            self.close()
-        elif self.state == _BODY and not self.paused:
-            self._truncated(f"no byte from the upstream within {limit}")
+        self._fail_head(UpstreamError(f"no response head within idle_timeout_s ({self.home.idle_timeout_s:g} s)",
+                                      timeout=True))
+        self.close()
 
     def close(self) -> None:
         self.reusable = False
-        self._thread_detach()  # the thread lets go of the sockets before they close
+        self._cancel_timer()
+        letgo, self._letgo = self._letgo, None
+        if letgo is not None:
+            letgo()
         if self.transport is not None:
             self.transport.close()

@@ -310,7 +310,7 @@ def test_an_idle_connection_with_bytes_waiting_is_not_taken_from_the_pool(make_s
             ports = {sock.getsockname()[1]}
             junk_now.set()
             await await_until(lambda: kernel_queued(ports) >= len(EVIL), 5, what="the late bytes queued")
-            taken = pool._take_idle(conn.owner)
+            taken = pool.checkout(conn.owner)
             return taken, conn
 
     taken, conn = stack.run(go())

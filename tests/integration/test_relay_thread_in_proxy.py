@@ -15,7 +15,7 @@ import time
 import pytest
 
 from specproxy.wire import relay_thread
-from specproxy.wire import upstream
+from specproxy.wire import exchange
 
 pytestmark = pytest.mark.skipif(relay_thread._relayc is None, reason="specproxy.wire._relayc is not built")
 
@@ -75,7 +75,7 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
     from faultkit import db_records
 
     abandoned = threading.Event()
-    real_abandon = upstream.UpstreamConn.abandon
+    real_abandon = exchange.Exchange.abandon
 
     def abandon(self, *args):
         abandoned.set()
@@ -89,7 +89,7 @@ def test_a_client_hanging_up_right_after_the_end_leaves_an_ok_turn(make_stack, t
             return  # the eventfd stays readable: the loop calls again, after its other events
         real_collect(self)
 
-    monkeypatch.setattr(upstream.UpstreamConn, "abandon", abandon)
+    monkeypatch.setattr(exchange.Exchange, "abandon", abandon)
     monkeypatch.setattr(relay_thread.TurnSink, "_collect", late_collect)
     stack, fetch = body_after_head_stack(make_stack, tiktoken_tok, sse_body(["Hel", "lo"]))
 

@@ -102,7 +102,7 @@ def test_clients_that_never_read_do_not_hold_max_concurrent_from_readers(make_st
         # as soon as the three wait on their clients (a moment after they started), not after 60 s
         wait_until(lambda: _small_get(stack.service.port) == 200, 20, 0.1, "a reading client answered")
         wait_until(lambda: proxy.counters.in_flight == 3, 20, what="the reading client's exchange over")
-        assert proxy._pool.held_by_clients() == 3
+        assert proxy.held_by_clients == 3
         clients += [_stalled_client(stack.service.port) for _ in range(3)]
         wait_until(lambda: proxy.counters.in_flight == 6, 20, what="three more stalled exchanges admitted")
         busy = proxy.counters.rejected_busy
@@ -154,7 +154,7 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
     client has taken nothing for the send deadline, it is cut; a client that takes bytes, or a buffer
     that drained, is left alone. (Driven with a transport of our own: which answers end so depends on
     the kernel's buffers.)"""
-    from specproxy.wire.body import _watch_unsent
+    from specproxy.wire.exchange import watch_unsent
 
     class Out:
         def __init__(self, takes: int = 0) -> None:
@@ -181,7 +181,7 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
         loop = asyncio.get_running_loop()
         stuck, reading, drained = Out(), Out(takes=100), Out()
         for out in (stuck, reading, drained):
-            _watch_unsent(out, loop, 0.01)
+            watch_unsent(out, loop, 0.01)
         drained.unsent = 0
         await asyncio.wait_for(stuck.aborted.wait(), 10)
         await asyncio.wait_for(reading.looked_at.wait(), 10)  # several looks, each finding it took some

@@ -161,6 +161,7 @@ def test_abandoning_an_exchange_that_is_over_leaves_the_connections_next_one_alo
 
     from yarl import URL
 
+    from specproxy.wire.exchange import Exchange
     from specproxy.wire.pool import UpstreamPool
     from specproxy.wire.upstream import PASS
 
@@ -181,18 +182,20 @@ def test_abandoning_an_exchange_that_is_over_leaves_the_connections_next_one_alo
         pool = UpstreamPool(URL(f"http://127.0.0.1:{port}"), connect_timeout_s=5, idle_timeout_s=30)
         try:
             client = _Client()  # one client connection: its next request reuses the upstream connection
-            conn = await asyncio.wait_for(pool.request("POST", b"POST /first HTTP/1.1\r\nHost: x\r\n\r\n", client), 5)
-            first = conn.exchanges
-            conn.attach(client, None, PASS)  # the whole body came with the head: over at once
-            assert conn.outcome == "ok" and conn in pool.idle
-            second = asyncio.ensure_future(pool.request("POST", b"POST /second HTTP/1.1\r\nHost: x\r\n\r\n", client))
+            first = Exchange(pool, None)
+            await asyncio.wait_for(first.send("POST", b"POST /first HTTP/1.1\r\nHost: x\r\n\r\n", client), 5)
+            conn = first.conn
+            first.attach(client, PASS)  # the whole body came with the head: over at once
+            assert first.outcome == "ok" and conn in pool.idle
+            following = Exchange(pool, None)
+            second = asyncio.ensure_future(following.send("POST", b"POST /second HTTP/1.1\r\nHost: x\r\n\r\n", client))
             await asyncio.wait_for(requests.get(), 5)
             await asyncio.wait_for(requests.get(), 5)  # the second request reached the upstream
-            assert conn in pool.active and conn.exchanges == first + 1
-            conn.abandon("client_abort", "client disconnected", first)  # the first handler, cancelled late
+            assert conn in pool.active and following.conn is conn and conn.exchanges == 2
+            first.abandon("client_abort", "client disconnected")  # the first handler, cancelled late
             await asyncio.sleep(0)
             assert not second.done(), "the next exchange was failed by a handler that was already done"
-            conn.abandon("client_abort", "client disconnected", first + 1)  # its own handler: it ends
+            following.abandon("client_abort", "client disconnected")  # its own handler: it ends
             with pytest.raises(UpstreamError, match="client disconnected"):
                 await asyncio.wait_for(second, 5)
         finally:

@@ -142,7 +142,7 @@ def test_body_reads_take_the_path_the_relay_setting_says(make_stack, tiktoken_to
     original = upstream.UpstreamConn.data_received
 
     def spy(self, data):
-        if self.state == upstream._BODY:
+        if self.state is upstream.ConnState.BODY:
             body_reads_in_python.append(data)
         return original(self, data)
 

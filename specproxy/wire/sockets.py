@@ -1,0 +1,63 @@
+"""What the wire asks of a socket under an asyncio transport: its descriptor, TCP_NODELAY, and how far
+the peer has taken our bytes.
+
+Why apart: the pool, the connection, both relays and the exchange each need one of these, and none of
+them should import another for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+__all__ = ["acked_bytes", "no_delay", "plain_socket_fd", "taken"]
+
+
+def plain_socket_fd(transport: asyncio.BaseTransport) -> int | None:
+    """The descriptor under a transport, if its bytes are the wire's (no TLS in between); else None."""
+    if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    fd = sock.fileno()
+    return fd if fd >= 0 else None
+
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_ACKED = slice(120, 128)  # struct tcp_info's tcpi_bytes_acked (Linux >= 4.1), a u64 in the host's byte order
+
+
+def acked_bytes(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes of ours the peer's TCP has acknowledged on this connection: it goes up as the peer reads
+    (its window opens), and stays put while it does not. None where the kernel does not say.
+
+    Why not the writes we manage: the kernel reports a full socket writable again only once half of its
+    send queue (megabytes, autotuned) has gone, so a client reading slowly but steadily would look
+    stalled for many seconds between two writes."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 232)
+    except (OSError, AttributeError):
+        return None
+    return int.from_bytes(info[_ACKED], sys.byteorder) if len(info) >= _ACKED.stop else None
+
+
+def taken(out: asyncio.BaseTransport) -> int:
+    """How far the client has taken the response: the bytes its TCP acknowledged, or (where the kernel
+    does not say) minus what waits in our buffer for it. Goes up exactly when the client takes bytes."""
+    acked = acked_bytes(out)
+    return acked if acked is not None else -out.get_write_buffer_size()
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on the socket under a transport: a token must not wait for Nagle's algorithm."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
