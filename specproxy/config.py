@@ -8,6 +8,7 @@ under it cannot surprise it. ``config.example.toml`` documents every key and is 
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from yarl import URL
 from specproxy.errors import ConfigError
 
 __all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "SCAN_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
-           "child_environment", "load_config", "server_root"]
+           "check_sink_url", "child_environment", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -145,6 +146,27 @@ class Config:
     """``c`` or ``python``: the measuring's per-chunk scans (stripping the framing, reading the stream's
     text) in C, or in Python (more CPU, same results; the path without a compiler at install)."""
 
+    proxy_name: str | None = None
+    """This proxy's name in a fleet, stamped on every turn (``proxy_name``): unset, the machine's host
+    name. Turns shipped to one database are told apart by it, so each proxy needs its own: a sink refuses
+    to ship under a name another proxy's database already ships under (docs/operations.md, "Fleet")."""
+    sink: str | None = None
+    """Where a fleet's turns go besides the local database: one or more ``postgresql://USER@HOST[:PORT]/DB``
+    URLs, separated by commas. The local database stays the record and the outbox: a shipper thread per
+    sink sends its turns and scrapes in batches and remembers in it how far it got, so a sink that is
+    down or slow never holds traffic up. A password never goes in the URL (refused): libpq reads it from
+    ``PGPASSWORD`` or a ``.pgpass`` file."""
+
+    @property
+    def name_of_proxy(self) -> str:
+        """``proxy_name``, or the host name when it is unset."""
+        return self.proxy_name or socket.gethostname()
+
+    @property
+    def sinks(self) -> tuple[str, ...]:
+        """The ``sink`` URLs, in order."""
+        return tuple(u.strip() for u in (self.sink or "").split(",") if u.strip())
+
     @property
     def upstream_url(self) -> URL:
         """The upstream server's root: what every client path is appended to, and what ``metrics_path``
@@ -229,6 +251,26 @@ def check_label(label: str, what: str = "--label") -> None:
                           "(@START..END): choose a label that does not")
 
 
+SINK_SCHEMES = ("postgresql", "postgres")
+
+
+def check_sink_url(url: str) -> None:
+    """A sink URL specproxy can ship to, without a password in it (it would show in the process list
+    and the logs): one line saying what is wrong, else nothing."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        raise ConfigError(f"sink {url!r} is not a URL") from None
+    if parsed.password is not None or "password" in parsed.query:
+        raise ConfigError("sink URL holds a password: take it out of the URL and give it to libpq in "
+                          "PGPASSWORD or a ~/.pgpass file (a URL shows in the process list and the logs)")
+    if parsed.scheme not in SINK_SCHEMES:
+        raise ConfigError(f"sink {url!r}: unknown kind {parsed.scheme!r} (a sink is "
+                          "postgresql://USER@HOST[:PORT]/DB)")
+    if not parsed.host or not parsed.path.strip("/"):
+        raise ConfigError(f"sink {url!r} needs a host and a database: postgresql://USER@HOST[:PORT]/DB")
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -269,6 +311,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"scan must be one of {', '.join(SCAN_MODES)}, not {cfg.scan!r}")
     if cfg.relay_slice_us < 0:
         raise ConfigError("relay_slice_us must be >= 0 (0 keeps the kernel's default)")
+    if cfg.proxy_name is not None and not (0 < len(cfg.proxy_name) <= 100 and cfg.proxy_name.isprintable()):
+        raise ConfigError(f"proxy_name {cfg.proxy_name!r} must be 1 to 100 printable characters")
+    for url in cfg.sinks:
+        check_sink_url(url)
     if cfg.cadence_poll not in CADENCE_POLL_MODES:
         raise ConfigError(f"cadence_poll must be one of {', '.join(CADENCE_POLL_MODES)}, not {cfg.cadence_poll!r}")
     return cfg

@@ -112,6 +112,10 @@ def _pages_line(cfg: Config, url: str) -> str:
 @db_option
 @_setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
 @_setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@_setting("--proxy-name", "proxy_name", "This proxy's name in a fleet, stamped on every turn (unset: the host name)")
+@_setting("--sink", "sink",
+          "Also ship turns to postgresql://USER@HOST[:PORT]/DB (commas between several); the password from "
+          "PGPASSWORD or .pgpass, never the URL")
 @_setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
 @_setting("--client-header", "client_header",
           "The request header naming the client for audit (its value is stored: a header that may carry a "
@@ -182,7 +186,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
     # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
-    service.pages = LivePages(cfg.db, writer=service.writer)
+    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers)
     install_uvloop()
 
     def ready(svc: Service) -> None:

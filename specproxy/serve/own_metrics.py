@@ -236,6 +236,16 @@ STATE = (
      "Bytes charged to the memory budget: request bodies, kept response bytes, turns waiting to be measured",
      "gauge"),
     ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", "gauge"),
+    ("sink_rows_behind", "specproxy_sink_rows_behind",
+     "Local rows (turns, scrapes, counter joins) a sink has not taken yet, over every sink", "gauge"),
+    ("sink_seconds_behind", "specproxy_sink_seconds_behind",
+     "Age of the oldest turn a sink has not taken yet (0 when none waits), the most over every sink", "gauge"),
+    ("sink_rows_shipped", "specproxy_sink_rows_shipped", "Rows the sinks took", "counter"),
+    ("sink_batches_failed", "specproxy_sink_batches_failed",
+     "Batches a sink took nothing of (unreachable, credentials, permissions): the rows wait locally", "counter"),
+    ("sink_rows_set_aside", "specproxy_sink_rows_set_aside",
+     "Rows a sink refused (a constraint, a value out of range): set aside with the reason in sink_refused",
+     "counter"),
 )
 
 

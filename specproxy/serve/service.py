@@ -41,6 +41,8 @@ from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
 from specproxy.store.captures import capture_item
+from specproxy.store.shipper import Shipper
+from specproxy.store.sinks import make_sink
 from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.builder import RecordBuilder
@@ -200,6 +202,7 @@ class Service:
     pages: Pages | None = None  # the live page's pictures, composed in from above (view.live); None: no page
     metrics: OwnMetrics | None = None
     admin: Admin | None = None
+    shippers: list[Shipper] = field(default_factory=list)  # one per Config sink (store/shipper.py)
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
@@ -212,9 +215,9 @@ class Service:
         sockets = bind_listeners(cfg.host, cfg.port)
         try:
             tokenizer = load_tokenizer(cfg.tokenizer)
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size,
-                                                                  scrape_retention_days=cfg.scrape_retention_days),
-                       _sockets=sockets)
+            writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
+            shippers = [Shipper(cfg.db, make_sink(url), cfg.name_of_proxy) for url in cfg.sinks]
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
         except BaseException:
             for sock in sockets:
                 sock.close()
@@ -257,6 +260,8 @@ class Service:
         if self.cfg.capture:
             self.proxy.on_built = self._capture
         await self.proxy.start()
+        for shipper in self.shippers:  # after the writer made the file: they read it forward
+            shipper.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
         mode = self.cfg.cadence_poll
@@ -356,7 +361,19 @@ class Service:
             "measure_shed": p.shed_prompts if p else 0,
             "memory_used": p.memory_used if p else 0,
             "memory_budget": p.budget if p else 0,
+            **self._sink_state(),
         }
+
+    def _sink_state(self) -> dict[str, float]:
+        """The shippers' figures, summed over the sinks (the most for seconds behind); none without a sink."""
+        ships = self.shippers
+        if not ships:
+            return {}
+        return {"sink_rows_behind": sum(s.rows_behind for s in ships),
+                "sink_seconds_behind": max(s.seconds_behind for s in ships),
+                "sink_rows_shipped": sum(s.rows_shipped for s in ships),
+                "sink_batches_failed": sum(s.batches_failed for s in ships),
+                "sink_rows_set_aside": sum(s.rows_set_aside for s in ships)}
 
     def log_state(self) -> asyncio.Future:
         """Log the state line (on SIGUSR1, from the loop). Counting descriptors lists a directory, which
@@ -411,6 +428,8 @@ class Service:
             self.watch = None
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close)
+        for shipper in self.shippers:  # what they have not sent stays in the file for the next run
+            await asyncio.to_thread(shipper.close)
 
     @staticmethod
     async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:
