@@ -436,6 +436,9 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     if cutoff > time.time():
         raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
     path = _db_path(db)
+    if path.startswith(("postgresql://", "postgres://")):  # a fleet's database (serve --sink)
+        _prune_postgres(path, cutoff, with_turns, vacuum)
+        return
     size = Path(path).stat().st_size if Path(path).is_file() else 0
     scrapes = turns = counters = 0
     with open_existing(path, readonly=False) as conn:
@@ -452,6 +455,20 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {path}")
     if vacuum:
         click.echo(f"vacuumed: {size / 1e6:.1f} MB -> {Path(path).stat().st_size / 1e6:.1f} MB")
+
+
+def _prune_postgres(url: str, cutoff: float, with_turns: bool, vacuum: bool) -> None:
+    from specproxy.config import check_sink_url
+    from specproxy.store.sinks.pg_retention import prune_postgres
+
+    if vacuum:
+        raise SpecproxyError("--vacuum is for an SQLite file: PostgreSQL's autovacuum reclaims the space, and "
+                             "turns go by whole day partitions")
+    check_sink_url(url)
+    n = prune_postgres(url, cutoff, turns=with_turns)
+    deleted = f"{n['scrapes']} scrapes" + (f", {n['turns']} turns ({n['partitions']} whole day partitions dropped) "
+                                           f"and their {n['turn_counters']} counter joins" if with_turns else "")
+    click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {url}")
 
 
 def _iso(t: float) -> str:

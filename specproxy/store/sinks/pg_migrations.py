@@ -12,7 +12,8 @@ fleet-wide ``id`` (with ``t_wall``, which a partition key must be part of) so th
 held once. Indexes: what the report's windows need and nothing more (the day partitions prune a time
 window, ``t_wall`` orders inside one, ``label`` picks an arm). ``scrapes`` are keyed by the local
 database that took them (``store_id``) and their local id. ``proxies`` says which local database ships
-under which ``proxy_name``. Booleans are SMALLINT, as SQLite stores them, so both databases load the
+under which ``proxy_name``. ``seq`` numbers the turns in the order this database took them (the
+analysis's load path asks a store for such a key, as SQLite's rowid is: ``store/source.py``). Booleans are SMALLINT, as SQLite stores them, so both databases load the
 same columns.
 """
 
@@ -37,7 +38,7 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     finish_reason TEXT, server_timings TEXT, tokenizer TEXT, prompt_text TEXT, response_text TEXT,
     measure_capped SMALLINT, measure_capped_reason TEXT, measured SMALLINT, prefix_reused_tokens INTEGER,
     prefix_break_part TEXT, turn_diff TEXT, tools_defined INTEGER, tools_called INTEGER, tool_names TEXT,
-    proxy_name TEXT NOT NULL,
+    proxy_name TEXT NOT NULL, seq BIGSERIAL NOT NULL,
     PRIMARY KEY (id, t_wall)
 ) PARTITION BY RANGE (t_wall)""",
         "CREATE INDEX turns_t_wall ON turns (t_wall)",

@@ -105,9 +105,6 @@ class PostgresSink:
         try:
             migrate(conn)
             self._claim(conn, identity)
-            for table in _TABLES:
-                conn.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DELETE ROWS").format(
-                    sql.Identifier(f"stage_{table}"), sql.Identifier(table)))
         except psycopg.errors.InsufficientPrivilege as exc:
             conn.close()
             raise SinkError(f"permission denied ({one_line(exc)}): the user needs the right to create tables in "
@@ -152,6 +149,11 @@ class PostgresSink:
                 sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, names)),
                 sql.SQL(", ").join(map(sql.Identifier, names)), sql.Identifier(f"stage_{table}"))
             truncate = sql.SQL("TRUNCATE {}").format(sql.Identifier(f"stage_{table}"))
+            # the staging table: the columns sent, of the table's types, no constraints (the INSERT checks them)
+            conn.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {} FROM {} "
+                                 "WITH NO DATA").format(sql.Identifier(f"stage_{table}"),
+                                                        sql.SQL(", ").join(map(sql.Identifier, names)),
+                                                        sql.Identifier(table)))
             with conn.transaction():
                 self._insert(conn, copy, insert, truncate, [(i, extra + row) for i, row in enumerate(rows)], refused)
         except psycopg.Error as exc:
