@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from faultkit import wait_until
 from pgserver import LOCKED_PASSWORD
@@ -304,6 +305,16 @@ def test_serve_with_a_failing_sink_forwards_records_and_says_why(tmp_path, pg_se
         assert len(lines) == 1, lines  # once per cause, however often it is retried
         page = urllib.request.urlopen(proc.url + "/_specproxy/", timeout=30).read().decode()
         assert why in page
+        # the shipper's figures on /_specproxy/metrics: the three turns wait, batches failed
+        def read_metrics() -> dict[str, float]:
+            page = urllib.request.urlopen(proc.url + "/_specproxy/metrics", timeout=30).read().decode()
+            return {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+
+        # (the shipper counts what waits after each attempt: the last turns are counted by the next)
+        wait_until(lambda: read_metrics()["specproxy_sink_rows_behind"] == 3, 30, 0.1, "the outbox counted")
+        metrics = read_metrics()
+        assert metrics["specproxy_sink_rows_behind"] == 3 and metrics["specproxy_sink_rows_shipped_total"] == 0
+        assert metrics["specproxy_sink_batches_failed_total"] >= 1 and metrics["specproxy_sink_seconds_behind"] > 0
     finally:
         proc.signal(signal.SIGTERM)
         proc.wait(60)
