@@ -3,7 +3,7 @@
     python scripts/bench_ship.py                  # 100k turns, 3 rounds, a PostgreSQL of its own
     python scripts/bench_ship.py -n 200000 --rounds 5
 
-In one run: N turns (``make_record``, one day's worth of ``t_wall``) written to a fresh SQLite file by
+In one run: N turns (500 kinds from ``make_record``, each under many ids, over the last hour) written to a fresh SQLite file by
 the Writer (not timed), then shipped by ``store/shipper.py`` to a fresh database of a PostgreSQL server
 this script starts on 127.0.0.1 (Debian's binaries, as the test suite does: ``tests/pgserver.py``), and
 timed from ``start`` until ``caught_up``. Reports turns/s and the shipper thread's CPU per turn (its
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import statistics
 import sys
 import tempfile
@@ -31,10 +32,13 @@ import psycopg  # noqa: E402
 from benchlib import cpu_model  # noqa: E402
 from pgserver import PgServer, pg_bin  # noqa: E402
 from specproxy.app.fake_upstream import make_record  # noqa: E402
-from specproxy.record import FIELD_NAMES  # noqa: E402
+from specproxy.record import FIELD_NAMES, new_turn_id  # noqa: E402
 from specproxy.store.shipper import Shipper  # noqa: E402
 from specproxy.store.sinks.postgres import PostgresSink  # noqa: E402
 from specproxy.store.writer import Writer  # noqa: E402
+
+
+KINDS = [make_record(seed=i) for i in range(500)]  # turns of varied figures, each shipped under many ids
 
 
 def thread_cpu_s(native_id: int) -> float:
@@ -48,8 +52,9 @@ def one_round(pg: PgServer, n: int, tmp: Path) -> tuple[float, float, float]:
     db = tmp / f"r{time.monotonic_ns()}.db"
     w = Writer(db, queue_size=n + 10)
     now = time.time()
-    for i in range(n):
-        w.put(make_record(t_wall=now - 3600 + i * 3600 / n, seed=i))
+    records = [replace(KINDS[i % len(KINDS)], id=new_turn_id(), t_wall=now - 3600 + i * 3600 / n) for i in range(n)]
+    for r in records:
+        w.put(r)
     w.close(600)
     name = pg.new_database()
     shipper = Shipper(db, PostgresSink(pg.url(name)), "bench", idle_s=0.01)
@@ -62,7 +67,8 @@ def one_round(pg: PgServer, n: int, tmp: Path) -> tuple[float, float, float]:
     shipper.close()
     assert shipper.rows_shipped == n, (shipper.rows_shipped, shipper.last_error)
     # the baseline: the same rows by one bare COPY into a plain table of the same columns
-    rows = [tuple(getattr(make_record(t_wall=now, seed=i), f) for f in FIELD_NAMES) for i in range(n)]
+    rows = [tuple(int(v) if isinstance(v, bool) else v for v in map(r.__getattribute__, FIELD_NAMES))
+            for r in records]  # as SQLite gives them back (booleans 0/1)
     with psycopg.connect(pg.url(name), autocommit=True) as conn:
         conn.execute("CREATE TABLE bare AS SELECT " + ", ".join(FIELD_NAMES) + " FROM turns WITH NO DATA")
         b0 = time.perf_counter()
