@@ -7,6 +7,7 @@ under it cannot surprise it. ``config.example.toml`` documents every key and is 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tomllib
@@ -160,7 +161,7 @@ class Config:
     @property
     def name_of_proxy(self) -> str:
         """``proxy_name``, or the host name when it is unset."""
-        return self.proxy_name or socket.gethostname()
+        return self.proxy_name or _host_name()
 
     @property
     def sinks(self) -> tuple[str, ...]:
@@ -249,6 +250,12 @@ def check_label(label: str, what: str = "--label") -> None:
     if label.startswith("@"):
         raise ConfigError(f"{what} {label!r} begins with '@', which compare reads as a time window "
                           "(@START..END): choose a label that does not")
+
+
+@functools.cache
+def _host_name() -> str:
+    """The machine's name, asked once (every request's record reads ``name_of_proxy`` on the event loop)."""
+    return socket.gethostname()
 
 
 SINK_SCHEMES = ("postgresql", "postgres")

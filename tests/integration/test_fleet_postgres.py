@@ -385,3 +385,28 @@ def test_prune_drops_whole_days_and_cuts_the_day_it_falls_in(tmp_path, pg_server
     bad = CliRunner().invoke(main, ["prune", "--db", pg_server.url(pgdb, user="locked") .replace("locked@", "locked:pw@"),
                                     "--before", str(cut)])
     assert bad.exit_code == 2 and "holds a password" in bad.output
+
+
+@pytest.mark.parametrize("url, why", [
+    ("postgresql://u:secret-pw@h/db", "holds a password"),
+    ("postgresql://u@h/db?password=secret-pw", "holds a password"),
+    ("mysql://u@h/db", "unknown kind 'mysql'"),
+    ("postgresql://u@h", "needs a host and a database"),
+])
+def test_a_bad_sink_url_is_one_line_and_never_echoes_a_password(url, why):
+    from specproxy.config import load_config
+    from specproxy.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"sink": url})
+    assert why in str(err.value) and "secret-pw" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sinks_and_proxy_name_from_the_config():
+    from specproxy.config import Config, load_config
+
+    cfg = load_config(env={"SPECPROXY_SINK": "postgresql://a@h1/x, postgresql://b@h2/y", "SPECPROXY_PROXY_NAME": "edge-7"})
+    assert cfg.sinks == ("postgresql://a@h1/x", "postgresql://b@h2/y") and cfg.name_of_proxy == "edge-7"
+    import socket
+
+    assert Config().name_of_proxy == socket.gethostname() and Config().sinks == ()
