@@ -37,8 +37,9 @@ def config_example() -> str:
         env = f"SPECPROXY_{f.name.upper()}"
         out.append(f"# environment: {env}")
         if default is None:
-            example = {"upstream": "http://127.0.0.1:8000", "label": "config-a",
-                       "admin_token": "a-long-random-secret"}.get(f.name, "hf:/path/to/tokenizer-dir")
+            example = {"upstream": "http://127.0.0.1:8000", "label": "config-a", "tokenizer": "hf:/path/to/tokenizer-dir",
+                       "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
+                       "sink": "postgresql://specproxy@db.internal/fleet"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")
@@ -63,7 +64,20 @@ def schema_md() -> str:
             "| `t_wall` | `float` | the turn's `t_wall` |",
             "| `method`, `path` | `str` | as the client sent them |",
             "| `content_encoding` | `str` | the request's Content-Encoding (empty when none); `body` is in it |",
-            "| `body` | `bytes` | the request body, byte for byte |"]
+            "| `body` | `bytes` | the request body, byte for byte |",
+            "", "## The fleet's tables", "",
+            "In the local SQLite file (its outbox for the sinks, `serve --sink`; [operations.md](operations.md), \"Fleet\"):", "",
+            "| table | field | meaning |", "| --- | --- | --- |",
+            "| `store_meta` | `key`, `value` | `store_id`: the file's own random id (32 hex digits), made once by its migration: the sink tells proxies that share a `proxy_name` apart by it |",
+            "| `sink_progress` | `sink`, `tbl`, `last_rowid`, `updated` | per sink (its URL, never a password) and shipped table (`turns`, `scrapes`, `turn_counters`): the last local rowid the sink took, and when (UTC epoch seconds) |",
+            "| `sink_refused` | `sink`, `tbl`, `row_key`, `reason`, `t_set_aside` | a row the sink refused (a turn's `id`, a scrape's `id`, a counter join's `turn_id`), PostgreSQL's one-line reason (never the row's values), when |",
+            "", "In the fleet's PostgreSQL database (`store/sinks/pg_migrations.py`):", "",
+            "| table | holds |", "| --- | --- |",
+            "| `turns` | every field above, of every proxy; partitioned by UTC day on `t_wall` (`turns_YYYYMMDD`), keyed by (`id`, `t_wall`); booleans as SMALLINT 0/1, as SQLite holds them |",
+            "| `scrapes` | the local `scrapes` rows, with `store_id` and `proxy_name` in front; keyed by (`store_id`, `id`) |",
+            "| `turn_counters` | the local `turn_counters` rows (a lone turn's counter deltas), keyed by `turn_id` |",
+            "| `proxies` | `proxy_name`, the `store_id` that ships under it, `first_seen`, `last_seen` |",
+            "| `specproxy_migrations` | the PostgreSQL migrations applied (`name`, `applied_at`) |"]
     return "\n".join(out) + "\n"
 
 

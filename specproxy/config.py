@@ -7,7 +7,9 @@ under it cannot surprise it. ``config.example.toml`` documents every key and is 
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -18,7 +20,7 @@ from yarl import URL
 from specproxy.errors import ConfigError
 
 __all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
-           "child_environment", "load_config", "server_root"]
+           "check_sink_url", "child_environment", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -142,6 +144,27 @@ class Config:
     aiohttp's server; off sends every connection to aiohttp's server (more CPU per request; for
     comparisons, and a way around a bug in the lane)."""
 
+    proxy_name: str | None = None
+    """This proxy's name in a fleet, stamped on every turn (``proxy_name``): unset, the machine's host
+    name. Turns shipped to one database are told apart by it, so each proxy needs its own: a sink refuses
+    to ship under a name another proxy's database already ships under (docs/operations.md, "Fleet")."""
+    sink: str | None = None
+    """Where a fleet's turns go besides the local database: one or more ``postgresql://USER@HOST[:PORT]/DB``
+    URLs, separated by commas. The local database stays the record and the outbox: a shipper thread per
+    sink sends its turns and scrapes in batches and remembers in it how far it got, so a sink that is
+    down or slow never holds traffic up. A password never goes in the URL (refused): libpq reads it from
+    ``PGPASSWORD`` or a ``.pgpass`` file."""
+
+    @property
+    def name_of_proxy(self) -> str:
+        """``proxy_name``, or the host name when it is unset."""
+        return self.proxy_name or _host_name()
+
+    @property
+    def sinks(self) -> tuple[str, ...]:
+        """The ``sink`` URLs, in order."""
+        return tuple(u.strip() for u in (self.sink or "").split(",") if u.strip())
+
     @property
     def upstream_url(self) -> URL:
         """The upstream server's root: what every client path is appended to, and what ``metrics_path``
@@ -229,6 +252,32 @@ def check_label(label: str, what: str = "--label") -> None:
                           "(@START..END): choose a label that does not")
 
 
+@functools.cache
+def _host_name() -> str:
+    """The machine's name, asked once (every request's record reads ``name_of_proxy`` on the event loop)."""
+    return socket.gethostname()
+
+
+SINK_SCHEMES = ("postgresql", "postgres")
+
+
+def check_sink_url(url: str) -> None:
+    """A sink URL specproxy can ship to, without a password in it (it would show in the process list
+    and the logs): one line saying what is wrong, else nothing."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        raise ConfigError(f"sink {url!r} is not a URL") from None
+    if parsed.password is not None or "password" in parsed.query:
+        raise ConfigError("sink URL holds a password: take it out of the URL and give it to libpq in "
+                          "PGPASSWORD or a ~/.pgpass file (a URL shows in the process list and the logs)")
+    if parsed.scheme not in SINK_SCHEMES:
+        raise ConfigError(f"sink {url!r}: unknown kind {parsed.scheme!r} (a sink is "
+                          "postgresql://USER@HOST[:PORT]/DB)")
+    if not parsed.host or not parsed.path.strip("/"):
+        raise ConfigError(f"sink {url!r} needs a host and a database: postgresql://USER@HOST[:PORT]/DB")
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -263,6 +312,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("admin_token must be at least 16 characters (e.g. the output of `openssl rand -hex 16`)")
     if cfg.relay_slice_us < 0:
         raise ConfigError("relay_slice_us must be >= 0 (0 keeps the kernel's default)")
+    if cfg.proxy_name is not None and not (0 < len(cfg.proxy_name) <= 100 and cfg.proxy_name.isprintable()):
+        raise ConfigError(f"proxy_name {cfg.proxy_name!r} must be 1 to 100 printable characters")
+    for url in cfg.sinks:
+        check_sink_url(url)
     for key, modes in (("upstream_reuse", UPSTREAM_REUSE_MODES), ("relay", RELAY_MODES),
                        ("cadence_poll", CADENCE_POLL_MODES)):
         if getattr(cfg, key) not in modes:

@@ -43,7 +43,7 @@ from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Scr
 from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
-pytest_plugins = ["real.fixtures"]
+pytest_plugins = ["real.fixtures", "pgserver"]  # and the fleet's PostgreSQL (pg_server)
 
 LOCK_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()  # the controller's: see worker_lock
 

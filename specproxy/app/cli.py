@@ -76,6 +76,10 @@ def _pages_line(cfg: Config, url: str) -> str:
 @db_option
 @setting("--tokenizer", "tokenizer", "hf:DIR, tiktoken:ENCODING or none")
 @setting("--label", "label", "Label every turn (an A/B arm); X-Specproxy-Label overrides")
+@setting("--proxy-name", "proxy_name", "This proxy's name in a fleet, stamped on every turn (unset: the host name)")
+@setting("--sink", "sink",
+          "Also ship turns to postgresql://USER@HOST[:PORT]/DB (commas between several); the password from "
+          "PGPASSWORD or .pgpass, never the URL")
 @setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
 @setting("--client-header", "client_header",
           "The request header naming the client for audit (its value is stored: a header that may carry a "
@@ -144,7 +148,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
     # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
-    service.pages = LivePages(cfg.db, writer=service.writer)
+    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers)
     install_uvloop()
 
     def ready(svc: Service) -> None:
@@ -361,6 +365,9 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     if cutoff > time.time():
         raise SpecproxyError(f"--before {before} is in the future: that would delete rows being written now")
     path = db_path(db)
+    if path.startswith(("postgresql://", "postgres://")):  # a fleet's database (serve --sink)
+        _prune_postgres(path, cutoff, with_turns, vacuum)
+        return
     size = Path(path).stat().st_size if Path(path).is_file() else 0
     scrapes = turns = counters = 0
     with open_existing(path, readonly=False) as conn:
@@ -377,6 +384,20 @@ def prune(db: str | None, before: str, with_turns: bool, vacuum: bool) -> None:
     click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {path}")
     if vacuum:
         click.echo(f"vacuumed: {size / 1e6:.1f} MB -> {Path(path).stat().st_size / 1e6:.1f} MB")
+
+
+def _prune_postgres(url: str, cutoff: float, with_turns: bool, vacuum: bool) -> None:
+    from specproxy.config import check_sink_url
+    from specproxy.store.sinks.pg_retention import prune_postgres
+
+    if vacuum:
+        raise SpecproxyError("--vacuum is for an SQLite file: PostgreSQL's autovacuum reclaims the space, and "
+                             "turns go by whole day partitions")
+    check_sink_url(url)
+    n = prune_postgres(url, cutoff, turns=with_turns)
+    deleted = f"{n['scrapes']} scrapes" + (f", {n['turns']} turns ({n['partitions']} whole day partitions dropped) "
+                                           f"and their {n['turn_counters']} counter joins" if with_turns else "")
+    click.echo(f"deleted {deleted} from before {_iso(cutoff)} in {url}")
 
 
 def _iso(t: float) -> str:

@@ -70,6 +70,7 @@ class RecordBuilder:
         "method",
         "outcome",
         "path",
+        "proxy_name",
         "relayed",
         "read_times",
         "request_bytes",
@@ -108,6 +109,7 @@ class RecordBuilder:
         take: Callable[[int, bool], bool] | None = None,
         body_charge: int = 0,
         max_counted: int | None = None,
+        proxy_name: str | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
@@ -132,6 +134,7 @@ class RecordBuilder:
         self.t_request = t_request
         self.concurrency = concurrency
         self.label = label
+        self.proxy_name = proxy_name
         self.instance_id = instance_id
         self.conn_id = conn_id
         self.store_text = store_text
@@ -476,6 +479,7 @@ class RecordBuilder:
             path=self.path,
             status=self.status,
             label=self.label,
+            proxy_name=self.proxy_name,
             instance_id=self.instance_id,
             concurrency=self.concurrency,
             conn_id=self.conn_id,

@@ -13,12 +13,12 @@ line only) and what it means (docs/operations.md lists the same names).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from specproxy.wire import memory
 
-__all__ = ["COUNTS", "Counters", "StoreCounts"]
+__all__ = ["COUNTS", "SINK_COUNTS", "Counters", "SinkCounts", "StoreCounts"]
 
 GAUGE, COUNTER = "gauge", "counter"
 
@@ -59,6 +59,21 @@ COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", GAUGE),
 )
 
+# the shippers' figures (``store/shipper.py``), summed over the sinks (the most for seconds behind): in
+# ``read`` only when ``serve --sink`` names one
+SINK_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("sink_rows_behind", "specproxy_sink_rows_behind",
+     "Local rows (turns, scrapes, counter joins) a sink has not taken yet, over every sink", GAUGE),
+    ("sink_seconds_behind", "specproxy_sink_seconds_behind",
+     "Age of the oldest turn a sink has not taken yet (0 when none waits), the most over every sink", GAUGE),
+    ("sink_rows_shipped", "specproxy_sink_rows_shipped", "Rows the sinks took", COUNTER),
+    ("sink_batches_failed", "specproxy_sink_batches_failed",
+     "Batches a sink took nothing of (unreachable, credentials, permissions): the rows wait locally", COUNTER),
+    ("sink_rows_set_aside", "specproxy_sink_rows_set_aside",
+     "Rows a sink refused (a constraint, a value out of range): set aside with the reason in sink_refused",
+     COUNTER),
+)
+
 Rejection = Literal["busy", "bad", "memory"]
 
 
@@ -75,6 +90,20 @@ class StoreCounts(Protocol):
     def pending(self) -> int: ...
 
 
+class SinkCounts(Protocol):
+    """What the counters read of each sink's shipper (``store.shipper.Shipper``)."""
+
+    rows_shipped: int
+    batches_failed: int
+    rows_set_aside: int
+
+    @property
+    def rows_behind(self) -> int: ...
+
+    @property
+    def seconds_behind(self) -> float: ...
+
+
 class Counters:
     """The proxy's own counts, changed through its methods (on the loop), and the store's and the server
     watch's read beside them (``read``). ``store`` and ``scrape_failures`` are where those live; the
@@ -82,10 +111,12 @@ class Counters:
 
     __slots__ = ("header_timeouts", "in_flight", "measure_dropped", "measure_errors", "measure_shed",
                  "measured_in_flight", "memory_budget", "rejected_bad", "rejected_busy", "rejected_memory",
-                 "scrape_failures", "store")
+                 "scrape_failures", "sinks", "store")
 
-    def __init__(self, store: StoreCounts | None = None, scrape_failures: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, store: StoreCounts | None = None, scrape_failures: Callable[[], int] = lambda: 0,
+                 sinks: Sequence[SinkCounts] = ()) -> None:
         self.store = store
+        self.sinks = sinks
         self.scrape_failures = scrape_failures
         self.in_flight = 0  # every request being handled
         self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
@@ -137,9 +168,23 @@ class Counters:
 
     # --- reading ----------------------------------------------------------------------------------
 
-    def read(self) -> dict[str, int]:
-        """Every count of ``COUNTS``, now. Safe from any thread: it reads ints."""
+    def read(self) -> dict[str, float]:
+        """Every count of ``COUNTS`` (and ``SINK_COUNTS`` with a sink), now. Safe from any thread: it reads
+        numbers."""
         w = self.store
+        return {**self._counts(w), **self._sink_counts()}
+
+    def _sink_counts(self) -> dict[str, float]:
+        ships = self.sinks
+        if not ships:
+            return {}
+        return {"sink_rows_behind": sum(s.rows_behind for s in ships),
+                "sink_seconds_behind": max(s.seconds_behind for s in ships),
+                "sink_rows_shipped": sum(s.rows_shipped for s in ships),
+                "sink_batches_failed": sum(s.batches_failed for s in ships),
+                "sink_rows_set_aside": sum(s.rows_set_aside for s in ships)}
+
+    def _counts(self, w: StoreCounts | None) -> dict[str, float]:
         return {
             "in_flight": self.in_flight,
             "measured_in_flight": self.measured_in_flight,

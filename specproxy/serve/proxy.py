@@ -289,6 +289,7 @@ class Proxy:
             take=memory.take,
             body_charge=len(body),
             max_counted=self.cfg.max_counted_bytes,
+            proxy_name=self.cfg.name_of_proxy,
         )
         try:
             return await self._relay(req, body, builder, client)

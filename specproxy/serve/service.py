@@ -42,6 +42,8 @@ from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
 from specproxy.store.captures import capture_item
+from specproxy.store.shipper import Shipper
+from specproxy.store.sinks import make_sink
 from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.builder import RecordBuilder
@@ -201,6 +203,7 @@ class Service:
     pages: Pages | None = None  # the live page's pictures, composed in from above (view.live); None: no page
     metrics: OwnMetrics | None = None
     admin: Admin | None = None
+    shippers: list[Shipper] = field(default_factory=list)  # one per Config sink (store/shipper.py)
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
@@ -213,9 +216,9 @@ class Service:
         sockets = bind_listeners(cfg.host, cfg.port)
         try:
             tokenizer = load_tokenizer(cfg.tokenizer)
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=Writer(cfg.db, queue_size=cfg.queue_size,
-                                                                  scrape_retention_days=cfg.scrape_retention_days),
-                       _sockets=sockets)
+            writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
+            shippers = [Shipper(cfg.db, make_sink(url), cfg.name_of_proxy) for url in cfg.sinks]
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
         except BaseException:
             for sock in sockets:
                 sock.close()
@@ -249,7 +252,7 @@ class Service:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
-        counters = self.counters = Counters(self.writer, lambda: watch.failures)
+        counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers)
         self.metrics = OwnMetrics(counters.read)
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
@@ -262,6 +265,8 @@ class Service:
                            heard=self._heard, instance_id=lambda: watch.instance_id, on_turn_end=watch.turn_ended,
                            admin=self.admin.handle)
         await self.proxy.start()
+        for shipper in self.shippers:  # after the writer made the file: they read it forward
+            shipper.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
         mode = self.cfg.cadence_poll
@@ -381,6 +386,8 @@ class Service:
             self.watch = None
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close)
+        for shipper in self.shippers:  # what they have not sent stays in the file for the next run
+            await asyncio.to_thread(shipper.close)
 
     @staticmethod
     async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:

@@ -94,6 +94,17 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("010_measure_capped_reason", (
         'ALTER TABLE "turns" ADD COLUMN "measure_capped_reason" TEXT',
     )),
+    ("011_fleet", (
+        'ALTER TABLE "turns" ADD COLUMN "proxy_name" TEXT',
+        'CREATE TABLE "store_meta" ("key" TEXT PRIMARY KEY, "value" TEXT)',
+        """INSERT INTO "store_meta" VALUES ('store_id', lower(hex(randomblob(16))))""",
+        """CREATE TABLE "sink_progress" (
+    "sink" TEXT, "tbl" TEXT, "last_rowid" INTEGER, "updated" REAL, PRIMARY KEY ("sink", "tbl")
+)""",
+        """CREATE TABLE "sink_refused" (
+    "sink" TEXT, "tbl" TEXT, "row_key" TEXT, "reason" TEXT, "t_set_aside" REAL, PRIMARY KEY ("sink", "tbl", "row_key")
+)""",
+    )),
 ]
 
 

@@ -7,7 +7,7 @@ only say what to write, and the writer thread runs it with the turns, in the sam
 
 from __future__ import annotations
 
-__all__ = ["SCRAPE_COLUMNS", "failed_scrape", "instance_seen", "scrape", "turn_counters"]
+__all__ = ["SCRAPE_COLUMNS", "TURN_COUNTER_COLUMNS", "failed_scrape", "instance_seen", "scrape", "turn_counters"]
 
 SCRAPE_COLUMNS = (
     "t_wall", "t_mono", "instance_id", "server_kind", "requests_running", "requests_waiting",
@@ -19,10 +19,10 @@ _UPSERT_INSTANCE = (
     "INSERT INTO instances (instance_id, first_seen, last_seen, detail) VALUES (?, ?, ?, ?) "
     "ON CONFLICT(instance_id) DO UPDATE SET last_seen = excluded.last_seen"
 )
-_TURN_COUNTER_COLUMNS = ("turn_id", "instance_id", "seconds", "generated_tokens", "drafts", "draft_tokens",
+TURN_COUNTER_COLUMNS = ("turn_id", "instance_id", "seconds", "generated_tokens", "drafts", "draft_tokens",
                          "accepted_tokens", "mal", "acceptance_rate")
-_INSERT_TURN_COUNTERS = (f"INSERT OR REPLACE INTO turn_counters ({', '.join(_TURN_COUNTER_COLUMNS)}) "
-                         f"VALUES ({', '.join('?' * len(_TURN_COUNTER_COLUMNS))})")
+_INSERT_TURN_COUNTERS = (f"INSERT OR REPLACE INTO turn_counters ({', '.join(TURN_COUNTER_COLUMNS)}) "
+                         f"VALUES ({', '.join('?' * len(TURN_COUNTER_COLUMNS))})")
 
 
 def scrape(values: tuple) -> tuple[str, tuple]:

@@ -39,11 +39,12 @@ class LivePages:
     that refuses writes would otherwise leave the page still and silent."""
 
     def __init__(self, db: str, *, window_s: float = WINDOW_S, max_turns: int = MAX_TURNS,
-                 writer: Any = None) -> None:
+                 writer: Any = None, shippers: list | None = None) -> None:
         self.db = db
         self.window_s = window_s
         self.max_turns = max_turns
         self.writer = writer
+        self.shippers = shippers or []  # store.shipper.Shipper: a line each, the sink's state
 
     def store_line(self) -> str:
         w = self.writer
@@ -53,8 +54,19 @@ class LivePages:
                 f"{w.write_failures} writes refused")
         if w.write_failures or w.dropped:
             why = f" (latest: {w.last_error})" if w.last_error else ""
-            return f'<p class="error" id="store">{escape(text + why)}</p>'
-        return f'<p class="muted" id="store">{escape(text)}</p>'
+            line = f'<p class="error" id="store">{escape(text + why)}</p>'
+        else:
+            line = f'<p class="muted" id="store">{escape(text)}</p>'
+        return line + "".join(self.sink_line(s) for s in self.shippers)
+
+    @staticmethod
+    def sink_line(s: Any) -> str:
+        """A sink's state: what it took, what waits for it, and why it takes nothing now, if it does not."""
+        text = (f"sink {s.sink.name}: {s.rows_shipped} rows shipped, {s.rows_behind} behind "
+                f"({s.seconds_behind:.0f} s), {s.rows_set_aside} set aside, {s.batches_failed} batches failed")
+        if s.last_error is not None:
+            return f'<p class="error" id="sink">{escape(f"{text}: {s.last_error}")}</p>'
+        return f'<p class="muted" id="sink">{escape(text)}</p>'
 
     def _snapshot(self) -> dict:
         with SQLiteSource(self.db) as store:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specproxy.serve.counters import COUNTS, Counters
+from specproxy.serve.counters import COUNTS, SINK_COUNTS, Counters
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.store.writer import Writer
 
@@ -45,5 +45,27 @@ def test_the_metrics_page_shows_what_the_counters_read(tmp_path):
                 continue
             family = name.removesuffix("_total") if kind == "counter" else name
             assert shown[family] == read[key], key
+    finally:
+        writer.close()
+
+
+class _Shipper:
+    def __init__(self, behind: int, seconds: float, shipped: int, failed: int, aside: int) -> None:
+        self.rows_behind, self.seconds_behind = behind, seconds
+        self.rows_shipped, self.batches_failed, self.rows_set_aside = shipped, failed, aside
+
+
+def test_the_sinks_figures_are_summed_over_sinks_and_shown_only_with_one(tmp_path):
+    """With ``--sink`` the shippers' figures join the counts (summed; the oldest wait, the most), on the
+    metrics page too; without one they are absent, not zeros that would read as a sink keeping up."""
+    writer = Writer(tmp_path / "t.db")
+    try:
+        counters = Counters(writer, lambda: 0, [_Shipper(3, 1.5, 10, 1, 0), _Shipper(4, 9.0, 5, 0, 2)])
+        read = counters.read()
+        assert [read[key] for key, *_ in SINK_COUNTS] == [7, 9.0, 15, 1, 2]
+        families = {f.name: f for f in text_string_to_metric_families(OwnMetrics(counters.read).exposition().decode())}
+        assert families["specproxy_sink_rows_behind"].samples[0].value == 7
+        assert families["specproxy_sink_rows_set_aside"].samples[0].value == 2
+        assert not set(Counters(writer, lambda: 0).read()) & {key for key, *_ in SINK_COUNTS}
     finally:
         writer.close()
