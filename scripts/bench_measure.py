@@ -141,7 +141,7 @@ def time_native(turns: list[RecordBuilder]) -> float:
     stream read as the builder reads it (``Api.read_stream``)."""
     t0 = time.perf_counter()
     for b in turns:
-        joined = chunked.join_whole_frames(b.reads)
+        joined = chunked.join_reads(list(b.reads), True)  # (a copy: the join consumes its list)
         if joined is None:  # not built: the Python reference's join, then the reference read
             reads = chunked.dechunk_reads(b.reads)
             joined = b"".join(reads), list(accumulate(map(len, reads))), True

@@ -160,8 +160,9 @@ chunked_line(const char *line, ssize_t len, int trailers, long long *size)
 }
 
 /* Feed one read d[0:n]. -1: the body goes on; >= 0: the index in d just past the body's last byte (the
-   end of the trailer section); -2: malformed, *err says why (one of the CHUNKED_* strings). With out
-   given, the payload bytes of the read are appended at out + *olen (out has room for n more bytes). */
+   end of the trailer section); -2: malformed, *err says why (one of the CHUNKED_* strings). With olen
+   given, *olen grows by the read's payload bytes, and with out given too they are copied to out + *olen
+   (out has room for n more bytes). */
 static inline ssize_t /* inline: a header's function, unused by some of the files that include it */
 chunked_scan(chunked_state *s, const char *d, ssize_t n, const char **err, char *out, ssize_t *olen)
 {
@@ -170,15 +171,17 @@ chunked_scan(chunked_state *s, const char *d, ssize_t n, const char **err, char 
         if (rem) { /* in a chunk: its payload, then its CRLF */
             ssize_t avail = n - i;
             if (rem - 2 >= avail) { /* the rest of the read is payload: the usual case for long chunks */
-                if (out != NULL && avail > 0) {
-                    memcpy(out + *olen, d + i, (size_t)avail);
+                if (olen != NULL && avail > 0) {
+                    if (out != NULL)
+                        memcpy(out + *olen, d + i, (size_t)avail);
                     *olen += avail;
                 }
                 s->rem = rem - avail;
                 return -1;
             }
-            if (out != NULL && rem > 2) {
-                memcpy(out + *olen, d + i, (size_t)(rem - 2));
+            if (olen != NULL && rem > 2) {
+                if (out != NULL)
+                    memcpy(out + *olen, d + i, (size_t)(rem - 2));
                 *olen += rem - 2;
             }
             ssize_t crlf = i + rem - 2; /* where the CRLF starts, in d (before d when it began earlier) */

@@ -55,13 +55,49 @@ hex4(const unsigned char *p)
 
 /* ---- join_frames --------------------------------------------------------------------------------- */
 
-static PyObject *
-join_frames(PyObject *module, PyObject *reads)
+/* join_frames(reads, chunked, let_go=None): the body's payload as one bytes, with where each read's
+   payload ends. It consumes the list: each read is let go of as soon as it is copied, and let_go() (the
+   process's way to give freed heap pages back to the system) is called after every LET_GO_BYTES of them,
+   so one large response costs its size about once while it is joined (issue 32, "Memory"), not twice. A first pass over the framing
+   finds the payload's exact size and refuses malformed framing (None, the list untouched: the reference
+   says what is wrong); the second copies. Unframed reads (chunked false) are joined as they are. */
+
+#define LET_GO_BYTES (16 << 20)
+
+static int
+frames_measure(PyObject *reads, Py_ssize_t nreads, chunked_state *cs, Py_ssize_t *size, int *ended)
 {
-    if (!PyList_CheckExact(reads)) {
-        PyErr_SetString(PyExc_TypeError, "join_frames() takes a list of bytes");
+    /* 1: well formed (size: the payload's bytes); 0: malformed or bytes after the end */
+    Py_ssize_t olen = 0;
+    for (Py_ssize_t r = 0; r < nreads; r++) {
+        PyObject *item = PyList_GET_ITEM(reads, r);
+        Py_ssize_t n = PyBytes_GET_SIZE(item);
+        if (*ended) {
+            if (n)
+                return 0;
+            continue;
+        }
+        const char *err = NULL;
+        ssize_t end = chunked_scan(cs, PyBytes_AS_STRING(item), n, &err, NULL, &olen);
+        if (end == -2 || (end >= 0 && end != n))
+            return 0;
+        *ended = end >= 0;
+    }
+    *size = olen;
+    return 1;
+}
+
+static PyObject *
+join_frames(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 2 || nargs > 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "join_frames(reads: list[bytes], chunked: bool, let_go=None)");
         return NULL;
     }
+    PyObject *reads = args[0], *let_go = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
+    int chunked = PyObject_IsTrue(args[1]);
+    if (chunked < 0)
+        return NULL;
     Py_ssize_t nreads = PyList_GET_SIZE(reads), total = 0;
     for (Py_ssize_t r = 0; r < nreads; r++) {
         PyObject *item = PyList_GET_ITEM(reads, r);
@@ -69,53 +105,70 @@ join_frames(PyObject *module, PyObject *reads)
             Py_RETURN_NONE;
         total += PyBytes_GET_SIZE(item);
     }
-    chunked_state *cs = PyMem_Calloc(1, sizeof(chunked_state));
-    PyObject *payload = PyBytes_FromStringAndSize(NULL, total); /* an upper bound, cut at the end */
-    PyObject *ends = PyList_New(nreads);
-    if (cs == NULL || payload == NULL || ends == NULL) {
+    chunked_state *cs = NULL;
+    int ended = 0;
+    if (chunked) {
+        cs = PyMem_Calloc(1, sizeof(chunked_state));
         if (cs == NULL)
-            PyErr_NoMemory();
-        goto error;
+            return PyErr_NoMemory();
+        int ok = frames_measure(reads, nreads, cs, &total, &ended);
+        memset(cs, 0, sizeof(chunked_state));
+        if (!ok) {
+            PyMem_Free(cs);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, total);
+    PyObject *ends = PyList_New(nreads);
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    if (payload == NULL || ends == NULL || empty == NULL) {
+        PyMem_Free(cs);
+        Py_XDECREF(payload);
+        Py_XDECREF(ends);
+        Py_XDECREF(empty);
+        return NULL;
     }
     char *out = PyBytes_AS_STRING(payload);
-    Py_ssize_t olen = 0;
-    int ended = 0;
+    Py_ssize_t olen = 0, freed = 0;
     for (Py_ssize_t r = 0; r < nreads; r++) {
         PyObject *item = PyList_GET_ITEM(reads, r);
         Py_ssize_t n = PyBytes_GET_SIZE(item);
-        if (ended && n)
-            goto other; /* bytes after the last chunk: the reference says what is wrong */
-        if (!ended) {
+        if (cs != NULL) {
             const char *err = NULL;
-            ssize_t end = chunked_scan(cs, PyBytes_AS_STRING(item), n, &err, out, &olen);
-            if (end == -2 || (end >= 0 && end != n))
-                goto other; /* malformed, or bytes after the end: the reference reports it */
-            ended = end >= 0;
+            chunked_scan(cs, PyBytes_AS_STRING(item), n, &err, out, &olen); /* measured well formed */
+        } else {
+            memcpy(out + olen, PyBytes_AS_STRING(item), (size_t)n);
+            olen += n;
         }
-        PyObject *end = PyLong_FromSsize_t(olen);
-        if (end == NULL)
-            goto error;
-        PyList_SET_ITEM(ends, r, end);
+        PyList_SET_ITEM(ends, r, PyLong_FromSsize_t(olen));
+        PyList_SET_ITEM(reads, r, Py_NewRef(empty)); /* the read is let go of now */
+        Py_DECREF(item);
+        int failed = PyList_GET_ITEM(ends, r) == NULL;
+        if (!failed && let_go != NULL && (freed += n) >= LET_GO_BYTES) {
+            freed = 0;
+            PyObject *called = PyObject_CallNoArgs(let_go);
+            failed = called == NULL;
+            Py_XDECREF(called);
+        }
+        if (failed) {
+            PyMem_Free(cs);
+            Py_DECREF(payload);
+            Py_DECREF(ends);
+            Py_DECREF(empty);
+            return NULL;
+        }
     }
     PyMem_Free(cs);
-    if (olen < total && _PyBytes_Resize(&payload, olen) < 0) {
+    Py_DECREF(empty);
+    if (PyList_SetSlice(reads, 0, nreads, NULL) < 0) {
+        Py_DECREF(payload);
         Py_DECREF(ends);
-        return NULL; /* _PyBytes_Resize freed payload */
+        return NULL;
     }
-    PyObject *result = PyTuple_Pack(3, payload, ends, ended ? Py_True : Py_False);
+    PyObject *result = PyTuple_Pack(3, payload, ends, (ended || !chunked) ? Py_True : Py_False);
     Py_DECREF(payload);
     Py_DECREF(ends);
     return result;
-other:
-    PyMem_Free(cs);
-    Py_DECREF(payload);
-    Py_DECREF(ends);
-    Py_RETURN_NONE;
-error:
-    PyMem_Free(cs);
-    Py_XDECREF(payload);
-    Py_XDECREF(ends);
-    return NULL;
 }
 
 /* ---- template_run -------------------------------------------------------------------------------- */
@@ -439,8 +492,10 @@ fail:
 static PyMethodDef module_methods[] = {
     {"chunk_gaps", (PyCFunction)(void (*)(void))chunk_gaps, METH_FASTCALL,
      "chunk_gaps(buf, cum, times, skip, tail_chunk, bounds) -> ((count per bucket, ...), gap_sum) or None."},
-    {"join_frames", (PyCFunction)join_frames, METH_O,
-     "join_frames(reads) -> (payload, ends, complete) or None: chunked reads, dechunked."},
+    {"join_frames", (PyCFunction)(void (*)(void))join_frames, METH_FASTCALL,
+     "join_frames(reads, chunked, let_go=None) -> (payload, ends, complete) or None: the reads joined "
+     "(dechunked when chunked), each let go of as it is copied, let_go() called after every 16 MiB of them: "
+     "the list is emptied (None: malformed framing, untouched)."},
     {"template_run", (PyCFunction)(void (*)(void))template_run, METH_FASTCALL,
      "template_run(buf, pos, prefix, head, dlen, closing) -> (count, size, text, nonempty, text_size)."},
     {NULL, NULL, 0, NULL}};

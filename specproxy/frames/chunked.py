@@ -12,7 +12,7 @@ the same strict rules (see ``_chunked.h``): what the relay refused, measuring re
 stream cut short yields what arrived (``complete`` is False); malformed framing stops decoding there,
 the remaining reads give ``b""`` and ``error`` says what was wrong, so the Record can say so.
 
-With ``_scanc`` built, ``join_whole_frames`` takes the framing off a stream in one native pass (the
+With ``_scanc`` built, ``join_reads`` takes the framing off a stream in one native pass (the
 relay's parser, ``_chunked.h``) and ``dechunk_reads`` is its reference (``tests/unit/test_chunked.py``
 holds them equal), what reads every other body, and what says what is wrong with malformed framing.
 """
@@ -20,8 +20,9 @@ holds them equal), what reads every other body, and what says what is wrong with
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
-__all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_whole_frames"]
+__all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_reads"]
 
 try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here too
     from specproxy.frames import _scanc
@@ -157,13 +158,19 @@ def dechunk_reads(reads: list[bytes]) -> Dechunked:
     return _stepwise(reads, Dechunked())
 
 
-def join_whole_frames(reads: list[bytes]) -> tuple[bytes, list[int], bool] | None:
-    """``(payload, ends, complete)``: ``dechunk_reads`` joined (read i's payload ends at ``ends[i]``), by
-    the native parser when ``_scanc`` is built and the framing is well formed (``_scanc.join_frames``);
-    otherwise None, and ``dechunk_reads`` decides (and says what is wrong)."""
+def join_reads(reads: list[bytes], chunked: bool, let_go: Callable[[], None] | None = None,
+               ) -> tuple[bytes, list[int], bool] | None:
+    """``(payload, ends, complete)``: the reads joined, read i's payload ending at ``ends[i]``; with
+    ``chunked``, their framing removed (``dechunk_reads`` joined) and ``complete`` whether the last chunk
+    arrived. It consumes ``reads``: each read is let go of as soon as it is copied and the list is left
+    empty, so a large body is held about once while it is joined, not twice: ``let_go`` (the process's
+    way to give freed heap pages back to the system, ``wire.memory.trim``) is called after every 16 MiB
+    of reads let go of, since the allocator keeps them otherwise. By the native parser when
+    ``_scanc`` is built (``_scanc.join_frames``); otherwise, or when the framing is malformed, None with
+    ``reads`` untouched (``dechunk_reads`` then decides, and says what is wrong)."""
     if _scanc is None:
         return None
-    return _scanc.join_frames(reads)
+    return _scanc.join_frames(reads, chunked, let_go)
 
 
 def _stepwise(reads: list[bytes], out: Dechunked) -> Dechunked:

@@ -48,7 +48,7 @@ class Api:
     def read_stream_reference(self, buf: bytes, ends: list[int], times: list[float]) -> Texts:
         """``read_stream`` by the reference alone: the SSE decoder (``frames/sse.py``), then this API's
         reader for every event."""
-        reads = list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+        reads = map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends))  # one read's copy at a time
         return stream_texts_reference(reads, times, self.reader())
 
 

@@ -10,9 +10,8 @@ What a response delivered (text per choice and kind, and when) is read by one fu
 ``texts.py``), ``texts.body_texts`` with the API's body reader for a whole body.
 
 When the proxy relays HTTP/1.1 chunked framing verbatim (``on_headers(..., chunked=True)``), the reads
-hold framed bytes; ``build`` removes the framing first (``chunked.join_whole_frames`` in C, else
-``chunked.dechunk_reads``: one payload per read, so read times stay aligned), then undoes a
-Content-Encoding, then reads.
+hold framed bytes; ``build`` hands them to ``response_body.read_response``, which removes the framing,
+undoes a Content-Encoding and reads, consuming the reads as it joins them.
 
 Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at most once) ->
 ``on_bytes`` (any number) -> exactly one of ``finish`` or ``fail`` -> ``build`` (once).
@@ -20,14 +19,11 @@ Lifecycle (an invariant, asserted): ``RecordBuilder(...)`` -> ``on_headers`` (at
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 from operator import sub
 
 import orjson
 
-from specproxy.frames.chunked import dechunk_reads, join_whole_frames
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
 from specproxy.measure.completion import cached_tokens, content_class_of, count_completion, int_or_none
@@ -36,7 +32,8 @@ from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
-from specproxy.measure.texts import Texts, body_texts
+from specproxy.measure.response_body import read_response
+from specproxy.measure.texts import Texts
 from specproxy.measure.tokens import Tokenizer, over_max_counted_items
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -47,6 +44,7 @@ class RecordBuilder:
 
     __slots__ = (
         "_ended",
+        "_let_go",
         "_small_after",
         "_take",
         "backlog_charge",
@@ -63,6 +61,7 @@ class RecordBuilder:
         "client_header",
         "headers",
         "id",
+        "kept_bytes",
         "instance_id",
         "capped",
         "label",
@@ -110,6 +109,7 @@ class RecordBuilder:
         body_charge: int = 0,
         max_counted: int | None = None,
         proxy_name: str | None = None,
+        let_go: Callable[[], None] | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
@@ -119,7 +119,9 @@ class RecordBuilder:
         first ``SMALL_KEEP`` bytes as a small turn's), False when it has no room: that read and every
         later one is relayed, not kept. ``body_charge``: what the
         request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
-        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts."""
+        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts. ``let_go``:
+        gives freed heap pages back to the system (``wire.memory.trim``), called while a large response
+        is joined, so that the reads already copied do not stay in RSS beside their copy."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -127,6 +129,7 @@ class RecordBuilder:
         self.request_bytes = len(body)
         self.body_charge = body_charge
         self._take = take if take is not None else _no_budget
+        self._let_go = let_go
         self.max_counted = max_counted if max_counted is not None else 1 << 62
         self.shed: list[str] = []  # what was let go of before measuring, to stay within the memory budget
         self.backlog_charge = 0  # the proxy's: what this turn held against the budget when it queued
@@ -150,6 +153,7 @@ class RecordBuilder:
         self.chunked = False
         self.t_upstream_headers: float | None = None
         self.reads: list[bytes] = []
+        self.kept_bytes = 0  # of the reads kept (build consumes the list; the budget's charge stays known)
         self.read_times: list[float] = []
         self.write_times: list[float] = []
         self.relayed = None  # reads the relay thread kept (a _relayc.Turn), taken off the loop: take_relayed()
@@ -188,6 +192,7 @@ class RecordBuilder:
         self.room -= len(data)
         if self.room >= 0 and self._take(len(data), self._small_after <= self.room):
             self.reads.append(data)
+            self.kept_bytes += len(data)
             self.read_times.append(t_read)
             self.write_times.append(t_written)
         else:
@@ -205,7 +210,9 @@ class RecordBuilder:
         """Append the reads the relay thread kept (once; nothing when it relayed none). Off the loop."""
         turn, self.relayed = self.relayed, None
         if turn is not None:
+            before = len(self.reads)
             turn.take(self.reads, self.read_times, self.write_times)
+            self.kept_bytes += sum(map(len, self.reads[before:]))
             self.capped = self.capped or turn.capped
             self.budget_capped = self.budget_capped or getattr(turn, "capped_budget", False)
 
@@ -214,7 +221,7 @@ class RecordBuilder:
     def charged(self) -> int:
         """Bytes this turn holds against the memory budget: its request body's charge and every response
         read kept (the relay thread's too, taken or not)."""
-        kept = sum(map(len, self.reads)) if self._take is not _no_budget else 0
+        kept = self.kept_bytes if self._take is not _no_budget else 0
         if self.relayed is not None:
             kept += self.relayed.kept
         return self.body_charge + kept
@@ -238,11 +245,12 @@ class RecordBuilder:
     def let_go(self, body: bool = True) -> int:
         """After ``build`` (or instead of it): drop the response reads, and the body with ``body``, so
         that their memory returns at once. Returns the bytes to give back to the budget."""
-        freed = sum(map(len, self.reads)) if self._take is not _no_budget else 0  # (charged by take alone)
+        freed = self.kept_bytes if self._take is not _no_budget else 0  # (charged by take alone)
         turn, self.relayed = self.relayed, None
         if turn is not None:
             freed += turn.kept
         self.reads = []
+        self.kept_bytes = 0
         if body:
             freed += self.body_charge
             self.body_charge = 0
@@ -293,34 +301,10 @@ class RecordBuilder:
         else:
             request = read_request(inflate(self.body, self.request_encoding), api)
         streamed = self.content_type.startswith("text/event-stream")
-        framing_error = None
-        # the common stream's framing removed and its payloads joined in one C pass (None: not built,
-        # or malformed framing, which dechunk_reads then reports)
-        joined = None
-        if fast and streamed and self.chunked and not self.content_encoding:
-            joined = join_whole_frames(self.reads)
-        if joined is not None:
-            buf, ends, _ = joined
-            response_bytes = len(buf)
-            inflated = True
-        else:
-            payload = self.reads
-            if self.chunked:
-                payload = dechunk_reads(self.reads)
-                if payload.error is not None:
-                    framing_error = f"malformed chunked framing: {payload.error}"
-            response_bytes = sum(map(len, payload))
-            reads, inflated = self._decoded_reads(payload)
-            if streamed:
-                buf, ends = b"".join(reads), list(accumulate(map(len, reads)))
-        if not streamed:
-            texts = body_texts(reads, self.read_times, api.read_full)
-        elif fast:
-            texts = api.read_stream(buf, ends, self.read_times)
-        else:
-            texts = api.read_stream_reference(buf, ends, self.read_times)
-        if not inflated:
-            texts.unreadable = f"response body did not decompress ({self.content_encoding})"
+        reads, self.reads = (self.reads, []) if fast else (list(self.reads), self.reads)  # consumed below
+        texts, response_bytes, framing_error = read_response(
+            reads, self.read_times, api, streamed=streamed, chunked=self.chunked,
+            content_encoding=self.content_encoding, fast=fast, let_go=self._let_go)
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
@@ -328,22 +312,6 @@ class RecordBuilder:
             outcome = "upstream_error"  # an error status, or an error event in a 200 stream
         return self._record(request, texts, streamed, outcome, tokenizer, response_bytes, framing_error, api,
                             prefixes)
-
-    def _decoded_reads(self, reads: list[bytes]) -> tuple[list[bytes], bool]:
-        """Undo a Content-Encoding for measuring (the client got the encoded bytes, untouched).
-        Returns the reads (one per read, so times still line up) and whether they all decoded."""
-        enc = self.content_encoding.lower()
-        if enc not in ("gzip", "deflate", "x-gzip"):
-            return reads, True
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header, auto-detected
-        out: list[bytes] = []
-        try:
-            for data in reads:
-                out.append(inflater.decompress(data))
-        except zlib.error:
-            out.extend(b"" for _ in range(len(reads) - len(out)))
-            return out, False
-        return out, True
 
     def _record(
         self,
@@ -459,7 +427,7 @@ class RecordBuilder:
         return self._make(
             outcome="proxy_error",
             error=f"{error}; forwarding outcome {self.outcome}"[:300],
-            response_bytes=sum(map(len, self.reads)),
+            response_bytes=self.kept_bytes,
         )
 
     def _capped_reason(self) -> str | None:

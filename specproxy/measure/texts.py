@@ -12,6 +12,7 @@ besides its text (usage, timings, finish reason, ``[DONE]``, an error) is taken 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specproxy.measure.openai import parse_json, read_chunk, read_full_response
@@ -74,42 +75,48 @@ class Texts:
         self.t_last = t
 
 
-def stream_texts_reference(reads: list[bytes], times: list[float], read=read_chunk) -> Texts:
-    """The reference parse: the SSE decoder, then ``read`` (an API's event reader) for every event."""
+def stream_texts_reference(reads: Iterable[bytes], times: list[float], read=read_chunk) -> Texts:
+    """The reference parse: the SSE decoder, then ``read`` (an API's event reader) for every event, each
+    event read as soon as it is decoded (``reads`` may be produced lazily: nothing of the stream is held
+    twice)."""
     texts = Texts(saw_done=False)
     decoder = SSEDecoder()
-    events = []
     for data in reads:
-        events.extend(decoder.feed(data))
-    events.extend(decoder.finish())
-    for ev in events:
-        data = ev.data
-        if not data:
-            continue
-        t = times[min(ev.read_index, len(times) - 1)]
-        if texts.t_first_event is None:  # the first chunk, whatever it carries ([DONE] too)
-            texts.t_first_event = t
-        texts.tick(t)  # every event with data is a chunk the client received ([DONE] too)
-        if data.strip() == "[DONE]":
-            texts.saw_done = True
-            continue
-        try:
-            delta = read(parse_json(data))
-        except (ValueError, RecursionError):
-            texts.bad_events += 1
-            continue
-        texts.add(delta.texts, t)
-        _take_accounting(texts, delta)
+        for ev in decoder.feed(data):
+            _stream_event(texts, ev, times, read)
+    for ev in decoder.finish():
+        _stream_event(texts, ev, times, read)
     return texts
 
 
-def body_texts(reads: list[bytes], times: list[float], read=read_full_response) -> Texts:
-    """A non-streamed body, read by ``read`` (an API's body reader)."""
+def _stream_event(texts: Texts, ev, times: list[float], read) -> None:
+    data = ev.data
+    if not data:
+        return
+    t = times[min(ev.read_index, len(times) - 1)]
+    if texts.t_first_event is None:  # the first chunk, whatever it carries ([DONE] too)
+        texts.t_first_event = t
+    texts.tick(t)  # every event with data is a chunk the client received ([DONE] too)
+    if data.strip() == "[DONE]":
+        texts.saw_done = True
+        return
+    try:
+        delta = read(parse_json(data))
+    except (ValueError, RecursionError):
+        texts.bad_events += 1
+        return
+    texts.add(delta.texts, t)
+    _take_accounting(texts, delta)
+
+
+def body_texts(body: bytes, times: list[float], read=read_full_response) -> Texts:
+    """A non-streamed body (its payload, framing and encoding removed), read by ``read`` (an API's body
+    reader); ``times``: its reads' (none: nothing of it was kept)."""
     texts = Texts()
-    if not reads:
+    if not times:
         return texts
     try:
-        delta = read(parse_json(b"".join(reads)))
+        delta = read(parse_json(body))
     except (ValueError, RecursionError):
         texts.unreadable = "response body was not JSON"
         return texts

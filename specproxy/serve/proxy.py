@@ -287,6 +287,7 @@ class Proxy:
             max_bytes=self.cfg.max_measured_bytes,
             measured=measured,
             take=memory.take,
+            let_go=memory.trim,
             body_charge=len(body),
             max_counted=self.cfg.max_counted_bytes,
             proxy_name=self.cfg.name_of_proxy,

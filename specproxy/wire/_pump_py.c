@@ -245,6 +245,56 @@ Turn_dealloc(TurnObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A turn the thread is done with hands its reads over from the last to the first, giving each stretch
+   of TAKE_SHRINK_BYTES of its buffer back as soon as it is copied: one large response then costs its size
+   once, not twice, while it changes hands (issue 32's "peak RSS of one large turn within about 1.5x what
+   it keeps"). A realloc that shrinks a buffer of that size unmaps its tail (glibc mremap). */
+#define TAKE_SHRINK_BYTES (8u << 20)
+
+static int
+append_times(PyObject *rtimes, PyObject *wtimes, const read_mark *m)
+{
+    PyObject *r = PyFloat_FromDouble(m->t_read), *w = PyFloat_FromDouble(m->t_written);
+    int bad = r == NULL || w == NULL || PyList_Append(rtimes, r) < 0 || PyList_Append(wtimes, w) < 0;
+    Py_XDECREF(r);
+    Py_XDECREF(w);
+    return bad ? -1 : 0;
+}
+
+static int
+take_ended(turn *t, PyObject *reads, PyObject *rtimes, PyObject *wtimes)
+{
+    /* the thread no longer touches t (not T_ACTIVE): its buffer is ours to shrink, then to free */
+    size_t from = t->taken, to = t->nmarks;
+    Py_ssize_t base = PyList_GET_SIZE(reads);
+    for (size_t i = from; i < to; i++)
+        if (PyList_Append(reads, Py_None) < 0 || append_times(rtimes, wtimes, &t->marks[i]) < 0)
+            return -1;
+    size_t copied = 0;
+    for (size_t i = to; i-- > from;) {
+        size_t start = i ? t->marks[i - 1].end : 0, end = t->marks[i].end;
+        PyObject *b = PyBytes_FromStringAndSize(t->buf + start, (Py_ssize_t)(end - start));
+        if (b == NULL)
+            return -1;
+        PyList_SET_ITEM(reads, base + (Py_ssize_t)(i - from), b); /* steals b; the slot held None */
+        Py_DECREF(Py_None);
+        copied += end - start;
+        if (copied >= TAKE_SHRINK_BYTES && start > 0) {
+            char *smaller = realloc(t->buf, start);
+            if (smaller != NULL) {
+                t->buf = smaller;
+                t->cap = t->len = t->sent = start;
+            }
+            copied = 0;
+        }
+    }
+    t->taken = to;
+    free(t->buf);
+    t->buf = NULL;
+    t->cap = t->len = t->sent = 0;
+    return 0;
+}
+
 static PyObject *
 Turn_take(TurnObject *self, PyObject *args)
 {
@@ -255,19 +305,19 @@ Turn_take(TurnObject *self, PyObject *args)
         return NULL;
     turn *t = self->t;
     pthread_mutex_lock(&t->mu);
+    if (t->state != T_ACTIVE) {
+        int bad = take_ended(t, reads, rtimes, wtimes);
+        pthread_mutex_unlock(&t->mu);
+        return bad ? NULL : Py_NewRef(Py_None);
+    }
     size_t from = t->taken, to = t->nmarks;
     size_t start = from ? t->marks[from - 1].end : 0;
     PyObject *result = Py_None;
     for (size_t i = from; i < to; i++) {
         read_mark *m = &t->marks[i];
         PyObject *b = PyBytes_FromStringAndSize(t->buf + start, (Py_ssize_t)(m->end - start));
-        PyObject *r = PyFloat_FromDouble(m->t_read);
-        PyObject *w = PyFloat_FromDouble(m->t_written);
-        int bad = b == NULL || r == NULL || w == NULL || PyList_Append(reads, b) < 0 ||
-                  PyList_Append(rtimes, r) < 0 || PyList_Append(wtimes, w) < 0;
+        int bad = b == NULL || PyList_Append(reads, b) < 0 || append_times(rtimes, wtimes, m) < 0;
         Py_XDECREF(b);
-        Py_XDECREF(r);
-        Py_XDECREF(w);
         if (bad) {
             result = NULL;
             break;

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from budget import examples
 from specproxy.frames import chunked as chunked_mod
-from specproxy.frames.chunked import Dechunked, _stepwise, dechunk_reads, join_whole_frames
+from specproxy.frames.chunked import Dechunked, _stepwise, dechunk_reads, join_reads
 from framing_strategies import chunked_bodies
 from readsplit import split
 
@@ -165,7 +165,7 @@ def test_an_endless_size_line_in_whole_frames_is_malformed():
 
 
 def _joined(reads: list[bytes]):
-    """What join_whole_frames must give when it reads ``reads``: the state machine's payloads joined."""
+    """What join_reads must give when it reads ``reads``: the state machine's payloads joined."""
     expected = _stepwise(reads, Dechunked())
     ends, total = [], 0
     for p in expected:
@@ -175,6 +175,14 @@ def _joined(reads: list[bytes]):
 
 
 needs_scanc = pytest.mark.skipif(chunked_mod._scanc is None, reason="specproxy.frames._scanc is not built")
+
+
+def join_whole_frames(reads):
+    """``join_reads`` of chunked reads, checked to consume a copy of the list only when it joins it."""
+    mine = list(reads)
+    got = join_reads(mine, True)
+    assert mine == ([] if got is not None else list(reads)), "joined reads are consumed; refused ones are not"
+    return got
 
 
 @needs_scanc
@@ -220,7 +228,7 @@ def test_join_reads_any_well_formed_framing_and_leaves_the_rest_to_the_reference
         assert join_whole_frames(reads) is None, reads
         assert isinstance(reads[0], bytearray) or dechunk_reads(reads).error is not None
     with pytest.raises(TypeError):
-        join_whole_frames((b"1\r\nx\r\n",))
+        join_reads((b"1\r\nx\r\n",), True)
 
 
 @needs_scanc
@@ -233,3 +241,22 @@ def test_the_native_join_equals_the_reference_on_any_framing(body, cuts):
     expected, as_joined = _joined(reads)
     got = join_whole_frames(reads)
     assert got == (as_joined if expected.error is None else None)
+
+
+@needs_scanc
+def test_unframed_reads_are_joined_as_they_are_and_consumed():
+    reads = [b"data: a\n", b"", b"\ndata: b\n\n"]
+    assert join_reads(reads, False) == (b"data: a\n\ndata: b\n\n", [8, 8, 18], True) and reads == []
+    assert join_reads([], False) == (b"", [], True)
+
+
+@needs_scanc
+def test_a_joined_read_is_let_go_of_by_the_join():
+    """The join holds the body once: each read it copied is no longer referenced by the list."""
+    import sys
+    big = [b"%x\r\n" % 100_000 + bytes(100_000) + b"\r\n" for _ in range(3)] + [b"0\r\n\r\n"]
+    first = big[0]
+    before = sys.getrefcount(first)
+    payload, ends, complete = join_reads(big, True)
+    assert sys.getrefcount(first) == before - 1 and big == []
+    assert len(payload) == 300_000 and ends == [100_000, 200_000, 300_000, 300_000] and complete

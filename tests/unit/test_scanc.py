@@ -115,7 +115,9 @@ def test_bad_arguments_are_errors_not_crashes():
     with pytest.raises(ValueError):
         _scanc.template_run(b"abc", 0, b"", HEAD, 2, CLOSING)
     with pytest.raises(TypeError):
-        _scanc.join_frames(b"1\r\nx\r\n")
+        _scanc.join_frames(b"1\r\nx\r\n", True)
+    with pytest.raises(TypeError):
+        _scanc.join_frames([b"1\r\nx\r\n"])
 
 
 class _Runs:
