@@ -87,11 +87,13 @@ def _head_for(shape: str, body: bytes) -> bytes:
     return (f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
 
 
-@pytest.mark.parametrize("relay", ["thread", "python"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+# a chunked body by either relay; a Content-Length body is relayed by Python whatever the setting
+CASES = [(shape, relay) for shape in SHAPES for relay in ("thread", "python")
+         if relay == "thread" or "chunked" in shape]
+
+
+@pytest.mark.parametrize(("shape", "relay"), CASES)
 def test_one_large_kept_response_peaks_near_its_size_and_is_let_go_of(tmp_path, loop_thread, shape, relay):
-    if relay == "python" and shape in ("length_stream", "whole_json"):
-        pytest.skip("a Content-Length body is relayed by Python whatever the setting")
     head, body = SHAPES[shape]()
     if head is None:
         head, body = _head_for(shape, body), [body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]
@@ -128,7 +130,7 @@ def test_one_large_kept_response_peaks_near_its_size_and_is_let_go_of(tmp_path, 
         try:
             while piece := await asyncio.wait_for(reader.read(1 << 20), 120):
                 got += len(piece)  # read and dropped: the test's own memory stays small
-                if got >= kept:
+                if got >= kept or (model == "warm" and piece.endswith(b"0\r\n\r\n")):
                     break
         finally:
             writer.close()
