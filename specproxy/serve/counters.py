@@ -59,8 +59,8 @@ COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", GAUGE),
 )
 
-# the shippers' figures (``store/shipper.py``), summed over the sinks (the most for seconds behind): in
-# ``read`` only when ``serve --sink`` names one
+# the shippers' figures (``store/shipper.py``): per sink on /metrics (label ``sink``, ``read_sinks``), summed
+# over the sinks on the state line (the most for seconds behind, ``read``); only when ``serve --sink`` names one
 SINK_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("sink_rows_behind", "specproxy_sink_rows_behind",
      "Local rows (turns, scrapes, counter joins) a sink has not taken yet, over every sink", GAUGE),
@@ -96,6 +96,10 @@ class SinkCounts(Protocol):
     rows_shipped: int
     batches_failed: int
     rows_set_aside: int
+
+    @property
+    def name(self) -> str:
+        """The sink's URL without a password (``Sink.name``)."""
 
     @property
     def rows_behind(self) -> int: ...
@@ -174,15 +178,19 @@ class Counters:
         w = self.store
         return {**self._counts(w), **self._sink_counts()}
 
+    def read_sinks(self) -> dict[str, dict[str, float]]:
+        """Each sink's figures of ``SINK_COUNTS``, by the sink's name (its URL without a password): what
+        /metrics shows under the label ``sink``, so that a lagging sink is not hidden by one keeping up."""
+        return {s.name: {"sink_rows_behind": s.rows_behind, "sink_seconds_behind": s.seconds_behind,
+                         "sink_rows_shipped": s.rows_shipped, "sink_batches_failed": s.batches_failed,
+                         "sink_rows_set_aside": s.rows_set_aside} for s in self.sinks}
+
     def _sink_counts(self) -> dict[str, float]:
-        ships = self.sinks
-        if not ships:
+        each = list(self.read_sinks().values())
+        if not each:
             return {}
-        return {"sink_rows_behind": sum(s.rows_behind for s in ships),
-                "sink_seconds_behind": max(s.seconds_behind for s in ships),
-                "sink_rows_shipped": sum(s.rows_shipped for s in ships),
-                "sink_batches_failed": sum(s.batches_failed for s in ships),
-                "sink_rows_set_aside": sum(s.rows_set_aside for s in ships)}
+        return {key: (max if key == "sink_seconds_behind" else sum)(s[key] for s in each)
+                for key, *_ in SINK_COUNTS}
 
     def _counts(self, w: StoreCounts | None) -> dict[str, float]:
         return {

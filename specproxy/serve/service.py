@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
+from specproxy import __version__
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
@@ -224,6 +225,11 @@ class Service:
                 sock.close()
             raise
 
+    def _identity(self, watch: ServerWatch) -> dict[str, str]:
+        """Who this proxy is, for /metrics' ``specproxy_proxy_info`` only (never a label on the figures)."""
+        return {"proxy_name": self.cfg.name_of_proxy, "version": __version__,
+                "upstream_instance": watch.instance_id or ""}
+
     def _store(self, builder: RecordBuilder, record: Record) -> bool:
         """In the measuring thread: the record to the writer's queue (a put that never blocks), and with
         ``capture`` the request body as the client sent it, beside its turn (store/captures.py)."""
@@ -253,7 +259,7 @@ class Service:
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
         counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers)
-        self.metrics = OwnMetrics(counters.read)
+        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
         self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)
