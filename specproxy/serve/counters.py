@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from specproxy.wire import memory
 
-__all__ = ["COUNTS", "SINK_COUNTS", "Counters", "SinkCounts", "StoreCounts"]
+__all__ = ["COUNTS", "OTLP_COUNTS", "SINK_COUNTS", "Counters", "OtlpCounts", "SinkCounts", "StoreCounts"]
 
 GAUGE, COUNTER = "gauge", "counter"
 
@@ -74,6 +74,14 @@ SINK_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
      COUNTER),
 )
 
+# the OTLP exporter's figures (``serve/otlp.py``): in ``read`` only when ``serve --otlp-endpoint`` names one
+OTLP_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("otlp_exports", "specproxy_otlp_exports", "Exports to the OTLP endpoint, every interval (otlp_interval_s)",
+     COUNTER),
+    ("otlp_exports_failed", "specproxy_otlp_exports_failed",
+     "Exports the OTLP endpoint did not take (unreachable, refused): the next export carries the totals", COUNTER),
+)
+
 Rejection = Literal["busy", "bad", "memory"]
 
 
@@ -108,6 +116,13 @@ class SinkCounts(Protocol):
     def seconds_behind(self) -> float: ...
 
 
+class OtlpCounts(Protocol):
+    """What the counters read of the OTLP exporter (``serve.otlp.Otlp``)."""
+
+    exports: int
+    exports_failed: int
+
+
 class Counters:
     """The proxy's own counts, changed through its methods (on the loop), and the store's and the server
     watch's read beside them (``read``). ``store`` and ``scrape_failures`` are where those live; the
@@ -115,11 +130,12 @@ class Counters:
 
     __slots__ = ("header_timeouts", "in_flight", "measure_dropped", "measure_errors", "measure_shed",
                  "measured_in_flight", "memory_budget", "rejected_bad", "rejected_busy", "rejected_memory",
-                 "scrape_failures", "sinks", "store")
+                 "otlp", "scrape_failures", "sinks", "store")
 
     def __init__(self, store: StoreCounts | None = None, scrape_failures: Callable[[], int] = lambda: 0,
-                 sinks: Sequence[SinkCounts] = ()) -> None:
+                 sinks: Sequence[SinkCounts] = (), otlp: OtlpCounts | None = None) -> None:
         self.store = store
+        self.otlp = otlp
         self.sinks = sinks
         self.scrape_failures = scrape_failures
         self.in_flight = 0  # every request being handled
@@ -173,10 +189,11 @@ class Counters:
     # --- reading ----------------------------------------------------------------------------------
 
     def read(self) -> dict[str, float]:
-        """Every count of ``COUNTS`` (and ``SINK_COUNTS`` with a sink), now. Safe from any thread: it reads
-        numbers."""
-        w = self.store
-        return {**self._counts(w), **self._sink_counts()}
+        """Every count of ``COUNTS`` (and ``SINK_COUNTS`` with a sink, ``OTLP_COUNTS`` with an OTLP endpoint),
+        now. Safe from any thread: it reads numbers."""
+        w, o = self.store, self.otlp
+        otlp = {} if o is None else {"otlp_exports": o.exports, "otlp_exports_failed": o.exports_failed}
+        return {**self._counts(w), **self._sink_counts(), **otlp}
 
     def read_sinks(self) -> dict[str, dict[str, float]]:
         """Each sink's figures of ``SINK_COUNTS``, by the sink's name (its URL without a password): what

@@ -43,7 +43,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
-from specproxy.serve.counters import COUNTS, GAUGE, SINK_COUNTS
+from specproxy.serve.counters import COUNTS, GAUGE, OTLP_COUNTS, SINK_COUNTS
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
 
@@ -232,7 +232,7 @@ class OwnMetrics:
 
 
 def _state_families(state: dict[str, float]) -> Iterable[Metric]:
-    for key, name, doc, kind in COUNTS:
+    for key, name, doc, kind in (*COUNTS, *OTLP_COUNTS):
         if name is not None and key in state:
             cls = GaugeMetricFamily if kind == GAUGE else CounterMetricFamily
             yield cls(name, doc, value=state[key])

@@ -38,6 +38,7 @@ from specproxy.serve.aiohttp_front import AiohttpFront
 from specproxy.serve.counters import Counters
 from specproxy.serve.lane import Lane, Lanes
 from specproxy.measure.chunk_gaps import StreamTiming
+from specproxy.serve.otlp import Otlp
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
@@ -205,6 +206,7 @@ class Service:
     metrics: OwnMetrics | None = None
     admin: Admin | None = None
     shippers: list[Shipper] = field(default_factory=list)  # one per Config sink (store/shipper.py)
+    otlp: Otlp | None = None  # with Config otlp_endpoint: the figures pushed over OTLP (serve/otlp.py)
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
@@ -237,6 +239,9 @@ class Service:
         if writer is None:
             return True
         stored = writer.put(record)
+        otlp = self.otlp
+        if otlp is not None and stored and record.measured:  # the turns /metrics counts, off the loop
+            otlp.record(record, builder.timing)
         if self.cfg.capture and record.measured:
             writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
                                     builder.request_encoding, builder.body))
@@ -258,7 +263,10 @@ class Service:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
-        counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers)
+        if self.cfg.otlp_endpoint is not None and self.otlp is None:
+            self.otlp = Otlp(self.cfg.otlp_endpoint, self.cfg.otlp_interval_s, self.cfg.name_of_proxy, __version__,
+                             lambda: self.counters.read_sinks() if self.counters is not None else {})
+        counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
         self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
@@ -394,6 +402,9 @@ class Service:
             await asyncio.to_thread(self.writer.close)
         for shipper in self.shippers:  # what they have not sent stays in the file for the next run
             await asyncio.to_thread(shipper.close)
+        if self.otlp is not None:  # after the writer: every turn recorded is in its last export
+            await asyncio.to_thread(self.otlp.close)
+            self.otlp = None
 
     @staticmethod
     async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:
