@@ -221,11 +221,23 @@ class Service:
             tokenizer = load_tokenizer(cfg.tokenizer)
             writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
             shippers = [Shipper(cfg.db, make_sink(url), cfg.name_of_proxy) for url in cfg.sinks]
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
+            service = cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
+            try:
+                service._make_otlp()  # here rather than in start(): importing the SDK reads files, off the loop
+            except BaseException:
+                writer.close()
+                raise
+            return service
         except BaseException:
             for sock in sockets:
                 sock.close()
             raise
+
+    def _make_otlp(self) -> None:
+        """With Config ``otlp_endpoint``, the OTLP exporter (once): ConfigError when its SDK is missing."""
+        if self.cfg.otlp_endpoint is not None and self.otlp is None:
+            self.otlp = Otlp(self.cfg.otlp_endpoint, self.cfg.otlp_interval_s, self.cfg.name_of_proxy, __version__,
+                             lambda: self.counters.read_sinks() if self.counters is not None else {})
 
     def _identity(self, watch: ServerWatch) -> dict[str, str]:
         """Who this proxy is, for /metrics' ``specproxy_proxy_info`` only (never a label on the figures)."""
@@ -263,9 +275,8 @@ class Service:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
-        if self.cfg.otlp_endpoint is not None and self.otlp is None:
-            self.otlp = Otlp(self.cfg.otlp_endpoint, self.cfg.otlp_interval_s, self.cfg.name_of_proxy, __version__,
-                             lambda: self.counters.read_sinks() if self.counters is not None else {})
+        if self.otlp is None and self.cfg.otlp_endpoint is not None:  # a Service built by hand, not from_config
+            await asyncio.to_thread(self._make_otlp)  # its SDK reads files and joins a thread pool: not on the loop
         counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
         self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
         writer = self.writer

@@ -7,9 +7,9 @@ for an event (an export holding the turns, a count on the page), bounded."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sqlite3
+import sys
 import threading
 import urllib.request
 
@@ -198,10 +198,75 @@ def test_an_endpoint_that_takes_nothing_is_one_line_and_counted(tmp_path, upstre
 
 def test_a_malformed_endpoint_is_refused_in_one_line(tmp_path):
     import subprocess
-    import sys
 
     out = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", "http://127.0.0.1:9",
                           "--db", str(tmp_path / "x.db"), "--otlp-endpoint", "collector:4318"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert out.stderr.strip().count("\n") == 0 and "otlp_endpoint" in out.stderr, out.stderr
+
+
+def test_a_turn_that_did_not_end_ok_carries_its_outcome_as_error_type(lt):
+    """``error.type`` is the outcome of a turn that did not end ``ok`` (the conventions' attribute for a
+    failed operation), absent on one that did; a non-streamed turn has no stream figures."""
+    from specproxy.record import Record, new_turn_id
+    from specproxy.serve.otlp import Otlp
+
+    receiver = Receiver(lt)
+    otlp = Otlp(receiver.url, 60.0, "edge-x", "0.0", dict)  # exported by close(), not by the clock
+    try:
+        for outcome, streamed in (("ok", True), ("upstream_error", False), ("client_cancelled", True)):
+            otlp.record(Record(id=new_turn_id(), t_wall=1.7e9, method="POST", path="/v1/messages", status=200,
+                               outcome=outcome, streamed=streamed, model="claude-x", api="messages",
+                               prompt_tokens=5, completion_tokens=7, total_s=1.5, ttft_s=0.25 if streamed else None,
+                               decode_tps=40.0 if streamed else None, request_parsed=True, measured=True))
+    finally:
+        otlp.close()
+        receiver.close()
+    got = receiver.latest()
+    by_outcome = {attrs(p)["specproxy.outcome"]: attrs(p) for _, _, p in got["gen_ai.client.operation.duration"]}
+    assert set(by_outcome) == {"ok", "upstream_error", "client_cancelled"}
+    assert "error.type" not in by_outcome["ok"]
+    assert by_outcome["upstream_error"]["error.type"] == "upstream_error"
+    assert by_outcome["client_cancelled"]["error.type"] == "client_cancelled"
+    assert {a["gen_ai.provider.name"] for a in by_outcome.values()} == {"anthropic"}
+    ttft = {attrs(p)["specproxy.outcome"]: p.count for _, _, p in got["gen_ai.server.time_to_first_token"]}
+    assert ttft == {"ok": 1, "client_cancelled": 1}  # the non-streamed turn has none
+
+
+def test_without_the_otlp_extra_the_endpoint_is_one_clear_error(monkeypatch):
+    from specproxy.errors import ConfigError
+    from specproxy.serve.otlp import Otlp
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.metrics", None)  # as if the SDK were not installed
+    with pytest.raises(ConfigError, match=r"pip install 'specproxy\[otlp\]'"):
+        Otlp("http://127.0.0.1:9/v1/metrics", 1.0, "p", "v")
+
+
+def test_in_process_nothing_blocks_the_event_loop(make_stack, tiktoken_tok, lt):
+    """The in-process stack under blockbuster (``make_stack``): a blocking call of specproxy's on the event
+    loop fails the test. Recording happens in the measuring thread and exporting in the SDK's."""
+    import aiohttp
+
+    receiver = Receiver(lt)
+    try:
+        stack = make_stack(tiktoken_tok, scrape_interval_s=0, otlp_endpoint=receiver.url, otlp_interval_s=0.2)
+
+        async def one() -> int:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(stack.url + PATHS["chat"], json={"model": "m", "stream": True, "messages": [
+                        {"role": "user", "content": "hi"}]}) as r:
+                    await r.read()
+                    return r.status
+
+        for _ in range(4):
+            assert stack.run(one()) == 200
+        stack.settle()
+
+        def outputs() -> int:
+            return sum(p.count for _, _, p in receiver.latest().get("gen_ai.client.token.usage", [])
+                       if attrs(p)["gen_ai.token.type"] == "output")
+
+        wait_until(lambda: outputs() == 4, 30, 0.05, "an export holding the four turns")
+    finally:
+        receiver.close()
