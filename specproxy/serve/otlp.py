@@ -1,24 +1,25 @@
 """The per-turn figures pushed over OTLP/HTTP (protobuf), for a fleet that collects with OpenTelemetry
 rather than scraping Prometheus (``serve --otlp-endpoint``).
 
-Why the SDK's own pieces: ``opentelemetry-sdk``'s histograms aggregate in memory and its
-``PeriodicExportingMetricReader`` sends them from its own thread every ``otlp_interval_s``, so the event
-loop never encodes or sends anything. A turn is recorded where its Record is built, in the measuring
-thread (``Service._store``), never on the forwarding path. Temporality is cumulative (the SDK's default):
-an export that fails loses nothing, the next one carries the totals.
+Why no OpenTelemetry instruments: the figures are already aggregated once, by ``OwnMetrics`` (a bisect
+and two additions per observation, the per-chunk gaps bucketed in the measuring thread), and the SDK's
+histograms would aggregate every turn a second time, at about 17 µs of interpreter time per observation
+(its attribute checks and hashing: some 120 µs a turn for seven figures, measured), competing with the
+relay for the interpreter lock. So this module is another exposition of ``OwnMetrics``, as the Prometheus
+page is: every ``otlp_interval_s`` its own thread copies the histograms (as a scrape does), builds the
+SDK's ``MetricsData`` and hands it to the SDK's ``OTLPMetricExporter`` (protobuf over HTTP, its retries
+and timeout). Nothing is added to a turn's path; the event loop never encodes or sends. Temporality is
+cumulative: an export that fails loses nothing, the next one carries the totals.
 
 Names are the OpenTelemetry GenAI semantic conventions' (docs/operations.md, "Fleet", lists them), with
 the attributes ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.provider.name`` (the API the
 client spoke: ``openai`` for the OpenAI-style APIs, ``anthropic`` for Messages) and ``error.type`` (the
 outcome) on a turn that did not end ``ok``; ``specproxy.api`` and ``specproxy.outcome`` are the Prometheus
-page's ``api`` and ``outcome`` labels. The same turns and the same values as ``own_metrics.py``'s
-histograms: the client's operation duration is also sent as the server's request duration (a proxy
-beside the server sees one span for both), time per output token is 1 / per-stream decode speed. The
-per-chunk gaps (``time_per_output_chunk``) are not sent: the SDK takes single values, and a stream's gaps
-arrive already bucketed. The model string is cut as on the Prometheus page (``MODEL_CHARS``,
-``MAX_MODELS``). The shippers' figures are observed at each export, per sink (``specproxy.sink``).
+page's ``api`` and ``outcome`` labels. The same series, bounds and values as the Prometheus page; the
+client's operation duration is also sent as the server's request duration (a proxy beside the server
+sees one duration for both). The shippers' figures go per sink (``specproxy.sink``).
 
-A bad endpoint is said in one line at start (an empty export sent once, in the reader's thread) and
+A bad endpoint is said in one line at start (an empty export sent once, from the exporting thread) and
 again once each time exporting starts failing; every failed export is counted (``otlp_exports_failed``
 on the state line and ``specproxy_otlp_exports_failed`` on /metrics). Forwarding never waits on it.
 """
@@ -27,14 +28,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 
 from specproxy.errors import ConfigError
-from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
-from specproxy.record import Record
-from specproxy.serve.own_metrics import MAX_MODELS, MODEL_CHARS, OPERATIONS, OTHER_MODEL, TOKENS, UNKNOWN
+from specproxy.serve.own_metrics import LABELS, OwnMetrics
 
 __all__ = ["Otlp", "probe"]
 
@@ -42,8 +42,38 @@ log = logging.getLogger("specproxy")
 
 PROVIDERS = {"chat": "openai", "completions": "openai", "responses": "openai", "messages": "anthropic"}
 PROBE_TIMEOUT_S = 5.0
-SHUTDOWN_MS = 5000
 SERVICE = "specproxy"
+
+# (OTLP name, unit, what, the OwnMetrics histogram it reads)
+HISTOGRAMS = (
+    ("gen_ai.client.operation.duration", "s", "GenAI operation duration: request read to response end, every "
+     "outcome", "duration"),
+    ("gen_ai.server.request.duration", "s", "Request read to response end, as the proxy beside the server sees "
+     "it", "duration"),
+    ("gen_ai.client.token.usage", "{token}", "Tokens per turn: input = the prompt as the server sees it, output = "
+     "delivered tokens", "token_usage"),
+    ("gen_ai.client.operation.time_to_first_chunk", "s", "Streamed turns: request read to the response's first "
+     "chunk (an event with data, whatever it carries)", "first_chunk"),
+    ("gen_ai.client.operation.time_per_output_chunk", "s", "Streamed turns: one observation per chunk after the "
+     "first, the time since the previous one", "per_chunk"),
+    ("gen_ai.server.time_to_first_token", "s", "Streamed turns: request read to the first chunk carrying output "
+     "text", "first_token"),
+    ("gen_ai.server.time_per_output_token", "s", "Streamed turns: 1 / per-stream decode speed", "per_token"),
+    ("specproxy.decode.speed", "{token}/s", "Streamed turns: per-stream decode speed", "decode_speed"),
+    ("specproxy.prompt.part_tokens", "{token}", "Prompt make-up per turn: system, tools, history, new",
+     "prompt_parts"),
+)
+# Prometheus label -> OTLP attribute, for the labels past LABELS
+EXTRA = {"gen_ai_token_type": "gen_ai.token.type", "part": "specproxy.prompt.part"}
+# (the sink figure's key, OTLP name, unit, what, monotonic: a counter, else a gauge)
+SINK_FIGURES = (
+    ("sink_rows_behind", "specproxy.sink.rows_behind", "{row}", "Local rows the sink has not taken yet", False),
+    ("sink_seconds_behind", "specproxy.sink.seconds_behind", "s",
+     "Age of the oldest turn the sink has not taken yet (0 when none waits)", False),
+    ("sink_rows_shipped", "specproxy.sink.rows_shipped", "{row}", "Rows the sink took", True),
+    ("sink_batches_failed", "specproxy.sink.batches_failed", "{batch}", "Batches the sink took nothing of", True),
+    ("sink_rows_set_aside", "specproxy.sink.rows_set_aside", "{row}", "Rows the sink refused", True),
+)
 
 
 def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
@@ -60,139 +90,113 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return f"cannot connect ({reason})".replace("\n", " ")
 
 
+def attributes(key: tuple[str, ...], extra: tuple[str, ...]) -> dict[str, str]:
+    """A series' labels (``LABELS`` then ``extra``, as ``OwnMetrics`` keys them) as OTLP attributes."""
+    model, operation, api, outcome = key[:len(LABELS)]
+    out = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
+           "gen_ai.provider.name": PROVIDERS.get(api, "unknown"), "specproxy.api": api, "specproxy.outcome": outcome}
+    if outcome != "ok":
+        out["error.type"] = outcome
+    for name, value in zip(extra, key[len(LABELS):]):
+        out[EXTRA[name]] = value
+    return out
+
+
 class Otlp:
-    """The meter provider, its periodic reader and the instruments. ``record`` from the measuring thread;
-    ``close`` once (a last export, bounded)."""
+    """Exports ``metrics`` (and the sinks' figures) every ``interval_s`` from its own thread: ``start``, then
+    ``close`` (one last export, bounded by the exporter's timeout). ``exports`` and ``exports_failed`` are
+    read from any thread."""
 
     def __init__(self, endpoint: str, interval_s: float, proxy_name: str, version: str,
+                 metrics: Callable[[], OwnMetrics | None],
                  sinks: Callable[[], dict[str, dict[str, float]]] = dict) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-            from opentelemetry.metrics import Observation
-            from opentelemetry.sdk.metrics import MeterProvider
-            from opentelemetry.sdk.metrics.export import (MetricExporter, MetricExportResult,
-                                                          PeriodicExportingMetricReader)
+            from opentelemetry.sdk.metrics.export import MetricExportResult
             from opentelemetry.sdk.resources import Resource
         except ImportError:
             raise ConfigError("otlp_endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter: "
                               "pip install 'specproxy[otlp]'") from None
         logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # its retries' tracebacks: ours is one line
-        self.endpoint = endpoint
+        self.endpoint, self.interval_s, self.version = endpoint, interval_s, version
+        self._metrics, self._sinks = metrics, sinks
+        self._ok = MetricExportResult.SUCCESS
+        self._exporter = OTLPMetricExporter(endpoint=endpoint, timeout=min(10.0, max(1.0, interval_s)))
+        # built as is, no resource detectors (Resource.create runs them in a thread pool)
+        self._resource = Resource({"service.name": SERVICE, "service.version": version,
+                                   "service.instance.id": proxy_name})
+        self._start_ns = time.time_ns()  # the cumulative series' start: the figures count from here
         self.exports = 0
         self.exports_failed = 0
         self._failing = False
-        self._models: set[str] = set()
-        self._lock = threading.Lock()  # the model set: the measuring thread, and tests' several
-        outer = self
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specproxy-otlp", daemon=True)
 
-        inner = OTLPMetricExporter(endpoint=endpoint, timeout=min(10.0, max(1.0, interval_s)))
+    def start(self) -> None:
+        self._thread.start()
 
-        class Counted(MetricExporter):
-            """The OTLP exporter, its results counted and its failures said once per run of them."""
+    def close(self) -> None:
+        """One last export of the totals (bounded), then stop. Blocks: not on the loop."""
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        self._exporter.shutdown()
 
-            def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-                result = inner.export(metrics_data, timeout_millis=timeout_millis)
-                outer._exported(result == MetricExportResult.SUCCESS)
-                return result
-
-            def force_flush(self, timeout_millis: float = 10_000) -> bool:
-                return inner.force_flush(timeout_millis)
-
-            def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-                inner.shutdown(timeout_millis=timeout_millis)
-
-        self._reader = PeriodicExportingMetricReader(Counted(), export_interval_millis=interval_s * 1000,
-                                                     export_timeout_millis=min(10.0, max(1.0, interval_s)) * 1000)
-        resource = Resource.create({"service.name": SERVICE, "service.version": version,
-                                    "service.instance.id": proxy_name})
-        self._provider = MeterProvider(resource=resource, metric_readers=[self._reader])
-        meter = self._provider.get_meter("specproxy", version)
-        h = meter.create_histogram
-        self.duration = h("gen_ai.client.operation.duration", "s", "GenAI operation duration: request read to "
-                          "response end, every outcome", explicit_bucket_boundaries_advisory=ADVISED_BOUNDS_S)
-        self.server_duration = h("gen_ai.server.request.duration", "s", "Request read to response end, as the "
-                                 "proxy beside the server sees it", explicit_bucket_boundaries_advisory=ADVISED_BOUNDS_S)
-        self.token_usage = h("gen_ai.client.token.usage", "{token}", "Tokens per turn: input = the prompt as "
-                             "the server sees it, output = delivered tokens", explicit_bucket_boundaries_advisory=TOKENS)
-        self.first_chunk = h("gen_ai.client.operation.time_to_first_chunk", "s", "Streamed turns: request read "
-                             "to the response's first chunk", explicit_bucket_boundaries_advisory=GAP_BOUNDS_S)
-        self.first_token = h("gen_ai.server.time_to_first_token", "s", "Streamed turns: request read to the "
-                             "first chunk carrying output text", explicit_bucket_boundaries_advisory=GAP_BOUNDS_S)
-        self.per_token = h("gen_ai.server.time_per_output_token", "s", "Streamed turns: 1 / per-stream decode "
-                           "speed", explicit_bucket_boundaries_advisory=GAP_BOUNDS_S)
-
-        def sink_figure(key: str):
-            def observe(_options):
-                return [Observation(figures[key], {"specproxy.sink": name}) for name, figures in sinks().items()]
-            return observe
-
-        for key, name, kind, desc in (
-                ("sink_rows_behind", "specproxy.sink.rows_behind", "gauge", "Local rows the sink has not taken yet"),
-                ("sink_seconds_behind", "specproxy.sink.seconds_behind", "gauge",
-                 "Age of the oldest turn the sink has not taken yet (0 when none waits)"),
-                ("sink_batches_failed", "specproxy.sink.batches_failed", "counter",
-                 "Batches the sink took nothing of"),
-                ("sink_rows_shipped", "specproxy.sink.rows_shipped", "counter", "Rows the sink took"),
-                ("sink_rows_set_aside", "specproxy.sink.rows_set_aside", "counter", "Rows the sink refused")):
-            unit = "s" if key == "sink_seconds_behind" else "{row}" if "rows" in key else "{batch}"
-            make = meter.create_observable_gauge if kind == "gauge" else meter.create_observable_counter
-            make(name, [sink_figure(key)], unit, desc)
-        threading.Thread(target=self._say_at_start, name="specproxy-otlp-probe", daemon=True).start()
-
-    def _say_at_start(self) -> None:
+    def _run(self) -> None:
         why = probe(self.endpoint)
         if why is not None:
             log.warning("otlp_endpoint %s does not take metrics: %s; forwarding goes on, exports are retried "
-                        "every interval and failures counted (otlp_exports_failed)", self.endpoint, why)
+                        "every %g s and failures counted (otlp_exports_failed)", self.endpoint, why, self.interval_s)
+        self._failing = why is not None
+        while not self._stop.wait(self.interval_s):
+            self.export()
+        self.export()
 
-    def _exported(self, ok: bool) -> None:
-        """In the reader's thread, after each export."""
+    def export(self) -> bool:
+        """Send the totals now (in the exporting thread, or a test's); whether the endpoint took them."""
+        data = self.data()
+        try:
+            ok = self._exporter.export(data) == self._ok
+        except Exception:  # noqa: BLE001 - an exporter's bug must not end the thread; counted as a failure
+            ok = False
         self.exports += 1
         if ok:
             if self._failing:
                 log.warning("otlp_endpoint %s: exporting again", self.endpoint)
             self._failing = False
-            return
+            return True
         self.exports_failed += 1
-        if not self._failing and self.exports > 1:  # the first one's failure was said by the probe at start
-            log.warning("otlp_endpoint %s: exporting failed (%s); the figures are kept and sent with the next "
-                        "export", self.endpoint, probe(self.endpoint) or "refused")
+        if not self._failing:
+            log.warning("otlp_endpoint %s: exporting failed (%s); the totals are sent with the next export",
+                        self.endpoint, probe(self.endpoint) or "refused")
         self._failing = True
+        return False
 
-    def _model(self, model: str | None) -> str:
-        m = (model or "")[:MODEL_CHARS]
-        with self._lock:
-            if m in self._models:
-                return m
-            if len(self._models) < MAX_MODELS:
-                self._models.add(m)
-                return m
-        return OTHER_MODEL
+    def data(self):
+        """The SDK's ``MetricsData`` for the totals now: each histogram copied as a scrape copies it."""
+        from opentelemetry.sdk.metrics.export import (AggregationTemporality, Gauge, Histogram, HistogramDataPoint,
+                                                      Metric, MetricsData, NumberDataPoint, ResourceMetrics,
+                                                      ScopeMetrics, Sum)
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    def record(self, r: Record, timing: StreamTiming | None = None) -> None:
-        """One turn the store took, in the measuring thread (the same turns as ``OwnMetrics.record``)."""
-        api = r.api or UNKNOWN
-        attrs = {"gen_ai.operation.name": OPERATIONS.get(api, UNKNOWN), "gen_ai.request.model": self._model(r.model),
-                 "gen_ai.provider.name": PROVIDERS.get(api, UNKNOWN), "specproxy.api": api,
-                 "specproxy.outcome": r.outcome}
-        if r.outcome != "ok":
-            attrs["error.type"] = r.outcome
-        if r.completion_tokens is not None:
-            self.token_usage.record(r.completion_tokens, {**attrs, "gen_ai.token.type": "output"})
-        if r.prompt_tokens is not None:
-            self.token_usage.record(r.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
-        if r.total_s is not None:
-            self.duration.record(r.total_s, attrs)
-            self.server_duration.record(r.total_s, attrs)
-        if not r.streamed:
-            return
-        if r.ttft_s is not None:
-            self.first_token.record(r.ttft_s, attrs)
-        if timing is not None and timing.first_chunk_s is not None:
-            self.first_chunk.record(timing.first_chunk_s, attrs)
-        if r.decode_tps:
-            self.per_token.record(1.0 / r.decode_tps, attrs)
-
-    def close(self) -> None:
-        """A last export of what is pending (bounded), then stop the reader's thread. Blocks: not on the loop."""
-        self._provider.shutdown(timeout_millis=SHUTDOWN_MS)
+        cumulative = AggregationTemporality.CUMULATIVE
+        start, now = self._start_ns, time.time_ns()
+        out = []
+        metrics = self._metrics()
+        if metrics is not None:
+            for name, unit, what, attr in HISTOGRAMS:
+                h = getattr(metrics, attr)
+                points = []
+                for key, (counts, total) in list(h.series.items()):  # copies: records may land meanwhile
+                    counts = list(counts)
+                    points.append(HistogramDataPoint(attributes(key, h.extra), start, now, sum(counts), total, counts,
+                                                     list(h.bounds), None, None))
+                if points:
+                    out.append(Metric(name, what, unit, Histogram(points, cumulative)))
+        for key, name, unit, what, monotonic in SINK_FIGURES:
+            points = [NumberDataPoint({"specproxy.sink": sink}, start, now, figures[key])
+                      for sink, figures in self._sinks().items()]
+            if points:
+                out.append(Metric(name, what, unit, Sum(points, cumulative, True) if monotonic else Gauge(points)))
+        scope = ScopeMetrics(InstrumentationScope("specproxy", self.version), out, "")
+        return MetricsData([ResourceMetrics(self._resource, [scope], "")])

@@ -237,6 +237,7 @@ class Service:
         """With Config ``otlp_endpoint``, the OTLP exporter (once): ConfigError when its SDK is missing."""
         if self.cfg.otlp_endpoint is not None and self.otlp is None:
             self.otlp = Otlp(self.cfg.otlp_endpoint, self.cfg.otlp_interval_s, self.cfg.name_of_proxy, __version__,
+                             lambda: self.metrics,
                              lambda: self.counters.read_sinks() if self.counters is not None else {})
 
     def _identity(self, watch: ServerWatch) -> dict[str, str]:
@@ -251,9 +252,6 @@ class Service:
         if writer is None:
             return True
         stored = writer.put(record)
-        otlp = self.otlp
-        if otlp is not None and stored and record.measured:  # the turns /metrics counts, off the loop
-            otlp.record(record, builder.timing)
         if self.cfg.capture and record.measured:
             writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
                                     builder.request_encoding, builder.body))
@@ -276,7 +274,7 @@ class Service:
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
         if self.otlp is None and self.cfg.otlp_endpoint is not None:  # a Service built by hand, not from_config
-            await asyncio.to_thread(self._make_otlp)  # its SDK reads files and joins a thread pool: not on the loop
+            await asyncio.to_thread(self._make_otlp)  # importing its SDK reads files: not on the loop
         counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
         self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
         writer = self.writer
@@ -292,6 +290,8 @@ class Service:
         await self.proxy.start()
         for shipper in self.shippers:  # after the writer made the file: they read it forward
             shipper.start()
+        if self.otlp is not None:  # exports OwnMetrics' totals from its own thread (serve/otlp.py)
+            self.otlp.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
         mode = self.cfg.cadence_poll

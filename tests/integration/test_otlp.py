@@ -137,7 +137,8 @@ def test_the_turns_figures_arrive_under_the_genai_names(tmp_path, lt, upstream):
     for name, unit in (("gen_ai.client.operation.duration", "s"), ("gen_ai.client.token.usage", "{token}"),
                        ("gen_ai.server.request.duration", "s"), ("gen_ai.server.time_to_first_token", "s"),
                        ("gen_ai.server.time_per_output_token", "s"),
-                       ("gen_ai.client.operation.time_to_first_chunk", "s")):
+                       ("gen_ai.client.operation.time_to_first_chunk", "s"),
+                       ("gen_ai.client.operation.time_per_output_chunk", "s"), ("specproxy.decode.speed", "{token}/s")):
         assert {(u, k) for u, k, _ in got[name]} == {(unit, "histogram")}, name
     for api, op in (("chat", "chat"), ("completions", "text_completion")):
         mine = [r for r in rows if r[0] == api]
@@ -158,6 +159,10 @@ def test_the_turns_figures_arrive_under_the_genai_names(tmp_path, lt, upstream):
         assert p.count == len(streamed) and p.sum == pytest.approx(sum(1 / r[6] for r in streamed), rel=1e-9)
         (p,) = by("gen_ai.client.operation.time_to_first_chunk", **{"specproxy.api": api})
         assert p.count == len(streamed)
+        (p,) = by("specproxy.decode.speed", **{"specproxy.api": api})
+        assert p.count == len(streamed) and p.sum == pytest.approx(sum(r[6] for r in streamed), rel=1e-9)
+        (p,) = by("gen_ai.client.operation.time_per_output_chunk", **{"specproxy.api": api})
+        assert p.count > len(streamed)  # one per chunk after each turn's first
     assert "error.type" not in {k for _, _, p in got["gen_ai.client.operation.duration"] for k in attrs(p)}
     assert receiver.resource()["service.instance.id"] == "edge-7"
     assert "specproxy.sink.rows_behind" not in got  # no sink: no figures that would read as keeping up
@@ -208,21 +213,27 @@ def test_a_malformed_endpoint_is_refused_in_one_line(tmp_path):
 
 def test_a_turn_that_did_not_end_ok_carries_its_outcome_as_error_type(lt):
     """``error.type`` is the outcome of a turn that did not end ``ok`` (the conventions' attribute for a
-    failed operation), absent on one that did; a non-streamed turn has no stream figures."""
+    failed operation), absent on one that did; a non-streamed turn has no stream figures. The exporter
+    reads what ``OwnMetrics`` holds (the Prometheus page's figures), at ``close`` here."""
     from specproxy.record import Record, new_turn_id
     from specproxy.serve.otlp import Otlp
+    from specproxy.serve.own_metrics import OwnMetrics
 
     receiver = Receiver(lt)
-    otlp = Otlp(receiver.url, 60.0, "edge-x", "0.0", dict)  # exported by close(), not by the clock
+    metrics = OwnMetrics()
+    otlp = Otlp(receiver.url, 3600.0, "edge-x", "0.0", lambda: metrics)
+    otlp.start()
     try:
         for outcome, streamed in (("ok", True), ("upstream_error", False), ("client_cancelled", True)):
-            otlp.record(Record(id=new_turn_id(), t_wall=1.7e9, method="POST", path="/v1/messages", status=200,
-                               outcome=outcome, streamed=streamed, model="claude-x", api="messages",
-                               prompt_tokens=5, completion_tokens=7, total_s=1.5, ttft_s=0.25 if streamed else None,
-                               decode_tps=40.0 if streamed else None, request_parsed=True, measured=True))
+            metrics.record(Record(id=new_turn_id(), t_wall=1.7e9, method="POST", path="/v1/messages", status=200,
+                                  outcome=outcome, streamed=streamed, model="claude-x", api="messages",
+                                  prompt_tokens=5, completion_tokens=7, total_s=1.5,
+                                  ttft_s=0.25 if streamed else None, decode_tps=40.0 if streamed else None,
+                                  request_parsed=True, measured=True))
     finally:
-        otlp.close()
+        otlp.close()  # the last export
         receiver.close()
+    assert otlp.exports == 1 and otlp.exports_failed == 0
     got = receiver.latest()
     by_outcome = {attrs(p)["specproxy.outcome"]: attrs(p) for _, _, p in got["gen_ai.client.operation.duration"]}
     assert set(by_outcome) == {"ok", "upstream_error", "client_cancelled"}
@@ -238,9 +249,10 @@ def test_without_the_otlp_extra_the_endpoint_is_one_clear_error(monkeypatch):
     from specproxy.errors import ConfigError
     from specproxy.serve.otlp import Otlp
 
-    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.metrics", None)  # as if the SDK were not installed
+    # as if the exporter were not installed
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.metric_exporter", None)
     with pytest.raises(ConfigError, match=r"pip install 'specproxy\[otlp\]'"):
-        Otlp("http://127.0.0.1:9/v1/metrics", 1.0, "p", "v")
+        Otlp("http://127.0.0.1:9/v1/metrics", 1.0, "p", "v", lambda: None)
 
 
 def test_in_process_nothing_blocks_the_event_loop(make_stack, tiktoken_tok, lt):
