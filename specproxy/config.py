@@ -157,7 +157,7 @@ class Config:
     otlp_endpoint: str | None = None
     """Also push the per-turn figures (and the shippers') over OTLP/HTTP protobuf to this URL, e.g.
     ``http://collector:4318/v1/metrics``, under the OpenTelemetry GenAI semantic-convention names
-    (docs/operations.md, "Fleet"). Needs ``pip install 'specproxy[otlp]'``. Sent from the SDK's own
+    (docs/operations.md, "Fleet"). Needs ``pip install 'specproxy[otlp]'``. Sent from a thread of its own
     thread every ``otlp_interval_s``; an endpoint that does not take them is said in one line and
     counted, never waited on."""
     otlp_interval_s: float = 15.0
