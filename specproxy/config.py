@@ -158,7 +158,7 @@ class Config:
     """Also push the per-turn figures (and the shippers') over OTLP/HTTP protobuf to this URL, e.g.
     ``http://collector:4318/v1/metrics``, under the OpenTelemetry GenAI semantic-convention names
     (docs/operations.md, "Fleet"). Needs ``pip install 'specproxy[otlp]'``. Sent from a thread of its own
-    thread every ``otlp_interval_s``; an endpoint that does not take them is said in one line and
+    every ``otlp_interval_s``; an endpoint that does not take them is said in one line and
     counted, never waited on."""
     otlp_interval_s: float = 15.0
     """Seconds between OTLP exports (with ``otlp_endpoint``): each sends the running totals."""
