@@ -154,10 +154,10 @@ class Otlp:
 
     def export(self) -> bool:
         """Send the totals now (in the exporting thread, or a test's); whether the endpoint took them."""
-        data = self.data()
         try:
-            ok = self._exporter.export(data) == self._ok
-        except Exception:  # noqa: BLE001 - an exporter's bug must not end the thread; counted as a failure
+            ok = self._exporter.export(self.data()) == self._ok
+        except Exception as exc:  # noqa: BLE001 - a bug (ours or the SDK's) must not end the thread: counted
+            log.error("otlp export failed: %s", type(exc).__name__)
             ok = False
         self.exports += 1
         if ok:
