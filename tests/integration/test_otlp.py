@@ -282,3 +282,33 @@ def test_in_process_nothing_blocks_the_event_loop(make_stack, tiktoken_tok, lt):
         wait_until(lambda: outputs() == 4, 30, 0.05, "an export holding the four turns")
     finally:
         receiver.close()
+
+
+def test_the_shippers_figures_go_per_sink(lt):
+    """With sinks, their figures go as gauges (rows and seconds behind) and cumulative sums (rows shipped,
+    batches failed, rows set aside) per ``specproxy.sink``, the values ``Counters.read_sinks`` gives."""
+    from specproxy.serve.otlp import Otlp
+
+    figures = {"postgresql://fleet@db-a/fleet": {"sink_rows_behind": 12, "sink_seconds_behind": 3.5,
+                                                 "sink_rows_shipped": 900, "sink_batches_failed": 2,
+                                                 "sink_rows_set_aside": 1},
+               "postgresql://fleet@db-b/fleet": {"sink_rows_behind": 0, "sink_seconds_behind": 0.0,
+                                                 "sink_rows_shipped": 912, "sink_batches_failed": 0,
+                                                 "sink_rows_set_aside": 0}}
+    receiver = Receiver(lt)
+    otlp = Otlp(receiver.url, 3600.0, "edge-x", "0.0", lambda: None, lambda: figures)
+    try:
+        assert otlp.export()
+    finally:
+        otlp.close()
+        receiver.close()
+    got = receiver.latest()
+    for key, name, kind in (("sink_rows_behind", "specproxy.sink.rows_behind", "gauge"),
+                            ("sink_seconds_behind", "specproxy.sink.seconds_behind", "gauge"),
+                            ("sink_rows_shipped", "specproxy.sink.rows_shipped", "sum"),
+                            ("sink_batches_failed", "specproxy.sink.batches_failed", "sum"),
+                            ("sink_rows_set_aside", "specproxy.sink.rows_set_aside", "sum")):
+        assert {k for _, k, _ in got[name]} == {kind}, name
+        values = {attrs(p)["specproxy.sink"]: (p.as_double if p.HasField("as_double") else p.as_int)
+                  for _, _, p in got[name]}
+        assert values == {sink: f[key] for sink, f in figures.items()}, name
