@@ -4,6 +4,7 @@
     python scripts/bench_overhead.py --concurrency 1,256 --rounds 3 --measure 4
     python scripts/bench_overhead.py --stream-mode smooth    # streams on their own phase, no bursts
     python scripts/bench_overhead.py --json out.json         # also write every round's raw numbers
+    python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
 
 Three processes besides this orchestrator, all on 127.0.0.1:
 
@@ -54,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the overhead_* modules and benchlib beside it
 from benchlib import cpu_model
-from overhead_peers import loadgen_main, now_ns, raise_nofile, upstream_main, use_uvloop
+from overhead_peers import loadgen_main, now_ns, otlp_receiver, raise_nofile, upstream_main, use_uvloop
 from overhead_procs import (
     QUIET_WAITED,
     children,
@@ -75,7 +76,8 @@ from overhead_procs import (
     wait_quiet,
     wake_floor,
 )
-from overhead_tables import git_state, render, render_polls, render_targets, render_threads, summarize
+from overhead_tables import (OTLP_INTERVAL_S, WITH_OTLP, git_state, render, render_otlp, render_polls, render_targets,
+                             render_threads, summarize)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -280,6 +282,10 @@ def orchestrate(args) -> None:
     nginx_bin = None if args.no_nginx else ensure_nginx()
     if nginx_bin is None:
         paths.remove("nginx")
+    receiver = None
+    if args.with_otlp:  # the same specproxy again, pushing OTLP to a local receiver, in the same rotation
+        paths.append(WITH_OTLP)
+        otlp_url, otlp_took, receiver = otlp_receiver()
     nginx_version = "-"
     if nginx_bin:
         v = subprocess.run([nginx_bin, "-v"], capture_output=True, text=True)
@@ -297,7 +303,7 @@ def orchestrate(args) -> None:
     try:
         up_port = int(up.stdout.readline())
         for c in cs:
-            nginx = specproxy = None
+            nginx = specproxy = with_otlp = None
             try:
                 targets = {"direct": (up_port, [])}
                 if "nginx" in paths:
@@ -305,6 +311,10 @@ def orchestrate(args) -> None:
                     targets["nginx"] = (nport, [nginx.pid])
                 specproxy, sport, db = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg)
                 targets["specproxy"] = (sport, [specproxy.pid])
+                if receiver is not None:
+                    with_otlp, oport, _ = start_specproxy(tmp, up_port, proxy_cores, [
+                        *args.specproxy_arg, "--otlp-endpoint", otlp_url, "--otlp-interval", str(OTLP_INTERVAL_S)])
+                    targets[WITH_OTLP] = (oport, [with_otlp.pid])
                 state0, t_state0 = specproxy_state(specproxy, tmp, sport), time.monotonic()
                 args._our_pids = [os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
                 for rnd in range(args.rounds):
@@ -345,6 +355,7 @@ def orchestrate(args) -> None:
             finally:
                 stop(specproxy)
                 stop(nginx)
+                stop(with_otlp)
             if specproxy is not None:
                 import sqlite3
 
@@ -355,6 +366,8 @@ def orchestrate(args) -> None:
                     print(f"C={c}: cannot read specproxy's database: {exc}", file=sys.stderr)
     finally:
         stop(up)
+        if receiver is not None:
+            receiver.shutdown()
     summary = summarize(runs, cs, paths)
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -376,6 +389,9 @@ def orchestrate(args) -> None:
             print()
     if polls:
         print(render_polls(polls))
+        print()
+    if receiver is not None:
+        print(render_otlp(runs, cs, otlp_took[0]))
         print()
     if profile:
         print(profile)
@@ -412,6 +428,8 @@ def main() -> None:
     ap.add_argument("--watch", action="store_true", help="during specproxy's windows, read its live page's event "
                     "stream and scrape its /_specproxy/metrics every second (its cost is then in the figures)")
     ap.add_argument("--specproxy-arg", action="append", default=[], help="extra argument for specproxy serve")
+    ap.add_argument("--with-otlp", action="store_true", help="also run specproxy with --otlp-endpoint to a local "
+                    "receiver in the same rotation, and print the with/without ratios")
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "
                     "use < 0.15 CPU, at most this many seconds in all [60]; 0: never wait")

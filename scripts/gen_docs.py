@@ -39,7 +39,8 @@ def config_example() -> str:
         if default is None:
             example = {"upstream": "http://127.0.0.1:8000", "label": "config-a", "tokenizer": "hf:/path/to/tokenizer-dir",
                        "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
-                       "sink": "postgresql://specproxy@db.internal/fleet"}[f.name]  # every optional setting has one
+                       "sink": "postgresql://specproxy@db.internal/fleet",
+                       "otlp_endpoint": "http://collector:4318/v1/metrics"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

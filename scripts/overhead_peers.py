@@ -381,3 +381,29 @@ async def loadgen_main(args) -> None:
     }
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
+
+
+def otlp_receiver() -> tuple[str, list[int], object]:
+    """``--with-otlp``: an OTLP/HTTP metrics endpoint in a thread of the orchestrator (the load side's CPU),
+    answering every export 200 without decoding it. Returns its URL, a one-item list counting the exports
+    it took, and the server (``shutdown()`` it)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    took = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            took[0] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/metrics", took, server

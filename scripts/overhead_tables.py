@@ -179,3 +179,30 @@ def render_polls(polls: dict[int, dict[str, float]]) -> str:
         parts.append(f"C = {c}: {p['poll_windows']:,.0f} windows, {p['poll_hits'] / p['poll_windows']:.0%} caught "
                      f"their token, {p['poll_s'] / p['poll_windows'] * 1e6:,.0f} µs polled per window")
     return ("specproxy's cadence poll (its state line; polling is in its CPU above): " + "; ".join(parts) + ".")
+
+
+WITH_OTLP = "specproxy+otlp"
+OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
+
+
+def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
+    """``--with-otlp``: specproxy with OTLP against without, per C: the per-round ratios of CPU per chunk and
+    of added latency (the two paths ran in the same rounds, in rotating order)."""
+    L = [f"OTLP's cost (--otlp-endpoint to a local receiver, every {OTLP_INTERVAL_S:g} s; it took {exports} "
+         "exports): median over rounds of the per-round ratio with / without (min–max)", "",
+         "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |", "|---:|---:|---:|---:|---:|"]
+    for c in cs:
+        by = {(r["path"], r["round"]): r for r in runs if r["conns"] == c}
+        cells = []
+        for key, sub in (("sched_us_per_chunk", None), ("chunks_per_s", None), ("lat_us", "p50"), ("lat_us", "p99")):
+            ratios = []
+            for (path, rnd), r in by.items():
+                base = by.get(("specproxy", rnd))
+                if path != WITH_OTLP or base is None:
+                    continue
+                a, b = (r[key], base[key]) if sub is None else (r[key].get(sub), base[key].get(sub))
+                if a and b:
+                    ratios.append(a / b)
+            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios else "-")
+        L.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(L)

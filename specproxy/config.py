@@ -20,7 +20,7 @@ from yarl import URL
 from specproxy.errors import ConfigError
 
 __all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
-           "check_sink_url", "child_environment", "load_config", "server_root"]
+           "check_otlp_endpoint", "check_sink_url", "child_environment", "load_config", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -154,6 +154,14 @@ class Config:
     sink sends its turns and scrapes in batches and remembers in it how far it got, so a sink that is
     down or slow never holds traffic up. A password never goes in the URL (refused): libpq reads it from
     ``PGPASSWORD`` or a ``.pgpass`` file."""
+    otlp_endpoint: str | None = None
+    """Also push the per-turn figures (and the shippers') over OTLP/HTTP protobuf to this URL, e.g.
+    ``http://collector:4318/v1/metrics``, under the OpenTelemetry GenAI semantic-convention names
+    (docs/operations.md, "Fleet"). Needs ``pip install 'specproxy[otlp]'``. Sent from a thread of its own
+    every ``otlp_interval_s``; an endpoint that does not take them is said in one line and
+    counted, never waited on."""
+    otlp_interval_s: float = 15.0
+    """Seconds between OTLP exports (with ``otlp_endpoint``): each sends the running totals."""
 
     @property
     def name_of_proxy(self) -> str:
@@ -261,6 +269,19 @@ def _host_name() -> str:
 SINK_SCHEMES = ("postgresql", "postgres")
 
 
+def check_otlp_endpoint(url: str) -> None:
+    """An OTLP/HTTP metrics URL (``http(s)://HOST[:PORT]/PATH``): one line saying what is wrong, else nothing."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        raise ConfigError(f"otlp_endpoint {url!r} is not a URL") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"otlp_endpoint {url!r} is not an http(s) URL with a host (OTLP/HTTP, e.g. "
+                          "http://collector:4318/v1/metrics)")
+    if parsed.password is not None:
+        raise ConfigError("otlp_endpoint holds a password: it would show in the process list and the logs")
+
+
 def check_sink_url(url: str) -> None:
     """A sink URL specproxy can ship to, without a password in it (it would show in the process list
     and the logs): one line saying what is wrong, else nothing."""
@@ -316,6 +337,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"proxy_name {cfg.proxy_name!r} must be 1 to 100 printable characters")
     for url in cfg.sinks:
         check_sink_url(url)
+    if cfg.otlp_endpoint is not None:
+        check_otlp_endpoint(cfg.otlp_endpoint)
+    if not cfg.otlp_interval_s > 0:
+        raise ConfigError("otlp_interval_s must be positive")
     for key, modes in (("upstream_reuse", UPSTREAM_REUSE_MODES), ("relay", RELAY_MODES),
                        ("cadence_poll", CADENCE_POLL_MODES)):
         if getattr(cfg, key) not in modes:

@@ -80,6 +80,10 @@ def _pages_line(cfg: Config, url: str) -> str:
 @setting("--sink", "sink",
           "Also ship turns to postgresql://USER@HOST[:PORT]/DB (commas between several); the password from "
           "PGPASSWORD or .pgpass, never the URL")
+@setting("--otlp-endpoint", "otlp_endpoint",
+          "Also push the per-turn figures over OTLP/HTTP protobuf to this URL, e.g. "
+          "http://collector:4318/v1/metrics (GenAI semantic-convention names; pip install 'specproxy[otlp]')")
+@setting("--otlp-interval", "otlp_interval_s", "Seconds between OTLP exports", type=float)
 @setting("--store-text/--no-store-text", "store_text", "Store prompt and response text (opt-in)")
 @setting("--client-header", "client_header",
           "The request header naming the client for audit (its value is stored: a header that may carry a "

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from specproxy.wire import memory
 
-__all__ = ["COUNTS", "SINK_COUNTS", "Counters", "SinkCounts", "StoreCounts"]
+__all__ = ["COUNTS", "OTLP_COUNTS", "SINK_COUNTS", "Counters", "OtlpCounts", "SinkCounts", "StoreCounts"]
 
 GAUGE, COUNTER = "gauge", "counter"
 
@@ -59,8 +59,8 @@ COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("memory_budget", "specproxy_memory_budget_bytes", "The memory budget (memory_budget_bytes)", GAUGE),
 )
 
-# the shippers' figures (``store/shipper.py``), summed over the sinks (the most for seconds behind): in
-# ``read`` only when ``serve --sink`` names one
+# the shippers' figures (``store/shipper.py``): per sink on /metrics (label ``sink``, ``read_sinks``), summed
+# over the sinks on the state line (the most for seconds behind, ``read``); only when ``serve --sink`` names one
 SINK_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("sink_rows_behind", "specproxy_sink_rows_behind",
      "Local rows (turns, scrapes, counter joins) a sink has not taken yet, over every sink", GAUGE),
@@ -72,6 +72,14 @@ SINK_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
     ("sink_rows_set_aside", "specproxy_sink_rows_set_aside",
      "Rows a sink refused (a constraint, a value out of range): set aside with the reason in sink_refused",
      COUNTER),
+)
+
+# the OTLP exporter's figures (``serve/otlp.py``): in ``read`` only when ``serve --otlp-endpoint`` names one
+OTLP_COUNTS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("otlp_exports", "specproxy_otlp_exports", "Exports to the OTLP endpoint, every interval (otlp_interval_s)",
+     COUNTER),
+    ("otlp_exports_failed", "specproxy_otlp_exports_failed",
+     "Exports the OTLP endpoint did not take (unreachable, refused): the next export carries the totals", COUNTER),
 )
 
 Rejection = Literal["busy", "bad", "memory"]
@@ -98,10 +106,21 @@ class SinkCounts(Protocol):
     rows_set_aside: int
 
     @property
+    def name(self) -> str:
+        """The sink's URL without a password (``Sink.name``)."""
+
+    @property
     def rows_behind(self) -> int: ...
 
     @property
     def seconds_behind(self) -> float: ...
+
+
+class OtlpCounts(Protocol):
+    """What the counters read of the OTLP exporter (``serve.otlp.Otlp``)."""
+
+    exports: int
+    exports_failed: int
 
 
 class Counters:
@@ -111,11 +130,12 @@ class Counters:
 
     __slots__ = ("header_timeouts", "in_flight", "measure_dropped", "measure_errors", "measure_shed",
                  "measured_in_flight", "memory_budget", "rejected_bad", "rejected_busy", "rejected_memory",
-                 "scrape_failures", "sinks", "store")
+                 "otlp", "scrape_failures", "sinks", "store")
 
     def __init__(self, store: StoreCounts | None = None, scrape_failures: Callable[[], int] = lambda: 0,
-                 sinks: Sequence[SinkCounts] = ()) -> None:
+                 sinks: Sequence[SinkCounts] = (), otlp: OtlpCounts | None = None) -> None:
         self.store = store
+        self.otlp = otlp
         self.sinks = sinks
         self.scrape_failures = scrape_failures
         self.in_flight = 0  # every request being handled
@@ -169,20 +189,25 @@ class Counters:
     # --- reading ----------------------------------------------------------------------------------
 
     def read(self) -> dict[str, float]:
-        """Every count of ``COUNTS`` (and ``SINK_COUNTS`` with a sink), now. Safe from any thread: it reads
-        numbers."""
-        w = self.store
-        return {**self._counts(w), **self._sink_counts()}
+        """Every count of ``COUNTS`` (and ``SINK_COUNTS`` with a sink, ``OTLP_COUNTS`` with an OTLP endpoint),
+        now. Safe from any thread: it reads numbers."""
+        w, o = self.store, self.otlp
+        otlp = {} if o is None else {"otlp_exports": o.exports, "otlp_exports_failed": o.exports_failed}
+        return {**self._counts(w), **self._sink_counts(), **otlp}
+
+    def read_sinks(self) -> dict[str, dict[str, float]]:
+        """Each sink's figures of ``SINK_COUNTS``, by the sink's name (its URL without a password): what
+        /metrics shows under the label ``sink``, so that a lagging sink is not hidden by one keeping up."""
+        return {s.name: {"sink_rows_behind": s.rows_behind, "sink_seconds_behind": s.seconds_behind,
+                         "sink_rows_shipped": s.rows_shipped, "sink_batches_failed": s.batches_failed,
+                         "sink_rows_set_aside": s.rows_set_aside} for s in self.sinks}
 
     def _sink_counts(self) -> dict[str, float]:
-        ships = self.sinks
-        if not ships:
+        each = list(self.read_sinks().values())
+        if not each:
             return {}
-        return {"sink_rows_behind": sum(s.rows_behind for s in ships),
-                "sink_seconds_behind": max(s.seconds_behind for s in ships),
-                "sink_rows_shipped": sum(s.rows_shipped for s in ships),
-                "sink_batches_failed": sum(s.batches_failed for s in ships),
-                "sink_rows_set_aside": sum(s.rows_set_aside for s in ships)}
+        return {key: (max if key == "sink_seconds_behind" else sum)(s[key] for s in each)
+                for key, *_ in SINK_COUNTS}
 
     def _counts(self, w: StoreCounts | None) -> dict[str, float]:
         return {

@@ -22,6 +22,12 @@ apart) in the label ``api``, and the conventions' ``gen_ai_operation_name`` besi
 ``text_completion`` for completions): a function of the API, so it adds no series. A client chooses the
 model string, so it is cut to ``MODEL_CHARS`` and at most ``MAX_MODELS`` distinct ones get their own
 series; the rest share ``"other"`` (the series cannot grow without bound).
+
+Across a fleet each proxy's page is scraped as its own target, and PromQL sums them (``sum by (le)``):
+so no family carries a label that differs from one process to the next (a proxy's name, its start
+time, the upstream's instance id) and would keep two proxies' series apart. Who the proxy is lives in
+one info-style gauge, ``specproxy_proxy_info`` (value 1), to join on when wanted. The shippers' figures
+carry the sink's name (``sink``): the same URL on every proxy of a fleet, so they sum across proxies too.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from operator import add
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
-from specproxy.serve.counters import COUNTS, GAUGE, SINK_COUNTS
+from specproxy.serve.counters import COUNTS, GAUGE, OTLP_COUNTS, SINK_COUNTS
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
 
@@ -108,8 +115,14 @@ class OwnMetrics:
     ``state``: the live counts read at scrape time (in flight, dropped, scrape failures...), so that
     nothing is counted twice and the forwarding path does no extra work for them."""
 
-    def __init__(self, state: Callable[[], dict[str, float]] = dict) -> None:
+    def __init__(self, state: Callable[[], dict[str, float]] = dict,
+                 sinks: Callable[[], dict[str, dict[str, float]]] = dict,
+                 identity: Callable[[], dict[str, str]] = dict) -> None:
+        """``sinks``: each sink's figures by its name (``Counters.read_sinks``); ``identity``: who this proxy
+        is (proxy name, version, the upstream's instance id), shown only in ``specproxy_proxy_info``."""
         self._state = state
+        self._sinks = sinks
+        self._identity = identity
         self._models: set[str] = set()
         self.turns: dict[tuple[str, ...], int] = {}
         self.tokens: dict[tuple[str, ...], float] = {}
@@ -202,6 +215,13 @@ class OwnMetrics:
         for h in self.histograms:
             yield h.family()
         yield from _state_families(self._state())
+        yield from _sink_families(self._sinks())
+        identity = self._identity()
+        if identity:
+            info = InfoMetricFamily("specproxy_proxy", "Who this proxy is (value 1): labels that differ from one "
+                                    "process to the next live here only, never on the figures", labels=sorted(identity))
+            info.add_metric([identity[k] for k in sorted(identity)], {})
+            yield info
 
     def exposition(self) -> bytes:
         """The Prometheus page. Safe in a thread while ``record`` runs on the loop: it reads copies (a scrape
@@ -212,7 +232,20 @@ class OwnMetrics:
 
 
 def _state_families(state: dict[str, float]) -> Iterable[Metric]:
-    for key, name, doc, kind in (*COUNTS, *SINK_COUNTS):
+    for key, name, doc, kind in (*COUNTS, *OTLP_COUNTS):
         if name is not None and key in state:
             cls = GaugeMetricFamily if kind == GAUGE else CounterMetricFamily
             yield cls(name, doc, value=state[key])
+
+
+def _sink_families(sinks: dict[str, dict[str, float]]) -> Iterable[Metric]:
+    """The shippers' figures, one series per sink (none without a sink: zeros would read as keeping up)."""
+    if not sinks:
+        return
+    for key, name, doc, kind in SINK_COUNTS:
+        assert name is not None
+        cls = GaugeMetricFamily if kind == GAUGE else CounterMetricFamily
+        fam = cls(name, doc, labels=("sink",))
+        for sink, figures in sinks.items():
+            fam.add_metric([sink], figures[key])
+        yield fam

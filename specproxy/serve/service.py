@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
+from specproxy import __version__
 from specproxy.config import Config
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
@@ -37,6 +38,7 @@ from specproxy.serve.aiohttp_front import AiohttpFront
 from specproxy.serve.counters import Counters
 from specproxy.serve.lane import Lane, Lanes
 from specproxy.measure.chunk_gaps import StreamTiming
+from specproxy.serve.otlp import Otlp
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
 from specproxy.serve.proxy import Proxy
@@ -204,6 +206,7 @@ class Service:
     metrics: OwnMetrics | None = None
     admin: Admin | None = None
     shippers: list[Shipper] = field(default_factory=list)  # one per Config sink (store/shipper.py)
+    otlp: Otlp | None = None  # with Config otlp_endpoint: the figures pushed over OTLP (serve/otlp.py)
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
@@ -218,11 +221,29 @@ class Service:
             tokenizer = load_tokenizer(cfg.tokenizer)
             writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
             shippers = [Shipper(cfg.db, make_sink(url), cfg.name_of_proxy) for url in cfg.sinks]
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
+            service = cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
+            try:
+                service._make_otlp()  # here rather than in start(): importing the SDK reads files, off the loop
+            except BaseException:
+                writer.close()
+                raise
+            return service
         except BaseException:
             for sock in sockets:
                 sock.close()
             raise
+
+    def _make_otlp(self) -> None:
+        """With Config ``otlp_endpoint``, the OTLP exporter (once): ConfigError when its SDK is missing."""
+        if self.cfg.otlp_endpoint is not None and self.otlp is None:
+            self.otlp = Otlp(self.cfg.otlp_endpoint, self.cfg.otlp_interval_s, self.cfg.name_of_proxy, __version__,
+                             lambda: self.metrics,
+                             lambda: self.counters.read_sinks() if self.counters is not None else {})
+
+    def _identity(self, watch: ServerWatch) -> dict[str, str]:
+        """Who this proxy is, for /metrics' ``specproxy_proxy_info`` only (never a label on the figures)."""
+        return {"proxy_name": self.cfg.name_of_proxy, "version": __version__,
+                "upstream_instance": watch.instance_id or ""}
 
     def _store(self, builder: RecordBuilder, record: Record) -> bool:
         """In the measuring thread: the record to the writer's queue (a put that never blocks), and with
@@ -252,8 +273,10 @@ class Service:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
         watch = self.watch = ServerWatch(self.cfg, self.writer)
-        counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers)
-        self.metrics = OwnMetrics(counters.read)
+        if self.otlp is None and self.cfg.otlp_endpoint is not None:  # a Service built by hand, not from_config
+            await asyncio.to_thread(self._make_otlp)  # importing its SDK reads files: not on the loop
+        counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
+        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
         self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)
@@ -267,6 +290,8 @@ class Service:
         await self.proxy.start()
         for shipper in self.shippers:  # after the writer made the file: they read it forward
             shipper.start()
+        if self.otlp is not None:  # exports OwnMetrics' totals from its own thread (serve/otlp.py)
+            self.otlp.start()
         # side by side, so that start-up waits for the slower of the two, never their sum
         await asyncio.gather(self.watch.start(), self._check_upstream())
         mode = self.cfg.cadence_poll
@@ -388,6 +413,9 @@ class Service:
             await asyncio.to_thread(self.writer.close)
         for shipper in self.shippers:  # what they have not sent stays in the file for the next run
             await asyncio.to_thread(shipper.close)
+        if self.otlp is not None:  # after the writer: every turn recorded is in its last export
+            await asyncio.to_thread(self.otlp.close)
+            self.otlp = None
 
     @staticmethod
     async def _drain(proxy: Proxy, timeout: float, now: asyncio.Event | None) -> str:

@@ -86,6 +86,11 @@ class Shipper:
         self._logged: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="specproxy-ship", daemon=True)
 
+    @property
+    def name(self) -> str:
+        """The sink's name (its URL without a password): the label of this shipper's figures on /metrics."""
+        return self.sink.name
+
     def start(self) -> None:
         self._thread.start()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from overhead_tables import render_polls, render_targets, summarize  # noqa: E402
+from overhead_tables import WITH_OTLP, render_otlp, render_polls, render_targets, summarize  # noqa: E402
 
 
 def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
@@ -103,3 +103,32 @@ def test_specproxys_threads_are_told_apart_by_name(make_stack):
     names = thread_names(os.getpid())
     assert names[os.getpid()] == "MainThread"
     assert {"specproxy-measure", "specproxy-writer"} <= set(names.values()), names
+
+
+def test_otlps_ratios_are_taken_within_each_round():
+    """``--with-otlp``: each round's with/without ratio, then their median (min–max), per C."""
+    runs = [_run("specproxy", 0, cps=100, cpu=20.0, p50=100, p99=1000),
+            _run(WITH_OTLP, 0, cps=100, cpu=22.0, p50=110, p99=900),
+            _run("specproxy", 1, cps=100, cpu=10.0, p50=100, p99=1000),
+            _run(WITH_OTLP, 1, cps=99, cpu=10.5, p50=100, p99=1000),
+            _run("specproxy", 2, cps=100, cpu=30.0, p50=100, p99=1000),
+            _run(WITH_OTLP, 2, cps=100, cpu=30.0, p50=100, p99=1000)]
+    table = render_otlp(runs, [256], 7)
+    assert "it took 7 exports" in table
+    assert "| 256 | 1.050 (1.000–1.100) | 1.000 (0.990–1.000) | 1.000 (1.000–1.100) | 1.000 (0.900–1.000) |" in table
+
+
+def test_a_short_run_with_otlp_measures_both_specproxys(tmp_path):
+    out = tmp_path / "runs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
+         "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
+         "--with-otlp", "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["path"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"direct", "specproxy", WITH_OTLP}
+    assert runs[WITH_OTLP]["chunks"] > 0 and runs[WITH_OTLP]["errors"] == 0
+    assert f"| 4 | {WITH_OTLP} |" in proc.stdout
+    assert "OTLP's cost" in proc.stdout and "it took 0 exports" not in proc.stdout  # the receiver was sent to

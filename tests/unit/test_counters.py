@@ -50,22 +50,32 @@ def test_the_metrics_page_shows_what_the_counters_read(tmp_path):
 
 
 class _Shipper:
-    def __init__(self, behind: int, seconds: float, shipped: int, failed: int, aside: int) -> None:
+    def __init__(self, name: str, behind: int, seconds: float, shipped: int, failed: int, aside: int) -> None:
+        self.name = name
         self.rows_behind, self.seconds_behind = behind, seconds
         self.rows_shipped, self.batches_failed, self.rows_set_aside = shipped, failed, aside
 
 
-def test_the_sinks_figures_are_summed_over_sinks_and_shown_only_with_one(tmp_path):
-    """With ``--sink`` the shippers' figures join the counts (summed; the oldest wait, the most), on the
-    metrics page too; without one they are absent, not zeros that would read as a sink keeping up."""
+def test_the_sinks_figures_are_per_sink_on_the_page_summed_on_the_state_line_and_only_with_one(tmp_path):
+    """With ``--sink`` the shippers' figures join the counts: summed on the state line (the oldest wait,
+    the most), one series per sink on the metrics page (label ``sink``); without one they are absent, not
+    zeros that would read as a sink keeping up."""
     writer = Writer(tmp_path / "t.db")
     try:
-        counters = Counters(writer, lambda: 0, [_Shipper(3, 1.5, 10, 1, 0), _Shipper(4, 9.0, 5, 0, 2)])
+        counters = Counters(writer, lambda: 0, [_Shipper("pg-a", 3, 1.5, 10, 1, 0), _Shipper("pg-b", 4, 9.0, 5, 0, 2)])
         read = counters.read()
         assert [read[key] for key, *_ in SINK_COUNTS] == [7, 9.0, 15, 1, 2]
-        families = {f.name: f for f in text_string_to_metric_families(OwnMetrics(counters.read).exposition().decode())}
-        assert families["specproxy_sink_rows_behind"].samples[0].value == 7
-        assert families["specproxy_sink_rows_set_aside"].samples[0].value == 2
-        assert not set(Counters(writer, lambda: 0).read()) & {key for key, *_ in SINK_COUNTS}
+        page = OwnMetrics(counters.read, counters.read_sinks).exposition().decode()
+        families = {f.name: f for f in text_string_to_metric_families(page)}
+        for name, want in (("specproxy_sink_rows_behind", {"pg-a": 3, "pg-b": 4}),
+                           ("specproxy_sink_seconds_behind", {"pg-a": 1.5, "pg-b": 9.0}),
+                           ("specproxy_sink_rows_shipped", {"pg-a": 10, "pg-b": 5}),
+                           ("specproxy_sink_batches_failed", {"pg-a": 1, "pg-b": 0}),
+                           ("specproxy_sink_rows_set_aside", {"pg-a": 0, "pg-b": 2})):
+            assert {s.labels["sink"]: s.value for s in families[name].samples
+                    if not s.name.endswith("_created")} == want, name
+        bare = Counters(writer, lambda: 0)
+        assert not set(bare.read()) & {key for key, *_ in SINK_COUNTS}
+        assert "specproxy_sink" not in OwnMetrics(bare.read, bare.read_sinks).exposition().decode()
     finally:
         writer.close()
