@@ -79,6 +79,9 @@ class Script:
     """Added to usage.completion_tokens (a server counting an end-of-turn token the client never sees)."""
     timings: bool = False
     """Add llama.cpp-style ``timings`` to the last chunk."""
+    cache_n: int | None = None
+    """With ``timings``: llama.cpp's ``cache_n`` (prompt tokens taken from its cache; ``prompt_n`` is then
+    the rest of the prompt, as llama-server says them)."""
     done: bool = True
     status: int = 200
     error_body: bytes = b'{"error": {"message": "scripted error"}}'
@@ -362,6 +365,8 @@ class FakeUpstream:
         if script.timings:
             final["timings"] = {"prompt_n": prompt_tokens, "predicted_n": delivered, "draft_n": 0,
                                 "draft_n_accepted": 0}
+            if script.cache_n is not None:
+                final["timings"].update(cache_n=script.cache_n, prompt_n=max(prompt_tokens - script.cache_n, 0))
         await emit(event(final))
         if script.done:
             await emit(event(b"[DONE]"))

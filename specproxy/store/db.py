@@ -105,6 +105,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     "sink" TEXT, "tbl" TEXT, "row_key" TEXT, "reason" TEXT, "t_set_aside" REAL, PRIMARY KEY ("sink", "tbl", "row_key")
 )""",
     )),
+    ("014_cache_write", (
+        'ALTER TABLE "turns" ADD COLUMN "usage_cache_write_tokens" INTEGER',
+    )),
 ]
 
 
