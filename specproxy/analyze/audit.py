@@ -37,9 +37,10 @@ import orjson
 
 from specproxy.analyze.prefix_cache import (cache_totals, lost_tokens, lost_ttft, render_lines, ttft_fit,
                                             uncached_tokens)
+from specproxy.analyze.turn_diff import readable_diff, render_diff
 from specproxy.store.dataset import Turns
 
-__all__ = ["AUDIT_COLUMNS", "build_audit", "render_audit"]
+__all__ = ["AUDIT_COLUMNS", "build_audit", "find_session", "render_audit", "render_session"]
 
 PARTS = ("system", "tools", "history", "new")
 AUDIT_COLUMNS = (
@@ -88,11 +89,15 @@ def _session(rows: list[dict], fit: dict[str, Any] | None = None) -> dict[str, A
             defined.update(dict.fromkeys(cur["tool_names"].get("defined", ())))
             called.update(cur["tool_names"].get("called", ()))
         lost = lost_tokens(cur["reused"], cur["cached"])
+        # against the turn before it here only when that turn is the one its prefix comparison saw (a
+        # first-seen turn after a restart has no recorded diff: its token changes are still shown)
+        change = readable_diff(rows[k - 1] if k else None, cur, fit)
         per_turn.append({"turn": k + 1, "prompt_tokens": cur["prompt_tokens"], "reused_tokens": cur["reused"],
                          "break_part": cur["break_part"], "server_cached_tokens": cur["cached"],
                          "lost_tokens": lost, "lost_ttft_s": lost_ttft(lost, fit), "ttft_s": cur["ttft_s"],
                          "diff": cur["diff"], "tools_defined": cur["tools_defined"],
-                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called)})
+                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called),
+                         "change": change})
         if k == 0:
             continue
         prev = rows[k - 1]
@@ -270,3 +275,46 @@ def render_audit(a: dict[str, Any]) -> str:
                 lines.append(f"    {len(tools['never_called'])} of {tools['defined']} {were} never called in "
                              f"{_plural(s['turns'], 'turn')}")
     return "\n".join(lines) + "\n"
+
+
+def find_session(a: dict[str, Any], session: str) -> dict[str, Any] | None:
+    """One session of an audit (``build_audit``), with its client; a unique prefix of its id will do."""
+    found = [(c["client"], sid, detail) for c in a["clients"] for sid, detail in c["session_detail"].items()
+             if sid == session or sid.startswith(session)]
+    exact = [f for f in found if f[1] == session]
+    if len(exact) == 1 or len(found) == 1:
+        client, sid, detail = (exact or found)[0]
+        return {"source": a["source"], "client": client, "session": sid, **detail}
+    return None
+
+
+def render_session(s: dict[str, Any]) -> str:
+    """``audit --session``: a turn-by-turn table of one session, then each turn's change in words."""
+    lines = [f"specproxy audit: session {s['session']} of {s['client']}: {_plural(s['turns'], 'turn')}, "
+             f"prompt {s['first_prompt_tokens']:,} -> {s['last_prompt_tokens']:,} tokens"]
+    if s["prefix_cache"]["turns"]:
+        lines += render_lines(s["prefix_cache"], "", "prefix cache: ")
+    head = (f"{'turn':>4} {'prompt':>8} {'d system':>9} {'d tools':>8} {'d history':>10} {'d new':>7} "
+            f"{'msgs':>7} {'predicted':>10} {'reused':>8} {'lost':>7} {'TTFT s':>7}  changed")
+    lines += ["", head]
+    for t in s["per_turn"]:
+        c = t["change"]
+        d = c["parts_delta"] or {}
+        msgs = "" if c["messages_added"] is None else f"+{c['messages_added']}/-{c['messages_removed']}"
+        what = [w for w, k in (("system", "system_changed"), ("tools", "tools_changed")) if c[k]]
+        what += [f"+{x}" for x in c["tools_added"] or ()] + [f"-{x}" for x in c["tools_removed"] or ()]
+        if t["turn"] > 1 and not c["recorded_diff"]:
+            what.append(FIRST_SEEN)
+        ttft = t["ttft_s"]
+        lines.append(f"{t['turn']:>4} {t['prompt_tokens']:>8,} {_d(d.get('system')):>9} {_d(d.get('tools')):>8} "
+                     f"{_d(d.get('history')):>10} {_d(d.get('new')):>7} {msgs:>7} {_n(c['predicted_reusable'], '{:,.0f}'):>10} "
+                     f"{_n(c['server_reused'], '{:,.0f}'):>8} {_n(c['lost_tokens'], '{:,.0f}'):>7} "
+                     f"{_n(None if ttft is None or ttft != ttft else ttft, '{:.3f}'):>7}  {', '.join(what)}")
+    lines.append("")
+    for t in s["per_turn"]:
+        lines.append(f"turn {t['turn']}: {render_diff(t['change'])}")
+    return "\n".join(lines) + "\n"
+
+
+def _d(v: int | None) -> str:
+    return "-" if v is None else f"{v:+,}"

@@ -228,3 +228,13 @@ def test_predicted_against_reused_from_llama_cpps_cache_n(make_stack, tiktoken_t
     text = CliRunner().invoke(main, ["report", "--db", str(db)]).output
     assert f"lost {lost3:,} tokens in 1 of 2 turns" in text
     assert f"server cached 0, lost {lost3:,} predicted" in CliRunner().invoke(main, ["audit", "--db", str(db)]).output
+    (sid,) = client["session_detail"]
+    one = orjson.loads(CliRunner().invoke(main, ["audit", "--db", str(db), "--json", "--session", sid[:6]]).output)
+    assert one["session"] == sid and [t["change"]["lost_tokens"] for t in one["per_turn"]] == [None, 0, lost3]
+    assert [t["change"]["messages_added"] for t in one["per_turn"]] == [None, 2, 2]
+    assert one["per_turn"][2]["change"]["parts_delta"]["system"] == 0
+    table = CliRunner().invoke(main, ["audit", "--db", str(db), "--session", sid]).output
+    assert f"session {sid} of loop-agent/1: 3 turns" in table and any(x.split()[:3] == ["turn", "prompt", "d"] for x in table.splitlines())
+    assert "turn 3: tokens system +0, tools +0" in table and f"lost {lost3:,}" in table
+    bad = CliRunner().invoke(main, ["audit", "--db", str(db), "--session", "zz"])
+    assert bad.exit_code == 2 and "no session 'zz'" in bad.output and "Traceback" not in bad.output

@@ -111,3 +111,41 @@ def test_the_reports_section_over_all_turns_and_per_client():
     assert section["server_cached_turns"] == 4  # the other client's server said no cached count
     assert [c["client"] for c in section["by_client"]] == ["agent/1"]  # none of other/2's turns has both
     assert abs(section["fit"]["ms_per_1k_uncached"] - 20.0) < 1e-6
+
+
+def test_a_turns_change_in_tokens_per_part_and_tools_by_name():
+    from specproxy.analyze.turn_diff import readable_diff, render_diff
+
+    prev = {"system": 100, "tools": 300, "history": 50, "new": 10, "prompt_tokens": 460, "diff": None,
+            "tool_names": {"defined": ["read", "write", "grep"], "called": []}, "reused": None, "cached": None}
+    cur = {"system": 120, "tools": 200, "history": 80, "new": 12, "prompt_tokens": 412,
+           "diff": {"messages_added": 2, "messages_removed": 0, "system_changed": True, "tools_changed": True},
+           "tool_names": {"defined": ["read", "edit", "write"], "called": ["edit"]}, "reused": 90, "cached": 40}
+    d = readable_diff(prev, cur)
+    assert d["parts_delta"] == {"system": 20, "tools": -100, "history": 30, "new": 2, "prompt": -48}
+    assert d["tools_added"] == ["edit"] and d["tools_removed"] == ["grep"]
+    assert d["lost_tokens"] == 50 and d["system_changed"] and d["messages_added"] == 2
+    line = render_diff(d)
+    assert "tokens system +20, tools -100, history +30, new +2 (prompt -48)" in line
+    assert "tools added: edit" in line and "tools removed: grep" in line and "system prompt and tools changed" in line
+    assert "predicted reusable 90, server reused 40, lost 50" in line
+    first = readable_diff(None, prev)
+    assert first["parts_delta"] is None and first["tools_added"] is None and first["lost_tokens"] is None
+    assert render_diff(first).startswith("no previous turn of this session known")
+    # without names (the request could not be read) the tools' changes are unknown, not none
+    assert readable_diff({**prev, "tool_names": None}, cur)["tools_added"] is None
+
+
+def test_audit_session_is_one_sessions_table():
+    from specproxy.analyze.audit import find_session, render_session
+
+    a = build_audit(turns(_session_rows()))
+    s = find_session(a, "s")  # a unique start of the id
+    assert s["session"] == "s1" and s["client"] == "agent/1" and find_session(a, "nope") is None
+    changes = [t["change"] for t in s["per_turn"]]
+    assert [c["parts_delta"]["history"] if c["parts_delta"] else None for c in changes] == [None, 2000, 2000, 2000]
+    text = render_session(s)
+    assert "session s1 of agent/1: 4 turns, prompt 2,000 -> 8,000 tokens" in text
+    row3 = next(x for x in text.splitlines() if x.startswith("   3 "))
+    assert row3.split()[:10] == ["3", "6,000", "+0", "+0", "+2,000", "+0", "+2/-0", "4,000", "1,000", "3,000"]
+    assert "turn 3: tokens system +0, tools +0, history +2,000, new +0 (prompt +2,000)" in text
