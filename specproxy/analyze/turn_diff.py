@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from specproxy.analyze.prefix_cache import lost_tokens, lost_ttft
 
-__all__ = ["PARTS", "readable_diff", "render_diff"]
+__all__ = ["PARTS", "readable_diff", "recent_changes", "render_diff"]
 
 PARTS = ("system", "tools", "history", "new")
 
@@ -91,3 +93,39 @@ def render_diff(d: dict[str, Any]) -> str:
     if cache:
         out.append(", ".join(cache))
     return "; ".join(out)
+
+
+def _parsed(value: Any) -> Any:
+    if isinstance(value, str) and value:
+        try:
+            return orjson.loads(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _row(rec: dict[str, Any]) -> dict[str, Any]:
+    """A stored record (its fields by name, as the store gives them) in the form ``readable_diff`` reads."""
+    return {"system": rec.get("prompt_system_tokens"), "tools": rec.get("prompt_tools_tokens"),
+            "history": rec.get("prompt_history_tokens"), "new": rec.get("prompt_new_tokens"),
+            "prompt_tokens": rec.get("prompt_tokens"), "diff": _parsed(rec.get("turn_diff")),
+            "tool_names": _parsed(rec.get("tool_names")), "reused": rec.get("prefix_reused_tokens"),
+            "cached": rec.get("usage_cached_tokens")}
+
+
+def recent_changes(records: list[dict[str, Any]], fit: dict[str, Any] | None = None) -> list[dict[str, Any] | None]:
+    """Each of ``records`` (stored turns, oldest first) against the latest earlier one of its session among
+    them (None for a turn without a session, or one that did not complete): what the live page shows when
+    a turn is clicked. A session's previous turn older than the records is unknown here: the token
+    changes are then null, the recorded diff's fields still said."""
+    last: dict[str, dict[str, Any]] = {}
+    out: list[dict[str, Any] | None] = []
+    for rec in records:
+        session = rec.get("session")
+        if session is None or rec.get("outcome") != "ok" or rec.get("measured") is False or rec.get("measured") == 0:
+            out.append(None)
+            continue
+        row = _row(rec)
+        out.append(readable_diff(last.get(session), row, fit))
+        last[session] = row
+    return out
