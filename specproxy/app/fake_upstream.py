@@ -138,7 +138,7 @@ class FakeUpstream:
         # of what is never forwarded reads (``sent`` holds only the completions it answered)
         self.received: list[tuple[str, str]] = []
         self.started = time.time()
-        self.counters = {"prompt": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self.counters = {"prompt": 0, "cached": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.processing = 0
         self.connections = 0
         self.metrics_status = 200  # set to 500 to make /metrics fail
@@ -195,6 +195,9 @@ class FakeUpstream:
             "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
             "# TYPE llamacpp:prompt_tokens_total counter",
             f"llamacpp:prompt_tokens_total {c['prompt']}",
+            "# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache",
+            "# TYPE llamacpp:prompt_tokens_cached_total counter",
+            f"llamacpp:prompt_tokens_cached_total {c['cached']}",
             "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.",
             "# TYPE llamacpp:tokens_predicted_total counter",
             f"llamacpp:tokens_predicted_total {c['predicted']}",
@@ -236,7 +239,10 @@ class FakeUpstream:
         prompt_chars = len(body)
         ttft = script.ttft_s + ((prompt_chars / 4) / script.prefill_tps if script.prefill_tps else 0.0)
         self.processing += 1
-        self.counters["prompt"] += prompt_chars // 4
+        # as llama.cpp counts them: the prompt counter leaves out the tokens a script says came from the cache
+        cached = min(script.cache_n or 0, prompt_chars // 4) if script.timings else 0
+        self.counters["prompt"] += prompt_chars // 4 - cached
+        self.counters["cached"] += cached
         try:
             if isinstance(req, dict) and req.get("stream"):
                 return await self._stream(request, script, sent, chat, ttft, prompt_chars // 4, shape)
