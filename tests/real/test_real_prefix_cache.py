@@ -2,7 +2,8 @@
 stream, also one sent without ``stream_options.include_usage``) against specproxy's own prediction, through
 the proxy to ``audit`` and the report, and its ``/metrics`` counter of cached prompt tokens.
 
-The server has one slot (``-np 1``), so what its cache holds is known: the previous request's prompt and
+The server has one slot (``-np 1``) and no host-memory prompt cache (``--cache-ram 0``), so what its cache
+holds is known: the previous request's prompt and
 answer. A second turn of the same chat finds all of the first turn's prompt there (its cache may hold more:
 the answer's tokens, which the second turn resends as history); a third turn after another conversation
 took the slot finds next to nothing of it: the lost part is most of the prediction.
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.real
 
 
 def test_cached_tokens_from_timings_against_the_prediction(make_stack, counter, llama_server_bin, tiny_model_path):
-    with LlamaServer(llama_server_bin, tiny_model_path, parallel=1) as srv:
+    # one slot and no host-memory prompt cache (``--cache-ram 0``; on by default, it would save the evicted
+    # prompt and restore it): the slot holds the last request's tokens and nothing else
+    with LlamaServer(llama_server_bin, tiny_model_path, parallel=1, extra_args=["--cache-ram", "0"]) as srv:
         stack, arrivals = proxy(make_stack, srv, counter)
         db = stack.cfg.db
         messages = [{"role": "system", "content": SYSTEM}]
