@@ -30,7 +30,7 @@ def test_cached_tokens_from_timings_against_the_prediction(make_stack, counter, 
     # one slot and no host-memory prompt cache (``--cache-ram 0``; on by default, it would save the evicted
     # prompt and restore it): the slot holds the last request's tokens and nothing else
     with LlamaServer(llama_server_bin, tiny_model_path, parallel=1, extra_args=["--cache-ram", "0"]) as srv:
-        stack, arrivals = proxy(make_stack, srv, counter)
+        stack, arrivals = proxy(make_stack, srv, counter, scrape_interval_s=0.2)
         db = stack.cfg.db
         messages = [{"role": "system", "content": SYSTEM}]
         answers = []
@@ -76,8 +76,19 @@ def test_cached_tokens_from_timings_against_the_prediction(make_stack, counter, 
         assert chat_session["prefix_cache"]["lost_tokens"] == sum(lost)
         text = CliRunner().invoke(main, ["audit", "--db", str(db), "--session", first.session]).output
         assert f"server reused {cache_n[3]:,}, lost {lost[1]:,}" in text
+        # the proxy's scrapes: one after the last turn ended that has every request's cached tokens
+        end = max(r.t_wall + r.total_s for r in (first, second, other, third))
+        watch = stack.service.watch
+        assert wait_for(lambda: watch.recent and watch.recent[-1].t_wall > end
+                        and watch.recent[-1].snapshot.prefix_cache_hits_total == sum(cache_n), 20)
+        assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM scrapes WHERE t_wall > ? AND "
+                                                            "prefix_cache_hits_total IS NOT NULL", (end,)).fetchone()[0])
         report = orjson.loads(CliRunner().invoke(main, ["report", "--db", str(db), "--json"]).output)
         assert report["prefix_cache"]["lost_tokens"] == sum(lost) and report["prefix_cache"]["turns"] == 2
+        # the server section over the turns' span: the fresh server's counters saw these four requests only
+        window = report["server"]["window"]
+        assert window["prefix_cache_hits"] == sum(cache_n)
+        assert window["prefix_cache_queries"] == sum(r.prompt_tokens for r in (first, second, other, third))
 
         # the server's own counter of cached prompt tokens: every request's cache_n, on this fresh server
         snap = parse_exposition(srv.metrics_text())
