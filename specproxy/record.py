@@ -155,7 +155,9 @@ class Record:
     usage_cached_tokens: int | None = None
     """The server's own count of prompt tokens it took from its prefix cache, or null: chat's
     ``usage.prompt_tokens_details.cached_tokens``, Messages' ``cache_read_input_tokens``, Responses'
-    ``input_tokens_details.cached_tokens``."""
+    ``input_tokens_details.cached_tokens``; llama.cpp's ``timings.cache_n`` when its usage has no cached
+    count (llama-server sends ``timings`` on a stream without ``stream_options.include_usage`` too, and
+    then no usage at all). Cache reads only: writes are ``usage_cache_write_tokens``."""
     chunks: int | None = None
     """Stream events that carried output text (1 for a non-streamed response with text)."""
     tokens_per_chunk: float | None = None
@@ -241,6 +243,11 @@ class Record:
     digest of each name (enough to tell which defined tools were called, without the names).
     ``defined`` is left out when the request could not be read, ``called`` when the response could not;
     null when neither has a name."""
+    usage_cache_write_tokens: int | None = None
+    """The server's own count of prompt tokens it wrote to its prompt cache on this turn (a cache write,
+    which the APIs that charge for caching price apart from a read), or null when the server says nothing:
+    Messages' ``usage.cache_creation_input_tokens``, Responses' ``input_tokens_details.cache_write_tokens``,
+    chat's ``prompt_tokens_details.cache_write_tokens``. vLLM, llama.cpp and OpenAI send none (null there)."""
     proxy_name: str | None = None
     """The proxy that saw the turn: Config ``proxy_name`` (the host name unless set), so that turns
     shipped from many proxies to one database (a fleet, docs/operations.md) can be told apart; null on

@@ -244,3 +244,28 @@ tgi_request_duration_bucket{le="+Inf"} 17
 tgi_request_duration_sum 20.5
 tgi_request_duration_count 17
 """
+
+# vLLM V1 with prefix caching (on by default in V1): two counters in prompt tokens, looked up and found in
+# the prefix cache, one series per engine (data parallel), typed counter and printed with `_total`.
+VLLM_PREFIX_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 1.0
+vllm:num_requests_running{{engine="1",model_name="m"}} 0.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} {q0}
+vllm:prompt_tokens_total{{engine="1",model_name="m"}} {q1}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} 100.0
+vllm:generation_tokens_total{{engine="1",model_name="m"}} 50.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {q0}
+vllm:prefix_cache_queries_total{{engine="1",model_name="m"}} {q1}
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {h0}
+vllm:prefix_cache_hits_total{{engine="1",model_name="m"}} {h1}
+"""

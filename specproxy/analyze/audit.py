@@ -18,7 +18,10 @@ names the client and the conversation (``client``, ``session``); the audit puts 
   from its own response, so a call in the session's last answer counts; rows recorded before that
   hold the calls their request resent, calls made earlier in the same session, and count the same);
 * a prefill rate fitted per client (least squares of TTFT on the prompt tokens the server did not
-  have cached, over streamed turns that completed), and what each part would cost at that rate.
+  have cached, over streamed turns that completed), and what each part would cost at that rate;
+* the prefix cache side by side, per turn, per session and per client: predicted reusable, reused by
+  the server, lost, and what the lost part cost in TTFT at the client's fitted rate (decided in
+  ``analyze/prefix_cache.py``, the one place: the fit is the same one).
 
 Only counts and digests are read: no text is stored, so the audit says where and how much changed,
 not what.
@@ -32,9 +35,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from specproxy.analyze.prefix_cache import (cache_totals, lost_tokens, lost_ttft, render_lines, ttft_fit,
+                                            uncached_tokens)
+from specproxy.analyze.turn_diff import readable_diff, render_diff
 from specproxy.store.dataset import Turns
 
-__all__ = ["AUDIT_COLUMNS", "build_audit", "render_audit"]
+__all__ = ["AUDIT_COLUMNS", "build_audit", "find_session", "render_audit", "render_session"]
 
 PARTS = ("system", "tools", "history", "new")
 AUDIT_COLUMNS = (
@@ -43,22 +49,10 @@ AUDIT_COLUMNS = (
     "prefix_reused_tokens", "prefix_break_part", "turn_diff", "tools_defined", "tools_called", "tool_names",
 )
 NO_CLIENT = "(no User-Agent)"
-MIN_FIT_TURNS = 3  # a line through fewer points says nothing about a rate
 
 
 def _median(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
-
-
-def _fit(ttft: list[float], tokens: list[float]) -> dict[str, Any] | None:
-    """TTFT = intercept + seconds_per_token * tokens, by least squares; None when it cannot be fitted."""
-    if len(ttft) < MIN_FIT_TURNS or len(set(tokens)) < 2:
-        return None
-    slope, intercept = np.polyfit(np.asarray(tokens, float), np.asarray(ttft, float), 1)
-    if slope <= 0:
-        return None
-    return {"n": len(ttft), "seconds_per_token": float(slope), "intercept_s": float(intercept),
-            "prefill_tps": float(1.0 / slope)}
 
 
 FIRST_SEEN = "first turn seen of this session"
@@ -82,9 +76,10 @@ def _changed(prev: dict, cur: dict) -> list[str]:
     return changed
 
 
-def _session(rows: list[dict]) -> dict[str, Any]:
+def _session(rows: list[dict], fit: dict[str, Any] | None = None) -> dict[str, Any]:
     """One session's turns, oldest first: prompt growth, what changed turn to turn, where each turn's
-    prompt stopped being the previous one's, and which defined tools were never called."""
+    prompt stopped being the previous one's, the prefix cache predicted against reused (its lost part
+    costed at the client's ``fit``), and which defined tools were never called."""
     prompts = [r["prompt_tokens"] for r in rows]
     changes, per_turn = [], []
     defined: dict[str, None] = {}
@@ -93,10 +88,16 @@ def _session(rows: list[dict]) -> dict[str, Any]:
         if cur["tool_names"] is not None:
             defined.update(dict.fromkeys(cur["tool_names"].get("defined", ())))
             called.update(cur["tool_names"].get("called", ()))
+        lost = lost_tokens(cur["reused"], cur["cached"])
+        # against the turn before it here only when that turn is the one its prefix comparison saw (a
+        # first-seen turn after a restart has no recorded diff: its token changes are still shown)
+        change = readable_diff(rows[k - 1] if k else None, cur, fit)
         per_turn.append({"turn": k + 1, "prompt_tokens": cur["prompt_tokens"], "reused_tokens": cur["reused"],
                          "break_part": cur["break_part"], "server_cached_tokens": cur["cached"],
+                         "lost_tokens": lost, "lost_ttft_s": lost_ttft(lost, fit), "ttft_s": cur["ttft_s"],
                          "diff": cur["diff"], "tools_defined": cur["tools_defined"],
-                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called)})
+                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called),
+                         "change": change})
         if k == 0:
             continue
         prev = rows[k - 1]
@@ -109,6 +110,7 @@ def _session(rows: list[dict]) -> dict[str, Any]:
     growth = [b - a for a, b in zip(prompts, prompts[1:])]
     return {"turns": len(rows), "first_prompt_tokens": prompts[0], "last_prompt_tokens": prompts[-1],
             "median_growth_per_turn": _median(growth), "changes": changes, "per_turn": per_turn,
+            "prefix_cache": cache_totals([r["reused"] for r in rows], [r["cached"] for r in rows], fit),
             "tools": {"defined": len(defined), "never_called": [t for t in defined if t not in called]}}
 
 
@@ -161,9 +163,9 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     # which is the order its prefix comparison ran in, so each turn's diff is against the turn before it here;
     # by start time, two turns of one session in flight at once (two conversations that open alike) could
     # swap, and the first-seen one would read as a restart
-    per_session = {s: _session(sorted(rs, key=lambda r: r["rowid"])) for s, rs in sessions.items()}
     timed = [r for r in rows if r["streamed"] and not np.isnan(r["ttft_s"])]
-    fit = _fit([r["ttft_s"] for r in timed], [r["prompt_tokens"] - (r["cached"] or 0) for r in timed])
+    fit = ttft_fit([r["ttft_s"] for r in timed], [uncached_tokens(r["prompt_tokens"], r["cached"]) for r in timed])
+    per_session = {s: _session(sorted(rs, key=lambda r: r["rowid"]), fit) for s, rs in sessions.items()}
     cached = [r["cached"] for r in rows if r["cached"] is not None]
     out: dict[str, Any] = {
         "client": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
@@ -173,6 +175,7 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
         "server_cached_tokens": {"n": len(cached), "median": _median(cached)},
         "median_ttft_s": _median([r["ttft_s"] for r in timed]),
         "prefill_fit": fit,
+        "prefix_cache": cache_totals([r["reused"] for r in rows], [r["cached"] for r in rows], fit),
         "session_detail": per_session,
     }
     if fit is not None:
@@ -195,6 +198,9 @@ def _turn_line(t: dict[str, Any]) -> str:
     """One turn of a session: what changed, where its prompt broke from the previous turn's, and what
     the server said it had cached."""
     cached = "" if t["server_cached_tokens"] is None else f"; server cached {t['server_cached_tokens']:,}"
+    if t["lost_tokens"]:
+        cost = t["lost_ttft_s"]
+        cached += f", lost {t['lost_tokens']:,} predicted" + (f" (~{cost['s']:.3f} s of TTFT)" if cost else "")
     if t["turn"] == 1 or t["reused_tokens"] is None:
         head = f"turn {t['turn']}: {t['prompt_tokens']:,} tokens"
         if t["turn"] > 1:
@@ -236,6 +242,9 @@ def render_audit(a: dict[str, Any]) -> str:
         sc = c["server_cached_tokens"]
         if sc["n"]:
             lines.append(f"  server's cached prompt tokens: median {_n(sc['median'])} over {_plural(sc['n'], 'turn')}")
+        if c["prefix_cache"]["turns"]:
+            lines.append("  prefix cache:")
+            lines += render_lines({**c["prefix_cache"], "fit": c["prefill_fit"]}, "    ")
         fit = c["prefill_fit"]
         if fit is not None:
             cost = c["part_cost_s"]
@@ -256,6 +265,8 @@ def render_audit(a: dict[str, Any]) -> str:
                                  "restarted or had forgotten the session)" + (f"; counts show {what}" if what else ""))
                 else:
                     lines.append(f"    turn {ch['turn']}: {what} (a server's prefix cache is reusable only up to there)")
+            if s["prefix_cache"]["turns"]:
+                lines += render_lines(s["prefix_cache"], "    ", "prefix cache: ")
             for t in s["per_turn"]:
                 lines.append("    " + _turn_line(t))
             tools = s["tools"]
@@ -264,3 +275,46 @@ def render_audit(a: dict[str, Any]) -> str:
                 lines.append(f"    {len(tools['never_called'])} of {tools['defined']} {were} never called in "
                              f"{_plural(s['turns'], 'turn')}")
     return "\n".join(lines) + "\n"
+
+
+def find_session(a: dict[str, Any], session: str) -> dict[str, Any] | None:
+    """One session of an audit (``build_audit``), with its client; a unique prefix of its id will do."""
+    found = [(c["client"], sid, detail) for c in a["clients"] for sid, detail in c["session_detail"].items()
+             if sid == session or sid.startswith(session)]
+    exact = [f for f in found if f[1] == session]
+    if len(exact) == 1 or len(found) == 1:
+        client, sid, detail = (exact or found)[0]
+        return {"source": a["source"], "client": client, "session": sid, **detail}
+    return None
+
+
+def render_session(s: dict[str, Any]) -> str:
+    """``audit --session``: a turn-by-turn table of one session, then each turn's change in words."""
+    lines = [f"specproxy audit: session {s['session']} of {s['client']}: {_plural(s['turns'], 'turn')}, "
+             f"prompt {s['first_prompt_tokens']:,} -> {s['last_prompt_tokens']:,} tokens"]
+    if s["prefix_cache"]["turns"]:
+        lines += render_lines(s["prefix_cache"], "", "prefix cache: ")
+    head = (f"{'turn':>4} {'prompt':>8} {'d system':>9} {'d tools':>8} {'d history':>10} {'d new':>7} "
+            f"{'msgs':>7} {'predicted':>10} {'reused':>8} {'lost':>7} {'TTFT s':>7}  changed")
+    lines += ["", head]
+    for t in s["per_turn"]:
+        c = t["change"]
+        d = c["parts_delta"] or {}
+        msgs = "" if c["messages_added"] is None else f"+{c['messages_added']}/-{c['messages_removed']}"
+        what = [w for w, k in (("system", "system_changed"), ("tools", "tools_changed")) if c[k]]
+        what += [f"+{x}" for x in c["tools_added"] or ()] + [f"-{x}" for x in c["tools_removed"] or ()]
+        if t["turn"] > 1 and not c["recorded_diff"]:
+            what.append(FIRST_SEEN)
+        ttft = t["ttft_s"]
+        lines.append(f"{t['turn']:>4} {t['prompt_tokens']:>8,} {_d(d.get('system')):>9} {_d(d.get('tools')):>8} "
+                     f"{_d(d.get('history')):>10} {_d(d.get('new')):>7} {msgs:>7} {_n(c['predicted_reusable'], '{:,.0f}'):>10} "
+                     f"{_n(c['server_reused'], '{:,.0f}'):>8} {_n(c['lost_tokens'], '{:,.0f}'):>7} "
+                     f"{_n(None if ttft is None or ttft != ttft else ttft, '{:.3f}'):>7}  {', '.join(what)}")
+    lines.append("")
+    for t in s["per_turn"]:
+        lines.append(f"turn {t['turn']}: {render_diff(t['change'])}")
+    return "\n".join(lines) + "\n"
+
+
+def _d(v: int | None) -> str:
+    return "-" if v is None else f"{v:+,}"

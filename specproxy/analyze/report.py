@@ -24,6 +24,7 @@ import numpy as np
 
 from specproxy.store.dataset import Turns, busy_seconds, distinct
 from specproxy.store.source import WindowData
+from specproxy.analyze.prefix_cache import PREFIX_CACHE_COLUMNS, prefix_cache_section, render_lines
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
@@ -58,6 +59,7 @@ REPORT_COLUMNS = (
     "t_wall", "total_s", "ttft_s", "decode_s", "decode_tps", "completion_tokens", "usage_completion_tokens",
     "tokens_per_chunk", "proxy_delay_s", "concurrency", "streamed", "prompt_tokens", *PROMPT_PARTS,
     "outcome", "label", "tokenizer", "instance_id", "content_class",
+    *(c for c in PREFIX_CACHE_COLUMNS if c not in ("ttft_s", "streamed", "prompt_tokens", "outcome")),
 )
 # what the stream figures and the tables over streamed turns read
 STREAM_COLUMNS = ("t_wall", "streamed", "prompt_tokens", "content_class", *(col for _, col, *_ in USER_FIGURES))
@@ -132,6 +134,7 @@ def build_report(data: WindowData, *, source: str = "") -> dict[str, Any]:
     report["by_content_class"] = _by_content_class(streamed)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
+    report["prefix_cache"] = prefix_cache_section(ok)
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
@@ -378,6 +381,14 @@ def render_text(r: dict[str, Any]) -> str:
             for t, v in w["needed_decode_speedup"].items()))
     else:
         lines.append("Whole-turn speedup: no streamed turns with both TTFT and decode time yet")
+    pc = r.get("prefix_cache")
+    if pc and pc["turns"]:
+        lines.append("")
+        lines.append(f"Prefix cache: predicted reusable (specproxy's prediction from each session's previous turn) "
+                     f"against reused (the server's count), over {plural(pc['turns'], 'turn')} with both")
+        lines += render_lines(pc)
+        for c in pc["by_client"][:5]:
+            lines += render_lines(c, "  ", f"{c['client']}: ")
     if "server" in r:
         lines.extend(render_server(r["server"]))
     return "\n".join(lines) + "\n"

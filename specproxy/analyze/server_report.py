@@ -146,6 +146,10 @@ def _window(d, span: dict[str, Any], delivered: float | None, per_stream: float 
         "draft_tokens": d.draft_tokens,
         "accepted_tokens": d.accepted_tokens,
         "forward_passes_per_s": per_stream / d.mal if per_stream is not None and d.mal else None,
+        # the server's prefix cache over the same span (counts: a hit rate is not diluted by idle time)
+        "prefix_cache_queries": d.prefix_cache_queries,
+        "prefix_cache_hits": d.prefix_cache_hits,
+        "prefix_cache_hit_rate": d.prefix_cache_hit_rate,
     }
 
 
@@ -296,6 +300,10 @@ def render_server(s: dict[str, Any]) -> list[str]:
         lines.append(f"  MAL {_f(w['mal'], '{:.2f}')} ({w['mal_source'] or 'no counters'}; acceptance rate "
                      f"{_f(w['acceptance_rate'], '{:.2f}')}) -> forward passes/s = per-stream decode speed / MAL = "
                      f"{_f(w['forward_passes_per_s'], '{:.1f}')}")
+        if w.get("prefix_cache_queries") is not None:
+            lines.append(f"  prefix cache (the server's counters): {_f(w['prefix_cache_hits'], '{:,.0f}')} of "
+                         f"{_f(w['prefix_cache_queries'], '{:,.0f}')} prompt tokens looked up were found "
+                         f"(hit rate {_f(w['prefix_cache_hit_rate'], '{:.1%}')})")
         if w["segments"] > 1:
             lines.append(f"  the window spans {w['segments']} server instances (restarts): counts are summed per instance")
     lt = s.get("lone_turns")

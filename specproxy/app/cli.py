@@ -212,17 +212,29 @@ def _window(fn):
 @db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the audit as JSON")
+@click.option("--session", "session", default=None, metavar="ID",
+              help="One session turn by turn (its id, or a unique start of it, as the audit prints it): what "
+                   "changed in tokens per part, tools added and removed, predicted against reused cache")
 @friendly
-def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool) -> None:
+def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
+          session: str | None) -> None:
     """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill."""
-    from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, render_audit
+    from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, find_session, render_audit, render_session
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
     from specproxy.store.sqlite_source import SQLiteSource
 
     with open_db(db) as conn:
         turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), AUDIT_COLUMNS)
-    echo(build_audit(turns, source=db_path(db)), render_audit, as_json)
+    a = build_audit(turns, source=db_path(db))
+    if session is None:
+        echo(a, render_audit, as_json)
+        return
+    found = find_session(a, session)
+    if found is None:
+        raise SpecproxyError(f"no session {session!r} (or more than one starting so) among the completed "
+                                   f"turns with prompt counts in {db_path(db)}: `specproxy audit` lists them")
+    echo(found, render_session, as_json)
 
 
 @main.command()

@@ -41,9 +41,11 @@ class MessagesShape:
         """``prompt_tokens`` None: a server that reports no usage."""
         message = {"id": "msg_fake", "type": "message", "role": "assistant", "content": [], "model": self.model,
                    "stop_reason": None}
-        if prompt_tokens is not None:  # half of it read from the cache, as after an earlier turn
-            message["usage"] = {"input_tokens": prompt_tokens - prompt_tokens // 2,
-                                "cache_read_input_tokens": prompt_tokens // 2, "output_tokens": 1}
+        if prompt_tokens is not None:  # half of it read from the cache, as after an earlier turn, and a
+            # quarter written to it (the Messages API counts reads, writes and the rest apart)
+            message["usage"] = {"input_tokens": prompt_tokens - prompt_tokens // 2 - prompt_tokens // 4,
+                                "cache_read_input_tokens": prompt_tokens // 2,
+                                "cache_creation_input_tokens": prompt_tokens // 4, "output_tokens": 1}
         return [{"type": "message_start", "message": message}]
 
     def text(self, kind: str, text: str) -> tuple[list[dict], dict]:

@@ -79,6 +79,9 @@ class Script:
     """Added to usage.completion_tokens (a server counting an end-of-turn token the client never sees)."""
     timings: bool = False
     """Add llama.cpp-style ``timings`` to the last chunk."""
+    cache_n: int | None = None
+    """With ``timings``: llama.cpp's ``cache_n`` (prompt tokens taken from its cache; ``prompt_n`` is then
+    the rest of the prompt, as llama-server says them)."""
     done: bool = True
     status: int = 200
     error_body: bytes = b'{"error": {"message": "scripted error"}}'
@@ -135,7 +138,7 @@ class FakeUpstream:
         # of what is never forwarded reads (``sent`` holds only the completions it answered)
         self.received: list[tuple[str, str]] = []
         self.started = time.time()
-        self.counters = {"prompt": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self.counters = {"prompt": 0, "cached": 0, "predicted": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.processing = 0
         self.connections = 0
         self.metrics_status = 200  # set to 500 to make /metrics fail
@@ -192,6 +195,9 @@ class FakeUpstream:
             "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
             "# TYPE llamacpp:prompt_tokens_total counter",
             f"llamacpp:prompt_tokens_total {c['prompt']}",
+            "# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache",
+            "# TYPE llamacpp:prompt_tokens_cached_total counter",
+            f"llamacpp:prompt_tokens_cached_total {c['cached']}",
             "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.",
             "# TYPE llamacpp:tokens_predicted_total counter",
             f"llamacpp:tokens_predicted_total {c['predicted']}",
@@ -233,7 +239,10 @@ class FakeUpstream:
         prompt_chars = len(body)
         ttft = script.ttft_s + ((prompt_chars / 4) / script.prefill_tps if script.prefill_tps else 0.0)
         self.processing += 1
-        self.counters["prompt"] += prompt_chars // 4
+        # as llama.cpp counts them: the prompt counter leaves out the tokens a script says came from the cache
+        cached = min(script.cache_n or 0, prompt_chars // 4) if script.timings else 0
+        self.counters["prompt"] += prompt_chars // 4 - cached
+        self.counters["cached"] += cached
         try:
             if isinstance(req, dict) and req.get("stream"):
                 return await self._stream(request, script, sent, chat, ttft, prompt_chars // 4, shape)
@@ -362,6 +371,8 @@ class FakeUpstream:
         if script.timings:
             final["timings"] = {"prompt_n": prompt_tokens, "predicted_n": delivered, "draft_n": 0,
                                 "draft_n_accepted": 0}
+            if script.cache_n is not None:
+                final["timings"].update(cache_n=script.cache_n, prompt_n=max(prompt_tokens - script.cache_n, 0))
         await emit(event(final))
         if script.done:
             await emit(event(b"[DONE]"))

@@ -151,8 +151,13 @@ def chat_usage(usage: dict) -> dict:
         out["prompt_tokens"] = n("input_tokens") + n("cache_read_input_tokens") + n("cache_creation_input_tokens")
     if "output_tokens" in usage:
         out["completion_tokens"] = usage["output_tokens"]
-    if "cache_read_input_tokens" in usage:
-        out["prompt_tokens_details"] = {"cached_tokens": usage["cache_read_input_tokens"]}
+    details: dict[str, Any] = {}
+    if "cache_read_input_tokens" in usage:  # reads and writes apart: a write is no reuse (and priced apart)
+        details["cached_tokens"] = usage["cache_read_input_tokens"]
+    if "cache_creation_input_tokens" in usage:
+        details["cache_write_tokens"] = usage["cache_creation_input_tokens"]
+    if details:
+        out["prompt_tokens_details"] = details
     return out
 
 

@@ -26,7 +26,7 @@ import orjson
 
 from specproxy.measure.apis import CHAT, Api, api_for, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming, gap_buckets
-from specproxy.measure.completion import cached_tokens, content_class_of, count_completion, int_or_none
+from specproxy.measure.completion import cache_write_tokens, cached_tokens, content_class_of, count_completion, int_or_none
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.prefix import PrefixTracker, TurnPrefix, tool_names
 from specproxy.measure.request_body import RequestRead, inflate, model_only, read_request
@@ -403,6 +403,7 @@ class RecordBuilder:
             usage_completion_tokens=int_or_none(usage.get("completion_tokens")),
             usage_prompt_tokens=int_or_none(usage.get("prompt_tokens")),
             usage_cached_tokens=cached_tokens(usage, texts.timings),
+            usage_cache_write_tokens=cache_write_tokens(usage),
             chunks=texts.chunks if (texts.chunks or self.status is not None) else None,
             tokens_per_chunk=counts["completion"] / texts.chunks if counts and texts.chunks else None,
             decode_tps=decode_tps,

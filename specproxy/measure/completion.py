@@ -11,7 +11,7 @@ from specproxy.measure.content import classify
 from specproxy.measure.texts import Texts
 from specproxy.measure.tokens import Tokenizer, count_with_first
 
-__all__ = ["cached_tokens", "content_class_of", "count_completion", "int_or_none"]
+__all__ = ["cache_write_tokens", "cached_tokens", "content_class_of", "count_completion", "int_or_none"]
 
 
 def count_completion(texts: Texts, tok: Tokenizer, first_only: bool = False) -> dict[str, int] | None:
@@ -52,3 +52,13 @@ def cached_tokens(usage: dict, timings: dict | None) -> int | None:
     if cached is None and isinstance(timings, dict):
         cached = int_or_none(timings.get("cache_n"))
     return cached
+
+
+def cache_write_tokens(usage: dict) -> int | None:
+    """The server's own count of prompt tokens it wrote to its cache (a cache write, priced apart from a
+    read by the APIs that charge for caching), kept apart from ``cached_tokens`` (reads). Every API's usage
+    is read into the chat shape: ``prompt_tokens_details.cache_write_tokens`` (the Messages API's
+    ``cache_creation_input_tokens``, Responses' ``input_tokens_details.cache_write_tokens``, and chat's own
+    where a server sends one); None where the server says nothing (vLLM, llama.cpp and OpenAI do not)."""
+    details = usage.get("prompt_tokens_details")
+    return int_or_none(details.get("cache_write_tokens")) if isinstance(details, dict) else None

@@ -143,8 +143,10 @@ def chat_usage(usage: dict) -> dict:
     if "output_tokens" in usage:
         out["completion_tokens"] = usage["output_tokens"]
     details = usage.get("input_tokens_details")
-    if isinstance(details, dict) and "cached_tokens" in details:
-        out["prompt_tokens_details"] = {"cached_tokens": details["cached_tokens"]}
+    if isinstance(details, dict):
+        kept = {k: details[k] for k in ("cached_tokens", "cache_write_tokens") if k in details}
+        if kept:
+            out["prompt_tokens_details"] = kept
     return out
 
 

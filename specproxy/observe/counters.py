@@ -44,6 +44,8 @@ _COUNTER_FIELDS = (
     ("drafts", "spec_drafts_total"),
     ("draft_tokens", "spec_draft_tokens_total"),
     ("accepted_tokens", "spec_accepted_tokens_total"),
+    ("prefix_cache_queries", "prefix_cache_queries_total"),
+    ("prefix_cache_hits", "prefix_cache_hits_total"),
 )
 
 MalSource = Literal["counters", "gauge", "no_spec_counters", "mixed"]
@@ -94,6 +96,9 @@ class CounterDelta:
     draft_tokens: float | None = None
     accepted_tokens: float | None = None
     accepted_per_pos: Mapping[int, float] | None = None
+    #: Prompt tokens looked up in the server's prefix cache, and found there (``Snapshot``).
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
     #: Mean acceptance length: tokens emitted per target-model verification pass.
     mal: float | None = None
     #: Where ``mal`` came from: ``counters`` (``1 + accepted/drafts``, exactly 1.0 when the
@@ -112,6 +117,13 @@ class CounterDelta:
         if self.accepted_tokens is None or not self.draft_tokens:
             return None
         return self.accepted_tokens / self.draft_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache / looked up; ``None`` when none was looked up."""
+        if self.prefix_cache_hits is None or not self.prefix_cache_queries:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def generated_tps(self) -> float | None:
@@ -144,6 +156,9 @@ class CounterDelta:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accepted_per_pos": dict(self.accepted_per_pos) if self.accepted_per_pos else None,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "mal": self.mal,
             "mal_source": self.mal_source,
             "acceptance_rate": self.acceptance_rate,
@@ -278,6 +293,8 @@ def _counter_delta(seconds: float, kind, counts: dict, per_pos: dict | None, mal
         drafts=counts["drafts"],
         draft_tokens=counts["draft_tokens"],
         accepted_tokens=counts["accepted_tokens"],
+        prefix_cache_queries=counts["prefix_cache_queries"],
+        prefix_cache_hits=counts["prefix_cache_hits"],
         accepted_per_pos=MappingProxyType(per_pos) if per_pos is not None else None,
         mal=mal,
         mal_source=source,

@@ -78,6 +78,9 @@ _FIELD_SOURCES: dict[str, dict[str, str]] = {
         "spec_draft_tokens_total": "vllm:spec_decode_num_draft_tokens",
         "spec_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens",
         "spec_accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+        # prompt tokens looked up in the prefix cache, and those found (vllm/v1/metrics/loggers.py)
+        "prefix_cache_queries_total": "vllm:prefix_cache_queries",
+        "prefix_cache_hits_total": "vllm:prefix_cache_hits",
     },
     # llama.cpp: tools/server/server-task.cpp, server_task_result_metrics::to_metrics()
     # (spec-decode counters since PR #26389; per-position counter only after the first
@@ -91,6 +94,9 @@ _FIELD_SOURCES: dict[str, dict[str, str]] = {
         "spec_draft_tokens_total": "llamacpp:spec_decode_num_draft_tokens",
         "spec_accepted_tokens_total": "llamacpp:spec_decode_num_accepted_tokens",
         "spec_accepted_per_pos": "llamacpp:spec_decode_num_accepted_tokens_per_pos",
+        # prompt tokens reused from a slot's cache (``n_prompt_cached``); its prompt_tokens counter excludes
+        # them, so the lookups are the two added (``parse_exposition``)
+        "prefix_cache_hits_total": "llamacpp:prompt_tokens_cached",
     },
     # SGLang: python/sglang/srt/metrics/collector.py (SchedulerMetricsCollector gauges,
     # TokenizerMetricsCollector counters). Speculative decoding is exposed as gauges only.
@@ -161,6 +167,12 @@ class Snapshot:
     #: SGLang gauge: accepted/draft tokens over the last decode log interval (its exact
     #: numerator has changed between SGLang versions; prefer counters where a server has them).
     spec_accept_rate: float | None = None
+    #: Prompt tokens the server looked up in its prefix cache (vLLM ``prefix_cache_queries``; llama.cpp
+    #: ``prompt_tokens`` + ``prompt_tokens_cached``: its prompt counter leaves the cached ones out).
+    prefix_cache_queries_total: float | None = None
+    #: Of those, the tokens found in the cache (vLLM ``prefix_cache_hits``, llama.cpp
+    #: ``prompt_tokens_cached``). SGLang exposes a hit-rate gauge only: None there.
+    prefix_cache_hits_total: float | None = None
     #: ``process_start_time_seconds`` (the Python process collector; vLLM's API server exposes
     #: it, SGLang's multiprocess registry and llama.cpp do not).
     process_start_time_seconds: float | None = None
@@ -305,8 +317,15 @@ def parse_exposition(text: str) -> Snapshot:
                         if label in labels:
                             models.add(labels[label])
 
+    hits = summed("prefix_cache_hits_total")
+    queries = summed("prefix_cache_queries_total")
+    if kind == "llamacpp" and hits is not None:
+        processed = summed("prompt_tokens_total")
+        queries = processed + hits if processed is not None else None
     return Snapshot(
         server_kind=kind,
+        prefix_cache_queries_total=queries,
+        prefix_cache_hits_total=hits,
         requests_running=summed("requests_running"),
         requests_waiting=summed("requests_waiting"),
         generation_tokens_total=summed("generation_tokens_total"),

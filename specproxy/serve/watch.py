@@ -125,7 +125,8 @@ class ServerWatch:
             sample.t_wall, sample.t_mono, sample.instance_id, s.server_kind, s.requests_running,
             s.requests_waiting, s.generation_tokens_total, s.prompt_tokens_total, s.spec_drafts_total,
             s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_accept_length,
-            s.spec_accept_rate, raw, None)))
+            s.spec_accept_rate, raw, None), prefix_cache_queries=s.prefix_cache_queries_total,
+            prefix_cache_hits=s.prefix_cache_hits_total))
         if sample.instance_id and sample.instance_id != self._last_instance:
             self._last_instance = sample.instance_id
             inst = self.scraper.instance if self.scraper is not None else None

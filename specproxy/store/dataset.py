@@ -37,6 +37,7 @@ NUMERIC = (
     "usage_completion_tokens",
     "usage_prompt_tokens",
     "usage_cached_tokens",
+    "usage_cache_write_tokens",
     "chunks",
     "tokens_per_chunk",
     "decode_tps",

@@ -105,6 +105,11 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     "sink" TEXT, "tbl" TEXT, "row_key" TEXT, "reason" TEXT, "t_set_aside" REAL, PRIMARY KEY ("sink", "tbl", "row_key")
 )""",
     )),
+    ("014_prefix_cache", (
+        'ALTER TABLE "turns" ADD COLUMN "usage_cache_write_tokens" INTEGER',
+        'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_queries_total" REAL',
+        'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_hits_total" REAL',
+    )),
 ]
 
 

@@ -13,6 +13,7 @@ SCRAPE_COLUMNS = (
     "t_wall", "t_mono", "instance_id", "server_kind", "requests_running", "requests_waiting",
     "generation_tokens_total", "prompt_tokens_total", "spec_drafts_total", "spec_draft_tokens_total",
     "spec_accepted_tokens_total", "spec_accept_length", "spec_accept_rate", "raw", "error",
+    "prefix_cache_queries_total", "prefix_cache_hits_total",
 )
 _INSERT_SCRAPE = f"INSERT INTO scrapes ({', '.join(SCRAPE_COLUMNS)}) VALUES ({', '.join('?' * len(SCRAPE_COLUMNS))})"
 _UPSERT_INSTANCE = (
@@ -25,15 +26,19 @@ _INSERT_TURN_COUNTERS = (f"INSERT OR REPLACE INTO turn_counters ({', '.join(TURN
                          f"VALUES ({', '.join('?' * len(TURN_COUNTER_COLUMNS))})")
 
 
-def scrape(values: tuple) -> tuple[str, tuple]:
-    """A scrape row: ``values`` in ``SCRAPE_COLUMNS`` order."""
-    assert len(values) == len(SCRAPE_COLUMNS)
-    return _INSERT_SCRAPE, values
+def scrape(values: tuple, *, prefix_cache_queries: float | None = None,
+           prefix_cache_hits: float | None = None) -> tuple[str, tuple]:
+    """A scrape row: ``values`` in ``SCRAPE_COLUMNS`` order up to ``error``; the prefix cache's counters
+    (added later, at the end) by name."""
+    assert len(values) == len(SCRAPE_COLUMNS) - 2
+    return _INSERT_SCRAPE, (*values, prefix_cache_queries, prefix_cache_hits)
 
 
 def failed_scrape(t_wall: float, t_mono: float, instance_id: str | None, error: str | None) -> tuple[str, tuple]:
     """A scrape that failed: its time and error, no figures."""
-    return _INSERT_SCRAPE, (t_wall, t_mono, instance_id, *([None] * (len(SCRAPE_COLUMNS) - 4)), error)
+    values = dict.fromkeys(SCRAPE_COLUMNS)
+    values.update(t_wall=t_wall, t_mono=t_mono, instance_id=instance_id, error=error)
+    return _INSERT_SCRAPE, tuple(values.values())
 
 
 def instance_seen(instance_id: str, t_wall: float, detail: str) -> tuple[str, tuple]:

@@ -51,7 +51,7 @@ __all__ = ["SCRAPE_FIELDS", "LoneJoins", "Scrapes", "Source", "Window", "WindowD
 # the numeric fields of a stored scrape that the server section reads (float64, nan for NULL)
 SCRAPE_FIELDS = ("requests_running", "requests_waiting", "generation_tokens_total", "prompt_tokens_total",
                  "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
-                 "spec_accept_length", "spec_accept_rate")
+                 "spec_accept_length", "spec_accept_rate", "prefix_cache_queries_total", "prefix_cache_hits_total")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ document.addEventListener('click', function (e) {
   var pre = document.getElementById('record');
   pre.textContent = JSON.stringify(JSON.parse(t.getAttribute('data-record')), null, 2);
   pre.setAttribute('data-turn-id', t.getAttribute('data-turn-id'));
+  var change = document.getElementById('turn-change');
+  var c = JSON.parse(t.getAttribute('data-change') || 'null');
+  change.textContent = c ? c.text : 'not a completed turn of a session: nothing to compare';
+  change.setAttribute('data-turn-id', t.getAttribute('data-turn-id'));
 });
 """
 
@@ -132,7 +136,7 @@ def _figures(r: dict[str, Any]) -> str:
             f'{rows}</table>')
 
 
-def _turns(recent: list[dict[str, Any]]) -> str:
+def _turns(recent: list[dict[str, Any]], changes: list[dict[str, Any] | None] | None = None) -> str:
     """Each recent turn: TTFT then decode (then the rest of the turn) as one bar, its prompt make-up beside."""
     if not recent:
         return '<h2>Recent turns</h2><p class="muted">none yet</p>'
@@ -161,10 +165,11 @@ def _turns(recent: list[dict[str, Any]]) -> str:
         title = (f'{t["outcome"]}: TTFT {_f(t["ttft_s"])} s, decode {_f(t["decode_s"])} s, total {_f(t["total_s"])} s; '
                  f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
         record = escape(orjson.dumps(t).decode(), quote=True)
+        change = escape(orjson.dumps(changes[i] if changes else None).decode(), quote=True)
         outline = "" if t["outcome"] == "ok" else f'<rect x="2" y="{y}" width="4" height="{row_h}" fill="#000"/>'
         hit = f'<rect x="0" y="{y}" width="{left + bar_w + 20 + part_w}" height="{row_h}" fill="transparent"/>'
         out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}" '
-                   f'data-record="{record}"><title>{escape(title)}</title>{hit}{outline}{"".join(rects)}</g>')
+                   f'data-record="{record}" data-change="{change}"><title>{escape(title)}</title>{hit}{outline}{"".join(rects)}</g>')
     legend = ('<p class="legend"><i style="background:%s"></i>TTFT<i style="background:%s"></i>decode'
               '<i style="background:%s"></i>rest of the turn &nbsp; prompt:' % (TTFT_COLOR, DECODE_COLOR, REST_COLOR)
               + "".join(f'<i style="background:{c}"></i>{n}' for _, n, c in PARTS)
@@ -335,6 +340,27 @@ def _server(s: dict[str, Any] | None) -> str:
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
 
+def _prefix_cache(pc: dict[str, Any] | None) -> str:
+    """Predicted reusable against reused by the server, lost, and the lost part's TTFT (report's
+    ``prefix_cache``); nothing when no turn has both counts."""
+    if not pc or not pc["turns"]:
+        return ""
+    cells = [("turns with both counts", "turns", "{:.0f}"), ("predicted reusable tokens", "predicted_tokens", "{:,.0f}"),
+             ("reused by the server", "reused_tokens", "{:,.0f}"), ("lost tokens", "lost_tokens", "{:,.0f}"),
+             ("turns that lost", "turns_with_loss", "{:.0f}"), ("share reused", "reused_share", "{:.1%}")]
+    rows = "".join(f"<tr><td>{name}</td>{_fig(f'prefix_cache/{key}', pc[key], fmt)}</tr>" for name, key, fmt in cells)
+    fit, cost = pc.get("fit"), pc.get("lost_ttft_s")
+    if fit is not None:
+        rows += (f"<tr><td>TTFT per 1k uncached tokens (ms)</td>"
+                 f"{_fig('prefix_cache/fit/ms_per_1k_uncached', fit['ms_per_1k_uncached'], '{:.1f}')}"
+                 f"<td>[{_f(fit['ms_per_1k_lo'], '{:.1f}')}, {_f(fit['ms_per_1k_hi'], '{:.1f}')}]</td></tr>")
+    if cost is not None:
+        rows += (f"<tr><td>the lost part's TTFT (s)</td>{_fig('prefix_cache/lost_ttft_s/s', cost['s'], '{:.3f}')}"
+                 f"<td>[{_f(cost['lo'])}, {_f(cost['hi'])}]</td></tr>")
+    return (f'<h2>Prefix cache: predicted against reused</h2><table class="card prefix-cache">'
+            f'<tr><th>figure</th><th>value</th><th>95% CI</th></tr>{rows}</table>')
+
+
 def fragment(snap: dict[str, Any], note: str = "") -> str:
     """The content of the page: what each live event replaces. ``note``: a line of HTML above it (the live
     page's store line)."""
@@ -342,7 +368,7 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
     if not r["turns"]:
         return note + _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
-    return (note + _header(r) + _figures(r) + _turns(snap["recent"])
+    return (note + _header(r) + _figures(r) + _prefix_cache(r.get("prefix_cache")) + _turns(snap["recent"], snap.get("changes"))
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'
@@ -357,5 +383,6 @@ def document(snap: dict[str, Any], *, live: bool, title: str, note: str = "") ->
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
             f'<body data-updates="0"><h1>{escape(title)}</h1>{status}<div id="content">{fragment(snap, note)}</div>'
-            f'<h2>Record of the turn clicked</h2><pre id="record" class="muted">click a turn above</pre>'
+            f'<h2>Record of the turn clicked</h2><p id="turn-change" class="muted">click a turn above</p>'
+            f'<pre id="record" class="muted">click a turn above</pre>'
             f'<script>{script}</script></body></html>')

@@ -11,12 +11,14 @@ from typing import Any
 
 from specproxy.analyze.pictures import pictures
 from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.turn_diff import recent_changes, render_diff
 from specproxy.record import FIELD_NAMES
 from specproxy.store.source import Source, Window
 
 __all__ = ["RECENT_TURNS", "RECORD_FIELDS", "snapshot"]
 
 RECENT_TURNS = 40
+RECENT_CONTEXT = 40  # turns read before the shown ones, so that a shown turn's session's previous turn is known
 # a turn's record as the page shows it when clicked: every field but the stored texts (opt-in, and a
 # page is easily shared)
 RECORD_FIELDS = tuple(f for f in FIELD_NAMES if f not in ("prompt_text", "response_text"))
@@ -28,5 +30,8 @@ def snapshot(store: Source, *, source: str, label: str | None = None, since: flo
     window = Window(label, since, until)
     data = store.load(window, REPORT_COLUMNS, server=True, context=True)
     report = build_report(data, source=source)
-    rows = store.recent(window, RECORD_FIELDS, recent)
-    return {"report": report, "pictures": pictures(data.turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}
+    rows = [dict(zip(RECORD_FIELDS, r)) for r in store.recent(window, RECORD_FIELDS, recent + RECENT_CONTEXT)]
+    changes = recent_changes(rows, (report.get("prefix_cache") or {}).get("fit"))[-recent:] if rows else []
+    rows = rows[-recent:]
+    return {"report": report, "pictures": pictures(data.turns), "recent": rows,
+            "changes": [None if c is None else {**c, "text": render_diff(c)} for c in changes]}

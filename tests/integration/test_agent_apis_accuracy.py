@@ -136,11 +136,20 @@ def test_an_error_event_mid_stream(stack, tiktoken_tok, api):
 
 
 def test_messages_usage_counts_cached_input(stack):
-    """Messages usage splits the prompt into uncached and cached input: the server's prompt is the sum,
-    and its cached part is kept beside it."""
+    """Messages usage splits the prompt into uncached input, cache reads and cache writes: the server's
+    prompt is the sum, its reads are the cached tokens and its writes are kept apart from them."""
     _, rec, truth = run_turn(stack, "messages", Script(pieces=["ok"]))
     prompt = len(truth.request_body) // 4
+    assert prompt // 4 > 0
     assert rec.usage_prompt_tokens == prompt and rec.usage_cached_tokens == prompt // 2
+    assert rec.usage_cache_write_tokens == prompt // 4
+
+
+def test_no_cache_write_count_where_the_server_says_none(stack):
+    """A server whose usage has no cache-write count (this Responses fake, like OpenAI's) leaves it null,
+    never 0."""
+    _, rec, _ = run_turn(stack, "responses", Script(pieces=["ok"]))
+    assert rec.usage_prompt_tokens is not None and rec.usage_cache_write_tokens is None
 
 
 def test_query_string_and_other_paths(stack):

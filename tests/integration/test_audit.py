@@ -180,3 +180,61 @@ def test_a_turn_after_a_restart_is_the_first_seen_not_a_shrunk_history(make_stac
     mid = client["median_turn"]
     assert mid["prompt_tokens"] == sum(mid[p] for p in ("system", "tools", "history", "new"))
     assert "1 client\n" in text.splitlines()[0] + "\n" and "3 completed turns" in text
+
+
+async def post_chat(url: str, body: dict) -> int:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json=body, headers={"User-Agent": "loop-agent/1"}) as r:
+            await r.read()
+            return r.status
+
+
+def test_predicted_against_reused_from_llama_cpps_cache_n(make_stack, tiktoken_tok):
+    """Three turns of one chat session, each only appending, on a server that says its cached count in
+    llama.cpp's ``timings.cache_n`` alone (no usage): the second turn's cache held everything predicted,
+    the third's had been evicted (cache_n 0). The audit and the report show predicted, reused and lost
+    per turn, per session and per client; the lost part is the third turn's whole prediction."""
+    stack = make_stack(tiktoken_tok)
+    predicted: list[int] = []  # turn 2's (all of it reused), known once turn 1 is stored
+    stack.upstream.script = lambda req: Script(pieces=["Fine", "."], usage="none", timings=True,
+                                               cache_n=predicted[0] if len(req["messages"]) == 4 else 0)
+    conv = [{"role": "system", "content": S1}]
+    db = stack.cfg.db
+    for k in range(3):
+        conv = [*conv, {"role": "user", "content": f"Step {k}: fix module {k}."}]
+        if k == 1:  # the prediction for turn 2 is turn 1's whole prompt (tiktoken, no template: it only appended)
+            predicted.append(sqlite3.connect(db).execute("SELECT prompt_tokens FROM turns").fetchone()[0])
+        assert stack.run(post_chat(stack.url, {"model": "m", "stream": True, "messages": conv})) == 200
+        stack.settle()
+        assert wait_for(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns").fetchone()[0] == k + 1)
+        conv = [*conv, {"role": "assistant", "content": "Fine."}]
+    stored = sqlite3.connect(db).execute(
+        "SELECT prefix_reused_tokens, usage_cached_tokens, usage_prompt_tokens FROM turns ORDER BY rowid").fetchall()
+    assert [r[1] for r in stored] == [0, predicted[0], 0] and all(r[2] is None for r in stored)
+    assert stored[1][0] == predicted[0] and stored[2][0] > 0
+    lost3 = stored[2][0]
+
+    audit = orjson.loads(CliRunner().invoke(main, ["audit", "--db", str(db), "--json"]).output)
+    (client,) = audit["clients"]
+    (session,) = client["session_detail"].values()
+    assert [t["lost_tokens"] for t in session["per_turn"]] == [None, 0, lost3]
+    for totals in (session["prefix_cache"], client["prefix_cache"]):
+        assert (totals["turns"], totals["predicted_tokens"], totals["reused_tokens"], totals["lost_tokens"]) == (
+            2, predicted[0] + lost3, predicted[0], lost3)
+    report = orjson.loads(CliRunner().invoke(main, ["report", "--db", str(db), "--json"]).output)
+    pc = report["prefix_cache"]
+    assert (pc["turns"], pc["lost_tokens"], pc["turns_with_loss"]) == (2, lost3, 1)
+    assert [c["client"] for c in pc["by_client"]] == ["loop-agent/1"]
+    text = CliRunner().invoke(main, ["report", "--db", str(db)]).output
+    assert f"lost {lost3:,} tokens in 1 of 2 turns" in text
+    assert f"server cached 0, lost {lost3:,} predicted" in CliRunner().invoke(main, ["audit", "--db", str(db)]).output
+    (sid,) = client["session_detail"]
+    one = orjson.loads(CliRunner().invoke(main, ["audit", "--db", str(db), "--json", "--session", sid[:6]]).output)
+    assert one["session"] == sid and [t["change"]["lost_tokens"] for t in one["per_turn"]] == [None, 0, lost3]
+    assert [t["change"]["messages_added"] for t in one["per_turn"]] == [None, 2, 2]
+    assert one["per_turn"][2]["change"]["parts_delta"]["system"] == 0
+    table = CliRunner().invoke(main, ["audit", "--db", str(db), "--session", sid]).output
+    assert f"session {sid} of loop-agent/1: 3 turns" in table and any(x.split()[:3] == ["turn", "prompt", "d"] for x in table.splitlines())
+    assert "turn 3: tokens system +0, tools +0" in table and f"lost {lost3:,}" in table
+    bad = CliRunner().invoke(main, ["audit", "--db", str(db), "--session", "zz"])
+    assert bad.exit_code == 2 and "no session 'zz'" in bad.output and "Traceback" not in bad.output

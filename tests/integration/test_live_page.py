@@ -394,3 +394,57 @@ def test_the_html_report_of_a_window_opens_offline_with_the_same_figures(make_st
     page.set_content(document(snap, live=False, title="labels at the edges"))
     _inside(page, ".dist text.mark")
     context.close()
+
+
+def test_the_live_page_shows_the_prefix_cache_and_a_clicked_turns_change(make_stack, tiktoken_tok, chromium):
+    """Three turns of one conversation on a server that says its cached count in llama.cpp's
+    ``timings.cache_n``; the third's cache was evicted (0 reused). The page's prefix-cache figures are
+    ``report --json``'s, and clicking the third turn says what changed against the second: each part's
+    tokens (computed here from the database's rows) and the lost tokens."""
+    stack = make_stack(tiktoken_tok, admin_token=TOKEN)
+    stack.service.admin.pages = LivePages(stack.cfg.db)
+    db = stack.cfg.db
+    cached: dict[int, int] = {}  # messages in the request -> cache_n the fake says
+    stack.upstream.script = lambda req: Script(pieces=["Done", "."], ttft_s=0.01, usage="none", timings=True,
+                                               cache_n=cached.get(len(req["messages"]), 0))
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-test-not-a-secret", max_retries=0, timeout=30)
+    history: list[dict] = []
+    for i in range(3):
+        history.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *history]
+        if i == 1:  # the second turn reuses all the first turn's prompt
+            cached[len(messages)] = _rows(db)[0]["prompt_tokens"]
+        for _ in client.chat.completions.create(model="m", stream=True, tools=TOOLS, messages=messages):
+            pass
+        _committed(stack, i + 1)
+        history.append({"role": "assistant", "content": "Done."})
+    rows = _rows(db)
+    assert [r["usage_cached_tokens"] for r in rows] == [0, rows[0]["prompt_tokens"], 0]
+    lost = rows[2]["prefix_reused_tokens"]
+    assert lost > 0 and len({r["session"] for r in rows}) == 1
+
+    browser = chromium()
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    page.goto(stack.url + f"/_specproxy/?token={TOKEN}")
+    page.wait_for_selector("body:not([data-updates='0'])")
+    since = float(page.get_attribute(".window", "data-window-since"))
+    report = _report_json(db, "--since", repr(since))
+    assert report["prefix_cache"]["lost_tokens"] == lost and report["prefix_cache"]["turns"] == 2
+    _check_figures(page, report, skip="server/")
+    shown = page.eval_on_selector_all(".prefix-cache [data-figure]", "els => els.map(e => e.dataset.figure)")
+    assert {"prefix_cache/lost_tokens", "prefix_cache/predicted_tokens", "prefix_cache/reused_tokens"} <= set(shown)
+    assert page.get_attribute("[data-figure='prefix_cache/lost_tokens']", "data-value") == repr(float(lost))
+
+    third = page.locator(".turns .turn").last
+    third.click()
+    change = page.locator("#turn-change")
+    assert change.get_attribute("data-turn-id") == third.get_attribute("data-turn-id") == rows[2]["id"]
+    d = {p: rows[2][f"prompt_{p}_tokens"] - rows[1][f"prompt_{p}_tokens"] for p in ("system", "tools", "history", "new")}
+    assert d["history"] > 0 and d["system"] == 0 and d["tools"] == 0
+    text = change.inner_text()
+    assert (f"tokens system +0, tools +0, history {d['history']:+,}, new {d['new']:+,} "
+            f"(prompt {rows[2]['prompt_tokens'] - rows[1]['prompt_tokens']:+,})") in text
+    assert "messages +2 -0" in text and f"server reused 0, lost {lost:,}" in text
+    page.locator(".turns .turn").first.click()
+    assert page.locator("#turn-change").inner_text().startswith("no previous turn of this session known")
+    page.close()

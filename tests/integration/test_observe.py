@@ -166,3 +166,25 @@ async def test_overlapping_scrapes_never_make_a_false_restart():
     finally:
         await watch.stop()
         await runner.cleanup()
+
+
+def test_the_servers_prefix_cache_counters_join_the_server_section(make_stack, tiktoken_tok):
+    """A llama.cpp-shaped server that reuses 5 prompt tokens of each turn from its cache (its
+    ``prompt_tokens_cached_total``; its prompt counter leaves them out): over the window the server's
+    counters say hits 5 per turn of the prompt tokens looked up, as scraped."""
+    stack = make_stack(tiktoken_tok, scrape_interval_s=0.05)
+    stack.upstream.script = Script(pieces=["a", " b"], timings=True, cache_n=5)
+    watch = stack.service.watch
+    assert wait_for(lambda: watch.instance_id is not None)
+    before = dict(stack.upstream.counters)
+    assert stack.run(chat(stack.url, 4)) == [200] * 4
+    after = dict(stack.upstream.counters)
+    stack.settle()
+    assert wait_for(lambda: watch.recent and watch.recent[-1].snapshot.prefix_cache_hits_total == after["cached"])
+    r, _ = report_of(stack)
+    w = r["server"]["window"]
+    assert w["prefix_cache_hits"] == after["cached"] - before["cached"] == 20
+    assert w["prefix_cache_queries"] == (after["prompt"] + after["cached"]) - (before["prompt"] + before["cached"])
+    assert w["prefix_cache_hit_rate"] == 20 / w["prefix_cache_queries"]
+    assert [rec.usage_cached_tokens for rec in stack.records] == [5] * 4
+    assert "20 of" in render_text(r) and "prompt tokens looked up were found" in render_text(r)

@@ -174,6 +174,20 @@ def test_usage_counting_an_unseen_token_is_kept_apart(stack, tiktoken_tok):
     assert rec.usage_completion_tokens == len(pieces) + 1
 
 
+@pytest.mark.parametrize("crlf", [False, True])  # the native reader (LF) and the reference (CRLF)
+def test_cached_tokens_from_llama_cpp_timings_on_a_stream_without_usage(stack, tiktoken_tok, crlf):
+    """llama-server closes every stream with ``timings`` (its ``cache_n``: prompt tokens from its cache),
+    also one sent without ``stream_options.include_usage``, which has no usage: the record's cached
+    count comes from it, and the server's prompt count stays null (the server did not say one)."""
+    pieces = pieces_of("Short reply, cached prompt.", tiktoken_tok)
+    stack.upstream.script = Script(pieces=pieces, usage="none", timings=True, cache_n=3, crlf=crlf)
+    stack.run(post(stack.url, {"model": "m", "stream": True, "messages": [{"role": "user", "content": "q"}]}))
+    stack.settle()
+    (rec,) = stack.records
+    assert rec.usage_cached_tokens == 3 and rec.usage_prompt_tokens is None
+    assert rec.usage_cache_write_tokens is None and rec.completion_tokens == len(pieces)
+
+
 @pytest.mark.alone
 def test_timing_precision(stack, tiktoken_tok):
     """ttft_s and decode_s against the truth over 40 turns of varied shapes: median error under 5 ms, three in

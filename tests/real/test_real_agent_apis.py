@@ -138,6 +138,8 @@ def test_anthropic_sdk_through_the_proxy(make_stack, counter, tool_server, tool_
     served = tool_server.post_json("/v1/messages/count_tokens", body)["input_tokens"]
     assert rec.prompt_tokens == served == usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert rec.usage_prompt_tokens == served and rec.usage_cached_tokens == usage["cache_read_input_tokens"]
+    # llama-server says no cache writes (no cache_creation_input_tokens): null, never 0
+    assert usage.get("cache_creation_input_tokens") is None and rec.usage_cache_write_tokens is None
     parts_add_up(rec)
 
     blocks = [e["content_block"] for e in through if e.get("type") == "content_block_start"] if stream \

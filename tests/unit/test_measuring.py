@@ -389,6 +389,26 @@ def test_the_servers_cached_prompt_tokens_from_usage_else_from_llama_cpps_timing
     assert cached_tokens({}, None) is None and cached_tokens({"prompt_tokens_details": None}, {}) is None
 
 
+def test_cache_writes_are_read_apart_from_cache_reads():
+    """Messages' ``cache_creation_input_tokens`` and Responses' ``cache_write_tokens`` are writes: kept in
+    their own count, never added to the reads; absent, the count is None (not 0)."""
+    from specproxy.measure import anthropic, responses
+    from specproxy.measure.completion import cache_write_tokens, cached_tokens
+
+    msg = anthropic.chat_usage({"input_tokens": 5, "cache_read_input_tokens": 7, "cache_creation_input_tokens": 11,
+                                "output_tokens": 2})
+    assert msg["prompt_tokens"] == 23 and cached_tokens(msg, None) == 7 and cache_write_tokens(msg) == 11
+    msg = anthropic.chat_usage({"input_tokens": 5, "cache_creation_input_tokens": 11})
+    assert cached_tokens(msg, None) is None and cache_write_tokens(msg) == 11
+    resp = responses.chat_usage({"input_tokens": 30, "input_tokens_details": {"cached_tokens": 8,
+                                                                             "cache_write_tokens": 4}})
+    assert cached_tokens(resp, None) == 8 and cache_write_tokens(resp) == 4
+    assert cache_write_tokens(responses.chat_usage({"input_tokens": 3})) is None
+    assert cache_write_tokens(anthropic.chat_usage({"input_tokens": 3, "cache_read_input_tokens": 1})) is None
+    assert cache_write_tokens({"prompt_tokens_details": {"cached_tokens": 3}}) is None
+    assert cache_write_tokens({"prompt_tokens_details": {"cache_write_tokens": True}}) is None
+
+
 
 def test_small_turns_are_not_built_behind_a_backlog_of_large_ones():
     """Three large turns (a 1.5 MB prompt each) then three small ones, all queued before the worker starts:

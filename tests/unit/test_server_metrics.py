@@ -178,3 +178,39 @@ def test_counter_sum_over_label_sets_in_any_shape(values: list[int], shape: str)
         text += block if i == 0 else block.split("\n", 1)[1] if block.startswith("#") else block
     snap = parse_exposition(text)
     assert snap.spec_drafts_total == float(sum(values))
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefix caching
+# ----------------------------------------------------------------------------------------------
+
+
+def test_vllm_prefix_cache_counters_summed_over_engines() -> None:
+    from pages import VLLM_PREFIX_PAGE
+
+    snap = parse_exposition(VLLM_PREFIX_PAGE.format(q0=1000.0, q1=500.0, h0=600.0, h1=100.0))
+    assert snap.prefix_cache_queries_total == 1500.0 and snap.prefix_cache_hits_total == 700.0
+    assert parse_exposition(VLLM_PAGE).prefix_cache_queries_total is None  # not exposed: None, not 0
+    assert parse_exposition(VLLM_PAGE).prefix_cache_hits_total is None
+
+
+def test_llamacpp_prefix_cache_lookups_are_its_computed_and_cached_prompt_tokens() -> None:
+    """llama.cpp's prompt counter leaves the cached tokens out; its cached counter is the hits."""
+    snap = parse_exposition(llamacpp_page(prompt=4000))
+    assert snap.prefix_cache_hits_total == 12000.0 and snap.prefix_cache_queries_total == 16000.0
+    old = parse_exposition(LLAMACPP_OLD_PAGE.format(predicted=3469))
+    assert old.prefix_cache_hits_total is None and old.prefix_cache_queries_total is None
+
+
+def test_the_prefix_cache_hit_rate_over_a_window() -> None:
+    from pages import VLLM_PREFIX_PAGE
+    from specproxy.observe.counters import delta
+
+    a = parse_exposition(VLLM_PREFIX_PAGE.format(q0=1000.0, q1=500.0, h0=600.0, h1=100.0))
+    b = parse_exposition(VLLM_PREFIX_PAGE.format(q0=3000.0, q1=1500.0, h0=2100.0, h1=500.0))
+    d = delta(a, b, seconds=10.0)
+    assert (d.prefix_cache_queries, d.prefix_cache_hits) == (3000.0, 1900.0)
+    assert d.prefix_cache_hit_rate == pytest.approx(1900 / 3000) and d.to_dict()["prefix_cache_hit_rate"] == d.prefix_cache_hit_rate
+    assert delta(a, a, seconds=10.0).prefix_cache_hit_rate is None  # nothing looked up: no rate
+    # a counter that went down is a restart: nothing is known across it
+    assert delta(b, a, seconds=10.0).restarted

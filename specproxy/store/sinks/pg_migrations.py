@@ -62,4 +62,9 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     proxy_name TEXT PRIMARY KEY, store_id TEXT NOT NULL, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION
 )""",
     )),
+    ("004_prefix_cache", (
+        "ALTER TABLE turns ADD COLUMN usage_cache_write_tokens INTEGER",
+        "ALTER TABLE scrapes ADD COLUMN prefix_cache_queries_total DOUBLE PRECISION",
+        "ALTER TABLE scrapes ADD COLUMN prefix_cache_hits_total DOUBLE PRECISION",
+    )),
 ]
