@@ -18,7 +18,12 @@ names the client and the conversation (``client``, ``session``); the audit puts 
   from its own response, so a call in the session's last answer counts; rows recorded before that
   hold the calls their request resent, calls made earlier in the same session, and count the same);
 * a prefill rate fitted per client (least squares of TTFT on the prompt tokens the server did not
-  have cached, over streamed turns that completed), and what each part would cost at that rate.
+  have cached, over streamed turns that completed), and what each part would cost at that rate;
+* with a price table, what the client's turns cost in dollars, per session and per turn, and what each
+  prompt part costs of every dollar (``analyze/cost.py`` decides every figure of it).
+
+``--by`` groups by another of the record's names instead of the client: the session, the label, the
+tenant or the model.
 
 Only counts and digests are read: no text is stored, so the audit says where and how much changed,
 not what.
@@ -27,14 +32,17 @@ not what.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 
+from specproxy.analyze.cost import COST_COLUMNS, cost_summary, render_cost_lines, turn_costs, usd
+from specproxy.prices import Price
 from specproxy.store.dataset import Turns
 
-__all__ = ["AUDIT_COLUMNS", "build_audit", "render_audit"]
+__all__ = ["AUDIT_COLUMNS", "audit_columns", "build_audit", "render_audit"]
 
 PARTS = ("system", "tools", "history", "new")
 AUDIT_COLUMNS = (
@@ -43,6 +51,12 @@ AUDIT_COLUMNS = (
     "prefix_reused_tokens", "prefix_break_part", "turn_diff", "tools_defined", "tools_called", "tool_names",
 )
 NO_CLIENT = "(no User-Agent)"
+NO_GROUP = "(none)"
+
+
+def audit_columns(by: str = "client") -> tuple[str, ...]:
+    """The columns ``build_audit`` reads, grouped ``by`` one of the record's names."""
+    return tuple(dict.fromkeys((*AUDIT_COLUMNS, *COST_COLUMNS, by)))
 MIN_FIT_TURNS = 3  # a line through fewer points says nothing about a rate
 
 
@@ -96,7 +110,8 @@ def _session(rows: list[dict]) -> dict[str, Any]:
         per_turn.append({"turn": k + 1, "prompt_tokens": cur["prompt_tokens"], "reused_tokens": cur["reused"],
                          "break_part": cur["break_part"], "server_cached_tokens": cur["cached"],
                          "diff": cur["diff"], "tools_defined": cur["tools_defined"],
-                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called)})
+                         "tools_called": cur["tools_called"], "tools_called_so_far": len(called),
+                         "cost_usd": cur["cost_usd"]})
         if k == 0:
             continue
         prev = rows[k - 1]
@@ -107,7 +122,9 @@ def _session(rows: list[dict]) -> dict[str, Any]:
                             "reused_tokens": cur["reused"], "break_part": cur["break_part"],
                             "prompt_tokens": cur["prompt_tokens"]})
     growth = [b - a for a, b in zip(prompts, prompts[1:])]
+    priced = [r["cost_usd"] for r in rows if r["cost_usd"] is not None]
     return {"turns": len(rows), "first_prompt_tokens": prompts[0], "last_prompt_tokens": prompts[-1],
+            "cost_usd": sum(priced) if priced else None, "priced_turns": len(priced),
             "median_growth_per_turn": _median(growth), "changes": changes, "per_turn": per_turn,
             "tools": {"defined": len(defined), "never_called": [t for t in defined if t not in called]}}
 
@@ -120,10 +137,15 @@ def _int_or_none(value: float) -> int | None:
     return None if np.isnan(value) else int(value)
 
 
-def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
-    """The audit of ``turns`` (``AUDIT_COLUMNS``), per client."""
+def build_audit(turns: Turns, *, source: str = "", by: str = "client",
+                prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
+    """The audit of ``turns`` (``audit_columns(by)``), per client (or per ``by``); with ``prices``, in
+    dollars too."""
     num, txt = turns.num, turns.txt
     by_client: dict[str, list[dict]] = defaultdict(list)
+    costs = turn_costs(turns, prices) if prices is not None else None
+    none = NO_CLIENT if by == "client" else NO_GROUP
+    names = np.array([none if v is None else v for v in txt[by]], dtype=object)
     for i in range(len(turns)):
         if txt["outcome"][i] != "ok" or np.isnan(num["prompt_tokens"][i]):
             continue
@@ -135,12 +157,17 @@ def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
                    session=txt["session"][i], api=txt["api"][i],
                    reused=_int_or_none(num["prefix_reused_tokens"][i]), break_part=txt["prefix_break_part"][i],
                    diff=_json_or_none(txt["turn_diff"][i]), tools_defined=_int_or_none(num["tools_defined"][i]),
-                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]))
-        by_client[txt["client"][i] or NO_CLIENT].append(row)
+                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]),
+                   cost_usd=None if costs is None or np.isnan(costs.usd[i]) else float(costs.usd[i]))
+        by_client[names[i]].append(row)
     clients = []
     for name, rows in sorted(by_client.items(), key=lambda kv: -len(kv[1])):
-        clients.append(_client(name, rows))
-    return {"source": source, "turns": sum(c["turns"] for c in clients), "clients": clients}
+        group = _client(name, rows)
+        # the group's cost is over all its turns in the window (aborted ones too), as the rule prices them
+        group["cost"] = cost_summary(costs.select(names == name)) if costs is not None else None
+        clients.append(group)
+    return {"source": source, "by": by, "priced": prices is not None,
+            "turns": sum(c["turns"] for c in clients), "clients": clients, "groups": clients}
 
 
 def _median_turn(rows: list[dict]) -> dict[str, int]:
@@ -166,7 +193,7 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     fit = _fit([r["ttft_s"] for r in timed], [r["prompt_tokens"] - (r["cached"] or 0) for r in timed])
     cached = [r["cached"] for r in rows if r["cached"] is not None]
     out: dict[str, Any] = {
-        "client": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
+        "client": name, "group": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
         "sessions": len(sessions), "median_tokens": medians, "median_turn": _median_turn(rows),
         "typed_share": {"median": _median(typed),
                         "overall": sum(r["new"] for r in rows) / max(sum(r["prompt_tokens"] for r in rows), 1)},
@@ -215,18 +242,22 @@ def _turn_line(t: dict[str, Any]) -> str:
     if t["tools_defined"]:
         head += (f"; tools: {t['tools_defined']} defined, {_n(t['tools_called'])} called in this answer, "
                  f"{t['tools_called_so_far']} so far")
-    return head + cached
+    return head + cached + ("" if t.get("cost_usd") is None else f"; {usd(t['cost_usd'])}")
 
 
 def render_audit(a: dict[str, Any]) -> str:
+    by = a.get("by", "client")
     lines = [f"specproxy audit: {a['source']}: {_plural(a['turns'], 'completed turn')} with prompt counts, "
-             f"{_plural(len(a['clients']), 'client')}"]
+             f"{_plural(len(a['clients']), by)}"]
     if not a["clients"]:
         lines.append("  no completed turns with prompt counts (start serve with --tokenizer)")
     for c in a["clients"]:
         m = c["median_turn"]
-        lines += ["", f"{c['client']}: {_plural(c['turns'], 'turn')} in {_plural(c['sessions'], 'session')}"
-                  + (f" ({', '.join(c['apis'])})" if c["apis"] else "")]
+        lines += ["", (f"{by} " if by != "client" else "") + f"{c['client']}: {_plural(c['turns'], 'turn')} in "
+                  f"{_plural(c['sessions'], 'session')}" + (f" ({', '.join(c['apis'])})" if c["apis"] else "")]
+        if c.get("cost") is not None:
+            lines.append("  cost at the given prices (over all its turns in the window):")
+            lines.extend(render_cost_lines(c["cost"], indent="    "))
         lines.append(f"  the median turn: prompt {m['prompt_tokens']:,} = system {m['system']:,}"
                      f" + tools {m['tools']:,} + history {m['history']:,} + new {m['new']:,}")
         t = c["typed_share"]
@@ -246,7 +277,9 @@ def render_audit(a: dict[str, Any]) -> str:
             growth = s["median_growth_per_turn"]
             lines.append(f"  session {sid}: {_plural(s['turns'], 'turn')}, prompt {s['first_prompt_tokens']} -> "
                          f"{s['last_prompt_tokens']} tokens"
-                         + (f" (median growth {growth:+.0f} per turn)" if growth is not None else ""))
+                         + (f" (median growth {growth:+.0f} per turn)" if growth is not None else "")
+                         + (f", cost {usd(s['cost_usd'])} over {_plural(s['priced_turns'], 'priced turn')}"
+                            if s.get("cost_usd") is not None else ""))
             for ch in s["changes"]:
                 first_seen = FIRST_SEEN in ch["changed"]
                 what = ", ".join(f"{p} {ch[p][0]} -> {ch[p][1]} tokens" if p in ch else p

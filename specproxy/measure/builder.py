@@ -37,6 +37,7 @@ from specproxy.measure.request_body import RequestRead, inflate, model_only, rea
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.texts import Texts, body_texts
+from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer, over_max_counted_items
 
 __all__ = ["RecordBuilder", "is_measured"]
@@ -84,6 +85,7 @@ class RecordBuilder:
         "t_request",
         "t_upstream_headers",
         "t_wall",
+        "tenant_rule",
         "timing",
         "write_times",
     )
@@ -110,6 +112,7 @@ class RecordBuilder:
         body_charge: int = 0,
         max_counted: int | None = None,
         proxy_name: str | None = None,
+        tenant_rule: TenantRule | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
@@ -119,7 +122,8 @@ class RecordBuilder:
         first ``SMALL_KEEP`` bytes as a small turn's), False when it has no room: that read and every
         later one is relayed, not kept. ``body_charge``: what the
         request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
-        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts."""
+        ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts. ``tenant_rule``:
+        how the turn's ``tenant`` is named (from the headers, in the measuring thread)."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -135,6 +139,7 @@ class RecordBuilder:
         self.concurrency = concurrency
         self.label = label
         self.proxy_name = proxy_name
+        self.tenant_rule = tenant_rule
         self.instance_id = instance_id
         self.conn_id = conn_id
         self.store_text = store_text
@@ -480,6 +485,7 @@ class RecordBuilder:
             status=self.status,
             label=self.label,
             proxy_name=self.proxy_name,
+            tenant=self.tenant_rule.of(self.headers) if self.tenant_rule is not None else None,
             instance_id=self.instance_id,
             concurrency=self.concurrency,
             conn_id=self.conn_id,

@@ -62,4 +62,8 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     proxy_name TEXT PRIMARY KEY, store_id TEXT NOT NULL, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION
 )""",
     )),
+    # 002 is another branch's (issue 34's cache writes)
+    ("003_tenant", (
+        "ALTER TABLE turns ADD COLUMN tenant TEXT",
+    )),
 ]
