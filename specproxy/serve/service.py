@@ -223,6 +223,10 @@ class Service:
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
 
+    def __post_init__(self) -> None:
+        if self.tenant_rule is None:  # after the writer made the database, whoever made the service
+            self.tenant_rule = tenant_rule(self.cfg)
+
     @classmethod
     def from_config(cls, cfg: Config) -> Service:
         """Bind the port, then load what can fail (tokenizer, database), so that errors come at start-up
@@ -233,8 +237,7 @@ class Service:
             tokenizer = load_tokenizer(cfg.tokenizer)
             writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
             shippers = [Shipper(cfg.db, make_sink(url), cfg.name_of_proxy) for url in cfg.sinks]
-            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets,
-                       tenant_rule=tenant_rule(cfg))
+            return cls(cfg=cfg, tokenizer=tokenizer, writer=writer, shippers=shippers, _sockets=sockets)
         except BaseException:
             for sock in sockets:
                 sock.close()
