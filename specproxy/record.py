@@ -241,15 +241,15 @@ class Record:
     digest of each name (enough to tell which defined tools were called, without the names).
     ``defined`` is left out when the request could not be read, ``called`` when the response could not;
     null when neither has a name."""
-    proxy_name: str | None = None
-    """The proxy that saw the turn: Config ``proxy_name`` (the host name unless set), so that turns
-    shipped from many proxies to one database (a fleet, docs/operations.md) can be told apart; null on
-    rows recorded before it (a sink ships them under the proxy's name of the day)."""
     tenant: str | None = None
     """Whose turn it is (a team, a customer): the value of the request header Config ``tenant_header``
     names (at most 200 characters), or with ``tenant_from_key`` ``key:`` and 16 hex digits of a keyed
     hash (HMAC-SHA256 under a secret kept in this database) of the request's API key, never the key;
     null when neither is set, the request has no such header or key, or on rows recorded before it."""
+    proxy_name: str | None = None
+    """The proxy that saw the turn: Config ``proxy_name`` (the host name unless set), so that turns
+    shipped from many proxies to one database (a fleet, docs/operations.md) can be told apart; null on
+    rows recorded before it (a sink ships them under the proxy's name of the day)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIELD_NAMES}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import sqlite3
 from pathlib import Path
 
@@ -97,6 +98,17 @@ def test_cost_per_tenant_and_client_from_the_servers_cached_count(make_stack, ti
 
     text = CliRunner().invoke(main, ["report", "--db", db, "--prices", prices_file(tmp_path), "--by", "tenant"]).output
     assert "Cost at the given prices" in text and "By tenant" in text and "of every $1" in text
+    page = tmp_path / "r.html"
+    result = CliRunner().invoke(main, ["report", "--db", db, "--prices", prices_file(tmp_path), "--by", "tenant",
+                                       "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    html = page.read_text()
+    # the page's figures are the JSON report's, each cell saying which
+    figures = dict(re.findall(r'data-figure="([^"]+)" data-value="([^"]*)"', html))
+    assert float(figures["cost/usd"]) == pytest.approx(report["cost"]["usd"], rel=1e-12)
+    assert float(figures["cost/parts/of_every_dollar/tools"]) == pytest.approx(share["tools"], rel=1e-12)
+    i = next(i for i, g in enumerate(report["by"]["groups"]) if g["group"] == "search")
+    assert float(figures[f"by/groups/{i}/cost/usd"]) == pytest.approx(groups["search"]["cost"]["usd"], rel=1e-12)
 
     result = CliRunner().invoke(main, ["audit", "--db", db, "--json", "--by", "client", "--prices", prices_file(tmp_path)])
     assert result.exit_code == 0, result.output
