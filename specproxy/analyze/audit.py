@@ -199,6 +199,7 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
                         "overall": sum(r["new"] for r in rows) / max(sum(r["prompt_tokens"] for r in rows), 1)},
         "server_cached_tokens": {"n": len(cached), "median": _median(cached)},
         "median_ttft_s": _median([r["ttft_s"] for r in timed]),
+        "median_tools_defined": _median([r["tools_defined"] for r in rows if r["tools_defined"] is not None]),
         "prefill_fit": fit,
         "session_detail": per_session,
     }
@@ -258,6 +259,10 @@ def render_audit(a: dict[str, Any]) -> str:
         if c.get("cost") is not None:
             lines.append("  cost at the given prices (over all its turns in the window):")
             lines.extend(render_cost_lines(c["cost"], indent="    "))
+            share = c["cost"]["parts"]["of_every_dollar"]
+            if share and c.get("median_tools_defined"):
+                lines.append(f"    -> the {c['median_tools_defined']:.0f} tool definitions sent every turn (median) cost "
+                             f"${share['tools']:.2f} of every $1")
         lines.append(f"  the median turn: prompt {m['prompt_tokens']:,} = system {m['system']:,}"
                      f" + tools {m['tools']:,} + history {m['history']:,} + new {m['new']:,}")
         t = c["typed_share"]

@@ -16,6 +16,7 @@ import numpy as np
 
 from specproxy.analyze.cost import (BY_KEYS, COST_COLUMNS, cost_summary, group_names, render_cost_lines,
                                     turn_costs, usd)
+from specproxy.analyze.stats import plural
 from specproxy.prices import Price
 from specproxy.store.dataset import Turns
 
@@ -79,7 +80,7 @@ def render_by(section: dict[str, Any]) -> list[str]:
     """The ``by`` section as a table."""
     groups = section["groups"]
     priced = any(g["cost"] is not None for g in groups)
-    lines = [f"By {section['key']} ({len(groups)} groups; TTFT and decode speed: medians over streamed turns "
+    lines = [f"By {section['key']} ({plural(len(groups), 'group')}; TTFT and decode speed: medians over streamed turns "
              "that completed)"]
     head = f"  {section['key']:<28} {'turns':>6} {'ok':>6} {'TTFT p50 s':>10} {'tok/s p50':>9} " \
            f"{'prompt tok':>11} {'output tok':>10} {'cached':>6}"

@@ -120,6 +120,8 @@ def test_cost_per_tenant_and_client_from_the_servers_cached_count(make_stack, ti
     assert session["cost_usd"] == pytest.approx(expected_usd(stored[0]), rel=1e-9)
     result = CliRunner().invoke(main, ["audit", "--db", db, "--by", "tenant", "--prices", prices_file(tmp_path)])
     assert result.exit_code == 0 and "tenant search: 3 turns" in result.output, result.output
+    tools = groups["search"]["cost"]["parts"]["of_every_dollar"]["tools"]
+    assert f"the 6 tool definitions sent every turn (median) cost ${tools:.2f} of every $1" in result.output
 
 
 def test_a_bad_prices_file_is_one_line(make_stack, tiktoken_tok, tmp_path):
