@@ -158,3 +158,26 @@ def test_prices_file_reads_the_prices_table_of_a_config_file(tmp_path):
         load_prices(tmp_path / "none.toml")
     with pytest.raises(ConfigError, match="not found"):
         load_prices(tmp_path / "missing.toml")
+
+
+def test_the_by_table_groups_the_reports_figures_and_cost():
+    from specproxy.analyze.groups import GROUP_COLUMNS, by_group, render_by
+
+    rows = [row(tenant="t1", streamed=1, ttft_s=0.2, decode_tps=50.0),
+            row(tenant="t1", streamed=1, ttft_s=0.4, decode_tps=70.0),
+            row(tenant="t1", streamed=0, ttft_s=9.0, decode_tps=None),  # not streamed: not in the medians
+            row(tenant="t2", streamed=1, ttft_s=1.0, decode_tps=10.0, outcome="client_abort"),
+            row(tenant=None, streamed=1, ttft_s=0.1, decode_tps=5.0, usage_cached_tokens=None)]
+    t = turns(rows, extra=tuple(c for c in GROUP_COLUMNS if c not in COST_COLUMNS) + ("tenant",))
+    section = by_group(t, "tenant", PRICES)
+    g = {x["group"]: x for x in section["groups"]}
+    assert [x["group"] for x in section["groups"]] == ["t1", "(none)", "t2"]  # most turns first, then by name
+    assert (g["t1"]["turns"], g["t1"]["completed"]) == (3, 3)
+    assert g["t1"]["ttft_p50_s"] == pytest.approx(0.3) and g["t1"]["decode_tps_p50"] == pytest.approx(60.0)
+    assert g["t2"]["completed"] == 0 and g["t2"]["ttft_p50_s"] is None  # completed turns only
+    assert g["t1"]["prompt_tokens"] == 3000 and g["t1"]["server_cached_share"] == pytest.approx(0.6)
+    assert g["t1"]["cost"]["usd"] == pytest.approx(3 * 2500e-6) and g["t2"]["cost"]["priced"] == 1
+    assert g["(none)"]["cost"]["unpriced"] == {"no cached-token count from the server": 1}
+    assert by_group(t, "tenant", None)["groups"][0]["cost"] is None
+    text = "\n".join(render_by(section))
+    assert text.startswith("By tenant (3 groups;") and "$0.0075" in text
