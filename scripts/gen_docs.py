@@ -36,11 +36,17 @@ def config_example() -> str:
         default = f.default if f.default is not MISSING else None
         env = f"SPECPROXY_{f.name.upper()}"
         out.append(f"# environment: {env}")
-        if default is None:
+        if f.name == "prices":  # a table: an inline one, with made-up numbers said to be made up
+            out.append("# (example numbers, not any provider's; or one [prices.\"MODEL\"] table per model at the "
+                       "end of the file)")
+            out.append('# prices = { "my-model" = { input = 0.5, cached_input = 0.05, cache_write = 0.625, '
+                       'output = 2.0, reasoning = 2.0 } }')
+        elif default is None:
             example = {"upstream": "http://127.0.0.1:8000", "label": "config-a", "tokenizer": "hf:/path/to/tokenizer-dir",
                        "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
                        "sink": "postgresql://specproxy@db.internal/fleet",
-                       "otlp_endpoint": "http://collector:4318/v1/metrics"}[f.name]  # every optional setting has one
+                       "otlp_endpoint": "http://collector:4318/v1/metrics",
+                       "tenant_header": "x-team"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from yarl import URL
 
 from specproxy.errors import ConfigError
+from specproxy.prices import Price, parse_prices
 
 __all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
            "check_otlp_endpoint", "check_sink_url", "child_environment", "load_config", "server_root"]
@@ -143,6 +144,17 @@ class Config:
     """Read plainly well-formed requests with the proxy's own lean request reader, handing every other to
     aiohttp's server; off sends every connection to aiohttp's server (more CPU per request; for
     comparisons, and a way around a bug in the lane)."""
+    tenant_header: str | None = None
+    """The request header whose value names the turn's tenant (``tenant``: a team, a customer), e.g.
+    ``x-team``; at most 200 characters of it are stored, and ``report --by tenant`` and ``audit --by
+    tenant`` group by it. A header that may carry a credential is refused, as for ``client_header``: to
+    tell tenants apart by their API keys, use ``tenant_from_key``. Unset: no tenant from a header."""
+    tenant_from_key: bool = False
+    """Name each turn's tenant by its API key, without keeping the key: ``tenant`` is ``key:`` and 16 hex
+    digits of HMAC-SHA256 of the key (``Authorization: Bearer``, ``x-api-key`` or ``api-key``) under a
+    secret drawn at random for this database and kept in it (the ``store_meta`` table), so the same key
+    is the same tenant in this database and nowhere else, and a key cannot be read back from its name.
+    The key itself is never stored nor logged. Not with ``tenant_header``."""
 
     proxy_name: str | None = None
     """This proxy's name in a fleet, stamped on every turn (``proxy_name``): unset, the machine's host
@@ -162,6 +174,18 @@ class Config:
     counted, never waited on."""
     otlp_interval_s: float = 15.0
     """Seconds between OTLP exports (with ``otlp_endpoint``): each sends the running totals."""
+
+    prices: tuple[tuple[str, Price], ...] | None = None
+    """The price table: per model (as the request's ``model`` names it), ``input``, ``cached_input``,
+    ``cache_write``, ``output`` and ``reasoning`` in USD per million tokens (only ``input`` and ``output``
+    are needed; the others default to them). In the file, ``[prices."MODEL"]`` tables or an inline table;
+    ``SPECPROXY_PRICES`` takes the inline table. None by default: specproxy makes up no prices, and a
+    turn of a model without one has no cost. ``report`` and ``audit`` read it with ``--prices FILE``."""
+
+    @property
+    def price_table(self) -> dict[str, Price]:
+        """``prices`` as a dict by model name."""
+        return dict(self.prices or ())
 
     @property
     def name_of_proxy(self) -> str:
@@ -253,6 +277,10 @@ def carries_credentials(header: str) -> bool:
             or any(part in SECRET_PARTS for part in name.replace("_", "-").split("-")))
 
 
+def _prices_value(table: dict[str, Price]) -> tuple[tuple[str, Price], ...]:
+    return tuple(sorted(table.items()))
+
+
 def check_label(label: str, what: str = "--label") -> None:
     """A label ``compare`` can name as an arm: one that begins with ``@`` would be read as a time window."""
     if label.startswith("@"):
@@ -312,6 +340,15 @@ def _validate(cfg: Config) -> Config:
     if carries_credentials(name):
         raise ConfigError(f"client_header {cfg.client_header!r} may carry credentials (its value would be stored): "
                           f"name the client with a header of your own, such as x-client-name")
+    if cfg.tenant_header is not None:
+        tenant = cfg.tenant_header.strip().lower()
+        if not tenant or not all(c.isalnum() or c in "-_" for c in tenant):
+            raise ConfigError(f"tenant_header {cfg.tenant_header!r} is not a header name")
+        if carries_credentials(tenant):
+            raise ConfigError(f"tenant_header {cfg.tenant_header!r} may carry credentials (its value would be "
+                              "stored): use tenant_from_key to name tenants by a keyed hash of their API key")
+        if cfg.tenant_from_key:
+            raise ConfigError("tenant_header and tenant_from_key both name the tenant: choose one")
     for key in ("max_body_bytes", "max_concurrent", "queue_size", "max_measured_bytes", "max_counted_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive")
@@ -376,6 +413,9 @@ def load_config(
                 raise ConfigError(f"config file {p}: {key!r} was removed: {REMOVED[key]}")
             if key not in KEYS:
                 raise ConfigError(f"config file {p}: unknown key {key!r} (see config.example.toml)")
+            if key == "prices":
+                values[key] = _prices_value(parse_prices(value, str(p)))
+                continue
             values[key] = _coerce(key, value, str(p))
     env = os.environ if env is None else env
     for key, why in REMOVED.items():
@@ -383,11 +423,20 @@ def load_config(
             raise ConfigError(f"SPECPROXY_{key.upper()} was removed: {why}")
     for key in KEYS:
         name = f"SPECPROXY_{key.upper()}"
-        if name in env:
+        if name in env and key == "prices":
+            try:
+                inline = tomllib.loads(f"prices = {env[name]}")["prices"]
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{name} is not a TOML inline table of prices: {exc}") from None
+            values[key] = _prices_value(parse_prices(inline, name))
+        elif name in env:
             values[key] = _coerce(key, env[name], name)
     for key, value in (overrides or {}).items():
         if value is not None:
             if key not in KEYS:
                 raise ConfigError(f"unknown setting {key!r}")
+            if key == "prices":
+                values[key] = _prices_value(value if isinstance(value, dict) else dict(value))
+                continue
             values[key] = _coerce(key, value, f"--{key.replace('_', '-')}")
     return _validate(replace(Config(), **values))

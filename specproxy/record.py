@@ -248,6 +248,11 @@ class Record:
     which the APIs that charge for caching price apart from a read), or null when the server says nothing:
     Messages' ``usage.cache_creation_input_tokens``, Responses' ``input_tokens_details.cache_write_tokens``,
     chat's ``prompt_tokens_details.cache_write_tokens``. vLLM, llama.cpp and OpenAI send none (null there)."""
+    tenant: str | None = None
+    """Whose turn it is (a team, a customer): the value of the request header Config ``tenant_header``
+    names (at most 200 characters), or with ``tenant_from_key`` ``key:`` and 16 hex digits of a keyed
+    hash (HMAC-SHA256 under a secret kept in this database) of the request's API key, never the key;
+    null when neither is set, the request has no such header or key, or on rows recorded before it."""
     proxy_name: str | None = None
     """The proxy that saw the turn: Config ``proxy_name`` (the host name unless set), so that turns
     shipped from many proxies to one database (a fleet, docs/operations.md) can be told apart; null on

@@ -22,6 +22,11 @@ names the client and the conversation (``client``, ``session``); the audit puts 
 * the prefix cache side by side, per turn, per session and per client: predicted reusable, reused by
   the server, lost, and what the lost part cost in TTFT at the client's fitted rate (decided in
   ``analyze/prefix_cache.py``, the one place: the fit is the same one).
+* with a price table, what the client's turns cost in dollars, per session and per turn, and what each
+  prompt part costs of every dollar (``analyze/cost.py`` decides every figure of it).
+
+``--by`` groups by another of the record's names instead of the client: the session, the label, the
+tenant or the model.
 
 Only counts and digests are read: no text is stored, so the audit says where and how much changed,
 not what.
@@ -30,17 +35,20 @@ not what.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 
+from specproxy.analyze.cost import COST_COLUMNS, cost_summary, render_cost_lines, turn_costs, usd
+from specproxy.prices import Price
 from specproxy.analyze.prefix_cache import (cache_totals, lost_tokens, lost_ttft, render_lines, ttft_fit,
                                             uncached_tokens)
 from specproxy.analyze.turn_diff import readable_diff, render_diff
 from specproxy.store.dataset import Turns
 
-__all__ = ["AUDIT_COLUMNS", "build_audit", "find_session", "render_audit", "render_session"]
+__all__ = ["AUDIT_COLUMNS", "audit_columns", "build_audit", "find_session", "render_audit", "render_session"]
 
 PARTS = ("system", "tools", "history", "new")
 AUDIT_COLUMNS = (
@@ -49,6 +57,12 @@ AUDIT_COLUMNS = (
     "prefix_reused_tokens", "prefix_break_part", "turn_diff", "tools_defined", "tools_called", "tool_names",
 )
 NO_CLIENT = "(no User-Agent)"
+NO_GROUP = "(none)"
+
+
+def audit_columns(by: str = "client") -> tuple[str, ...]:
+    """The columns ``build_audit`` reads, grouped ``by`` one of the record's names."""
+    return tuple(dict.fromkeys((*AUDIT_COLUMNS, *COST_COLUMNS, by)))
 
 
 def _median(values: list[float]) -> float | None:
@@ -97,7 +111,7 @@ def _session(rows: list[dict], fit: dict[str, Any] | None = None) -> dict[str, A
                          "lost_tokens": lost, "lost_ttft_s": lost_ttft(lost, fit), "ttft_s": cur["ttft_s"],
                          "diff": cur["diff"], "tools_defined": cur["tools_defined"],
                          "tools_called": cur["tools_called"], "tools_called_so_far": len(called),
-                         "change": change})
+                         "change": change, "cost_usd": cur["cost_usd"]})
         if k == 0:
             continue
         prev = rows[k - 1]
@@ -108,7 +122,9 @@ def _session(rows: list[dict], fit: dict[str, Any] | None = None) -> dict[str, A
                             "reused_tokens": cur["reused"], "break_part": cur["break_part"],
                             "prompt_tokens": cur["prompt_tokens"]})
     growth = [b - a for a, b in zip(prompts, prompts[1:])]
+    priced = [r["cost_usd"] for r in rows if r["cost_usd"] is not None]
     return {"turns": len(rows), "first_prompt_tokens": prompts[0], "last_prompt_tokens": prompts[-1],
+            "cost_usd": sum(priced) if priced else None, "priced_turns": len(priced),
             "median_growth_per_turn": _median(growth), "changes": changes, "per_turn": per_turn,
             "prefix_cache": cache_totals([r["reused"] for r in rows], [r["cached"] for r in rows], fit),
             "tools": {"defined": len(defined), "never_called": [t for t in defined if t not in called]}}
@@ -122,10 +138,15 @@ def _int_or_none(value: float) -> int | None:
     return None if np.isnan(value) else int(value)
 
 
-def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
-    """The audit of ``turns`` (``AUDIT_COLUMNS``), per client."""
+def build_audit(turns: Turns, *, source: str = "", by: str = "client",
+                prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
+    """The audit of ``turns`` (``audit_columns(by)``), per client (or per ``by``); with ``prices``, in
+    dollars too."""
     num, txt = turns.num, turns.txt
     by_client: dict[str, list[dict]] = defaultdict(list)
+    costs = turn_costs(turns, prices) if prices is not None else None
+    none = NO_CLIENT if by == "client" else NO_GROUP
+    names = np.array([none if v is None else v for v in txt[by]], dtype=object)
     for i in range(len(turns)):
         if txt["outcome"][i] != "ok" or np.isnan(num["prompt_tokens"][i]):
             continue
@@ -137,12 +158,17 @@ def build_audit(turns: Turns, *, source: str = "") -> dict[str, Any]:
                    session=txt["session"][i], api=txt["api"][i],
                    reused=_int_or_none(num["prefix_reused_tokens"][i]), break_part=txt["prefix_break_part"][i],
                    diff=_json_or_none(txt["turn_diff"][i]), tools_defined=_int_or_none(num["tools_defined"][i]),
-                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]))
-        by_client[txt["client"][i] or NO_CLIENT].append(row)
+                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]),
+                   cost_usd=None if costs is None or np.isnan(costs.usd[i]) else float(costs.usd[i]))
+        by_client[names[i]].append(row)
     clients = []
     for name, rows in sorted(by_client.items(), key=lambda kv: -len(kv[1])):
-        clients.append(_client(name, rows))
-    return {"source": source, "turns": sum(c["turns"] for c in clients), "clients": clients}
+        group = _client(name, rows)
+        # the group's cost is over all its turns in the window (aborted ones too), as the rule prices them
+        group["cost"] = cost_summary(costs.select(names == name)) if costs is not None else None
+        clients.append(group)
+    return {"source": source, "by": by, "priced": prices is not None,
+            "turns": sum(c["turns"] for c in clients), "clients": clients, "groups": clients}
 
 
 def _median_turn(rows: list[dict]) -> dict[str, int]:
@@ -168,12 +194,13 @@ def _client(name: str, rows: list[dict]) -> dict[str, Any]:
     per_session = {s: _session(sorted(rs, key=lambda r: r["rowid"]), fit) for s, rs in sessions.items()}
     cached = [r["cached"] for r in rows if r["cached"] is not None]
     out: dict[str, Any] = {
-        "client": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
+        "client": name, "group": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
         "sessions": len(sessions), "median_tokens": medians, "median_turn": _median_turn(rows),
         "typed_share": {"median": _median(typed),
                         "overall": sum(r["new"] for r in rows) / max(sum(r["prompt_tokens"] for r in rows), 1)},
         "server_cached_tokens": {"n": len(cached), "median": _median(cached)},
         "median_ttft_s": _median([r["ttft_s"] for r in timed]),
+        "median_tools_defined": _median([r["tools_defined"] for r in rows if r["tools_defined"] is not None]),
         "prefill_fit": fit,
         "prefix_cache": cache_totals([r["reused"] for r in rows], [r["cached"] for r in rows], fit),
         "session_detail": per_session,
@@ -221,18 +248,26 @@ def _turn_line(t: dict[str, Any]) -> str:
     if t["tools_defined"]:
         head += (f"; tools: {t['tools_defined']} defined, {_n(t['tools_called'])} called in this answer, "
                  f"{t['tools_called_so_far']} so far")
-    return head + cached
+    return head + cached + ("" if t.get("cost_usd") is None else f"; {usd(t['cost_usd'])}")
 
 
 def render_audit(a: dict[str, Any]) -> str:
+    by = a.get("by", "client")
     lines = [f"specproxy audit: {a['source']}: {_plural(a['turns'], 'completed turn')} with prompt counts, "
-             f"{_plural(len(a['clients']), 'client')}"]
+             f"{_plural(len(a['clients']), by)}"]
     if not a["clients"]:
         lines.append("  no completed turns with prompt counts (start serve with --tokenizer)")
     for c in a["clients"]:
         m = c["median_turn"]
-        lines += ["", f"{c['client']}: {_plural(c['turns'], 'turn')} in {_plural(c['sessions'], 'session')}"
-                  + (f" ({', '.join(c['apis'])})" if c["apis"] else "")]
+        lines += ["", (f"{by} " if by != "client" else "") + f"{c['client']}: {_plural(c['turns'], 'turn')} in "
+                  f"{_plural(c['sessions'], 'session')}" + (f" ({', '.join(c['apis'])})" if c["apis"] else "")]
+        if c.get("cost") is not None:
+            lines.append("  cost at the given prices (over all its turns in the window):")
+            lines.extend(render_cost_lines(c["cost"], indent="    "))
+            share = c["cost"]["parts"]["of_every_dollar"]
+            if share and c.get("median_tools_defined"):
+                lines.append(f"    -> the {c['median_tools_defined']:.0f} tool definitions sent every turn (median) cost "
+                             f"${share['tools']:.2f} of every $1")
         lines.append(f"  the median turn: prompt {m['prompt_tokens']:,} = system {m['system']:,}"
                      f" + tools {m['tools']:,} + history {m['history']:,} + new {m['new']:,}")
         t = c["typed_share"]
@@ -255,7 +290,9 @@ def render_audit(a: dict[str, Any]) -> str:
             growth = s["median_growth_per_turn"]
             lines.append(f"  session {sid}: {_plural(s['turns'], 'turn')}, prompt {s['first_prompt_tokens']} -> "
                          f"{s['last_prompt_tokens']} tokens"
-                         + (f" (median growth {growth:+.0f} per turn)" if growth is not None else ""))
+                         + (f" (median growth {growth:+.0f} per turn)" if growth is not None else "")
+                         + (f", cost {usd(s['cost_usd'])} over {_plural(s['priced_turns'], 'priced turn')}"
+                            if s.get("cost_usd") is not None else ""))
             for ch in s["changes"]:
                 first_seen = FIRST_SEEN in ch["changed"]
                 what = ", ".join(f"{p} {ch[p][0]} -> {ch[p][1]} tokens" if p in ch else p

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import datetime, timezone
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -27,11 +28,12 @@ from specproxy.store.source import WindowData
 from specproxy.analyze.prefix_cache import PREFIX_CACHE_COLUMNS, prefix_cache_section, render_lines
 from specproxy.analyze.server_report import render_server, server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
+from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section, render_by, render_cost
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
                                     which_to_read)
 from specproxy.analyze.stats import plural, summarize
 
-__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "streamed_mask", "why_empty"]
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "report_columns", "streamed_mask", "why_empty"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
 WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -65,6 +67,14 @@ REPORT_COLUMNS = (
 STREAM_COLUMNS = ("t_wall", "streamed", "prompt_tokens", "content_class", *(col for _, col, *_ in USER_FIGURES))
 
 
+def report_columns(prices: Mapping | None = None, by: str | None = None) -> tuple[str, ...]:
+    """``REPORT_COLUMNS``, and what the cost (with ``prices``) and the ``by`` table read besides."""
+    if prices is None and by is None:
+        return REPORT_COLUMNS
+    extra = (*GROUP_COLUMNS, *((by,) if by else ()))
+    return (*REPORT_COLUMNS, *(c for c in dict.fromkeys(extra) if c not in REPORT_COLUMNS))
+
+
 def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
     return summarize(values * scale).to_dict()
 
@@ -92,13 +102,16 @@ def streamed_mask(turns: Turns) -> np.ndarray:
     return turns.num["streamed"] == 1
 
 
-def build_report(data: WindowData, *, source: str = "") -> dict[str, Any]:
+def build_report(data: WindowData, *, source: str = "", prices: Mapping | None = None,
+                 by: str | None = None) -> dict[str, Any]:
     """Everything ``specproxy report`` says, as plain data, from one window's data as the store loaded it
     (``Source.load(window, REPORT_COLUMNS, server=True, context=True)``; without ``server`` there is no
     server section, without ``context`` no count of other paths' rows).
 
     The window (label/since/until) is said back, and when it selects nothing the report says how many
-    turns the database holds instead of "no turns recorded yet".
+    turns the database holds instead of "no turns recorded yet". ``prices`` (a price table by model) adds
+    the cost of the window's turns; ``by`` (one of ``groups.BY_KEYS``) the table per client, session,
+    label, tenant or model; both need ``report_columns(prices, by)`` loaded.
     """
     turns, window = data.turns, data.window.as_dict()
     n_all = len(turns)
@@ -135,6 +148,8 @@ def build_report(data: WindowData, *, source: str = "") -> dict[str, Any]:
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     report["prefix_cache"] = prefix_cache_section(ok)
+    report["cost"] = cost_section(turns, prices) if n_all else None
+    report["by"] = by_group(turns, by, prices) if by and n_all else None
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
@@ -338,6 +353,12 @@ def render_text(r: dict[str, Any]) -> str:
     if sys_med or tools_med:
         lines.append(f"  -> the client injects {_fmt(sys_med, '{:.0f}')} tokens of system prompt and "
                      f"{_fmt(tools_med, '{:.0f}')} tokens of tool definitions every turn")
+    if r.get("cost"):
+        lines.append("")
+        lines.extend(render_cost(r["cost"]))
+    if r.get("by"):
+        lines.append("")
+        lines.extend(render_by(r["by"]))
     lines.append("")
     op = r["operating_point"]["concurrency"]
     lines.append(f"By concurrency (operating point: median {_fmt(op['median'], '{:.0f}')}, p95 {_fmt(op['p95'], '{:.0f}')}"

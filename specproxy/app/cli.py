@@ -17,7 +17,8 @@ import orjson
 
 from specproxy import __version__
 from specproxy.app.bench_cli import register as register_bench
-from specproxy.app.cli_common import db_option, db_path, echo, friendly, open_db, report_of, setting
+from specproxy.app.cli_common import (BY_CHOICES, db_option, db_path, echo, friendly, open_db, prices_of, prices_option,
+                                      report_of, setting)
 from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
@@ -39,6 +40,8 @@ def main() -> None:
 CONFIG_ONLY: dict[str, str] = {
     "admin_token": "a secret: a flag would show it in the process list; set it in the --config file or "
                    "SPECPROXY_ADMIN_TOKEN",
+    "prices": "a table per model: set it in the --config file ([prices.\"MODEL\"]) or SPECPROXY_PRICES; report "
+              "and audit read it with --prices FILE",
 }
 
 
@@ -88,6 +91,12 @@ def _pages_line(cfg: Config, url: str) -> str:
 @setting("--client-header", "client_header",
           "The request header naming the client for audit (its value is stored: a header that may carry a "
           "credential, such as authorization, cookie or *key*, *token*, *auth*, *secret*, is refused)")
+@setting("--tenant-header", "tenant_header",
+          "The request header naming the turn's tenant (a team, a customer), e.g. X-Team; stored, so a header "
+          "that may carry a credential is refused")
+@setting("--tenant-from-key/--no-tenant-from-key", "tenant_from_key",
+          "Name the tenant by a keyed hash (HMAC-SHA256, a secret kept in the database) of the API key; the key "
+          "is never stored")
 @setting("--capture/--no-capture", "capture",
           "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
 @setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)
@@ -215,18 +224,23 @@ def _window(fn):
 @click.option("--session", "session", default=None, metavar="ID",
               help="One session turn by turn (its id, or a unique start of it, as the audit prints it): what "
                    "changed in tokens per part, tools added and removed, predicted against reused cache")
+@click.option("--by", "by", type=click.Choice(BY_CHOICES), default="client", show_default=True,
+              help="Group the audit by the client (User-Agent), session, label, tenant or model")
+@prices_option
 @friendly
 def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-          session: str | None) -> None:
-    """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill."""
-    from specproxy.analyze.audit import AUDIT_COLUMNS, build_audit, find_session, render_audit, render_session
+          session: str | None, by: str, prices_file: str | None) -> None:
+    """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill; with
+    --prices, in dollars too."""
+    from specproxy.analyze.audit import audit_columns, build_audit, find_session, render_audit, render_session
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
     from specproxy.store.sqlite_source import SQLiteSource
 
+    prices = prices_of(prices_file)
     with open_db(db) as conn:
-        turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), AUDIT_COLUMNS)
-    a = build_audit(turns, source=db_path(db))
+        turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), audit_columns(by))
+    a = build_audit(turns, source=db_path(db), by=by, prices=prices)
     if session is None:
         echo(a, render_audit, as_json)
         return
@@ -243,15 +257,20 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write the report's pictures to this file: one self-contained HTML page (opens offline)")
+@click.option("--by", "by", type=click.Choice(BY_CHOICES), default=None,
+              help="Add a table per client (User-Agent), session, label, tenant or model (with its cost, given --prices)")
+@prices_option
 @cache_option
 @friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-           html_file: str | None, cache: bool) -> None:
-    """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
+           html_file: str | None, by: str | None, prices_file: str | None, cache: bool) -> None:
+    """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point; with --prices,
+    what it cost."""
     from specproxy.analyze.report import render_text
 
+    prices = prices_of(prices_file)
     if html_file is None:
-        echo(report_of(db, label, since, until, cache=cache), render_text, as_json)
+        echo(report_of(db, label, since, until, cache=cache, prices=prices, by=by), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
     from specproxy.store.sqlite_source import SQLiteSource
@@ -260,7 +279,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 
     with open_db(db) as conn:
         snap = snapshot(SQLiteSource(conn, cache=cache), source=db_path(db), label=label, since=parse_time(since),
-                        until=parse_time(until))
+                        until=parse_time(until), prices=prices, by=by)
     try:
         Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {db_path(db)}"),
                                    encoding="utf-8")

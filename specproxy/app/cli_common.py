@@ -17,7 +17,8 @@ import orjson
 from specproxy.config import Config, load_config
 from specproxy.errors import SpecproxyError
 
-__all__ = ["DEFAULTS", "db_option", "db_path", "echo", "friendly", "open_db", "report_of", "setting", "shown"]
+__all__ = ["BY_CHOICES", "DEFAULTS", "by_option", "db_option", "db_path", "echo", "friendly", "open_db", "prices_of",
+           "prices_option", "report_of", "setting", "shown"]
 
 
 def friendly(fn):
@@ -58,6 +59,24 @@ def setting(flag: str, key: str, help: str, **kwargs: Any):
 db_option = setting("--db", "db", "SQLite database file")
 
 
+# what --by groups by (analyze/cost.py's BY_KEYS; here too so that --help needs no analysis imported)
+BY_CHOICES = ("client", "session", "label", "tenant", "model")
+prices_option = click.option(
+    "--prices", "prices_file", type=click.Path(dir_okay=False), default=None,
+    help="TOML file with the price table ([prices.\"MODEL\"]: input, cached_input, cache_write, output, reasoning "
+         "in USD per million tokens; a serve config file will do): adds what the turns cost [default: no prices, "
+         "no cost]")
+
+
+def prices_of(prices_file: str | None) -> dict | None:
+    """The price table of ``--prices FILE``, or None."""
+    if prices_file is None:
+        return None
+    from specproxy.prices import load_prices
+
+    return load_prices(prices_file)
+
+
 def db_path(db: str | None) -> str:
     return db or load_config(overrides={}).db
 
@@ -77,13 +96,13 @@ def echo(result: dict, render, as_json: bool) -> None:
 
 
 def report_of(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
-              cache: bool = True) -> dict:
+              cache: bool = True, prices: dict | None = None, by: str | None = None) -> dict:
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
     from specproxy.store.sqlite_source import SQLiteSource
-    from specproxy.analyze.report import REPORT_COLUMNS, build_report
+    from specproxy.analyze.report import build_report, report_columns
 
     window = Window(label, parse_time(since), parse_time(until))
     with open_db(db) as conn:
-        data = SQLiteSource(conn, cache=cache).load(window, REPORT_COLUMNS, server=True, context=True)
-    return build_report(data, source=db_path(db))
+        data = SQLiteSource(conn, cache=cache).load(window, report_columns(prices, by), server=True, context=True)
+    return build_report(data, source=db_path(db), prices=prices, by=by)

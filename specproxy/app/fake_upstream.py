@@ -82,6 +82,9 @@ class Script:
     cache_n: int | None = None
     """With ``timings``: llama.cpp's ``cache_n`` (prompt tokens taken from its cache; ``prompt_n`` is then
     the rest of the prompt, as llama-server says them)."""
+    cached_tokens: int | None = None
+    """Chat: say this many of the prompt's tokens came from the prefix cache (``usage.prompt_tokens_details
+    .cached_tokens``, at most the prompt's); None: the usage says nothing of a cache."""
     done: bool = True
     status: int = 200
     error_body: bytes = b'{"error": {"message": "scripted error"}}'
@@ -285,9 +288,11 @@ class FakeUpstream:
                 i += k
         return out
 
-    def _usage(self, prompt_tokens: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+    def _usage(self, prompt_tokens: int, completion: int, cached: int | None = None) -> dict:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt_tokens)}
+        return usage
 
     async def _stream(self, request: web.Request, script: Script, sent: Sent, chat: bool, ttft: float,
                       prompt_tokens: int, shape=None) -> web.StreamResponse:
@@ -352,7 +357,7 @@ class FakeUpstream:
                 named = named or first_call
             delivered += k
             if script.usage == "cumulative":
-                chunk["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens)
+                chunk["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens, script.cached_tokens)
             await emit(event(chunk), has_text=True)
             sent.chunks += 1
             sent.texts[kind] += text
@@ -367,7 +372,7 @@ class FakeUpstream:
         final["choices"][0]["finish_reason"] = "stop"
         final["choices"][0].pop("delta", None) if not chat else final["choices"][0].update(delta={})
         if script.usage in ("last", "cumulative"):
-            final["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens)
+            final["usage"] = self._usage(prompt_tokens, delivered + script.extra_usage_tokens, script.cached_tokens)
         if script.timings:
             final["timings"] = {"prompt_n": prompt_tokens, "predicted_n": delivered, "draft_n": 0,
                                 "draft_n_accepted": 0}
@@ -400,7 +405,7 @@ class FakeUpstream:
             obj = {"id": "cmpl-fake", "object": "text_completion", "model": self.model,
                    "choices": [{"index": 0, "text": texts["content"], "finish_reason": "stop"}]}
         if script.usage != "none" and shape is None:
-            obj["usage"] = self._usage(prompt_tokens, n + script.extra_usage_tokens)
+            obj["usage"] = self._usage(prompt_tokens, n + script.extra_usage_tokens, script.cached_tokens)
         body = orjson.dumps(obj)
         t = clock()
         sent.t_first_text = sent.t_last_text = t

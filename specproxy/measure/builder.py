@@ -33,6 +33,7 @@ from specproxy.measure.request_body import RequestRead, inflate, model_only, rea
 from specproxy.measure.session import client_of, session_of
 from specproxy.record import Record, new_turn_id
 from specproxy.measure.response_body import read_response
+from specproxy.measure.tenant import TenantRule
 from specproxy.measure.texts import Texts
 from specproxy.measure.tokens import Tokenizer, over_max_counted_items
 
@@ -83,6 +84,7 @@ class RecordBuilder:
         "t_request",
         "t_upstream_headers",
         "t_wall",
+        "tenant_rule",
         "timing",
         "write_times",
     )
@@ -110,6 +112,7 @@ class RecordBuilder:
         max_counted: int | None = None,
         proxy_name: str | None = None,
         let_go: Callable[[], None] | None = None,
+        tenant_rule: TenantRule | None = None,
     ) -> None:
         """``headers``: the request's raw headers (kept as a reference; the client, ``client_header``'s
         value, is read off the loop).
@@ -121,7 +124,8 @@ class RecordBuilder:
         request body was charged to it (``let_go`` gives both back). ``max_counted``: Config
         ``max_counted_bytes``, the most prompt and completion bytes the tokenizer counts. ``let_go``:
         gives freed heap pages back to the system (``wire.memory.trim``), called while a large response
-        is joined, so that the reads already copied do not stay in RSS beside their copy."""
+        is joined, so that the reads already copied do not stay in RSS beside their copy. ``tenant_rule``:
+        how the turn's ``tenant`` is named (from the headers, in the measuring thread)."""
         self.id = new_turn_id()  # known before the record is built, so counter deltas can join it
         self.method = method
         self.path = path
@@ -138,6 +142,7 @@ class RecordBuilder:
         self.concurrency = concurrency
         self.label = label
         self.proxy_name = proxy_name
+        self.tenant_rule = tenant_rule
         self.instance_id = instance_id
         self.conn_id = conn_id
         self.store_text = store_text
@@ -449,6 +454,7 @@ class RecordBuilder:
             status=self.status,
             label=self.label,
             proxy_name=self.proxy_name,
+            tenant=self.tenant_rule.of(self.headers) if self.tenant_rule is not None else None,
             instance_id=self.instance_id,
             concurrency=self.concurrency,
             conn_id=self.conn_id,

@@ -31,6 +31,7 @@ from typing import Any
 from specproxy.config import Config
 from specproxy.measure.builder import RecordBuilder, is_measured
 from specproxy.measure.chunk_gaps import StreamTiming
+from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer
 from specproxy.record import Record, new_conn_id
 from specproxy.serve.headers import LABEL_HEADER, host_header, request_head, response_head
@@ -105,6 +106,7 @@ class Proxy:
         instance_id: Callable[[], str | None] = lambda: None,
         on_turn_end: TurnEnded | None = None,
         admin: AdminPages | None = None,
+        tenant_rule: TenantRule | None = None,
     ) -> None:
         self.cfg = cfg
         self.upstream = cfg.upstream_url
@@ -120,6 +122,7 @@ class Proxy:
         self.instance_id = instance_id
         self.on_turn_end = on_turn_end
         self.admin = admin
+        self.tenant_rule = tenant_rule
         self.turns_started = 0
         self.last_turn_done = 0.0  # monotonic time the latest measured turn ended
         self.budget = cfg.memory_budget_bytes or memory.default_budget(cfg.max_body_bytes)
@@ -291,6 +294,7 @@ class Proxy:
             body_charge=len(body),
             max_counted=self.cfg.max_counted_bytes,
             proxy_name=self.cfg.name_of_proxy,
+            tenant_rule=self.tenant_rule,
         )
         try:
             return await self._relay(req, body, builder, client)

@@ -49,7 +49,10 @@ from specproxy.store.sinks import make_sink
 from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
 from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
+from specproxy.store.db import open_existing
+from specproxy.store.queries import tenant_key_secret
 
 __all__ = ["Service", "install_uvloop"]
 
@@ -188,6 +191,17 @@ def raise_open_files_limit() -> int | None:
     return want
 
 
+def tenant_rule(cfg: Config) -> TenantRule | None:
+    """How this proxy names tenants: by ``tenant_header``, or by the API key under the database's own
+    secret (read once here, after the writer made or upgraded the database), or not at all."""
+    if cfg.tenant_header:
+        return TenantRule(header=cfg.tenant_header)
+    if cfg.tenant_from_key:
+        with open_existing(cfg.db) as conn:
+            return TenantRule(secret=tenant_key_secret(conn))
+    return None
+
+
 @dataclass
 class Service:
     """The running proxy. ``await start()``, then ``await stop()``; ``port`` is the bound port."""
@@ -207,9 +221,14 @@ class Service:
     admin: Admin | None = None
     shippers: list[Shipper] = field(default_factory=list)  # one per Config sink (store/shipper.py)
     otlp: Otlp | None = None  # with Config otlp_endpoint: the figures pushed over OTLP (serve/otlp.py)
+    tenant_rule: TenantRule | None = None  # how turns name their tenant (Config tenant_header, tenant_from_key)
     _runner: web.ServerRunner | None = None
     _listeners: list[asyncio.AbstractServer] = field(default_factory=list)
     _sockets: list[socket.socket] = field(default_factory=list)  # bound by from_config, served by start
+
+    def __post_init__(self) -> None:
+        if self.tenant_rule is None:  # after the writer made the database, whoever made the service
+            self.tenant_rule = tenant_rule(self.cfg)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Service:
@@ -286,7 +305,7 @@ class Service:
                         "to every client (set admin_token to reach them)", self.cfg.host)
         self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, counters=counters, store=self._store,
                            heard=self._heard, instance_id=lambda: watch.instance_id, on_turn_end=watch.turn_ended,
-                           admin=self.admin.handle)
+                           admin=self.admin.handle, tenant_rule=self.tenant_rule)
         await self.proxy.start()
         for shipper in self.shippers:  # after the writer made the file: they read it forward
             shipper.start()

@@ -127,6 +127,11 @@ def nth_newest_t_wall(conn: Connection, where: str, params: Sequence[Any], n: in
     return None if row is None else float(row[0])
 
 
+def tenant_key_secret(conn: Connection) -> bytes:
+    """The database's own secret for ``tenant_from_key``'s fingerprints (made by its migration 013)."""
+    return bytes.fromhex(conn.execute("SELECT value FROM store_meta WHERE key = 'tenant_key_secret'").fetchone()[0])
+
+
 def vacuum(conn: Connection) -> None:
     """Give the space of deleted rows back to the file system."""
     conn.execute("VACUUM")

@@ -136,6 +136,66 @@ def _figures(r: dict[str, Any]) -> str:
             f'{rows}</table>')
 
 
+_SHARES = (("system", "system prompt", "#8a63d2"), ("tools", "tool definitions", "#d2691e"),
+           ("history", "history", "#4682b4"), ("new", "new input", "#2e8b57"), ("output", "output", "#999"))
+
+
+def _cost(c: dict[str, Any] | None) -> str:
+    """The report's cost (``report --prices``): the total by price, and a bar of what each prompt part
+    costs of every dollar. Nothing without a price table."""
+    if c is None:
+        return ""
+    unpriced = "; ".join(f"{n} {escape(why)}" for why, n in c["unpriced"].items())
+    rows = "".join(f'<tr><td>{escape(k.replace("_", " "))}</td>{_fig(f"cost/kinds/{k}", v, "${:.4f}")}</tr>'
+                   for k, v in (c["kinds"] or {}).items())
+    table = (f'<table class="card"><tr><th>priced turns</th>{_fig("cost/priced", c["priced"], "{:.0f}")}</tr>'
+             f'<tr><th>total (USD)</th>{_fig("cost/usd", c["usd"], "${:.4f}")}</tr>'
+             f'<tr><td>per turn</td>{_fig("cost/usd_per_turn", c["usd_per_turn"], "${:.4f}")}</tr>{rows}</table>')
+    share = c["parts"]["of_every_dollar"]
+    bar = ""
+    if share:
+        x, rects, keys = 0.0, [], []
+        for key, name, color in _SHARES:
+            w = share[key] * (W - 20)
+            rects.append(f'<rect x="{10 + x:.1f}" y="30" width="{w:.1f}" height="30" fill="{color}"><title>{name} '
+                         f'${share[key]:.2f}</title></rect>')
+            keys.append(f'<span data-figure="cost/parts/of_every_dollar/{key}" data-value="{share[key]!r}">'
+                        f'<b style="color:{color}">{name}</b> ${share[key]:.2f}</span>')
+            x += w
+        bar = (_svg("".join(rects), f"of every $1 (over {c['parts']['turns']} priced turns whose prompt was split)",
+                    h=80, cls="cost") + f'<p class="muted">{" · ".join(keys)}</p>')
+    models = escape(", ".join(c["models_priced"]))
+    return (f'<h2>Cost at the given prices (models priced: {models})</h2>'
+            + (f'<p class="muted">not priced: {unpriced}</p>' if unpriced else "")
+            + f'<div class="grid">{table}<div>{bar}</div></div>')
+
+
+def _by(b: dict[str, Any] | None) -> str:
+    """``report --by``'s table: per group, turns, speed, tokens and cost."""
+    if b is None:
+        return ""
+    priced = any(g["cost"] is not None for g in b["groups"])
+    head = ("<tr><th>" + escape(b["key"]) + "</th><th>turns</th><th>completed</th><th>TTFT p50 s</th><th>tok/s p50</th>"
+            "<th>prompt tokens</th><th>output tokens</th><th>server cached</th>"
+            + ("<th>cost</th><th>per turn</th><th>tools of $1</th>" if priced else "") + "</tr>")
+    rows = []
+    for i, g in enumerate(b["groups"]):
+        p = f"by/groups/{i}"
+        cells = (f'<td>{escape(str(g["group"]))}</td>{_fig(p + "/turns", g["turns"], "{:.0f}")}'
+                 f'{_fig(p + "/completed", g["completed"], "{:.0f}")}{_fig(p + "/ttft_p50_s", g["ttft_p50_s"], "{:.3f}")}'
+                 f'{_fig(p + "/decode_tps_p50", g["decode_tps_p50"], "{:.1f}")}'
+                 f'{_fig(p + "/prompt_tokens", g["prompt_tokens"], "{:,.0f}")}'
+                 f'{_fig(p + "/completion_tokens", g["completion_tokens"], "{:,.0f}")}'
+                 f'{_fig(p + "/server_cached_share", g["server_cached_share"], "{:.0%}")}')
+        if priced:
+            c = g["cost"]
+            tools = (c["parts"]["of_every_dollar"] or {}).get("tools")
+            cells += (f'{_fig(p + "/cost/usd", c["usd"], "${:.4f}")}{_fig(p + "/cost/usd_per_turn", c["usd_per_turn"], "${:.4f}")}'
+                      f'{_fig(p + "/cost/parts/of_every_dollar/tools", tools, "${:.2f}")}')
+        rows.append(f"<tr>{cells}</tr>")
+    return f'<h2>By {escape(b["key"])}</h2><table class="card">{head}{"".join(rows)}</table>'
+
+
 def _turns(recent: list[dict[str, Any]], changes: list[dict[str, Any] | None] | None = None) -> str:
     """Each recent turn: TTFT then decode (then the rest of the turn) as one bar, its prompt make-up beside."""
     if not recent:
@@ -368,7 +428,8 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
     if not r["turns"]:
         return note + _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
-    return (note + _header(r) + _figures(r) + _prefix_cache(r.get("prefix_cache")) + _turns(snap["recent"], snap.get("changes"))
+    return (note + _header(r) + _figures(r) + _prefix_cache(r.get("prefix_cache")) + _cost(r.get("cost")) + _by(r.get("by"))
+            + _turns(snap["recent"], snap.get("changes"))
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'

@@ -7,10 +7,11 @@ every figure comes from ``analyze`` (``build_report``, ``pictures``), read from 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from specproxy.analyze.pictures import pictures
-from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.report import build_report, report_columns
 from specproxy.analyze.turn_diff import recent_changes, render_diff
 from specproxy.record import FIELD_NAMES
 from specproxy.store.source import Source, Window
@@ -25,11 +26,13 @@ RECORD_FIELDS = tuple(f for f in FIELD_NAMES if f not in ("prompt_text", "respon
 
 
 def snapshot(store: Source, *, source: str, label: str | None = None, since: float | None = None,
-             until: float | None = None, recent: int = RECENT_TURNS) -> dict[str, Any]:
-    """The window's report, pictures and newest turns, from one load of ``store``."""
+             until: float | None = None, recent: int = RECENT_TURNS, prices: Mapping | None = None,
+             by: str | None = None) -> dict[str, Any]:
+    """The window's report, pictures and newest turns, from one load of ``store``; with ``prices`` its
+    cost, with ``by`` its table per group (``build_report``)."""
     window = Window(label, since, until)
-    data = store.load(window, REPORT_COLUMNS, server=True, context=True)
-    report = build_report(data, source=source)
+    data = store.load(window, report_columns(prices, by), server=True, context=True)
+    report = build_report(data, source=source, prices=prices, by=by)
     rows = [dict(zip(RECORD_FIELDS, r)) for r in store.recent(window, RECORD_FIELDS, recent + RECENT_CONTEXT)]
     changes = recent_changes(rows, (report.get("prefix_cache") or {}).get("fit"))[-recent:] if rows else []
     rows = rows[-recent:]

@@ -62,6 +62,10 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     proxy_name TEXT PRIMARY KEY, store_id TEXT NOT NULL, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION
 )""",
     )),
+    # 002 is another branch's (issue 34's cache writes)
+    ("003_tenant", (
+        "ALTER TABLE turns ADD COLUMN tenant TEXT",
+    )),
     ("004_prefix_cache", (
         "ALTER TABLE turns ADD COLUMN usage_cache_write_tokens INTEGER",
         "ALTER TABLE scrapes ADD COLUMN prefix_cache_queries_total DOUBLE PRECISION",
