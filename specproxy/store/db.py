@@ -105,6 +105,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     "sink" TEXT, "tbl" TEXT, "row_key" TEXT, "reason" TEXT, "t_set_aside" REAL, PRIMARY KEY ("sink", "tbl", "row_key")
 )""",
     )),
+    ("015_prompt_block_digests", (
+        'ALTER TABLE "turns" ADD COLUMN "prompt_block_digests" TEXT',
+    )),
 ]
 
 

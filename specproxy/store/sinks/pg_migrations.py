@@ -62,4 +62,7 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     proxy_name TEXT PRIMARY KEY, store_id TEXT NOT NULL, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION
 )""",
     )),
+    ("005_prompt_block_digests", (
+        "ALTER TABLE turns ADD COLUMN prompt_block_digests TEXT",
+    )),
 ]
