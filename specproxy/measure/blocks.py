@@ -43,10 +43,11 @@ def block_digests(ids: np.ndarray, known: Sequence[bytes] = ()) -> list[bytes]:
     start = min(len(known), n // BLOCK_TOKENS)
     out = list(known[:start])
     prev = out[-1] if out else b""
-    data = np.ascontiguousarray(ids, dtype="<u4")
-    for i in range(start, count):
-        block = data[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].tobytes()
-        prev = hashlib.blake2b(prev + block, digest_size=DIGEST_BYTES).digest()
+    data = np.ascontiguousarray(ids[start * BLOCK_TOKENS:], dtype="<u4").tobytes()
+    step = 4 * BLOCK_TOKENS
+    blake2b = hashlib.blake2b
+    for at in range(0, len(data), step):
+        prev = blake2b(prev + data[at:at + step], digest_size=DIGEST_BYTES).digest()
         out.append(prev)
     return out
 
