@@ -190,8 +190,9 @@ def _poisson(rate: float, rng: random.Random) -> Iterator[float]:
 
 
 async def _open_loop(session, url, requests, label, level, n, end, arrivals: Iterator[float], timeout_s, on_done,
-                     halted) -> int:
-    """Request i starts at the round's start + the i-th of ``arrivals`` (seconds), at most ``level`` in flight."""
+                     halted, late: list[float] | None = None) -> int:
+    """Request i starts at the round's start + the i-th of ``arrivals`` (seconds), at most ``level`` in flight;
+    how late each one went (the loop busy, or every slot taken) is appended to ``late``."""
     slots = asyncio.Semaphore(level)
     tasks: set[asyncio.Task] = set()
     sent = 0
@@ -206,6 +207,8 @@ async def _open_loop(session, url, requests, label, level, n, end, arrivals: Ite
             slots.release()
             break
         sent += 1
+        if late is not None:
+            late.append(max(clock() - next_at, 0.0))
 
         async def one(req: Request) -> None:
             try:
@@ -386,7 +389,7 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
         if plan.timing == "recorded":
             arrivals = iter([(r.offset_s or 0.0) / plan.speed for r in requests])
             rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, None, arrivals,
-                                        plan.request_timeout_s, done, halted)
+                                        plan.request_timeout_s, done, halted, rnd.late_s)
         elif plan.rate is not None:
             rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end,
                                         _poisson(plan.rate, rng), plan.request_timeout_s, done, halted)

@@ -172,6 +172,16 @@ def _recorded(requests: list) -> None:
                           "first request; `export --format replay` and `--format mooncake` write it)")
 
 
+def _lateness(rounds: list) -> dict[str, Any]:
+    """How late ``--timing recorded`` sent its requests after their offsets (/ ``--speed``), over every round:
+    a replay whose requests went late did not reproduce the recorded arrivals."""
+    import statistics
+
+    late = [x for rnd in rounds for x in rnd.late_s]
+    return {"requests": len(late), "late_s_median": statistics.median(late) if late else None,
+            "late_s_max": max(late) if late else None}
+
+
 def _is_trace(source: str) -> bool:
     from specproxy.app.mooncake import file_is_trace
 
@@ -317,12 +327,18 @@ def register(group: click.Group) -> None:
                        tokenizer=counted, timing=timing, speed=speed if timing == "recorded" else None,
                        restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
                                                                if v is None])
+        if timing == "recorded":
+            summary["schedule"] = _lateness(run.rounds)
         for warning in summary.get("warnings", ()):
             click.echo(f"specproxy: warning: {warning}", err=True)
         if as_json:
             click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
         elif run.rounds:
             click.echo(render_bench(summary), nl=False)
+            if timing == "recorded" and summary["schedule"]["requests"]:
+                sched = summary["schedule"]
+                click.echo(f"recorded timing at --speed {speed:g}: {sched['requests']} requests sent a median "
+                           f"{sched['late_s_median']:.4f} s, at most {sched['late_s_max']:.4f} s after their offsets")
             hint = f"specproxy compare {arms[0]} {arms[1]} --db {cfg.db}" if len(arms) > 1 else \
                 f"specproxy report --label {arms[0]} --db {cfg.db}"
             click.echo(f"the turns are in {cfg.db}, labelled {', '.join(arms)}: try `{hint}`")

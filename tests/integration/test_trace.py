@@ -90,6 +90,8 @@ def test_export_mooncake_then_bench_recorded_replays_the_block_sharing_and_the_t
     assert proc.returncode == 0, proc.stderr
     summary = orjson.loads(proc.stdout)
     assert summary["timing"] == "recorded" and summary["speed"] == 3
+    schedule = summary["schedule"]
+    assert schedule["requests"] == 4 and 0 <= schedule["late_s_median"] <= schedule["late_s_max"]
     warm, *sent = up.sent
     assert len(sent) == 4
     got = [orjson.loads(s.request_body) for s in sent]
