@@ -99,3 +99,15 @@ def test_a_replay_wrapper_may_carry_its_timestamp():
     assert parse_line(b'{"messages": []}', "f:2").offset_s is None
     with pytest.raises(ConfigError, match="timestamp"):
         parse_line(b'{"path": "/v1/chat/completions", "timestamp": -1, "body": {"messages": []}}', "f:3")
+
+
+def test_captures_and_exported_replay_lines_keep_their_times():
+    from specproxy.app.replay import replay_line, requests_from_captures
+    from specproxy.store.captures import Captured
+
+    caps = [Captured("a", 50.0, "POST", "/v1/chat/completions", "", b'{"messages": []}'),
+            Captured("b", 50.1, "GET", "/v1/models", "", b""),
+            Captured("c", 51.25, "POST", "/v1/chat/completions", "", b'{"messages": []}')]
+    assert [r.offset_s for r in requests_from_captures(caps)] == [0.0, 1.25]
+    line = replay_line(caps[2], 50.0)
+    assert orjson.loads(line)["timestamp"] == 1250 and parse_line(line.rstrip(b"\n"), "f:1").offset_s == 1.25
