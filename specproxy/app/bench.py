@@ -12,7 +12,8 @@ that ``compare`` gets its interval over instances), wait until the server is rea
 requests straight to it (not through the proxy: they are not recorded), then for each repeat and each
 concurrency a round: closed loop (that many streams, each sending its next request when the previous
 ended) over the workload once, or for ``duration_s``; or open loop (``rate`` requests a second,
-exponential gaps, at most that many in flight). A round ends when every request it sent has its
+exponential gaps, at most that many in flight; or, with ``timing`` "recorded", each request at its own
+recorded offset divided by ``speed``: the same open loop, fed the recorded arrivals). A round ends when every request it sent has its
 record. Anything that goes wrong (a restart that fails, a server that never comes back, a round whose
 every request failed) ends the run with one line, after what was measured is stored and summarised;
 so does Ctrl-C (the interrupted round counts with the turns that ended before it).
