@@ -34,7 +34,7 @@ TRACE = [
     (500, 1000, [0, 1, 3, 4]),  # 512 tokens with the one before
     (1000, 900, [0, 1, 3, 5]),  # 768
     (1500, 400, [6, 7]),  # none (the template's tokens only)
-    (2000, 650, [6, 7, 8]),  # 512
+    (2000, 650, [6, 7, 8]),  # all 400 of the one before
 ]
 
 
