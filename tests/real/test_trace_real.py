@@ -75,3 +75,72 @@ def test_replayed_trace_gives_the_cached_tokens_its_blocks_share(llama_server_bi
         extra.append(cache_n - shared)
     # the same template prefix every time: the cached tokens moved with the blocks shared, and only with them
     assert max(extra) - min(extra) <= 3, (extra, timings)
+
+
+def _session(name: str, turns: int) -> list[dict]:
+    messages = [{"role": "system", "content": "You review pull requests for a storage engine, tersely. " * 25}]
+    for k in range(turns):
+        messages += [{"role": "user", "content": f"{name}, change {k}: " + "the lock order of the pager " * 12},
+                     {"role": "assistant", "content": f"Change {k} is fine. " * 10}]
+    return messages + [{"role": "user", "content": f"{name}: and the next change?"}]
+
+
+def test_real_traffic_exported_then_replayed_keeps_the_servers_reuse(llama_server_bin, tiny_model_path,
+                                                                    hf_tokenizer_dir, counter, make_stack, tmp_path):
+    """Turns of two sessions sent through the proxy to a one-slot llama-server (the chat template rendered
+    by the server, counted by specproxy with the same template) -> ``export --format mooncake`` -> ``bench
+    --from`` to the same server. On the real turns, the hash ids say what the server reused: at least the
+    blocks a turn shares with the prompt in the slot (the turn served before), less than one block more
+    than the most it shares with any earlier turn (the server reuses to the token, the ids to the block).
+    On the replay, the same holds, plus the template's tokens before the message."""
+    from real.clientkit import proxy, sdk
+
+    block = 64
+    with LlamaServer(llama_server_bin, tiny_model_path, parallel=1, n_ctx=8192) as srv:
+        stack, _ = proxy(make_stack, srv, counter)
+        client = sdk(stack.url)
+        for messages in (_session("Ann", 0), _session("Ann", 1), _session("Bob", 0), _session("Ann", 2)):
+            stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True)
+            for _ in stream:
+                pass
+        stack.settle()
+        stack.run(stack.service.stop())
+        conn = sqlite3.connect(stack.cfg.db)
+        real = [json.loads(r[0]) for r in conn.execute(
+            "SELECT server_timings FROM turns WHERE measured = 1 ORDER BY t_request")]
+        conn.close()
+        trace_file = tmp_path / "trace.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "export", "--db", stack.cfg.db, "--format",
+                               "mooncake", "--block-size", str(block), "-o", str(trace_file)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        trace = [json.loads(line) for line in trace_file.read_text().splitlines()]
+        assert len(trace) == len(real) == 4
+        for i, (line, timings) in enumerate(zip(trace, real)):
+            # the proxy's count of the rendered prompt is the server's
+            assert line["input_length"] == timings["cache_n"] + timings["prompt_n"], (i, line, timings)
+            if i == 0:
+                continue
+            prev = _lead(line["hash_ids"], trace[i - 1]["hash_ids"]) * block
+            best = max(_lead(line["hash_ids"], t["hash_ids"]) for t in trace[:i]) * block
+            assert prev <= timings["cache_n"] < best + block, (i, prev, best, timings)
+
+        db = tmp_path / "replay.db"
+        proc = subprocess.run([sys.executable, "-m", "specproxy.app.cli", "bench", "--upstream", srv.url, "--from",
+                               str(trace_file), "--tokenizer", f"hf:{hf_tokenizer_dir}", "--block-size", str(block),
+                               "--timing", "recorded", "--speed", "4", "--repeats", "1", "--db", str(db)],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT t_first_token, server_timings FROM turns WHERE measured = 1 ORDER BY t_request").fetchall()
+    conn.close()
+    served = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    replayed = [json.loads(r[1]) for r in rows]
+    first = served[0]
+    template = replayed[first]["cache_n"]  # after the warm-up (no block of the trace): the template's tokens only
+    for k, i in enumerate(served[1:], 1):
+        ids, n = trace[i]["hash_ids"], trace[i]["input_length"]
+        prev = served[k - 1]
+        low = min(_lead(ids, trace[prev]["hash_ids"]) * block, n, trace[prev]["input_length"])
+        high = max(min(_lead(ids, trace[j]["hash_ids"]) * block, n, trace[j]["input_length"]) for j in served[:k])
+        assert template + low - 3 <= replayed[i]["cache_n"] <= template + high + 3, (i, low, high, template, replayed)
