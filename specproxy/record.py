@@ -253,6 +253,12 @@ class Record:
     names (at most 200 characters), or with ``tenant_from_key`` ``key:`` and 16 hex digits of a keyed
     hash (HMAC-SHA256 under a secret kept in this database) of the request's API key, never the key;
     null when neither is set, the request has no such header or key, or on rows recorded before it."""
+    prompt_block_digests: str | None = None
+    """The prompt's token blocks as chained digests, no text: 16 hex digits per block of 64 tokens (of
+    the prompt as counted for ``prompt_tokens``; the last block may be shorter), each a BLAKE2b digest
+    of the block's token ids and the previous block's digest, so two turns' digests agree up to the
+    block where their prompts first differ. ``export --format mooncake`` reads its hash ids from them
+    (docs/bench.md). Null without a tokenizer, or when the prompt was not counted."""
     proxy_name: str | None = None
     """The proxy that saw the turn: Config ``proxy_name`` (the host name unless set), so that turns
     shipped from many proxies to one database (a fleet, docs/operations.md) can be told apart; null on

@@ -51,6 +51,7 @@ class Round:
     prompt_len: int | None = None  # a prefill probe's prompt length (words asked for); None otherwise
     first_error: str | None = None  # what the first failed request of the round got
     gone: str | None = None  # set when the server went away mid-round (what the failures said): it stopped sending
+    late_s: list[float] = field(default_factory=list)  # open loop: how long after its scheduled time each was sent
 
 
 def _vals(records: Sequence[Record], name: str) -> np.ndarray:

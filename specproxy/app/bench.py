@@ -12,7 +12,8 @@ that ``compare`` gets its interval over instances), wait until the server is rea
 requests straight to it (not through the proxy: they are not recorded), then for each repeat and each
 concurrency a round: closed loop (that many streams, each sending its next request when the previous
 ended) over the workload once, or for ``duration_s``; or open loop (``rate`` requests a second,
-exponential gaps, at most that many in flight). A round ends when every request it sent has its
+exponential gaps, at most that many in flight; or, with ``timing`` "recorded", each request at its own
+recorded offset divided by ``speed``: the same open loop, fed the recorded arrivals). A round ends when every request it sent has its
 record. Anything that goes wrong (a restart that fails, a server that never comes back, a round whose
 every request failed) ends the run with one line, after what was measured is stored and summarised;
 so does Ctrl-C (the interrupted round counts with the turns that ended before it).
@@ -27,7 +28,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -68,10 +69,14 @@ class BenchPlan:
     warmup: int = 1
     request_timeout_s: float = 600.0
     seed: int = 0
+    timing: str = "loop"  # "recorded": each request sent at its recorded offset (Request.offset_s), open loop
+    speed: float = 1.0  # recorded offsets divided by this (2: twice as fast)
+    warmup_requests: list[Request] | None = None  # instead of the workload's first (a trace's: none of its blocks)
 
     def round_size(self, requests: list[Request], level: int) -> int:
-        """Requests in a round without a duration: the workload once, at least one per stream."""
-        return max(len(requests), level)
+        """Requests in a round without a duration: the workload once, at least one per stream (a recorded
+        timing's round: the workload once)."""
+        return len(requests) if self.timing == "recorded" else max(len(requests), level)
 
     def planned_rounds(self) -> int:
         return len(self.workloads) * len(self.levels) * self.repeats * self.instances * len(self.arms)
@@ -180,12 +185,21 @@ async def _closed_loop(url, requests, label, level, n, end, timeout_s, on_done, 
     return sent
 
 
-async def _open_loop(session, url, requests, label, level, n, end, rate, rng, timeout_s, on_done, halted) -> int:
+def _poisson(rate: float, rng: random.Random) -> Iterator[float]:
+    """``--rate``'s arrivals: offsets from the round's start with exponential gaps, the first at once."""
+    return itertools.accumulate((rng.expovariate(rate) for _ in itertools.count()), initial=0.0)
+
+
+async def _open_loop(session, url, requests, label, level, n, end, arrivals: Iterator[float], timeout_s, on_done,
+                     halted, late: list[float] | None = None) -> int:
+    """Request i starts at the round's start + the i-th of ``arrivals`` (seconds), at most ``level`` in flight;
+    how late each one went (the loop busy, or every slot taken) is appended to ``late``."""
     slots = asyncio.Semaphore(level)
     tasks: set[asyncio.Task] = set()
     sent = 0
-    next_at = clock()
+    start = clock()
     for i in itertools.count():
+        next_at = start + next(arrivals, 0.0)
         if (end is None and i >= n) or (end is not None and clock() >= end) or halted():
             break
         await asyncio.sleep(max(next_at - clock(), 0))  # the schedule of arrivals, not a wait for an event
@@ -194,6 +208,8 @@ async def _open_loop(session, url, requests, label, level, n, end, rate, rng, ti
             slots.release()
             break
         sent += 1
+        if late is not None:
+            late.append(max(clock() - next_at, 0.0))
 
         async def one(req: Request) -> None:
             try:
@@ -205,14 +221,13 @@ async def _open_loop(session, url, requests, label, level, n, end, rate, rng, ti
         task = asyncio.create_task(one(requests[i % len(requests)]))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        next_at += rng.expovariate(rate)
     if tasks:
         await asyncio.gather(*tasks)
     return sent
 
 
 def _warmup_request(plan: BenchPlan) -> list[Request]:
-    first = plan.workloads[0][1]
+    first = plan.warmup_requests or plan.workloads[0][1]
     return [first[i % len(first)] for i in range(plan.warmup)]
 
 
@@ -372,9 +387,13 @@ async def _round(session, service: Service, collector: _Collector, plan: BenchPl
     t0 = clock()
     end = t0 + plan.duration_s if plan.duration_s is not None else None
     try:
-        if plan.rate is not None:
-            rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end, plan.rate, rng,
-                                        plan.request_timeout_s, done, halted)
+        if plan.timing == "recorded":
+            arrivals = iter([(r.offset_s or 0.0) / plan.speed for r in requests])
+            rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, None, arrivals,
+                                        plan.request_timeout_s, done, halted, rnd.late_s)
+        elif plan.rate is not None:
+            rnd.sent = await _open_loop(session, service.url, requests, label, rnd.level, n, end,
+                                        _poisson(plan.rate, rng), plan.request_timeout_s, done, halted)
         else:
             rnd.sent = await _closed_loop(service.url, requests, label, rnd.level, n, end, plan.request_timeout_s,
                                           done, halted)

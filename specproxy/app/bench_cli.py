@@ -20,7 +20,7 @@ import orjson
 from specproxy.app.cli_common import db_option, echo, friendly, report_of
 from specproxy.errors import ConfigError, SpecproxyError
 
-__all__ = ["NO_TOKENIZER", "export_replay", "register"]
+__all__ = ["NO_TOKENIZER", "export_mooncake", "export_replay", "register"]
 
 NO_TOKENIZER = ("no --tokenizer: tokens are not counted, so per-stream and aggregate tok/s show '-'; TTFT, times "
                 "and errors are still measured (give --tokenizer hf:DIR, the server's tokenizer directory, or "
@@ -44,14 +44,25 @@ def _write_replay(conn, output: str, *, label: str | None, since: float | None, 
     from specproxy.app.replay import replay_line
     from specproxy.store.captures import captured_requests
 
-    # to a file: written beside it and renamed into place once complete, so an error (nothing captured, a
+    def lines():
+        first = None
+        for captured in captured_requests(conn, label=label, since=since, until=until):
+            first = captured.t_wall if first is None else first
+            yield replay_line(captured, first)
+
+    return _write_lines(output, lines())
+
+
+def _write_lines(output: str, lines) -> int:
+    """Write ``lines`` (bytes, each with its line end) to ``output`` ("-": stdout); how many there were."""
+    # to a file: written beside it and renamed into place once complete, so an error (nothing selected, a
     # failed read) leaves no file behind, nor a half-written one over a good file of that name
     out = sys.stdout.buffer if output == "-" else tempfile.NamedTemporaryFile(
         "wb", dir=os.path.dirname(os.path.abspath(output)), prefix=os.path.basename(output) + ".", delete=False)
     n = 0
     try:
-        for captured in captured_requests(conn, label=label, since=since, until=until):
-            out.write(replay_line(captured))
+        for line in lines:
+            out.write(line)
             n += 1
     except BaseException:
         n = 0
@@ -66,6 +77,27 @@ def _write_replay(conn, output: str, *, label: str | None, since: float | None, 
             else:
                 os.unlink(out.name)
     return n
+
+
+def export_mooncake(conn, db_path: str, output: str, *, block_size: int, label: str | None, since: float | None,
+                    until: float | None) -> tuple[int, int]:
+    """Write the selected measured turns as a Mooncake trace (``app/mooncake.py``): (lines written, turns
+    left out for want of block digests or an output count)."""
+    from specproxy.app.mooncake import TRACE_FIELDS, check_block_size, trace_lines
+    from specproxy.store.dataset import where_clause
+    from specproxy.store.queries import turn_rows
+
+    check_block_size(block_size)
+    where, params = where_clause(label=label, since=since, until=until)
+    skipped = [0]
+    try:
+        n = _write_lines(output, trace_lines(turn_rows(conn, TRACE_FIELDS, where, params), block_size, skipped))
+    except OSError as exc:
+        raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
+    if not n:
+        raise ConfigError(f"{db_path}: no turns{' selected' if label or since or until else ''} with prompt block "
+                          f"digests ({skipped[0]} without: they are recorded when a tokenizer counts the prompt)")
+    return n, skipped[0]
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -90,16 +122,19 @@ def _arms(text: str) -> tuple[str, ...]:
 
 
 def _workloads(source: str | None, phase: str | None, db: str, *, prompt_lengths: str, max_tokens: int,
-               model: str | None, seed: int) -> list[tuple[int | None, list]]:
+               model: str | None, seed: int, tokenizer: str | None = None,
+               block_size: int = 512) -> tuple[list[tuple[int | None, list]], list | None]:
+    """The workloads, and the warm-up requests when the workload's first must not be one (a trace's)."""
     from specproxy.app import probes
     from specproxy.app.replay import read_replay_file, requests_from_captures
 
     if source is None:
         if phase == "prefill":
-            return probes.prefill_probe(list(_ints(prompt_lengths, "--prompt-lengths")), model, seed)
+            return probes.prefill_probe(list(_ints(prompt_lengths, "--prompt-lengths")), model, seed), None
         if phase == "decode":
-            return [(None, probes.decode_probe(max_tokens, model))]
+            return [(None, probes.decode_probe(max_tokens, model))], None
         raise ConfigError("bench needs --from captured, --from FILE (a replay file) or --phase prefill|decode")
+    warmup = None
     if source == "captured" or source.startswith("captured:"):
         from specproxy.store.captures import captured_requests
         from specproxy.store.db import open_existing
@@ -111,10 +146,46 @@ def _workloads(source: str | None, phase: str | None, db: str, *, prompt_lengths
             raise ConfigError(f"{db}: no captured request bodies{f' labelled {label}' if label else ''} "
                               "(run `specproxy serve --capture` first, or give --from FILE)")
     else:
-        requests = read_replay_file(source)
+        from specproxy.app.mooncake import file_is_trace, read_trace, trace_requests
+
+        if file_is_trace(source):
+            if tokenizer in (None, "", "none"):
+                raise ConfigError(f"{source} is a Mooncake trace: synthesising its prompts needs the model's "
+                                  "tokenizer (--tokenizer hf:DIR, or tiktoken:ENCODING)")
+            from specproxy.measure.tokens import load_tokenizer
+
+            trace = read_trace(source)
+            requests, warm = trace_requests(trace, load_tokenizer(tokenizer), block_size, model, seed)
+            warmup = [warm]
+        else:
+            requests = read_replay_file(source)
     if phase is not None:
         requests = [probes.for_phase(r, phase, max_tokens) for r in requests]
-    return [(None, requests)]
+    return [(None, requests)], warmup
+
+
+def _recorded(requests: list) -> None:
+    """``--timing recorded`` needs every request's offset: one without is named."""
+    missing = next((r for r in requests if r.offset_s is None), None)
+    if missing is not None:
+        raise ConfigError(f"--timing recorded: {missing.where} has no \"timestamp\" (milliseconds from the file's "
+                          "first request; `export --format replay` and `--format mooncake` write it)")
+
+
+def _lateness(rounds: list) -> dict[str, Any]:
+    """How late ``--timing recorded`` sent its requests after their offsets (/ ``--speed``), over every round:
+    a replay whose requests went late did not reproduce the recorded arrivals."""
+    import statistics
+
+    late = [x for rnd in rounds for x in rnd.late_s]
+    return {"requests": len(late), "late_s_median": statistics.median(late) if late else None,
+            "late_s_max": max(late) if late else None}
+
+
+def _is_trace(source: str) -> bool:
+    from specproxy.app.mooncake import file_is_trace
+
+    return file_is_trace(source)
 
 
 async def _first_model(base: str) -> str | None:
@@ -141,8 +212,9 @@ def register(group: click.Group) -> None:
                        "a replay file (JSONL of request bodies; `export --format replay` writes one)")
     @db_option
     @click.option("--tokenizer", default=None, help="hf:DIR, tiktoken:ENCODING or none (token counts need one)")
-    @click.option("--concurrency", "levels", default="1", show_default=True,
-                  help="Streams in flight, one round per value: e.g. 1,4,8,32")
+    @click.option("--concurrency", "levels", default=None,
+                  help="Streams in flight, one round per value: e.g. 1,4,8,32; with --rate or --timing recorded, the "
+                       "most in flight [default: 1; with --timing recorded, no limit]")
     @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
                   help="Rounds at each concurrency on each server instance")
     @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -150,6 +222,13 @@ def register(group: click.Group) -> None:
     @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
                   help="Open loop: start requests at this many per second (exponential gaps), at most --concurrency "
                        "in flight [default: closed loop]")
+    @click.option("--timing", type=click.Choice(["loop", "recorded"]), default="loop", show_default=True,
+                  help="recorded: send each request at its recorded offset (a trace's timestamp, a replay file's "
+                       "\"timestamp\", a capture's time), open loop")
+    @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                  help="With --timing recorded: divide the recorded offsets by this (2: twice as fast)")
+    @click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
+                  help="Prompt tokens per hash id of a Mooncake trace given to --from")
     @click.option("--label", "labels", default=None,
                   help="Label of the turns; with --restart-cmd, one per arm separated by commas (off,on) "
                        "[default: bench, or bench-prefill / bench-decode for a phase probe]")
@@ -174,8 +253,9 @@ def register(group: click.Group) -> None:
     @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                   help="TOML config file (as serve's; its upstream, db and tokenizer are used)")
     @friendly
-    def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str,
-              repeats: int, duration_s: float | None, rate: float | None, labels: str | None,
+    def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str | None,
+              repeats: int, duration_s: float | None, rate: float | None, timing: str, speed: float,
+              block_size: int, labels: str | None,
               restart_cmd: str | None,
               instances: int, ready_timeout_s: float, warmup: int, phase: str | None, prompt_lengths: str,
               max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None) -> None:
@@ -204,13 +284,26 @@ def register(group: click.Group) -> None:
             raise ConfigError("several arms (--label A,B) need --restart-cmd: each arm is a server setting")
         if instances > 1 and restart_cmd is None:
             raise ConfigError("--instances needs --restart-cmd (an instance is a server process)")
-        if (phase is not None or source is None) and model is None:
-            model = asyncio.run(_first_model(base)) if source is None else None
+        if timing == "recorded" and (rate is not None or duration_s is not None or source is None):
+            raise ConfigError("--timing recorded sends a file's requests at their recorded offsets: give --from, and "
+                              "neither --rate nor --duration")
+        if speed != 1.0 and timing != "recorded":
+            raise ConfigError("--speed compresses recorded offsets: it needs --timing recorded")
+        trace = source is not None and not source.startswith("captured") and _is_trace(source)
+        if (phase is not None or source is None or trace) and model is None:
+            model = asyncio.run(_first_model(base)) if source is None or trace else None
+        workloads, warmup_requests = _workloads(source, phase, cfg.db, prompt_lengths=prompt_lengths,
+                                                max_tokens=max_tokens, model=model, seed=seed, tokenizer=cfg.tokenizer,
+                                                block_size=block_size)
+        if timing == "recorded":
+            _recorded(workloads[0][1])
         plan = BenchPlan(
-            workloads=_workloads(source, phase, cfg.db, prompt_lengths=prompt_lengths, max_tokens=max_tokens,
-                                 model=model, seed=seed),
-            levels=_ints(levels, "--concurrency"), repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
-            instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed)
+            workloads=workloads,
+            levels=_ints(levels, "--concurrency") if levels is not None else
+            ((len(workloads[0][1]),) if timing == "recorded" else (1,)),
+            repeats=repeats, duration_s=duration_s, rate=rate, arms=arms,
+            instances=instances, restart_cmd=restart_cmd, ready_timeout_s=ready_timeout_s, warmup=warmup, seed=seed,
+            timing=timing, speed=speed, warmup_requests=warmup_requests)
         counted = cfg.tokenizer not in (None, "", "none")
         if not cfg.tokenizer:  # said before the run, not after it: the run would otherwise end in a table of "-"
             click.echo(f"specproxy bench: {NO_TOKENIZER}", err=True)  # (not to one who asked for none)
@@ -231,14 +324,21 @@ def register(group: click.Group) -> None:
         summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None)
         summary.update(database=cfg.db, labels=list(arms), instance_ids={f"{a}#{k}": v for (a, k), v in
                                                                          run.instance_ids.items()},
-                       tokenizer=counted, restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
+                       tokenizer=counted, timing=timing, speed=speed if timing == "recorded" else None,
+                       restarts_unverified=[f"{a}#{k}" for (a, k), v in run.verified.items()
                                                                if v is None])
+        if timing == "recorded":
+            summary["schedule"] = _lateness(run.rounds)
         for warning in summary.get("warnings", ()):
             click.echo(f"specproxy: warning: {warning}", err=True)
         if as_json:
             click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
         elif run.rounds:
             click.echo(render_bench(summary), nl=False)
+            if timing == "recorded" and summary["schedule"]["requests"]:
+                sched = summary["schedule"]
+                click.echo(f"recorded timing at --speed {speed:g}: {sched['requests']} requests sent a median "
+                           f"{sched['late_s_median']:.4f} s, at most {sched['late_s_max']:.4f} s after their offsets")
             hint = f"specproxy compare {arms[0]} {arms[1]} --db {cfg.db}" if len(arms) > 1 else \
                 f"specproxy report --label {arms[0]} --db {cfg.db}"
             click.echo(f"the turns are in {cfg.db}, labelled {', '.join(arms)}: try `{hint}`")

@@ -293,14 +293,18 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 @main.command()
 @db_option
 @_window
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv", "replay"]), default="jsonl", show_default=True,
-              help="replay: the request bodies `serve --capture` stored, for `specproxy bench --from FILE`")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv", "replay", "mooncake"]), default="jsonl",
+              show_default=True, help="replay: the request bodies `serve --capture` stored, for `specproxy bench "
+                                      "--from FILE`; mooncake: a Mooncake trace (lengths, timing, block hash ids; no text)")
+@click.option("--block-size", type=int, default=512, show_default=True,
+              help="Prompt tokens per hash id of --format mooncake (a multiple of 64)")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default="-",
               help="File to write [default: stdout]")
 @friendly
-def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, output: str) -> None:
+def export(db: str | None, label: str | None, since: str | None, until: str | None, fmt: str, block_size: int,
+           output: str) -> None:
     """Every turn, one JSON object (or CSV row) each, with docs/metrics.md's field names; or with
-    --format replay, every captured request body (docs/bench.md)."""
+    --format replay, every captured request body; with --format mooncake, a trace (docs/bench.md)."""
     from specproxy.record import FIELD_NAMES
     from specproxy.store.dataset import parse_time, where_clause
     from specproxy.store.queries import turn_rows
@@ -310,6 +314,18 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
 
         with open_db(db) as conn:
             export_replay(conn, db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
+        return
+    if fmt == "mooncake":
+        from specproxy.app.bench_cli import export_mooncake
+        from specproxy.app.mooncake import check_block_size
+
+        check_block_size(block_size)  # before the database: the option is wrong whatever it holds
+        with open_db(db) as conn:
+            n, skipped = export_mooncake(conn, db_path(db), output, block_size=block_size, label=label,
+                                         since=parse_time(since), until=parse_time(until))
+        if skipped:
+            click.echo(f"specproxy export: {n} turns written; {skipped} left out (no prompt block digests or no "
+                       "output count: measured without a tokenizer, or before digests were recorded)", err=True)
         return
     where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
     with open_db(db) as conn:

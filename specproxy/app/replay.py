@@ -10,7 +10,11 @@ only a string can hold. So a line is either:
 * a wrapper ``{"path": "/v1/chat/completions", "body": "<the body, as a JSON string>"}``: the bytes
   sent are the string's UTF-8; ``"body"`` may also be an object (sent as compact JSON), and a body that
   is not UTF-8, or was sent compressed, is ``"body_b64"`` (with its ``"content_encoding"``).
-  ``path`` may be any path specproxy measures; without it, it is inferred as for a bare body.
+  ``path`` may be any path specproxy measures; without it, it is inferred as for a bare body. An optional
+  ``"timestamp"`` (milliseconds from the file's first request; ``export --format replay`` writes it) is
+  when ``bench --timing recorded`` sends it.
+
+A file whose first line is a Mooncake trace line is read as a trace instead (``mooncake.py``).
 
 Every way a line can be wrong is said as one line naming the file and line number.
 """
@@ -46,6 +50,7 @@ class Request:
     content_encoding: str = ""
     where: str = ""  # "FILE:LINE" or "captured turn ID", for messages
     fresh: bool = False  # a probe's: its nonce is replaced by a new random word at each send (probes.py)
+    offset_s: float | None = None  # when it was sent, from the first request (``bench --timing recorded``)
 
     def json(self) -> dict | None:
         """The body parsed, or None (compressed, or not a JSON object)."""
@@ -179,7 +184,11 @@ def parse_line(raw: bytes, where: str) -> Request:
     if not isinstance(path, str) or not is_measured("POST", path):
         raise ConfigError(f"{where}: path {path!r} is not one specproxy measures (e.g. {CHAT}, {COMPLETIONS}, "
                           f"{MESSAGES}, {RESPONSES})")
-    return Request(path, body, encoding, where)
+    timestamp = obj.get("timestamp")
+    if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, (int, float))
+                                  or timestamp < 0):
+        raise ConfigError(f"{where}: \"timestamp\" must be milliseconds of at least 0, got {timestamp!r}")
+    return Request(path, body, encoding, where, offset_s=None if timestamp is None else timestamp / 1000)
 
 
 def read_replay_file(path: str | Path) -> list[Request]:
@@ -204,14 +213,20 @@ def _lines(data: bytes, name: str) -> Iterator[Request]:
 
 
 def requests_from_captures(captures: Iterable[Captured]) -> list[Request]:
-    """Captured bodies as Requests, byte for byte (``bench --from captured``)."""
-    return [Request(c.path, c.body, c.content_encoding, f"captured turn {c.turn_id}")
-            for c in captures if is_measured(c.method, c.path)]
+    """Captured bodies as Requests, byte for byte, with their offsets from the first (``bench --from
+    captured``)."""
+    kept = [c for c in captures if is_measured(c.method, c.path)]
+    first = kept[0].t_wall if kept else 0.0
+    return [Request(c.path, c.body, c.content_encoding, f"captured turn {c.turn_id}", offset_s=c.t_wall - first)
+            for c in kept]
 
 
-def replay_line(c: Captured) -> bytes:
-    """One line of ``export --format replay``: a wrapper whose body comes back as the same bytes."""
+def replay_line(c: Captured, first_t_wall: float | None = None) -> bytes:
+    """One line of ``export --format replay``: a wrapper whose body comes back as the same bytes, and
+    (given the first exported request's ``t_wall``) its ``timestamp``, in ms from that one."""
     out: dict[str, object] = {"path": c.path}
+    if first_t_wall is not None:
+        out["timestamp"] = round((c.t_wall - first_t_wall) * 1000)
     text = None
     if not c.content_encoding:
         try:

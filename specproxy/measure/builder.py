@@ -382,6 +382,7 @@ class RecordBuilder:
             session=session,
             prefix_reused_tokens=turn.reused,
             prefix_break_part=turn.part,
+            prompt_block_digests=turn.blocks,
             turn_diff=orjson.dumps(turn.diff).decode() if turn.diff is not None else None,
             tools_defined=tools_defined,
             tools_called=tools_called,

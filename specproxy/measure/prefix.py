@@ -15,7 +15,9 @@ digests and token ids, never text: a segment whose digest was there last turn re
 new segments are tokenized; the first differing token is found by comparing the two id arrays. The
 token ids of recent segments are also shared across sessions (an LRU bounded by tokens): an agent's
 system prompt and tool definitions open every one of its sessions, and are tokenized once.
-The turn-to-turn diff compares digests of the system messages, the tools and each message.
+The turn-to-turn diff compares digests of the system messages, the tools and each message. The same
+token ids give every turn's chained block digests (``blocks.py``; for a turn without a session too),
+which ``export --format mooncake`` turns into a trace's hash ids.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import orjson
 
+from specproxy.measure.blocks import BLOCK_TOKENS, block_digests
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.tokens import completion_text
 
@@ -43,11 +46,14 @@ MAX_SHARED_TOKENS = 1_000_000  # token ids of recent segments shared across sess
 class TurnPrefix:
     """``reused``: leading tokens shared with the session's previous turn (None on its first turn).
     ``part``: the part the first differing token falls in (None when the turn only appended, or the
-    parts are not in render order). ``diff``: what changed, as ``Record.turn_diff`` says."""
+    parts are not in render order). ``diff``: what changed, as ``Record.turn_diff`` says. ``blocks``:
+    the chained digests of the prompt's token blocks, as ``Record.prompt_block_digests`` says (None
+    without a tokenizer)."""
 
     reused: int | None = None
     part: str | None = None
     diff: dict[str, Any] | None = None
+    blocks: str | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class _Turn:
     tools: bytes
     messages: list[bytes]
     tokens: int
+    digests: list[bytes]  # chained digests of its token blocks (blocks.py)
 
 
 def _digest(data: bytes) -> bytes:
@@ -103,13 +110,16 @@ class PrefixTracker:
         self._lock = threading.Lock()
 
     def observe(self, session: str | None, tok: Any, parts: PromptParts | None) -> TurnPrefix:
-        """This turn compared with the session's previous one, which it then replaces. CPU work."""
-        if session is None or parts is None:
+        """This turn compared with the session's previous one, which it then replaces; and its prompt's
+        block digests (also for a turn without a session, which is not remembered). CPU work."""
+        if parts is None or (session is None and tok is None):
             return TurnPrefix()
-        with self._lock:
-            prev = self._turns.pop(session, None)
-            if prev is not None:
-                self._held -= prev.tokens
+        prev = None
+        if session is not None:
+            with self._lock:
+                prev = self._turns.pop(session, None)
+                if prev is not None:
+                    self._held -= prev.tokens
         known = {d: ids for d, _, ids in prev.segments} if prev is not None else {}
         segments = []
         encode = getattr(tok, "encode", None)
@@ -125,8 +135,16 @@ class PrefixTracker:
                     self._share(d, ids)
                 segments.append((d, part, ids))
         cur = _Turn(segments, _json_digest(list(parts.system)), _json_digest(list(parts.tools)),
-                    [_json_digest(m) for m in parts.conversation], sum(len(s[2]) for s in segments) // 4)
+                    [_json_digest(m) for m in parts.conversation], sum(len(s[2]) for s in segments) // 4, [])
         result = TurnPrefix() if prev is None else self._compare(prev, cur, encode is not None)
+        if encode is not None:
+            # the blocks wholly inside the prefix shared with the previous turn are its blocks: not hashed again
+            same = (result.reused or 0) // BLOCK_TOKENS if prev is not None else 0
+            cur.digests = block_digests(np.frombuffer(b"".join(s[2] for s in segments), dtype=np.uint32),
+                                        prev.digests[:same] if prev is not None else ())
+            result = replace(result, blocks=b"".join(cur.digests).hex())
+        if session is None:
+            return result
         with self._lock:
             self._turns[session] = cur
             self._held += cur.tokens

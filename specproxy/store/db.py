@@ -117,6 +117,9 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
         'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_queries_total" REAL',
         'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_hits_total" REAL',
     )),
+    ("015_prompt_block_digests", (
+        'ALTER TABLE "turns" ADD COLUMN "prompt_block_digests" TEXT',
+    )),
 ]
 
 

@@ -71,4 +71,7 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
         "ALTER TABLE scrapes ADD COLUMN prefix_cache_queries_total DOUBLE PRECISION",
         "ALTER TABLE scrapes ADD COLUMN prefix_cache_hits_total DOUBLE PRECISION",
     )),
+    ("005_prompt_block_digests", (
+        "ALTER TABLE turns ADD COLUMN prompt_block_digests TEXT",
+    )),
 ]
