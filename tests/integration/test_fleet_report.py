@@ -1,0 +1,243 @@
+"""The fleet's read side against a real PostgreSQL (tests/pgserver.py): the same turns in an SQLite file and
+in PostgreSQL give the same figures, primitive read by primitive read (store/pg_source.py against
+store/sqlite_source.py) and command by command (``report``, ``compare``, ``audit``, ``export``). Then
+the issue's "done when": four ``serve`` processes in front of two upstreams, each with its own SQLite
+file and ``--sink`` to one PostgreSQL; once their shippers have caught up, report, compare and audit over
+PostgreSQL equal the same over the union of their SQLite files. Issue 35. Every wait is for an event
+(a row count), bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sqlite3
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from faultkit import wait_until
+from serveproc import LoopThread, ServeProcess
+from specproxy.app.cli import main
+from specproxy.app.fake_upstream import FakeUpstream, Script, make_record
+from specproxy.store import rows
+from specproxy.store.db import open_store
+from specproxy.store.pg_source import PgSource
+from specproxy.store.shipper import Shipper
+from specproxy.store.sinks.postgres import PostgresSink
+from specproxy.store.source import Window
+from specproxy.store.sqlite_source import SQLiteSource
+from specproxy.store.writer import Writer
+
+T0 = 1_800_000_000.0
+CHAT = "/v1/chat/completions"
+
+
+def make_db(path: Path, seed: int = 5, n: int = 400, proxy: str = "edge-1") -> Path:
+    """``n`` turns over ~1 hour (labels, outcomes, instances, clients and sessions, NULLs, t_wall ties), rows
+    of other paths, lone-turn counters for some (stored out of the turns' order), and scrapes with failures
+    and a gap."""
+    rng = random.Random(seed)
+    w = Writer(path, queue_size=100_000)
+    counters = []
+    for i in range(n):
+        t = T0 + i * 9.0 + (rng.random() * 30 if rng.random() < 0.1 else 0.0)
+        if i and rng.random() < 0.03:
+            t = prev  # a tie: ordered by insertion
+        prev = t
+        rec = make_record(seed=rng.random(), t_wall=t, label=rng.choice(["a", "b", None]),
+                          instance_id=rng.choice(["i1", "i2"]), concurrency=rng.choice([1, 1, 2, 5]),
+                          outcome="ok" if rng.random() > 0.1 else "client_abort",
+                          decode_tps=rng.uniform(20, 90) if rng.random() > 0.05 else None,
+                          client=rng.choice(["cli-x", "cli-y", None]), session=f"s{rng.randint(0, 20)}",
+                          api="chat", prompt_new_tokens=rng.randint(1, 90), streamed=rng.random() > 0.1,
+                          usage_cached_tokens=rng.choice([None, 512]), prefix_reused_tokens=rng.randint(0, 900),
+                          conn_id=rng.randint(1, 30), proxy_name=proxy)
+        w.put(rec)
+        if rng.random() < 0.05:  # another path's row: forwarded, recorded, never a figure
+            w.put(make_record(seed=rng.random(), t_wall=t + 1.0, label=rec.label, path="/v1/models",
+                              measured=False, proxy_name=proxy))
+        if rec.concurrency == 1 and rng.random() < 0.6:
+            counters.append(rows.turn_counters(rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
+                                               rng.choice([2.5, 1.8, 2.0 + rng.random(), None]), 0.75))
+        if len(counters) > 3 and rng.random() < 0.3:  # stored later than their turns, and not in their order
+            rng.shuffle(counters)
+            w.put(counters.pop())
+    for item in counters:
+        w.put(item)
+    t, tokens = T0 - 60.0, 0.0
+    while t < T0 + n * 9.0 + 60:
+        if T0 + 900 < t < T0 + 1300:  # no scrape at all here
+            t += 5.0
+            continue
+        if rng.random() < 0.15:
+            w.put(rows.failed_scrape(t, t - T0, "i1", "connection refused"))
+        else:
+            tokens += rng.randint(100, 900)
+            w.put(rows.scrape((t, t - T0, rng.choice(["i1", "i2"]), "llamacpp", float(rng.randint(0, 5)), 0.0,
+                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None)))
+        t += rng.uniform(2.0, 8.0)
+    w.close()
+    return path
+
+
+def ship(db: Path, url: str, name: str) -> None:
+    shipper = Shipper(db, PostgresSink(url), name, idle_s=0.05, max_wait_s=0.5)
+    shipper.start()
+    try:
+        assert shipper.caught_up.wait(60), f"the shipper did not catch up: {shipper.last_error}"
+        assert shipper.rows_set_aside == 0
+    finally:
+        shipper.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, pg_server):
+    """One SQLite file, and the same rows shipped to a fresh PostgreSQL database by the real shipper."""
+    db = make_db(tmp_path_factory.mktemp("fleet-report") / "a.db")
+    url = pg_server.url(pg_server.new_database())
+    ship(db, url, "edge-1")
+    return db, url
+
+
+def windows() -> list[Window]:
+    rng = random.Random(9)
+    out = [Window(), Window("a"), Window("nobody"), Window(since=T0 + 1000), Window(until=T0 + 1000),
+           Window(since=T0 + 9000)]
+    for _ in range(20):
+        lo = T0 + rng.uniform(-100, 3700)
+        out.append(Window(rng.choice([None, "a", "b"]), lo, lo + rng.choice([30.0, 300.0, 1500.0])))
+    return out
+
+
+def same_turns(x, y) -> None:
+    assert len(x) == len(y) and set(x.num) == set(y.num) and set(x.txt) == set(y.txt)
+    for k in x.num:
+        if k == "rowid":  # each store's own key: the same order of the same turns, not the same numbers
+            assert np.array_equal(np.argsort(x.num[k], kind="stable"), np.argsort(y.num[k], kind="stable"))
+            continue
+        assert x.num[k].dtype == y.num[k].dtype and np.array_equal(x.num[k], y.num[k], equal_nan=True), k
+    for k in x.txt:
+        assert x.txt[k].tolist() == y.txt[k].tolist(), k
+
+
+def test_every_primitive_read_is_the_same(fleet):
+    db, url = fleet
+    with SQLiteSource(db) as lite, PgSource(url) as pg:
+        assert lite.database() == pg.database() and lite.labels() == pg.labels() == ["a", "b"]
+        fields = ("id", "t_wall", "label", "streamed", "concurrency", "decode_tps", "proxy_name")
+        for w in windows():
+            a, b = lite.turns(w), pg.turns(w)
+            same_turns(a, b)
+            assert lite.unmeasured(w) == pg.unmeasured(w)
+            assert lite.recent(w, fields, 7) == pg.recent(w, fields, 7)
+            assert lite.nth_newest_t_wall(w, 5) == pg.nth_newest_t_wall(w, 5)
+            la, lb = lite.lone_joins(w), pg.lone_joins(w)
+            # the joined turns by their place in the window's turns, the deltas in the order they were stored
+            assert np.array_equal(np.searchsorted(a.num["rowid"][np.argsort(a.num["rowid"])], la.rowid),
+                                  np.searchsorted(b.num["rowid"][np.argsort(b.num["rowid"])], lb.rowid))
+            assert np.array_equal(la.mal, lb.mal, equal_nan=True)
+            if len(a):
+                da, db_ = lite.load(w, server=True, context=True), pg.load(w, server=True, context=True)
+                for f in ("t_wall", "instance_id", "server_kind", "error"):
+                    assert getattr(da.scrapes, f).tolist() == getattr(db_.scrapes, f).tolist()
+                for f, v in da.scrapes.num.items():
+                    assert np.array_equal(v, db_.scrapes.num[f], equal_nan=True)
+        assert len(lite.turns(Window())) > 300  # the windows above were not all empty
+        assert len(lite.lone_joins(Window()).mal) > 20
+        for t in (T0 - 100, T0 + 1000, T0 + 1500, T0 + 9e5):
+            for after in (False, True):
+                for ok in (False, True):
+                    assert lite.scrape_time(t, after=after, ok=ok) == pg.scrape_time(t, after=after, ok=ok)
+
+
+def run(*args: str) -> str:
+    out = CliRunner().invoke(main, list(args))
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+def without_source(text: str) -> dict:
+    """The command's JSON, but for ``source`` (the database's name, a path or a URL)."""
+    out = json.loads(text)
+    out.pop("source", None)
+    return out
+
+
+COMMANDS = [
+    ("report", "--json"), ("report", "--json", "--label", "a"),
+    ("report", "--json", "--since", str(T0 + 600), "--until", str(T0 + 2400)),
+    ("report", "--json", "--since", str(T0 + 9e5)),  # selects nothing: says why from the whole store
+    ("compare", "a", "b", "--json"), ("compare", "a", "--negative-control", "--json"),
+    ("compare", f"@{T0}..{T0 + 1800}", f"@{T0 + 1800}..{T0 + 3600}", "--json"),
+    ("audit", "--json"), ("audit", "--json", "--label", "b"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c))
+def test_the_commands_give_the_same_figures(fleet, command):
+    db, url = fleet
+    lite = without_source(run(*command, "--db", str(db)))
+    assert lite == without_source(run(*command, "--db", url))
+    if command[0] == "report" and "--since" not in command:
+        assert lite["turns"] > 100 and lite["server"] is not None
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_export_is_the_same(fleet, fmt, tmp_path):
+    db, url = fleet
+    for window in ((), ("--label", "a", "--since", str(T0 + 100), "--until", str(T0 + 2000))):
+        a, b = tmp_path / f"lite.{fmt}", tmp_path / f"pg.{fmt}"
+        run("export", "--db", str(db), "--format", fmt, "-o", str(a), *window)
+        run("export", "--db", url, "--format", fmt, "-o", str(b), *window)
+        assert a.read_bytes() == b.read_bytes() and a.stat().st_size > 1000
+
+
+def test_report_text_and_html_over_postgresql(fleet, tmp_path):
+    db, url = fleet
+    a, b = tmp_path / "lite.html", tmp_path / "pg.html"
+    text = run("report", "--db", str(db), "--html", str(a)).replace(str(db), url).replace(str(a), str(b))
+    assert text == run("report", "--db", url, "--html", str(b)) and "decode" in text
+    assert a.read_text().replace(str(db), url) == b.read_text() and "<svg" in b.read_text()
+
+
+def test_a_password_in_the_url_or_a_server_not_there_is_one_line(pg_server):
+    cases = {
+        "postgresql://fleet:secret-pw@127.0.0.1:1/x": "holds a password",
+        f"postgresql://fleet@127.0.0.1:{_closed_port()}/x": "cannot connect to",
+    }
+    for url, why in cases.items():
+        for command in (("report",), ("audit",), ("compare", "a", "b"), ("export",)):
+            out = CliRunner().invoke(main, [*command, "--db", url])
+            assert out.exit_code == 2 and why in out.output, out.output
+            assert out.output.count("\n") == 1 and "secret-pw" not in out.output and "Traceback" not in out.output
+
+
+def test_a_database_no_proxy_shipped_to_reads_as_empty(pg_server):
+    url = pg_server.url(pg_server.new_database())
+    report = json.loads(run("report", "--json", "--db", url))
+    assert report["turns"] == 0
+    assert run("export", "--db", url) == ""
+
+
+def test_commands_that_write_or_read_local_tables_refuse_a_url(pg_server, tmp_path):
+    url = pg_server.url("postgres")
+    for args in (["serve", "--upstream", "http://127.0.0.1:1", "--db", url],
+                 ["export", "--format", "replay", "--db", url],
+                 ["bench", "--upstream", "http://127.0.0.1:1", "--db", url, "--model", "m"]):
+        out = CliRunner().invoke(main, args)
+        assert out.exit_code == 2 and "give an SQLite file" in out.output, out.output
+        assert out.output.count("\n") == 1
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
