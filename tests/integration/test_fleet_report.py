@@ -38,11 +38,11 @@ T0 = 1_800_000_000.0
 CHAT = "/v1/chat/completions"
 
 
-def make_db(path: Path, seed: int = 5, n: int = 400, proxy: str = "edge-1") -> Path:
+def make_db(path: Path, seed: int = 5, n: int = 400, proxy: str = "edge-1", counter_seed: int = 1) -> Path:
     """``n`` turns over ~1 hour (labels, outcomes, instances, clients and sessions, NULLs, t_wall ties), rows
-    of other paths, lone-turn counters for some (stored out of the turns' order), and scrapes with failures
-    and a gap."""
-    rng = random.Random(seed)
+    of other paths, lone-turn counters for some (stored out of the turns' order: ``counter_seed`` says how),
+    and scrapes with failures and a gap."""
+    rng, crng = random.Random(seed), random.Random(counter_seed)
     w = Writer(path, queue_size=100_000)
     counters = []
     for i in range(n):
@@ -65,8 +65,8 @@ def make_db(path: Path, seed: int = 5, n: int = 400, proxy: str = "edge-1") -> P
         if rec.concurrency == 1 and rng.random() < 0.6:
             counters.append(rows.turn_counters(rec.id, rec.instance_id, 1.0, 100.0, 40.0, 80.0, 60.0,
                                                rng.choice([2.5, 1.8, 2.0 + rng.random(), None]), 0.75))
-        if len(counters) > 3 and rng.random() < 0.3:  # stored later than their turns, and not in their order
-            rng.shuffle(counters)
+        if len(counters) > 3 and crng.random() < 0.3:  # stored later than their turns, and not in their order
+            crng.shuffle(counters)
             w.put(counters.pop())
     for item in counters:
         w.put(item)
@@ -103,6 +103,21 @@ def fleet(tmp_path_factory, pg_server):
     url = pg_server.url(pg_server.new_database())
     ship(db, url, "edge-1")
     return db, url
+
+
+def test_lone_turn_figures_do_not_depend_on_the_order_counters_were_stored(tmp_path):
+    """A fleet's database holds its proxies' counter joins in the order they were shipped, a union of their
+    files in another: the lone-turn figures (means summed in some order) must be the same either way."""
+    from specproxy.app.cli_common import report_of
+
+    a = report_of(str(make_db(tmp_path / "a.db", counter_seed=1)), cache=False)
+    b = report_of(str(make_db(tmp_path / "b.db", counter_seed=2)), cache=False)
+    with sqlite3.connect(tmp_path / "a.db") as x, sqlite3.connect(tmp_path / "b.db") as y:
+        order = "SELECT turn_id FROM turn_counters ORDER BY rowid"
+        assert [r for r in x.execute(order)] != [r for r in y.execute(order)]  # stored in other orders
+    assert a["server"]["lone_turns"]["joined"] > 20
+    a.pop("source"), b.pop("source")
+    assert a == b
 
 
 def windows() -> list[Window]:
