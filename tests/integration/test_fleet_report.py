@@ -256,3 +256,104 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- four proxies, two upstreams, one PostgreSQL ----------------------------------------------------------
+
+
+def chat(url: str, text: str, label: str) -> None:
+    body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(url + CHAT, body, {"Content-Type": "application/json", "X-Specproxy-Label": label,
+                                                    "User-Agent": text.split()[-1]})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+        assert resp.status == 200
+
+
+def local_count(db: Path, table: str) -> int:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def pg_count(url: str, table: str) -> int | None:
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    except psycopg.errors.UndefinedTable:
+        return None
+
+
+def union(files: list[Path], path: Path) -> Path:
+    """One SQLite file holding every proxy's turns, scrapes and counter joins, copied row by row: the turns
+    file by file (each proxy's in its own order), the scrapes by time (ties: by store and local id, as the
+    fleet's database orders them), the counter joins file by file."""
+    open_store(path).close()
+    conn = sqlite3.connect(path)
+    try:
+        scrapes = []
+        for f in files:
+            conn.execute("ATTACH DATABASE ? AS f", (str(f),))
+            conn.execute("INSERT INTO turns SELECT * FROM f.turns ORDER BY rowid")
+            conn.execute("INSERT INTO turn_counters SELECT * FROM f.turn_counters ORDER BY rowid")
+            (store_id,) = conn.execute("SELECT value FROM f.store_meta WHERE key = 'store_id'").fetchone()
+            cols = [r[1] for r in conn.execute("PRAGMA f.table_info(scrapes)")]
+            scrapes += [(r[1], store_id, r[0], r[1:]) for r in conn.execute(f"SELECT {', '.join(cols)} FROM f.scrapes")]
+            conn.commit()
+            conn.execute("DETACH DATABASE f")
+        scrapes.sort(key=lambda s: (s[0], s[1], s[2]))
+        conn.executemany(f"INSERT INTO scrapes ({', '.join(cols[1:])}) VALUES ({', '.join('?' * (len(cols) - 1))})",
+                         [s[3] for s in scrapes])
+        conn.commit()
+    finally:
+        conn.close()
+    return path
+
+
+@pytest.fixture
+def two_upstreams():
+    lt = LoopThread()
+    ups = [FakeUpstream(Script(pieces=["a", "b", "c", "d"], tokens_per_chunk=1, interval_s=0.002)),
+           FakeUpstream(Script(pieces=["a", "b", "c", "d", "e", "f"], tokens_per_chunk=2, interval_s=0.004))]
+    for up in ups:
+        lt.run(up.start())
+    yield ups
+    for up in ups:
+        lt.run(up.close())
+    lt.close()
+
+
+def test_four_proxies_in_postgresql_equal_the_union_of_their_files(tmp_path, pg_server, two_upstreams):
+    url = pg_server.url(pg_server.new_database())
+    files = [tmp_path / f"edge-{k}.db" for k in range(4)]
+    procs = []
+    try:
+        for k, db in enumerate(files):  # proxies 0 and 2 before one upstream, 1 and 3 before the other
+            procs.append(ServeProcess(tmp_path, two_upstreams[k % 2].url, db, "--sink", url, "--proxy-name",
+                                      f"edge-{k}", "--scrape-interval", "0.2", "--tokenizer", "tiktoken:o200k_base",
+                                      name=f"edge-{k}"))
+        per_proxy = 12
+        for i in range(per_proxy):
+            for k, proc in enumerate(procs):  # each proxy's own conversations and client; arms a and b on all
+                chat(proc.url, f"turn {i} of conversation edge{k}", "a" if i % 2 else "b")
+        total = per_proxy * len(procs)
+        wait_until(lambda: sum(local_count(db, "turns") for db in files) == total, 60, 0.05, "turns recorded")
+        wait_until(lambda: pg_count(url, "turns") == total, 120, 0.05, "the shippers to ship every turn")
+    finally:
+        for proc in procs:
+            proc.signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
+    # what the proxies scraped and joined after their last turn ships when each starts again: here, its shipper
+    for k, db in enumerate(files):
+        ship(db, url, f"edge-{k}")
+    assert pg_count(url, "scrapes") == sum(local_count(db, "scrapes") for db in files) > 8
+    assert pg_count(url, "turn_counters") == sum(local_count(db, "turn_counters") for db in files) > 0
+    whole = union(files, tmp_path / "union.db")
+    for command in (("report", "--json"), ("report", "--json", "--label", "a"), ("compare", "a", "b", "--json"),
+                    ("audit", "--json")):
+        lite = without_source(run(*command, "--db", str(whole)))
+        assert lite == without_source(run(*command, "--db", url)), command
+    report = json.loads(run("report", "--json", "--db", url))
+    assert report["turns"] == total and report["server"]["lone_turns"]["joined"] > 0
+    audit = json.loads(run("audit", "--json", "--db", url))
+    assert audit["turns"] == total and len(audit["clients"]) == 4
