@@ -54,7 +54,7 @@ NUMERIC = (
     "tools_called",
 )
 TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session",
-        "prefix_break_part", "turn_diff", "tool_names")
+        "prefix_break_part", "turn_diff", "tool_names", "proxy_name")
 
 
 @dataclass

@@ -335,6 +335,22 @@ def _server(s: dict[str, Any] | None) -> str:
     return head + f'<div class="grid">{chart}<table class="card">{table}</table></div>'
 
 
+def _by_name(r: dict[str, Any]) -> str:
+    """The report's by-proxy and by-instance tables (when the turns come from more than one)."""
+    out = []
+    for key, title in (("proxy", "By proxy"), ("instance", "By server instance")):
+        rows = "".join(
+            f'<tr><td>{escape("-" if row[key] is None else str(row[key]))}</td><td>{row["turns"]}</td><td>{row["n"]}</td>'
+            f'<td>{_f(row["ttft_s"]["median"])}</td><td>{_f(row["per_stream_tps"]["median"], "{:.1f}")} '
+            f'[{_f(row["per_stream_tps"]["ci_low"], "{:.1f}")}, {_f(row["per_stream_tps"]["ci_high"], "{:.1f}")}]</td>'
+            f'<td>{_f(row["aggregate"]["tps"], "{:.1f}")}</td></tr>' for row in r.get(f"by_{key}") or ())
+        if rows:
+            out.append(f'<h2>{title}</h2><table class="card" id="by-{key}"><tr><th>{key}</th><th>completed turns</th>'
+                       f'<th>streamed</th><th>TTFT p50 s</th><th>per-stream tok/s [95% CI]</th>'
+                       f'<th>aggregate tok/s</th></tr>{rows}</table>')
+    return "".join(out)
+
+
 def fragment(snap: dict[str, Any], note: str = "") -> str:
     """The content of the page: what each live event replaces. ``note``: a line of HTML above it (the live
     page's store line)."""
@@ -346,7 +362,7 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'
-            + _server(r.get("server")))
+            + _by_name(r) + _server(r.get("server")))
 
 
 def document(snap: dict[str, Any], *, live: bool, title: str, note: str = "") -> str:
