@@ -253,8 +253,9 @@ def register(group: click.Group) -> None:
     @click.option("--bandwidth-gbs", type=float, required=True, help="Memory bandwidth in GB/s (e.g. 273)")
     @click.option("--mal", type=float, default=None,
                   help="Mean acceptance length (tokens per forward pass) [default: from --db's counters, else 1]")
-    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling [default: none, "
-                                             "the ceiling alone]")
+    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling (an SQLite file "
+                                             "or a fleet's postgresql://USER@HOST/DB) [default: none, the ceiling "
+                                             "alone]")
     @click.option("--label", default=None, help="Only turns with this label (with --db)")
     @click.option("--json", "as_json", is_flag=True, help="Print as JSON")
     @friendly

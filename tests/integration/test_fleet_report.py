@@ -204,6 +204,14 @@ def test_the_commands_give_the_same_figures(fleet, command):
         assert lite["turns"] > 100 and lite["server"] is not None
 
 
+def test_roofline_reads_the_fleet_too(fleet):
+    db, url = fleet
+    args = ("roofline", "--active-params", "8e9", "--bits", "4", "--bandwidth-gbs", "273", "--label", "a", "--json")
+    lite, pg = json.loads(run(*args, "--db", str(db))), json.loads(run(*args, "--db", url))
+    assert lite["measured_over"].pop("database") == str(db) and pg["measured_over"].pop("database") == url
+    assert lite == pg and lite["measured_over"]["turns"] > 50 and lite["measured_passes_per_s"] > 0
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
 def test_export_is_the_same(fleet, fmt, tmp_path):
     db, url = fleet
