@@ -133,14 +133,21 @@ def main() -> None:
         print(f"loaded {args.n:,} turns of 4 proxies in {took:.1f} s ({args.n / took:,.0f} turns/s through "
               f"PostgresSink.send)", flush=True)
         hour = Window(since=T0 + SPAN / 2, until=T0 + SPAN / 2 + 3600)
-        rows = []
-        for name, window, extra in (("whole", Window(), ()),
-                                    ("one hour", hour, ("--since", str(hour.since), "--until", str(hour.until)))):
-            walls, rss, loads, builds, bases = [], [], [], [], []
-            for _ in range(args.repeat):
+        windows = (("whole", Window(), ()),
+                   ("one hour", hour, ("--since", str(hour.since), "--until", str(hour.until))))
+        # the CLI runs first: a child's peak RSS (wait4) starts from this process's at the fork, so it must
+        # be small then (no columns loaded here yet)
+        walls = {name: [] for name, _, _ in windows}
+        rss = {name: [] for name, _, _ in windows}
+        for _ in range(args.repeat):
+            for name, _, extra in windows:
                 w, r = cli(url, *extra)
-                walls.append(w)
-                rss.append(r)
+                walls[name].append(w)
+                rss[name].append(r)
+        rows = []
+        for name, window, _ in windows:
+            loads, builds, bases = [], [], []
+            for _ in range(args.repeat):
                 with PgSource(url) as store:
                     t = time.perf_counter()
                     data = store.load(window, REPORT_COLUMNS, server=True, context=True)
@@ -148,8 +155,10 @@ def main() -> None:
                 t = time.perf_counter()
                 build_report(data, source=url)
                 builds.append(time.perf_counter() - t)
+                n = len(data.turns)
+                del data
                 bases.append(baseline(url, window))
-            rows.append((name, len(data.turns), walls, rss, loads, builds, bases))
+            rows.append((name, n, walls[name], rss[name], loads, builds, bases))
         med = statistics.median
         print(f"\n{platform.node()}: {cpu_model()}, {os.cpu_count()} cores; PostgreSQL {bindir.parent.name}; "
               f"medians of {args.repeat}")
