@@ -244,6 +244,19 @@ def test_a_password_in_the_url_or_a_server_not_there_is_one_line(pg_server):
             assert out.output.count("\n") == 1 and "secret-pw" not in out.output and "Traceback" not in out.output
 
 
+def test_a_user_that_may_only_read_is_enough(fleet, pg_server):
+    db, url = fleet
+    name = url.rsplit("/", 1)[1]
+    denied = CliRunner().invoke(main, ["report", "--db", pg_server.url(name, user="reader")])
+    assert denied.exit_code == 2 and "permission denied" in denied.output and denied.output.count("\n") == 1
+    pg_server.admin("GRANT SELECT ON ALL TABLES IN SCHEMA public TO reader", db=name)
+    try:
+        as_reader = run("report", "--json", "--db", pg_server.url(name, user="reader"))
+        assert as_reader == run("report", "--json", "--db", url).replace("fleet@", "reader@")
+    finally:
+        pg_server.admin("REVOKE SELECT ON ALL TABLES IN SCHEMA public FROM reader", db=name)
+
+
 def test_a_database_no_proxy_shipped_to_reads_as_empty(pg_server):
     url = pg_server.url(pg_server.new_database())
     report = json.loads(run("report", "--json", "--db", url))
