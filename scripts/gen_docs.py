@@ -82,7 +82,8 @@ def schema_md() -> str:
             "| table | holds |", "| --- | --- |",
             "| `turns` | every field above, of every proxy; partitioned by UTC day on `t_wall` (`turns_YYYYMMDD`), keyed by (`id`, `t_wall`); booleans as SMALLINT 0/1, as SQLite holds them |",
             "| `scrapes` | the local `scrapes` rows, with `store_id` and `proxy_name` in front; keyed by (`store_id`, `id`) |",
-            "| `turn_counters` | the local `turn_counters` rows (a lone turn's counter deltas), keyed by `turn_id` |",
+            "| `turn_counters` | the local `turn_counters` rows (a lone turn's counter deltas), keyed by `turn_id`; `seq` numbers "
+            "them in the order the database took them (migration `002_counters_seq`) |",
             "| `proxies` | `proxy_name`, the `store_id` that ships under it, `first_seen`, `last_seen` |",
             "| `specproxy_migrations` | the PostgreSQL migrations applied (`name`, `applied_at`) |"]
     return "\n".join(out) + "\n"

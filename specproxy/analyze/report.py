@@ -60,7 +60,7 @@ PROMPT_PARTS = ("prompt_system_tokens", "prompt_tools_tokens", "prompt_history_t
 REPORT_COLUMNS = (
     "t_wall", "total_s", "ttft_s", "decode_s", "decode_tps", "completion_tokens", "usage_completion_tokens",
     "tokens_per_chunk", "proxy_delay_s", "concurrency", "streamed", "prompt_tokens", *PROMPT_PARTS,
-    "outcome", "label", "tokenizer", "instance_id", "content_class",
+    "outcome", "label", "tokenizer", "instance_id", "content_class", "proxy_name",
     *(c for c in PREFIX_CACHE_COLUMNS if c not in ("ttft_s", "streamed", "prompt_tokens", "outcome")),
 )
 # what the stream figures and the tables over streamed turns read
@@ -150,6 +150,8 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     report["prefix_cache"] = prefix_cache_section(ok)
     report["cost"] = cost_section(turns, prices) if n_all else None
     report["by"] = by_group(turns, by, prices) if by and n_all else None
+    report["by_proxy"] = _by_name(ok, "proxy_name")
+    report["by_instance"] = _by_name(ok, "instance_id")
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
@@ -225,6 +227,27 @@ def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
 def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
     return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(streamed.num["prompt_tokens"]),
                   lambda cell: {})
+
+
+def _by_name(ok: Turns, column: str) -> list[dict[str, Any]]:
+    """One row per proxy (``proxy_name``) or server instance (``instance_id``) when the completed turns
+    come from more than one (else none): its turns, TTFT and per-stream speed over its streamed turns, and
+    its aggregate throughput, so that one slow machine of a fleet shows beside the others. Rows by name;
+    turns without a name (recorded before it was, or by a proxy that could not tell) are one row, None."""
+    if column not in ok.txt or not len(ok):
+        return []
+    names = ok.txt[column]
+    known = sorted({str(v) for v in names.tolist() if v is not None})
+    order = [*known, None] if any(v is None for v in names.tolist()) else known
+    if len(order) < 2:
+        return []
+    index = np.full(len(ok), len(known))  # None's row: after the named ones
+    for i, name in enumerate(known):
+        index[names == name] = i
+    key = "proxy" if column == "proxy_name" else "instance"
+    return _cells(ok, key, order, index,
+                  lambda cell: {"turns": len(cell), "aggregate": aggregate_throughput(cell)},
+                  columns=("total_s", "completion_tokens"))
 
 
 CONTENT_CLASSES = ("prose", "code", "tool_call")
@@ -311,6 +334,18 @@ def _figure_rows(summaries: dict[str, Any], figures: tuple) -> list[str]:
     return lines
 
 
+def _name_rows(rows: list[dict[str, Any]], key: str, title: str) -> list[str]:
+    lines = [title, f"  {key:>20} {'turns':>6} {'n':>6} {'TTFT p50 s':>11} {'per-stream tok/s [95% CI]':>30} "
+                    f"{'aggregate tok/s':>16}"]
+    for row in rows:
+        ps = row["per_stream_tps"]
+        name = "-" if row[key] is None else str(row[key])
+        lines.append(f"  {name[-20:]:>20} {row['turns']:>6} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
+                     f" {_fmt(ps['median'], '{:.1f}') + ' ' + _ci(ps, '{:.1f}'):>30}"
+                     f" {_fmt(row['aggregate']['tps'], '{:.1f}'):>16}")
+    return lines
+
+
 def render_text(r: dict[str, Any]) -> str:
     lines: list[str] = []
     when = f", {_utc(r['first_t_wall'])} to {_utc(r['last_t_wall'])} UTC" if r["first_t_wall"] is not None else ""
@@ -389,6 +424,11 @@ def render_text(r: dict[str, Any]) -> str:
             lines.append(f"  {row['content_class']:>13} {row['n']:>6} {_fmt(row['ttft_s']['median'], '{:.3f}'):>11}"
                          f" {_fmt(row['per_stream_tps']['median'], '{:.1f}'):>17}"
                          f" {_fmt(row['tokens_per_chunk']['median'], '{:.2f}'):>13}")
+    for key, title in (("by_proxy", "By proxy (the fleet's proxies that saw these turns)"),
+                       ("by_instance", "By server instance (each start of a server is one)")):
+        if r.get(key):
+            lines.append("")
+            lines.extend(_name_rows(r[key], key.removeprefix("by_"), title))
     w = r["whole_turn"]
     lines.append("")
     if w["n"] and w["ttft_share"] is not None:

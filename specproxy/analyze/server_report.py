@@ -201,6 +201,11 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     pos, mal = _turn_counters(lone, turns.num["rowid"][order])
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``
+        # in the turns' order (start time), not the order the deltas were stored: that order is one proxy's,
+        # and a fleet's database interleaves its proxies' by when each shipped, so the sums under the means
+        # would differ in their last bits between the fleet's database and a union of its proxies' files
+        by_turn = np.argsort(at, kind="stable")
+        at, mal = at[by_turn], mal[by_turn]
         with np.errstate(divide="ignore", invalid="ignore"):
             fwd = np.where((mal != 0) & np.isfinite(mal), turns.num["decode_tps"][at] / mal, np.nan)
         # the same turns' tokens per chunk, beside their MAL: equal only on a server that streams once

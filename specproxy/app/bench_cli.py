@@ -17,7 +17,7 @@ from typing import Any
 import click
 import orjson
 
-from specproxy.app.cli_common import db_option, echo, friendly, report_of
+from specproxy.app.cli_common import db_option, echo, friendly, report_of, sqlite_only
 from specproxy.errors import ConfigError, SpecproxyError
 
 __all__ = ["NO_TOKENIZER", "export_mooncake", "export_replay", "register"]
@@ -278,6 +278,7 @@ def register(group: click.Group) -> None:
             "upstream": upstream, "db": db, "tokenizer": tokenizer, "host": "127.0.0.1", "port": 0, "capture": False,
             "store_text": False, "scrape_interval_s": 1.0, "cadence_poll": "off"})
         base = str(cfg.upstream_url).rstrip("/")  # ConfigError without an upstream
+        sqlite_only(cfg.db, "bench writes the turns it measures to an SQLite file")
         # a probe's turns carry their phase in their label, so report, compare and roofline never mix the phases
         arms = _arms(labels if labels is not None else "bench" + (f"-{phase}" if phase else ""))
         if len(arms) > 1 and restart_cmd is None:
@@ -352,8 +353,9 @@ def register(group: click.Group) -> None:
     @click.option("--bandwidth-gbs", type=float, required=True, help="Memory bandwidth in GB/s (e.g. 273)")
     @click.option("--mal", type=float, default=None,
                   help="Mean acceptance length (tokens per forward pass) [default: from --db's counters, else 1]")
-    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling [default: none, "
-                                             "the ceiling alone]")
+    @click.option("--db", default=None, help="Put the measured forward passes/s beside the ceiling (an SQLite file "
+                                             "or a fleet's postgresql://USER@HOST/DB) [default: none, the ceiling "
+                                             "alone]")
     @click.option("--label", default=None, help="Only turns with this label (with --db)")
     @click.option("--json", "as_json", is_flag=True, help="Print as JSON")
     @friendly

@@ -17,8 +17,8 @@ import orjson
 
 from specproxy import __version__
 from specproxy.app.bench_cli import register as register_bench
-from specproxy.app.cli_common import (BY_CHOICES, db_option, db_path, echo, friendly, open_db, prices_of, prices_option,
-                                      report_of, setting)
+from specproxy.app.cli_common import (BY_CHOICES, db_option, db_path, echo, friendly, open_db, open_source, prices_of,
+                                      prices_option, read_db_option, report_of, setting, sqlite_only)
 from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config
 from specproxy.errors import SpecproxyError
 
@@ -154,6 +154,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
     from specproxy.view.live import LivePages
 
     cfg = load_config(config_path, overrides=flags)
+    sqlite_only(cfg.db, "serve writes its turns to an SQLite file of its own first (--sink ships them on)")
     files = raise_open_files_limit()
     if files is not None and files < FEW_FILES:
         click.echo(f"warning: at most {files} open files (the hard limit, RLIMIT_NOFILE): each client and "
@@ -218,7 +219,7 @@ def _window(fn):
 
 
 @main.command()
-@db_option
+@read_db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the audit as JSON")
 @click.option("--session", "session", default=None, metavar="ID",
@@ -235,11 +236,10 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
     from specproxy.analyze.audit import audit_columns, build_audit, find_session, render_audit, render_session
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
-    from specproxy.store.sqlite_source import SQLiteSource
 
     prices = prices_of(prices_file)
-    with open_db(db) as conn:
-        turns = SQLiteSource(conn).turns(Window(label, parse_time(since), parse_time(until)), audit_columns(by))
+    with open_source(db) as store:
+        turns = store.turns(Window(label, parse_time(since), parse_time(until)), audit_columns(by))
     a = build_audit(turns, source=db_path(db), by=by, prices=prices)
     if session is None:
         echo(a, render_audit, as_json)
@@ -252,7 +252,7 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
 
 
 @main.command()
-@db_option
+@read_db_option
 @_window
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -273,13 +273,12 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
         echo(report_of(db, label, since, until, cache=cache, prices=prices, by=by), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
-    from specproxy.store.sqlite_source import SQLiteSource
     from specproxy.view.html import document
     from specproxy.view.snapshot import snapshot
 
-    with open_db(db) as conn:
-        snap = snapshot(SQLiteSource(conn, cache=cache), source=db_path(db), label=label, since=parse_time(since),
-                        until=parse_time(until), prices=prices, by=by)
+    with open_source(db, cache=cache) as store:
+        snap = snapshot(store, source=db_path(db), label=label, since=parse_time(since), until=parse_time(until),
+                        prices=prices, by=by)
     try:
         Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {db_path(db)}"),
                                    encoding="utf-8")
@@ -291,7 +290,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 
 
 @main.command()
-@db_option
+@read_db_option
 @_window
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "csv", "replay", "mooncake"]), default="jsonl",
               show_default=True, help="replay: the request bodies `serve --capture` stored, for `specproxy bench "
@@ -307,11 +306,14 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
     --format replay, every captured request body; with --format mooncake, a trace (docs/bench.md)."""
     from specproxy.record import FIELD_NAMES
     from specproxy.store.dataset import parse_time, where_clause
+    from specproxy.store.pg_source import PgSource, is_url
     from specproxy.store.queries import turn_rows
+    from specproxy.store.source import Window
 
     if fmt == "replay":
         from specproxy.app.bench_cli import export_replay
 
+        sqlite_only(db_path(db), "request bodies are captured in the proxy's own file and not shipped")
         with open_db(db) as conn:
             export_replay(conn, db_path(db), output, label=label, since=parse_time(since), until=parse_time(until))
         return
@@ -320,6 +322,7 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
         from specproxy.app.mooncake import check_block_size
 
         check_block_size(block_size)  # before the database: the option is wrong whatever it holds
+        sqlite_only(db_path(db), "export --format mooncake reads the prompt block digests of a proxy's own file")
         with open_db(db) as conn:
             n, skipped = export_mooncake(conn, db_path(db), output, block_size=block_size, label=label,
                                          since=parse_time(since), until=parse_time(until))
@@ -327,19 +330,23 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
             click.echo(f"specproxy export: {n} turns written; {skipped} left out (no prompt block digests or no "
                        "output count: measured without a tokenizer, or before digests were recorded)", err=True)
         return
-    where, params = where_clause(label=label, since=parse_time(since), until=parse_time(until), measured_only=False)
-    with open_db(db) as conn:
-        try:
-            _write_rows(conn, FIELD_NAMES, turn_rows, where, params, fmt, output)
-        except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
-            raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
+    window = Window(label, parse_time(since), parse_time(until))
+    try:
+        if is_url(db_path(db)):
+            with PgSource(db_path(db)) as store:
+                _write_rows(FIELD_NAMES, store.rows(FIELD_NAMES, window), fmt, output)
+            return
+        where, params = where_clause(**window.as_dict(), measured_only=False)
+        with open_db(db) as conn:
+            _write_rows(FIELD_NAMES, turn_rows(conn, FIELD_NAMES, where, params), fmt, output)
+    except OSError as exc:  # no such directory, a read-only file system, a full disk: one line
+        raise SpecproxyError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
-def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: str) -> None:
+def _write_rows(names, rows, fmt: str, output: str) -> None:
     """The selected rows as JSON lines or CSV, to ``output`` ("-": stdout)."""
     out = sys.stdout if output == "-" else open(output, "w", newline="")
     try:
-        rows = turn_rows(conn, names, where, params)
         if fmt == "csv":
             writer = csv.writer(out)
             writer.writerow(names)
@@ -355,7 +362,7 @@ def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: st
 @main.command("compare")
 @click.argument("arm_a")
 @click.argument("arm_b", required=False)
-@db_option
+@read_db_option
 @click.option("--negative-control", is_flag=True,
               help="Compare A against itself (random halves, by instance when it has several)")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap")
@@ -373,15 +380,13 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     """
     from specproxy.analyze.compare import (COMPARE_COLUMNS, check_level, compare, negative_control_report, parse_arm,
                                            render_compare)
-    from specproxy.store.sqlite_source import SQLiteSource
 
     check_level(level)
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     a = parse_arm(arm_a)
     b = None if negative_control else parse_arm(arm_b)
-    with open_db(db) as conn:
-        store = SQLiteSource(conn, cache=cache)
+    with open_source(db, cache=cache) as store:
         data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
     r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
         compare(a, b, *data, seed=seed, level=level)
@@ -389,7 +394,7 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 
 
 @main.command()
-@db_option
+@read_db_option
 @click.option("--before", required=True, help="Delete rows from before this time (ISO 8601 UTC or epoch s)")
 @click.option("--turns", "with_turns", is_flag=True,
               help="Also delete the turns from before it (the measurements themselves: they are gone for good)")

@@ -7,6 +7,7 @@ as ``__main__``, and a second copy of it, imported by ``bench_cli``, would get t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Any
@@ -17,8 +18,8 @@ import orjson
 from specproxy.config import Config, load_config
 from specproxy.errors import SpecproxyError
 
-__all__ = ["BY_CHOICES", "DEFAULTS", "by_option", "db_option", "db_path", "echo", "friendly", "open_db", "prices_of",
-           "prices_option", "report_of", "setting", "shown"]
+__all__ = ["BY_CHOICES", "DEFAULTS", "by_option", "db_option", "db_path", "echo", "friendly", "open_db", "open_source",
+           "prices_of", "prices_option", "read_db_option", "report_of", "setting", "shown", "sqlite_only"]
 
 
 def friendly(fn):
@@ -57,6 +58,9 @@ def setting(flag: str, key: str, help: str, **kwargs: Any):
 
 
 db_option = setting("--db", "db", "SQLite database file")
+# the commands that read only: a fleet's PostgreSQL database (serve --sink) as well (store/pg_source.py)
+read_db_option = setting("--db", "db", "SQLite database file, or a fleet's postgresql://USER@HOST[:PORT]/DB "
+                                       "(the password from PGPASSWORD or ~/.pgpass)")
 
 
 # what --by groups by (analyze/cost.py's BY_KEYS; here too so that --help needs no analysis imported)
@@ -82,10 +86,38 @@ def db_path(db: str | None) -> str:
 
 
 def open_db(db: str | None):
-    """The database for reading: every way it can be the wrong file is one line (store.open_existing)."""
+    """The SQLite file for reading: every way it can be the wrong file is one line (store.open_existing)."""
     from specproxy.store.db import open_existing
 
-    return open_existing(db_path(db))
+    path = sqlite_only(db_path(db), "this reads the SQLite file's own tables")
+    return open_existing(path)
+
+
+def sqlite_only(db: str, why: str) -> str:
+    """``db`` unless it is a PostgreSQL URL, which only the read commands take (report, compare, audit,
+    export, roofline): a command that writes, or reads what is not shipped, says so in one line."""
+    from specproxy.store.pg_source import is_url
+
+    if is_url(db):
+        raise SpecproxyError(f"--db is a PostgreSQL URL, which report, compare, audit, export and roofline read; "
+                             f"{why}: give an SQLite file")
+    return db
+
+
+@contextlib.contextmanager
+def open_source(db: str | None, *, cache: bool = False):
+    """The store the analysis reads (``store.source.Source``): an SQLite file, or a fleet's PostgreSQL
+    database when ``db`` is a ``postgresql://`` URL (``store/pg_source.py``); closed on leaving."""
+    from specproxy.store.pg_source import PgSource, is_url
+    from specproxy.store.sqlite_source import SQLiteSource
+
+    path = db_path(db)
+    if is_url(path):
+        with PgSource(path) as store:
+            yield store
+        return
+    with open_db(path) as conn:
+        yield SQLiteSource(conn, cache=cache)
 
 
 def echo(result: dict, render, as_json: bool) -> None:
@@ -99,10 +131,9 @@ def report_of(db: str | None, label: str | None = None, since: str | None = None
               cache: bool = True, prices: dict | None = None, by: str | None = None) -> dict:
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
-    from specproxy.store.sqlite_source import SQLiteSource
     from specproxy.analyze.report import build_report, report_columns
 
     window = Window(label, parse_time(since), parse_time(until))
-    with open_db(db) as conn:
-        data = SQLiteSource(conn, cache=cache).load(window, report_columns(prices, by), server=True, context=True)
+    with open_source(db, cache=cache) as store:
+        data = store.load(window, report_columns(prices, by), server=True, context=True)
     return build_report(data, source=db_path(db), prices=prices, by=by)

@@ -57,7 +57,7 @@ log = logging.getLogger("specproxy.cache")
 FORMAT = 1
 # text columns with few distinct values: stored as codes into a dictionary ("id" is not cached)
 CACHED_TEXT = ("outcome", "label", "instance_id", "tokenizer", "content_class", "path", "api", "client", "session",
-               "prefix_break_part", "turn_diff", "tool_names", "model", "tenant")
+               "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
 MAX_SEGMENTS = 8
 SAMPLED_ROWS = 16
 _PRIME = 2147483647  # t_wall checksum: sum of (microseconds since the first turn) mod this prime

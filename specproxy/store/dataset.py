@@ -55,7 +55,7 @@ NUMERIC = (
     "tools_called",
 )
 TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session",
-        "prefix_break_part", "turn_diff", "tool_names", "model", "tenant")
+        "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
 
 
 @dataclass

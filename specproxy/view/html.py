@@ -419,6 +419,20 @@ def _prefix_cache(pc: dict[str, Any] | None) -> str:
                  f"<td>[{_f(cost['lo'])}, {_f(cost['hi'])}]</td></tr>")
     return (f'<h2>Prefix cache: predicted against reused</h2><table class="card prefix-cache">'
             f'<tr><th>figure</th><th>value</th><th>95% CI</th></tr>{rows}</table>')
+def _by_name(r: dict[str, Any]) -> str:
+    """The report's by-proxy and by-instance tables (when the turns come from more than one)."""
+    out = []
+    for key, title in (("proxy", "By proxy"), ("instance", "By server instance")):
+        rows = "".join(
+            f'<tr><td>{escape("-" if row[key] is None else str(row[key]))}</td><td>{row["turns"]}</td><td>{row["n"]}</td>'
+            f'<td>{_f(row["ttft_s"]["median"])}</td><td>{_f(row["per_stream_tps"]["median"], "{:.1f}")} '
+            f'[{_f(row["per_stream_tps"]["ci_low"], "{:.1f}")}, {_f(row["per_stream_tps"]["ci_high"], "{:.1f}")}]</td>'
+            f'<td>{_f(row["aggregate"]["tps"], "{:.1f}")}</td></tr>' for row in r.get(f"by_{key}") or ())
+        if rows:
+            out.append(f'<h2>{title}</h2><table class="card" id="by-{key}"><tr><th>{key}</th><th>completed turns</th>'
+                       f'<th>streamed</th><th>TTFT p50 s</th><th>per-stream tok/s [95% CI]</th>'
+                       f'<th>aggregate tok/s</th></tr>{rows}</table>')
+    return "".join(out)
 
 
 def fragment(snap: dict[str, Any], note: str = "") -> str:
@@ -433,7 +447,7 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'
-            + _server(r.get("server")))
+            + _by_name(r) + _server(r.get("server")))
 
 
 def document(snap: dict[str, Any], *, live: bool, title: str, note: str = "") -> str:

@@ -62,7 +62,11 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     proxy_name TEXT PRIMARY KEY, store_id TEXT NOT NULL, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION
 )""",
     )),
-    # 002 is another branch's (issue 34's cache writes)
+    # the order the database took the counter joins, as SQLite's rowid gives it (the read side, pg_source.py,
+    # hands the lone-turn deltas to the analysis in that order, as sqlite_source.py does)
+    ("002_counters_seq", (
+        "ALTER TABLE turn_counters ADD COLUMN seq BIGSERIAL NOT NULL",
+    )),
     ("003_tenant", (
         "ALTER TABLE turns ADD COLUMN tenant TEXT",
     )),

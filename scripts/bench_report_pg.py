@@ -1,0 +1,175 @@
+"""How long ``specproxy report --db postgresql://...`` takes over a fleet's database (issue 35: 10M turns of
+4 proxies in under 10 s, a one-hour window of it in under 1 s).
+
+    python scripts/bench_report_pg.py -n 1000000          # a local PostgreSQL in a temporary directory
+
+Starts a PostgreSQL of Debian's packages the way the tests do (``tests/pgserver.py``: ``initdb`` and
+``pg_ctl`` on 127.0.0.1, fsync off), loads ``n`` synthetic turns of 4 proxies over a week through the
+sink's own write path (``PostgresSink.send``: COPY into a staging table, then INSERT into the day
+partitions), ``ANALYZE``s, and then times, ``--repeat`` times each:
+
+* the CLI as a user runs it (wall time with the interpreter's start, and its peak RSS):
+  ``specproxy report --json`` over the whole database and over one hour of it;
+* in process: ``PgSource.load`` (the SQL and the columns) and ``build_report`` apart, whole and hour;
+* the baseline, in the same run: the report's columns fetched with psycopg into Python lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import numpy as np  # noqa: E402
+import psycopg  # noqa: E402
+
+from benchlib import cpu_model  # noqa: E402
+from pgserver import PgServer, pg_bin  # noqa: E402
+from specproxy.analyze.report import REPORT_COLUMNS, build_report  # noqa: E402
+from specproxy.store.pg_source import PgSource  # noqa: E402
+from specproxy.store.sinks import Identity  # noqa: E402
+from specproxy.store.sinks.postgres import PostgresSink  # noqa: E402
+from specproxy.store.source import Window  # noqa: E402
+
+T0 = 1_800_000_000.0
+SPAN = 7 * 86400.0
+BATCH = 50_000
+COLUMNS = ("id", "t_wall", "path", "status", "outcome", "streamed", "label", "instance_id", "request_parsed",
+           "concurrency", "ttft_s", "decode_s", "total_s", "completion_tokens", "usage_completion_tokens", "chunks",
+           "tokens_per_chunk", "decode_tps", "prompt_tokens", "prompt_system_tokens", "prompt_tools_tokens",
+           "prompt_history_tokens", "prompt_new_tokens", "proxy_delay_s", "tokenizer", "content_class", "measured",
+           "proxy_name")
+
+
+def batch_rows(rng: np.random.Generator, t: np.ndarray, proxy: str) -> list[tuple]:
+    """Plausible turns at times ``t``: two labels and instances, concurrency 1-64, a few errors and aborts,
+    a few non-streamed turns, NULLs where a real turn has them."""
+    n = len(t)
+    conc = np.minimum(rng.geometric(0.15, n), 64)
+    ttft = rng.lognormal(-1.0, 0.6, n)
+    tokens = rng.integers(20, 900, n)
+    tps = rng.normal(80.0, 12.0, n).clip(5) / np.sqrt(conc)
+    decode = tokens / tps
+    outcome = np.where(rng.random(n) < 0.97, "ok", np.where(rng.random(n) < 0.5, "client_abort", "upstream_error"))
+    streamed = rng.random(n) < 0.95
+    parts = rng.integers(0, 2000, (n, 4))
+    label = np.where(rng.random(n) < 0.5, "a", "b")
+    inst = np.where(rng.random(n) < 0.5, "i1", "i2")
+    cls = rng.choice(["prose", "code", "tool_call"], n)
+    out = []
+    for i in range(n):
+        s = bool(streamed[i])
+        out.append((uuid.uuid4().hex, float(t[i]), "/v1/chat/completions", 200, str(outcome[i]), int(s),
+                    str(label[i]), str(inst[i]), 1, int(conc[i]), float(ttft[i]), float(decode[i]) if s else 0.0,
+                    float(ttft[i] + decode[i]), int(tokens[i]), int(tokens[i]) + 1, int(tokens[i]) if s else 1,
+                    1.0 if s else float(tokens[i]), float(tps[i]) if s else None, int(parts[i].sum()),
+                    int(parts[i, 0]), int(parts[i, 1]), int(parts[i, 2]), int(parts[i, 3]), 1e-4,
+                    "tiktoken:o200k_base", str(cls[i]), 1, proxy))
+    return out
+
+
+def load(url: str, n: int, proxies: int = 4) -> float:
+    """``n`` turns of ``proxies`` proxies through the sink's write path; seconds taken."""
+    rng = np.random.default_rng(7)
+    start = time.perf_counter()
+    per = n // proxies
+    for k in range(proxies):
+        sink = PostgresSink(url)
+        sink.open(Identity(f"edge-{k}", f"store-{k}"))
+        t_all = np.sort(rng.uniform(T0, T0 + SPAN, per))
+        for lo in range(0, per, BATCH):
+            refused = sink.send("turns", COLUMNS, batch_rows(rng, t_all[lo:lo + BATCH], f"edge-{k}"))
+            assert not refused, refused[:1]
+        sink.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE turns")
+    return time.perf_counter() - start
+
+
+def cli(url: str, *extra: str) -> tuple[float, float]:
+    start = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "specproxy.app.cli", "report", "--json", "--db", url, *extra],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"report failed: {p.stderr.read().decode()}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def baseline(url: str, window: Window) -> float:
+    cols = ", ".join(c for c in REPORT_COLUMNS)
+    where = "" if window.since is None else f" WHERE t_wall >= {window.since} AND t_wall < {window.until}"
+    start = time.perf_counter()
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(f"SELECT {cols} FROM turns{where} ORDER BY t_wall, seq").fetchall()
+        list(zip(*rows))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=1_000_000, help="turns to load [1,000,000]")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    bindir = pg_bin()
+    if bindir is None:
+        raise SystemExit("PostgreSQL is not installed (apt-get install postgresql)")
+    server = PgServer(bindir)
+    try:
+        url = server.url(server.new_database())
+        took = load(url, args.n)
+        print(f"loaded {args.n:,} turns of 4 proxies in {took:.1f} s ({args.n / took:,.0f} turns/s through "
+              f"PostgresSink.send)", flush=True)
+        hour = Window(since=T0 + SPAN / 2, until=T0 + SPAN / 2 + 3600)
+        windows = (("whole", Window(), ()),
+                   ("one hour", hour, ("--since", str(hour.since), "--until", str(hour.until))))
+        # the CLI runs first: a child's peak RSS (wait4) starts from this process's at the fork, so it must
+        # be small then (no columns loaded here yet)
+        walls = {name: [] for name, _, _ in windows}
+        rss = {name: [] for name, _, _ in windows}
+        for _ in range(args.repeat):
+            for name, _, extra in windows:
+                w, r = cli(url, *extra)
+                walls[name].append(w)
+                rss[name].append(r)
+        rows = []
+        for name, window, _ in windows:
+            loads, builds, bases = [], [], []
+            for _ in range(args.repeat):
+                with PgSource(url) as store:
+                    t = time.perf_counter()
+                    data = store.load(window, REPORT_COLUMNS, server=True, context=True)
+                    loads.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                build_report(data, source=url)
+                builds.append(time.perf_counter() - t)
+                n = len(data.turns)
+                del data
+                bases.append(baseline(url, window))
+            rows.append((name, n, walls[name], rss[name], loads, builds, bases))
+        med = statistics.median
+        print(f"\n{platform.node()}: {cpu_model()}, {os.cpu_count()} cores; PostgreSQL {bindir.parent.name}; "
+              f"medians of {args.repeat}")
+        print("| window | turns | `report --json` s | peak RSS MiB | load s | build_report s | baseline fetch s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, n, walls, rss, loads, builds, bases in rows:
+            print(f"| {name} | {n:,} | {med(walls):.2f} | {med(rss):.0f} | {med(loads):.2f} | {med(builds):.2f} | "
+                  f"{med(bases):.2f} |")
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
