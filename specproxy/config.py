@@ -19,8 +19,8 @@ from yarl import URL
 
 from specproxy.errors import ConfigError
 
-__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
-           "check_sink_url", "child_environment", "load_config", "server_root"]
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "Slo", "check_label",
+           "check_sink_url", "child_environment", "load_config", "parse_slo", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -148,6 +148,12 @@ class Config:
     """This proxy's name in a fleet, stamped on every turn (``proxy_name``): unset, the machine's host
     name. Turns shipped to one database are told apart by it, so each proxy needs its own: a sink refuses
     to ship under a name another proxy's database already ships under (docs/operations.md, "Fleet")."""
+    slo: str | None = None
+    """A service-level objective every measured turn is judged by on the live page, e.g.
+    ``ttft=2s,tpot=50ms,e2e=30s`` (any of the three; ``ms`` or ``s``): TTFT, time per output token
+    after the first chunk (``1 / decode_tps``) and whole turn at most that. The page then shows the
+    share of turns that met it, with its interval, and goodput (tokens of those turns per second) at
+    each concurrency; ``report``, ``compare`` and ``bench`` take ``--slo`` (docs/metrics.md, "SLO")."""
     sink: str | None = None
     """Where a fleet's turns go besides the local database: one or more ``postgresql://USER@HOST[:PORT]/DB``
     URLs, separated by commas. The local database stays the record and the outbox: a shipper thread per
@@ -278,6 +284,49 @@ def check_sink_url(url: str) -> None:
         raise ConfigError(f"sink {url!r} needs a host and a database: postgresql://USER@HOST[:PORT]/DB")
 
 
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A service-level objective: upper bounds in seconds on a turn's TTFT, its time per output token
+    after the first chunk (``tpot``) and its whole time (``e2e``); None where the objective sets none.
+    ``text`` is how the user wrote it, said back in every report."""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    text: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "text": self.text}
+
+
+SLO_FIGURES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
+_SLO_UNITS = (("ms", 1e-3), ("s", 1.0))  # "ms" first: "50ms" also ends in "s"
+
+
+def parse_slo(text: str | None, what: str = "--slo") -> Slo | None:
+    """``ttft=2s,tpot=50ms,e2e=30s`` (any subset, each once, a unit on every value) as an ``Slo``; None
+    for None or an empty text. Anything else is a ConfigError of one line saying what is wrong."""
+    if text is None or not text.strip():
+        return None
+    bounds: dict[str, float] = {}
+    for part in text.split(","):
+        name, eq, value = (p.strip() for p in part.partition("="))
+        if not eq or name not in SLO_FIGURES:
+            raise ConfigError(f"{what} {text!r}: {part.strip()!r} is not NAME=VALUE with NAME one of "
+                              f"{', '.join(SLO_FIGURES)} (e.g. ttft=2s,tpot=50ms,e2e=30s)")
+        if SLO_FIGURES[name] in bounds:
+            raise ConfigError(f"{what} {text!r}: {name} is given twice")
+        unit = next(((u, k) for u, k in _SLO_UNITS if value.endswith(u)), None)
+        try:
+            number = float(value[: -len(unit[0])]) if unit else None
+        except ValueError:
+            number = None
+        if unit is None or number is None or not number > 0 or number == float("inf"):
+            raise ConfigError(f"{what} {text!r}: {name}={value!r} is not a positive time with a unit "
+                              "(ms or s, e.g. 50ms or 2s)")
+        bounds[SLO_FIGURES[name]] = number * unit[1]
+    return Slo(**bounds, text=",".join(p.strip() for p in text.split(",")))
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -316,6 +365,7 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"proxy_name {cfg.proxy_name!r} must be 1 to 100 printable characters")
     for url in cfg.sinks:
         check_sink_url(url)
+    parse_slo(cfg.slo, "slo")
     for key, modes in (("upstream_reuse", UPSTREAM_REUSE_MODES), ("relay", RELAY_MODES),
                        ("cadence_poll", CADENCE_POLL_MODES)):
         if getattr(cfg, key) not in modes:

@@ -30,6 +30,8 @@ from specproxy.store.dataset import Turns, parse_time
 from specproxy.store.source import Window, WindowData
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
+from specproxy.analyze.slo import met_of_turns
+from specproxy.config import Slo
 from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
@@ -170,9 +172,30 @@ def check_level(level: float) -> None:
         raise ConfigError(f"--level must be between 0.5 and 1 (e.g. 0.95 or 0.99), got {level:g}") from None
 
 
+def _slo_row(slo: Slo, data_a: WindowData, data_b: WindowData, seed: int, level: float) -> dict[str, Any]:
+    """B/A of the share of judged turns that met ``slo`` (analyze/slo.py), failed turns included (they did
+    not): the mean of each arm's met (1) / not met (0) values, by the rule every other row has
+    (``bootstrap_ratio``: over instances when an arm ran in several, the lone-instance and confounding
+    rules alike), higher is better. Its verdict reads "better" or "worse", not faster or slower."""
+    arms = []
+    for data in (data_a, data_b):
+        m = met_of_turns(slo, data.turns) if len(data.turns) else np.zeros(0)
+        judged = np.isfinite(m)
+        arms.append((m[judged], data.turns.select(judged, columns=("instance_id",)) if len(data.turns) else data.turns))
+    (ma, ta), (mb, tb) = arms
+    r = bootstrap_ratio(ma, mb, higher_is_better=True, stat="mean", clusters_a=_clusters(ta),
+                        clusters_b=_clusters(tb), seed=seed, level=level).to_dict()
+    r["verdict"] = {"faster": "better", "slower": "worse"}.get(r["verdict"], r["verdict"])
+    return {"metric": "slo_share", "label": "share that met the SLO", "population": "judged",
+            "higher_is_better": True, "objective": slo.as_dict(),
+            "a_median": float(ma.mean()) if ma.size else None, "b_median": float(mb.mean()) if mb.size else None,
+            **r}
+
+
 def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int = 0,
-            level: float = 0.95) -> dict[str, Any]:
-    """B/A for each figure, from each arm's turns as the store loaded them (``COMPARE_COLUMNS``)."""
+            level: float = 0.95, slo: Slo | None = None) -> dict[str, Any]:
+    """B/A for each figure, from each arm's turns as the store loaded them (``COMPARE_COLUMNS``); with
+    ``slo``, a row for the share of turns that met it (``a_median``/``b_median`` hold the shares)."""
     check_level(level)
     if (a.label, a.since, a.until) == (b.label, b.since, b.until):
         raise ConfigError(f"compare {a.name} {b.name}: an arm against itself says nothing; to check the instrument "
@@ -194,7 +217,9 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
-    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    if slo is not None:
+        rows.append(_slo_row(slo, data_a, data_b, seed, level))
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb), "judged": (ta, tb)}
     for row in rows:
         _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
@@ -283,6 +308,9 @@ def render_compare(r: dict[str, Any]) -> str:
     for row in r["rows"]:
         ci = f"[{_f(row['ci_low'])}, {_f(row['ci_high'])}]" if row.get("ci_low") is not None else "-"
         verdict = row["verdict"]
+        if row["metric"] == "slo_share":
+            warnings.append(f"SLO {row['objective']['text']}: the share of turns that met it, failed turns included "
+                            "(as not met); A and B are the shares")
         if verdict in ("faster", "slower") and not row["higher_is_better"]:
             verdict += f" (B's {row['metric']} is {'lower' if verdict == 'faster' else 'higher'})"
         lines.append(f"  {row['label']:34} {_f(row['a_median'], '{:.3f}'):>10} {_f(row['b_median'], '{:.3f}'):>10} "

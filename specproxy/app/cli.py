@@ -17,8 +17,8 @@ import orjson
 
 from specproxy import __version__
 from specproxy.app.bench_cli import register as register_bench
-from specproxy.app.cli_common import db_option, db_path, echo, friendly, open_db, report_of, setting
-from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config
+from specproxy.app.cli_common import db_option, db_path, echo, friendly, open_db, report_of, setting, slo_option
+from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config, parse_slo
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -132,6 +132,9 @@ def _pages_line(cfg: Config, url: str) -> str:
           "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
 @setting("--lane/--no-lane", "lane",
           "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
+@setting("--slo", "slo",
+          "Judge the live page's turns by a service-level objective, e.g. ttft=2s,tpot=50ms,e2e=30s (ms or s): "
+          "the share that met it and goodput per concurrency")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @friendly
@@ -148,7 +151,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
     # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
-    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers)
+    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers, slo=parse_slo(cfg.slo, "slo"))
     install_uvloop()
 
     def ready(svc: Service) -> None:
@@ -228,14 +231,16 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write the report's pictures to this file: one self-contained HTML page (opens offline)")
 @cache_option
+@slo_option
 @friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-           html_file: str | None, cache: bool) -> None:
+           html_file: str | None, cache: bool, slo: str | None) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point."""
     from specproxy.analyze.report import render_text
 
+    objective = parse_slo(slo)
     if html_file is None:
-        echo(report_of(db, label, since, until, cache=cache), render_text, as_json)
+        echo(report_of(db, label, since, until, cache=cache, slo=objective), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
     from specproxy.store.sqlite_source import SQLiteSource
@@ -244,7 +249,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 
     with open_db(db) as conn:
         snap = snapshot(SQLiteSource(conn, cache=cache), source=db_path(db), label=label, since=parse_time(since),
-                        until=parse_time(until))
+                        until=parse_time(until), slo=objective)
     try:
         Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {db_path(db)}"),
                                    encoding="utf-8")
@@ -312,9 +317,10 @@ def _write_rows(conn, names, turn_rows, where: str, params, fmt: str, output: st
               help="Confidence level of every interval (e.g. 0.99: a verdict on an A/A is then wrong 1% of the time)")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
 @cache_option
+@slo_option
 @friendly
 def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, level: float,
-                as_json: bool, cache: bool) -> None:
+                as_json: bool, cache: bool, slo: str | None) -> None:
     """Ratio B/A with 95% intervals (--level) and a verdict: faster, slower or not distinguishable.
 
     An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
@@ -325,6 +331,9 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     from specproxy.store.sqlite_source import SQLiteSource
 
     check_level(level)
+    objective = parse_slo(slo)
+    if objective is not None and negative_control:
+        raise SpecproxyError("--slo is not taken with --negative-control yet: compare two arms with it")
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     a = parse_arm(arm_a)
@@ -333,7 +342,7 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
         store = SQLiteSource(conn, cache=cache)
         data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
     r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
-        compare(a, b, *data, seed=seed, level=level)
+        compare(a, b, *data, seed=seed, level=level, slo=objective)
     echo(r, render_compare, as_json)
 
 

@@ -17,7 +17,8 @@ import orjson
 from specproxy.config import Config, load_config
 from specproxy.errors import SpecproxyError
 
-__all__ = ["DEFAULTS", "db_option", "db_path", "echo", "friendly", "open_db", "report_of", "setting", "shown"]
+__all__ = ["DEFAULTS", "db_option", "db_path", "echo", "friendly", "open_db", "report_of", "setting", "shown",
+           "slo_option"]
 
 
 def friendly(fn):
@@ -57,6 +58,11 @@ def setting(flag: str, key: str, help: str, **kwargs: Any):
 
 db_option = setting("--db", "db", "SQLite database file")
 
+slo_option = click.option(
+    "--slo", "slo", default=None,
+    help="Judge every turn by a service-level objective, e.g. ttft=2s,tpot=50ms,e2e=30s (any of them; ms or s): "
+         "the share of turns that met it, with its interval, and goodput (docs/metrics.md, SLO)")
+
 
 def db_path(db: str | None) -> str:
     return db or load_config(overrides={}).db
@@ -77,7 +83,7 @@ def echo(result: dict, render, as_json: bool) -> None:
 
 
 def report_of(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
-              cache: bool = True) -> dict:
+              cache: bool = True, slo: Any = None) -> dict:
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
     from specproxy.store.sqlite_source import SQLiteSource
@@ -86,4 +92,4 @@ def report_of(db: str | None, label: str | None = None, since: str | None = None
     window = Window(label, parse_time(since), parse_time(until))
     with open_db(db) as conn:
         data = SQLiteSource(conn, cache=cache).load(window, REPORT_COLUMNS, server=True, context=True)
-    return build_report(data, source=db_path(db))
+    return build_report(data, source=db_path(db), slo=slo)

@@ -132,6 +132,26 @@ def _figures(r: dict[str, Any]) -> str:
             f'{rows}</table>')
 
 
+def _slo(s: dict[str, Any] | None) -> str:
+    """The SLO table (report --slo, serve's slo): per concurrency and over the window, the share of judged
+    turns that met it with its interval, and goodput beside aggregate throughput."""
+    if s is None:
+        return ""
+    head = f'<h2>SLO {escape(s["objective"]["text"])}: turns that met it</h2>'
+    if s["overall"] is None or not s["overall"]["n"]:
+        return head + '<p class="muted">no judged turns in this window</p>'
+    rows = ""
+    for i, (name, a) in enumerate([*((row["concurrency"], row) for row in s["by_concurrency"]), ("all", s["overall"])]):
+        path = "slo/overall" if name == "all" else f"slo/by_concurrency/{i}"
+        rows += (f'<tr><td>{escape(name)}</td>{_fig(f"{path}/n", a["n"], "{:.0f}")}{_fig(f"{path}/met", a["met"], "{:.0f}")}'
+                 f'{_fig(f"{path}/share", a["share"], "{:.3f}")}<td>[{_f(a["ci_low"])}, {_f(a["ci_high"])}]</td>'
+                 f'{_fig(f"{path}/aggregate_tps", a["aggregate_tps"], "{:.1f}")}'
+                 f'{_fig(f"{path}/goodput_tps", a["goodput_tps"], "{:.1f}")}{_fig(f"{path}/not_judged", a["not_judged"], "{:.0f}")}</tr>')
+    return (head + '<table class="card slo"><tr><th>concurrency</th><th>judged</th><th>met</th><th>share met</th>'
+            '<th>95% CI (Wilson)</th><th>aggregate tok/s</th><th>goodput tok/s</th><th>not judged</th></tr>'
+            f'{rows}</table>')
+
+
 def _turns(recent: list[dict[str, Any]]) -> str:
     """Each recent turn: TTFT then decode (then the rest of the turn) as one bar, its prompt make-up beside."""
     if not recent:
@@ -342,7 +362,7 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
     if not r["turns"]:
         return note + _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
-    return (note + _header(r) + _figures(r) + _turns(snap["recent"])
+    return (note + _header(r) + _figures(r) + _slo(r.get("slo")) + _turns(snap["recent"])
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'

@@ -11,6 +11,7 @@ from typing import Any
 
 from specproxy.analyze.pictures import pictures
 from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.config import Slo
 from specproxy.record import FIELD_NAMES
 from specproxy.store.source import Source, Window
 
@@ -23,10 +24,10 @@ RECORD_FIELDS = tuple(f for f in FIELD_NAMES if f not in ("prompt_text", "respon
 
 
 def snapshot(store: Source, *, source: str, label: str | None = None, since: float | None = None,
-             until: float | None = None, recent: int = RECENT_TURNS) -> dict[str, Any]:
-    """The window's report, pictures and newest turns, from one load of ``store``."""
+             until: float | None = None, recent: int = RECENT_TURNS, slo: Slo | None = None) -> dict[str, Any]:
+    """The window's report (with ``slo``, its SLO section), pictures and newest turns, from one load of ``store``."""
     window = Window(label, since, until)
     data = store.load(window, REPORT_COLUMNS, server=True, context=True)
-    report = build_report(data, source=source)
+    report = build_report(data, source=source, slo=slo)
     rows = store.recent(window, RECORD_FIELDS, recent)
     return {"report": report, "pictures": pictures(data.turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}
