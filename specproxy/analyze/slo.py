@@ -113,10 +113,11 @@ def attainment(judged_met: np.ndarray, tokens: np.ndarray | None = None, busy_s:
     out: dict[str, Any] = {"n": n, "met": k, "not_met": n - k, "not_judged": int((~judged).sum()),
                            "share": k / n if n else None, "ci_low": lo, "ci_high": hi, "level": level,
                            "met_tokens": None, "goodput_tps": None}
-    if tokens is not None:
+    if tokens is not None and n:
         t = np.asarray(tokens, dtype=float)
-        good = (m == 1.0) & np.isfinite(t)
-        out["met_tokens"] = float(t[good].sum()) if np.isfinite(t[m == 1.0]).any() else None
+        # null without token counts (no tokenizer) or with nothing judged; 0 when turns were and none met it
+        if np.isfinite(t[judged]).any():
+            out["met_tokens"] = float(t[(m == 1.0) & np.isfinite(t)].sum())
         if busy_s and out["met_tokens"] is not None:
             out["goodput_tps"] = out["met_tokens"] / busy_s
     return out

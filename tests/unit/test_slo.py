@@ -227,6 +227,8 @@ def test_report_judges_old_turns_by_any_objective(tmp_path):
     assert (loose["n"], loose["met"]) == (19, 18)  # every completed turn; the failed one did not
     # 100 tok/s is 10 ms per token (met at concurrency 1), 50 tok/s 20 ms (not met at 5-8)
     assert (tight["n"], tight["met"]) == (19, 10)
+    none = build_report(load(db), slo=parse_slo("ttft=1ms"))["slo"]["by_concurrency"][0]
+    assert (none["met"], none["met_tokens"], none["goodput_tps"]) == (0, 0.0, 0.0)  # none met it: 0, not null
 
 
 def test_non_streamed_turns_have_no_tpot_and_are_not_judged_on_it(tmp_path):
