@@ -153,7 +153,8 @@ class Config:
     ``ttft=2s,tpot=50ms,e2e=30s`` (any of the three; ``ms`` or ``s``): TTFT, time per output token
     after the first chunk (``1 / decode_tps``) and whole turn at most that. The page then shows the
     share of turns that met it, with its interval, and goodput (tokens of those turns per second) at
-    each concurrency; ``report``, ``compare`` and ``bench`` take ``--slo`` (docs/metrics.md, "SLO")."""
+    each concurrency; ``report``, ``compare`` and ``bench`` take ``--slo`` (docs/metrics.md, "Goodput
+    under an SLO")."""
     sink: str | None = None
     """Where a fleet's turns go besides the local database: one or more ``postgresql://USER@HOST[:PORT]/DB``
     URLs, separated by commas. The local database stays the record and the outbox: a shipper thread per

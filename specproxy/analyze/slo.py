@@ -4,7 +4,8 @@ Why decided here, at analysis time, from the stored fields (``outcome``, ``ttft_
 ``total_s``) and not stored per turn: an objective is a question asked of the data, and users change it.
 Judged when read, ``report --slo`` answers it for turns recorded before it was set, or under another, and
 ``compare`` can ask both arms the same one. The live page asks the same function (``met``) of the same
-rows. docs/metrics.md ("SLO") is the contract; this module is the one place the rule is written.
+rows. docs/metrics.md ("Goodput under an SLO") is the contract; this module is the one place the rule
+is written.
 
 The rule (``met``), per measured turn: 1 (met), 0 (not met) or NaN (not judged).
 

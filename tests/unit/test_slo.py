@@ -1,7 +1,8 @@
 """Goodput under an SLO: the objective as written, the rule that judges a turn, the share's interval,
 goodput, the capacity a sweep shows, and each where a user reads it (report, compare, bench).
 
-The rule is analyze/slo.py's ``met``, asked of stored fields at analysis time (docs/metrics.md, "SLO"):
+The rule is analyze/slo.py's ``met``, asked of stored fields at analysis time (docs/metrics.md, "Goodput
+under an SLO"):
 a failed turn did not meet it, a turn its client left is not judged, a completed turn lacking a figure
 the objective names is not judged unless another figure already misses its bound.
 """
