@@ -61,7 +61,7 @@ db_option = setting("--db", "db", "SQLite database file")
 slo_option = click.option(
     "--slo", "slo", default=None,
     help="Judge every turn by a service-level objective, e.g. ttft=2s,tpot=50ms,e2e=30s (any of them; ms or s): "
-         "the share of turns that met it, with its interval, and goodput (docs/metrics.md, "Goodput under an SLO")")
+         "the share of turns that met it, with its interval, and goodput (docs/metrics.md, Goodput under an SLO)")
 
 
 def db_path(db: str | None) -> str:
