@@ -27,6 +27,7 @@ ML, MR, MT, MB = 46, 12, 18, 26
 PARTS = (("prompt_system_tokens", "system", "#8c6bb1"), ("prompt_tools_tokens", "tools", "#dd8452"),
          ("prompt_history_tokens", "history", "#937860"), ("prompt_new_tokens", "new", "#55a868"))
 TTFT_COLOR, DECODE_COLOR, REST_COLOR = "#c44e52", "#4c72b0", "#b0b0b0"
+SLO_MISSED_COLOR = "#222"  # the mark beside a recent turn that missed the page's SLO
 USER_FIGURES = (("ttft_s", "TTFT (s)", "{:.3f}"), ("decode_tps", "decode speed, per stream (tok/s)", "{:.1f}"),
                 ("decode_s", "decode time (s)", "{:.3f}"), ("total_s", "whole turn (s)", "{:.3f}"),
                 ("completion_tokens", "completion tokens", "{:.0f}"), ("tokens_per_chunk", "tokens per chunk", "{:.2f}"),
@@ -180,13 +181,24 @@ def _turns(recent: list[dict[str, Any]]) -> str:
             x += px
         title = (f'{t["outcome"]}: TTFT {_f(t["ttft_s"])} s, decode {_f(t["decode_s"])} s, total {_f(t["total_s"])} s; '
                  f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
+        slo = ""
+        if "slo_met" in t:  # judged by the page's SLO (snapshot): a mark at the bar's end when it missed
+            said = {True: "met", False: "not met", None: "not judged"}[t["slo_met"]]
+            title += f"; SLO {said}"
+            slo = f' data-slo-met="{said}"'
+            if t["slo_met"] is False:
+                rects.append(f'<rect class="slo-missed" x="{left + bar_w + 6}" y="{y}" width="8" height="{row_h}" '
+                             f'fill="{SLO_MISSED_COLOR}"/>')
         record = escape(orjson.dumps(t).decode(), quote=True)
         outline = "" if t["outcome"] == "ok" else f'<rect x="2" y="{y}" width="4" height="{row_h}" fill="#000"/>'
         hit = f'<rect x="0" y="{y}" width="{left + bar_w + 20 + part_w}" height="{row_h}" fill="transparent"/>'
-        out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}" '
+        out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}"{slo} '
                    f'data-record="{record}"><title>{escape(title)}</title>{hit}{outline}{"".join(rects)}</g>')
+    missed = (f'<i style="background:{SLO_MISSED_COLOR}"></i>missed the SLO &nbsp; '
+              if any("slo_met" in t for t in recent) else "")
     legend = ('<p class="legend"><i style="background:%s"></i>TTFT<i style="background:%s"></i>decode'
-              '<i style="background:%s"></i>rest of the turn &nbsp; prompt:' % (TTFT_COLOR, DECODE_COLOR, REST_COLOR)
+              '<i style="background:%s"></i>rest of the turn &nbsp; %sprompt:'
+              % (TTFT_COLOR, DECODE_COLOR, REST_COLOR, missed)
               + "".join(f'<i style="background:{c}"></i>{n}' for _, n, c in PARTS)
               + f' &nbsp; <span class="muted">(longest turn {t_max:.2f} s, largest prompt {p_max:.0f} tokens;'
                 ' click a turn for its record)</span></p>')

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from specproxy.analyze.pictures import pictures
 from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.slo import met
 from specproxy.config import Slo
 from specproxy.record import FIELD_NAMES
 from specproxy.store.source import Source, Window
@@ -29,5 +32,12 @@ def snapshot(store: Source, *, source: str, label: str | None = None, since: flo
     window = Window(label, since, until)
     data = store.load(window, REPORT_COLUMNS, server=True, context=True)
     report = build_report(data, source=source, slo=slo)
-    rows = store.recent(window, RECORD_FIELDS, recent)
-    return {"report": report, "pictures": pictures(data.turns), "recent": [dict(zip(RECORD_FIELDS, r)) for r in rows]}
+    turns = [dict(zip(RECORD_FIELDS, r)) for r in store.recent(window, RECORD_FIELDS, recent)]
+    if slo is not None:  # each newest turn judged by the same rule as the report's share: not a stored field
+        nan = float("nan")
+        judged = met(slo, np.array([t["outcome"] for t in turns], dtype=object),
+                     *(np.array([nan if t[f] is None else t[f] for t in turns], dtype=float)
+                       for f in ("ttft_s", "decode_tps", "total_s")))
+        for t, m in zip(turns, judged.tolist()):
+            t["slo_met"] = None if m != m else bool(m)
+    return {"report": report, "pictures": pictures(data.turns), "recent": turns}

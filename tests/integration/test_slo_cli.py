@@ -181,3 +181,13 @@ def test_the_live_page_shows_the_slo_table_with_the_reports_figures(make_stack, 
             assert math.isclose(float(shown), float(want), rel_tol=1e-12), (path, shown, want)
     assert (report["slo"]["overall"]["n"], report["slo"]["overall"]["met"]) == (6, 4)
     assert "SLO ttft=1s,tpot=200ms: turns that met it" in page
+    # each of the newest turns carries its own judgement, by the rule, from its stored figures
+    marks = dict(re.findall(r'data-turn-id="([0-9a-f]+)" data-slo-met="([a-z ]+)"', page))
+    conn = sqlite3.connect(stack.cfg.db)
+    stored = conn.execute("SELECT id, outcome, ttft_s, decode_tps FROM turns").fetchall()
+    conn.close()
+    assert set(marks) == {row[0] for row in stored}
+    for turn_id, outcome, ttft, tps in stored:
+        assert outcome == "ok" and tps
+        assert marks[turn_id] == ("met" if ttft <= 1.0 and 1.0 / tps <= 0.2 else "not met"), (ttft, tps)
+    assert page.count('class="slo-missed"') == 2 and "missed the SLO" in page
