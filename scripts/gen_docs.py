@@ -39,7 +39,7 @@ def config_example() -> str:
         if default is None:
             example = {"upstream": "http://127.0.0.1:8000", "label": "config-a", "tokenizer": "hf:/path/to/tokenizer-dir",
                        "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
-                       "sink": "postgresql://specproxy@db.internal/fleet", "slo": "ttft=2s,tpot=50ms,e2e=30s"}[f.name]  # every optional setting has one
+                       "sink": "postgresql://specproxy@db.internal/fleet", "slo": "ttft=2s,tpot=50ms; batch: e2e=60s"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

@@ -62,7 +62,8 @@ def _vals(records: Sequence[Record], name: str) -> np.ndarray:
 def records_met(slo: Slo, records: Sequence[Record]) -> np.ndarray:
     """``analyze/slo.py``'s ``met`` over a round's records: 1 met, 0 not, NaN not judged."""
     return met(slo, np.array([r.outcome for r in records], dtype=object), _vals(records, "ttft_s"),
-               _vals(records, "decode_tps"), _vals(records, "total_s"))
+               _vals(records, "decode_tps"), _vals(records, "total_s"),
+               np.array([r.label for r in records], dtype=object))
 
 
 def round_aggregate(rnd: Round, slo: Slo | None = None) -> float | None:

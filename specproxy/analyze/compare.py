@@ -77,7 +77,7 @@ def parse_arm(spec: str) -> Arm:
 
 # the columns a comparison reads
 COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
-                   "streamed", "conn_id", "prompt_tokens", "api")
+                   "streamed", "conn_id", "prompt_tokens", "api", "label")
 
 
 def _ok(data: WindowData) -> Turns:

@@ -16,6 +16,8 @@ The rule (``met``), per measured turn: 1 (met), 0 (not met) or NaN (not judged).
   answer, a truncated body, a stalled client, a proxy error) did not meet it.
 * A turn the client left (``client_abort``) or specproxy's own shutdown cut (``shutdown``) is not judged:
   neither the server's doing, and its figures are partial.
+* An objective can give labels their own (``ttft=2s; batch: e2e=60s``): a turn is judged by its label's,
+  else by the one for every turn; a turn neither applies to is not judged.
 * A completed turn meets it when every bound the objective sets has its figure at or under it. A figure
   it lacks (no TTFT or tpot on a non-streamed turn, no tpot on a one-chunk answer or without a tokenizer)
   leaves it not judged, unless another figure already exceeds its bound: then it did not meet it.
@@ -43,7 +45,7 @@ __all__ = ["NOT_JUDGED_OUTCOMES", "SLO_COLUMNS", "attainment", "capacity", "met"
 # a turn cut by its client or by specproxy's shutdown is not the server's doing: not judged
 NOT_JUDGED_OUTCOMES = ("client_abort", "shutdown")
 # the columns the rule reads
-SLO_COLUMNS = ("outcome", "ttft_s", "decode_tps", "total_s")
+SLO_COLUMNS = ("outcome", "ttft_s", "decode_tps", "total_s", "label")
 
 
 def tpot_s(decode_tps: np.ndarray) -> np.ndarray:
@@ -53,30 +55,50 @@ def tpot_s(decode_tps: np.ndarray) -> np.ndarray:
         return np.where(np.isfinite(d) & (d > 0), 1.0 / d, np.nan)
 
 
-def met(slo: Slo, outcome: np.ndarray, ttft_s: np.ndarray, decode_tps: np.ndarray, total_s: np.ndarray) -> np.ndarray:
-    """Per turn: 1.0 met the SLO, 0.0 did not, NaN not judged (the module docstring's rule)."""
+def met(slo: Slo, outcome: np.ndarray, ttft_s: np.ndarray, decode_tps: np.ndarray, total_s: np.ndarray,
+        labels: np.ndarray | None = None) -> np.ndarray:
+    """Per turn: 1.0 met the SLO, 0.0 did not, NaN not judged (the module docstring's rule). ``labels``:
+    each turn's label, for an objective with labels of their own (``Slo.for_label``); a turn no
+    objective applies to is not judged."""
     outcome = np.asarray(outcome, dtype=object)
+    n = len(outcome)
+    bounds = {name: np.full(n, np.nan) for name in ("ttft_s", "tpot_s", "e2e_s")}
+    applies = np.zeros(n, dtype=bool)
+    if slo.labels and labels is not None:
+        labels = np.asarray(labels, dtype=object)
+        groups = [(slo.for_label(label), np.fromiter((x == label for x in labels), bool, n))
+                  for label in set(labels.tolist())]
+    else:
+        groups = [(slo.for_label(None), np.ones(n, dtype=bool))]
+    for own, at in groups:
+        if own is None:
+            continue
+        applies |= at
+        for name, b in bounds.items():
+            if getattr(own, name) is not None:
+                b[at] = getattr(own, name)
     ok = outcome == "ok"
-    judged = ~np.isin(outcome, NOT_JUDGED_OUTCOMES)
+    judged = applies & ~np.isin(outcome, NOT_JUDGED_OUTCOMES)
     figures = {"ttft_s": np.asarray(ttft_s, dtype=float), "tpot_s": tpot_s(decode_tps),
                "e2e_s": np.asarray(total_s, dtype=float)}
-    over = np.zeros(len(outcome), dtype=bool)
-    lacking = np.zeros(len(outcome), dtype=bool)
+    over = np.zeros(n, dtype=bool)
+    lacking = np.zeros(n, dtype=bool)
     for name, values in figures.items():
-        bound = getattr(slo, name)
-        if bound is None:
-            continue
+        bound = bounds[name]
+        set_ = np.isfinite(bound)
         known = np.isfinite(values)
-        over |= known & (values > bound)
-        lacking |= ~known
-    out = np.where(ok & ~over & ~lacking, 1.0, np.nan)
-    out[(ok & over) | (~ok & judged)] = 0.0
+        with np.errstate(invalid="ignore"):
+            over |= set_ & known & (values > bound)
+        lacking |= set_ & ~known
+    out = np.where(judged & ok & ~over & ~lacking, 1.0, np.nan)
+    out[judged & ((ok & over) | ~ok)] = 0.0
     return out
 
 
 def met_of_turns(slo: Slo, turns: Turns) -> np.ndarray:
-    """``met`` over loaded turns (``SLO_COLUMNS`` among their columns)."""
-    return met(slo, turns.txt["outcome"], turns.num["ttft_s"], turns.num["decode_tps"], turns.num["total_s"])
+    """``met`` over loaded turns (``SLO_COLUMNS`` among their columns; ``label`` too, for per-label objectives)."""
+    return met(slo, turns.txt["outcome"], turns.num["ttft_s"], turns.num["decode_tps"], turns.num["total_s"],
+               turns.txt.get("label"))
 
 
 _NORMAL = NormalDist()

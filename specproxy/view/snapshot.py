@@ -37,7 +37,8 @@ def snapshot(store: Source, *, source: str, label: str | None = None, since: flo
         nan = float("nan")
         judged = met(slo, np.array([t["outcome"] for t in turns], dtype=object),
                      *(np.array([nan if t[f] is None else t[f] for t in turns], dtype=float)
-                       for f in ("ttft_s", "decode_tps", "total_s")))
+                       for f in ("ttft_s", "decode_tps", "total_s")),
+                     np.array([t["label"] for t in turns], dtype=object))
         for t, m in zip(turns, judged.tolist()):
             t["slo_met"] = None if m != m else bool(m)
     return {"report": report, "pictures": pictures(data.turns), "recent": turns}

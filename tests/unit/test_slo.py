@@ -36,7 +36,24 @@ def test_parse_slo_reads_any_subset_in_ms_or_s():
     assert parse_slo(None) is None and parse_slo("") is None
 
 
+def test_labels_can_have_objectives_of_their_own():
+    slo = parse_slo("ttft=2s,tpot=50ms; batch: e2e=60s ;chat:ttft=500ms")
+    assert (slo.ttft_s, slo.tpot_s, slo.e2e_s) == (2.0, 0.05, None)
+    assert slo.text == "ttft=2s,tpot=50ms; batch: e2e=60s; chat: ttft=500ms"
+    assert slo.for_label("batch") == Slo(e2e_s=60.0, text="e2e=60s")
+    assert slo.for_label("chat").ttft_s == 0.5 and slo.for_label("other") is slo and slo.for_label(None) is slo
+    only = parse_slo("batch: e2e=60s")
+    assert not only.bounded and only.for_label("other") is None and only.for_label("batch").e2e_s == 60.0
+    assert slo.as_dict()["by_label"]["batch"]["e2e_s"] == 60.0 and "by_label" not in parse_slo("ttft=1s").as_dict()
+
+
 @pytest.mark.parametrize("text, needle", [
+    ("ttft=1s; ttft=2s", "two objectives for every turn"),
+    ("a: ttft=1s; a: ttft=2s", "label 'a' is given twice"),
+    ("ttft=1s;", "an empty objective"),
+    (": ttft=1s", "is not LABEL: NAME=VALUE"),
+    ("a:", "is not LABEL: NAME=VALUE"),
+    ("a: ttft=1", "not a positive time with a unit"),
     ("ttft=2", "not a positive time with a unit"),
     ("ttft=2m", "not a positive time with a unit"),
     ("ttft=-1s", "not a positive time with a unit"),
@@ -97,6 +114,18 @@ def test_a_failed_turn_did_not_meet_it_whatever_its_figures(outcome):
 def test_a_turn_cut_by_its_client_or_by_shutdown_is_not_judged(outcome):
     assert math.isnan(judge("ttft=1s", outcome=outcome))
     assert math.isnan(judge("ttft=1s", outcome=outcome, ttft=9.0))
+
+
+def test_each_label_is_judged_by_its_own_objective():
+    slo = parse_slo("ttft=1s; batch: e2e=60s; strict: ttft=100ms")
+    labels = np.array(["batch", "strict", None, "other", "batch"], dtype=object)
+    outcome = np.array(["ok", "ok", "ok", "ok", "upstream_error"], dtype=object)
+    ttft = np.array([5.0, 0.5, 0.5, 5.0, np.nan])  # batch: TTFT not asked; strict: 0.5 s over 100 ms
+    got = met(slo, outcome, ttft, np.full(5, 50.0), np.full(5, 30.0), labels)
+    np.testing.assert_array_equal(got, [1.0, 0.0, 1.0, 0.0, 0.0])
+    only = parse_slo("batch: e2e=60s")  # no objective for the others: they are not judged
+    got = met(only, outcome, ttft, np.full(5, 50.0), np.full(5, 30.0), labels)
+    np.testing.assert_array_equal(np.isnan(got), [False, True, True, True, False])
 
 
 def test_a_missing_figure_leaves_the_turn_unjudged_unless_another_already_missed():
@@ -364,3 +393,15 @@ def test_compares_share_row_keeps_to_its_level_on_one_setting_twice():
             r = ratio_batch(a[keep], b[keep], higher_is_better=True, stat="mean", seed=1)
             false = np.isin(r["verdict"], ["faster", "slower"]).mean()
             assert false <= 0.07, (p, n, false)
+
+
+def test_report_judges_each_labels_turns_by_its_own_objective(tmp_path):
+    db = tmp_path / "l.db"
+    recs = [make_record(t_request=T0 + i, t_wall=T0 + i, label="chat" if i % 2 else "batch", ttft_s=3.0,
+                        decode_s=1.0, completion_tokens=101, decode_tps=100.0) for i in range(10)]
+    write(db, recs)
+    both = build_report(load(db), slo=parse_slo("ttft=1s; batch: e2e=10s"))["slo"]
+    assert (both["overall"]["n"], both["overall"]["met"]) == (10, 5)  # batch meets its e2e; chat misses ttft
+    assert both["objective"]["by_label"]["batch"]["e2e_s"] == 10.0
+    only = build_report(load(db), slo=parse_slo("batch: e2e=10s"))["slo"]["overall"]
+    assert (only["n"], only["met"], only["not_judged"]) == (5, 5, 5)
