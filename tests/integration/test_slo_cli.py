@@ -113,6 +113,12 @@ def test_compare_gives_the_share_row_for_two_arms(tmp_path, upstream_thread):
     assert row["estimate"] == 0.5 and row["objective"]["text"] == "ttft=1s"
     text = specproxy("compare", "fast", "slow", "--db", str(db), "--slo", "ttft=1s").stdout
     assert "share that met the SLO" in text and "SLO ttft=1s: the share of turns that met it" in text
+    # the slow arm's label given an objective of its own: its slow turns (2.5 s) meet 5 s
+    own = json.loads(specproxy("compare", "fast", "slow", "--db", str(db), "--slo", "ttft=1s; slow: ttft=5s",
+                               "--json").stdout)
+    row = next(x for x in own["rows"] if x["metric"] == "slo_share")
+    assert (row["a_median"], row["b_median"]) == (1.0, 1.0)
+    assert row["objective"]["by_label"]["slow"]["ttft_s"] == 5.0
     plain = json.loads(specproxy("compare", "fast", "slow", "--db", str(db), "--json").stdout)
     assert all(x["metric"] != "slo_share" for x in plain["rows"])
 
