@@ -137,14 +137,14 @@ def build_report(data: WindowData, *, source: str = "", slo: Slo | None = None) 
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = _whole_turn(ok)
     if slo is not None:
-        report["slo"] = _slo(turns, ok, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
+        report["slo"] = _slo(turns, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
                                                             "by_concurrency": []}
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
 
 
-def _slo(turns: Turns, ok: Turns, slo: Slo) -> dict[str, Any]:
+def _slo(turns: Turns, slo: Slo) -> dict[str, Any]:
     """The share of the window's measured turns that met ``slo`` (failed ones included: they did not), its
     interval and goodput, overall and per concurrency cell; each cell's plain aggregate throughput beside
     its goodput, over the same busy time (its completed turns')."""
