@@ -138,7 +138,7 @@ def build_report(data: WindowData, *, source: str = "", slo: Slo | None = None) 
     report["whole_turn"] = _whole_turn(ok)
     if slo is not None:
         report["slo"] = _slo(turns, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
-                                                            "by_concurrency": []}
+                                                       "by_concurrency": []}
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
