@@ -19,7 +19,8 @@ The rule (``met``), per measured turn: 1 (met), 0 (not met) or NaN (not judged).
 * An objective can give labels their own (``ttft=2s; batch: e2e=60s``): a turn is judged by its label's,
   else by the one for every turn; a turn neither applies to is not judged.
 * A completed turn meets it when every bound the objective sets has its figure at or under it. A figure
-  it lacks (no TTFT or tpot on a non-streamed turn, no tpot on a one-chunk answer or without a tokenizer)
+  it lacks (no tpot on a non-streamed turn, a one-chunk answer or without a tokenizer; a non-streamed
+  turn's TTFT is its whole response time, as stored)
   leaves it not judged, unless another figure already exceeds its bound: then it did not meet it.
 
 The share (``attainment``) is over judged turns, with the Wilson score interval for a proportion (exact
