@@ -177,19 +177,23 @@ def _slo_row(slo: Slo, data_a: WindowData, data_b: WindowData, seed: int, level:
     not): the mean of each arm's met (1) / not met (0) values, by the rule every other row has
     (``bootstrap_ratio``: over instances when an arm ran in several, the lone-instance and confounding
     rules alike), higher is better. Its verdict reads "better" or "worse", not faster or slower."""
-    arms = []
-    for data in (data_a, data_b):
-        m = met_of_turns(slo, data.turns) if len(data.turns) else np.zeros(0)
-        judged = np.isfinite(m)
-        arms.append((m[judged], data.turns.select(judged, columns=("instance_id",)) if len(data.turns) else data.turns))
-    (ma, ta), (mb, tb) = arms
+    (ma, ta), (mb, tb) = _judged(slo, data_a), _judged(slo, data_b)
     r = bootstrap_ratio(ma, mb, higher_is_better=True, stat="mean", clusters_a=_clusters(ta),
                         clusters_b=_clusters(tb), seed=seed, level=level).to_dict()
+    return _slo_share_row(slo, r, float(ma.mean()) if ma.size else None, float(mb.mean()) if mb.size else None)
+
+
+def _judged(slo: Slo, data: WindowData) -> tuple[np.ndarray, Turns]:
+    """An arm's judged turns: their met (1) / not met (0) values, and their instances."""
+    m = met_of_turns(slo, data.turns) if len(data.turns) else np.zeros(0)
+    judged = np.isfinite(m)
+    return m[judged], data.turns.select(judged, columns=("instance_id",)) if len(data.turns) else data.turns
+
+
+def _slo_share_row(slo: Slo, r: dict[str, Any], a: float | None, b: float | None) -> dict[str, Any]:
     r["verdict"] = {"faster": "better", "slower": "worse"}.get(r["verdict"], r["verdict"])
     return {"metric": "slo_share", "label": "share that met the SLO", "population": "judged",
-            "higher_is_better": True, "objective": slo.as_dict(),
-            "a_median": float(ma.mean()) if ma.size else None, "b_median": float(mb.mean()) if mb.size else None,
-            **r}
+            "higher_is_better": True, "objective": slo.as_dict(), "a_median": a, "b_median": b, **r}
 
 
 def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int = 0,
@@ -259,10 +263,12 @@ def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level:
             "a_median": None, "b_median": None, **r.to_dict()}
 
 
-def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: float = 0.95,
+                            slo: Slo | None = None) -> dict[str, Any]:
     """A against A: the arm split into random halves (by instance when it has several), within each
     kind: the stream rows split the streamed turns, the non-streamed row the non-streamed ones, so a
-    half is never streamed turns against non-streamed ones."""
+    half is never streamed turns against non-streamed ones. With ``slo``, the share row's halves split
+    the judged turns."""
     check_level(level)
     ta = _ok(data)
     if not len(ta):
@@ -272,6 +278,10 @@ def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: f
     rows = [_control_row(metric, streamed, "streamed", seed, level) for metric in METRICS]
     if len(whole) >= 2:  # a half each
         rows.append(_control_row(NON_STREAMED_METRIC, whole, "non_streamed", seed, level))
+    if slo is not None:
+        m, judged = _judged(slo, data)
+        r = negative_control(m, _clusters(judged), seed=seed, level=level, stat="mean", higher_is_better=True)
+        rows.append(_slo_share_row(slo, r.to_dict(), None, None))
     return {"a": a.name, "b": f"{a.name} (other half)", "level": level, "n_a": len(ta), "n_b": len(ta),
             "negative_control": True,
             **_kind_counts(streamed, whole, "a"),

@@ -332,8 +332,6 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
 
     check_level(level)
     objective = parse_slo(slo)
-    if objective is not None and negative_control:
-        raise SpecproxyError("--slo is not taken with --negative-control yet: compare two arms with it")
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     a = parse_arm(arm_a)
@@ -341,7 +339,7 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
     with open_db(db) as conn:
         store = SQLiteSource(conn, cache=cache)
         data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
-    r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
+    r = negative_control_report(a, *data, seed=seed, level=level, slo=objective) if b is None else \
         compare(a, b, *data, seed=seed, level=level, slo=objective)
     echo(r, render_compare, as_json)
 

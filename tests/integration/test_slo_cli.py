@@ -119,6 +119,11 @@ def test_compare_gives_the_share_row_for_two_arms(tmp_path, upstream_thread):
     row = next(x for x in own["rows"] if x["metric"] == "slo_share")
     assert (row["a_median"], row["b_median"]) == (1.0, 1.0)
     assert row["objective"]["by_label"]["slow"]["ttft_s"] == 5.0
+    # one arm split in halves: the share row too, by the negative control's rule
+    control = json.loads(specproxy("compare", "slow", "--negative-control", "--db", str(db), "--slo", "ttft=1s",
+                                   "--json").stdout)
+    row = next(x for x in control["rows"] if x["metric"] == "slo_share")
+    assert row["n_a"] + row["n_b"] == 8 and row["objective"]["text"] == "ttft=1s"
     plain = json.loads(specproxy("compare", "fast", "slow", "--db", str(db), "--json").stdout)
     assert all(x["metric"] != "slo_share" for x in plain["rows"])
 
@@ -129,8 +134,6 @@ def test_a_bad_objective_is_one_line_everywhere(tmp_path, upstream_thread):
     assert sweep(tmp_path, up, db, "x", "1").returncode == 0
     one_line_error(specproxy("report", "--db", str(db), "--slo", "ttft=2"), "not a positive time with a unit")
     one_line_error(specproxy("report", "--db", str(db), "--slo", "itl=5ms"), "NAME one of ttft, tpot, e2e")
-    one_line_error(specproxy("compare", "x", "--negative-control", "--db", str(db), "--slo", "ttft=1s"),
-                   "--slo is not taken with --negative-control")
     one_line_error(specproxy("compare", "x", "y", "--db", str(db), "--slo", "ttft=1"), "with a unit")
     one_line_error(sweep(tmp_path, up, db, "x", "1", "--slo-target", "0.9"), "--slo-target needs an SLO")
     one_line_error(sweep(tmp_path, up, db, "x", "1", "--slo", "ttft=1s", "--slo-target", "1.5"),

@@ -343,6 +343,18 @@ def test_compare_of_one_setting_twice_is_not_distinguishable(tmp_path):
     assert row["verdict"] == "not distinguishable"
 
 
+def test_the_negative_control_splits_the_judged_turns_for_the_share_row(tmp_path):
+    from specproxy.analyze.compare import negative_control_report
+
+    db = tmp_path / "n.db"
+    write(db, write_arm(db, "a", {"i1": 0.9}, n=200, seed=5))
+    r = negative_control_report(Arm("a", "a"), load_arm(db, "a"), slo=parse_slo("ttft=1s"), level=0.9999)
+    row = next(x for x in r["rows"] if x["metric"] == "slo_share")
+    assert row["n_a"] + row["n_b"] == 200 and row["verdict"] == "not distinguishable"
+    assert 0.8 < row["estimate"] < 1.25
+    assert all(x["metric"] != "slo_share" for x in negative_control_report(Arm("a", "a"), load_arm(db, "a"))["rows"])
+
+
 # --- bench -----------------------------------------------------------------------------------------
 
 def bench_rounds() -> list[Round]:
