@@ -46,7 +46,7 @@ def config_example() -> str:
                        "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
                        "sink": "postgresql://specproxy@db.internal/fleet",
                        "otlp_endpoint": "http://collector:4318/v1/metrics",
-                       "tenant_header": "x-team"}[f.name]  # every optional setting has one
+                       "tenant_header": "x-team", "slo": "ttft=2s,tpot=50ms; batch: e2e=60s"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

@@ -20,8 +20,8 @@ from yarl import URL
 from specproxy.errors import ConfigError
 from specproxy.prices import Price, parse_prices
 
-__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "check_label",
-           "check_otlp_endpoint", "check_sink_url", "child_environment", "load_config", "server_root"]
+__all__ = ["CADENCE_POLL_MODES", "RELAY_MODES", "UPSTREAM_REUSE_MODES", "Config", "Slo", "check_label",
+           "check_otlp_endpoint", "check_sink_url", "child_environment", "load_config", "parse_slo", "server_root"]
 
 CADENCE_POLL_MODES = ("auto", "on", "off")
 RELAY_MODES = ("thread", "python")
@@ -160,6 +160,14 @@ class Config:
     """This proxy's name in a fleet, stamped on every turn (``proxy_name``): unset, the machine's host
     name. Turns shipped to one database are told apart by it, so each proxy needs its own: a sink refuses
     to ship under a name another proxy's database already ships under (docs/operations.md, "Fleet")."""
+    slo: str | None = None
+    """A service-level objective every measured turn is judged by on the live page, e.g.
+    ``ttft=2s,tpot=50ms,e2e=30s`` (any of the three; ``ms`` or ``s``): TTFT, time per output token
+    after the first chunk (``1 / decode_tps``) and whole turn at most that. Labels may have their own
+    after a ``;`` (``ttft=2s,tpot=50ms; batch: e2e=60s``): their turns are judged by it instead. The page then shows the
+    share of turns that met it, with its interval, and goodput (tokens of those turns per second) at
+    each concurrency; ``report``, ``compare`` and ``bench`` take ``--slo`` (docs/metrics.md, "Goodput
+    under an SLO")."""
     sink: str | None = None
     """Where a fleet's turns go besides the local database: one or more ``postgresql://USER@HOST[:PORT]/DB``
     URLs, separated by commas. The local database stays the record and the outbox: a shipper thread per
@@ -327,6 +335,95 @@ def check_sink_url(url: str) -> None:
         raise ConfigError(f"sink {url!r} needs a host and a database: postgresql://USER@HOST[:PORT]/DB")
 
 
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A service-level objective: upper bounds in seconds on a turn's TTFT, its time per output token
+    after the first chunk (``tpot``) and its whole time (``e2e``); None where the objective sets none.
+    ``labels``: the objectives of labels that have their own (``chat: ttft=1s``), which their turns are
+    judged by instead. ``text`` is how the user wrote it, said back in every report."""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    text: str = ""
+    labels: tuple[tuple[str, Slo], ...] = ()
+
+    @property
+    def bounded(self) -> bool:
+        """Whether this objective sets any bound (one given per label only sets none for the rest)."""
+        return any(v is not None for v in (self.ttft_s, self.tpot_s, self.e2e_s))
+
+    def for_label(self, label: str | None) -> Slo | None:
+        """The objective a turn with ``label`` is judged by: its label's own, else this one's bounds;
+        None when neither sets any (the turn is not judged)."""
+        for name, own in self.labels:
+            if name == label:
+                return own
+        return self if self.bounded else None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "text": self.text}
+        if self.labels:
+            out["by_label"] = {name: own.as_dict() for name, own in self.labels}
+        return out
+
+
+SLO_FIGURES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
+_SLO_UNITS = (("ms", 1e-3), ("s", 1.0))  # "ms" first: "50ms" also ends in "s"
+
+
+def _slo_bounds(group: str, text: str, what: str) -> Slo:
+    """One objective, ``ttft=2s,tpot=50ms,e2e=30s`` (any subset, each once, a unit on every value)."""
+    bounds: dict[str, float] = {}
+    for part in group.split(","):
+        name, eq, value = (p.strip() for p in part.partition("="))
+        if not eq or name not in SLO_FIGURES:
+            raise ConfigError(f"{what} {text!r}: {part.strip()!r} is not NAME=VALUE with NAME one of "
+                              f"{', '.join(SLO_FIGURES)} (e.g. ttft=2s,tpot=50ms,e2e=30s)")
+        if SLO_FIGURES[name] in bounds:
+            raise ConfigError(f"{what} {text!r}: {name} is given twice")
+        unit = next(((u, k) for u, k in _SLO_UNITS if value.endswith(u)), None)
+        try:
+            number = float(value[: -len(unit[0])]) if unit else None
+        except ValueError:
+            number = None
+        if unit is None or number is None or not number > 0 or number == float("inf"):
+            raise ConfigError(f"{what} {text!r}: {name}={value!r} is not a positive time with a unit "
+                              "(ms or s, e.g. 50ms or 2s)")
+        bounds[SLO_FIGURES[name]] = number * unit[1]
+    return Slo(**bounds, text=",".join(p.strip() for p in group.split(",")))
+
+
+def parse_slo(text: str | None, what: str = "--slo") -> Slo | None:
+    """``ttft=2s,tpot=50ms,e2e=30s`` (any subset) as an ``Slo``, for every turn; with objectives of
+    their own for labels after it, separated by ``;``: ``ttft=2s,tpot=50ms; batch: e2e=60s`` (turns
+    labelled ``batch`` are judged by ``e2e=60s`` alone). Without a group for every turn, only the named
+    labels' turns are judged. None for None or an empty text; anything else is a ConfigError of one
+    line saying what is wrong."""
+    if text is None or not text.strip():
+        return None
+    default: Slo | None = None
+    labels: dict[str, Slo] = {}
+    for group in (g.strip() for g in text.split(";")):
+        head, colon, rest = group.partition(":")
+        if not group:
+            raise ConfigError(f"{what} {text!r}: an empty objective between ';' (e.g. ttft=2s; batch: e2e=60s)")
+        if colon and "=" not in head:
+            label = head.strip()
+            if not label or not rest.strip():
+                raise ConfigError(f"{what} {text!r}: {group!r} is not LABEL: NAME=VALUE,... (e.g. batch: e2e=60s)")
+            if label in labels:
+                raise ConfigError(f"{what} {text!r}: label {label!r} is given twice")
+            labels[label] = _slo_bounds(rest.strip(), text, what)
+        elif default is not None:
+            raise ConfigError(f"{what} {text!r}: two objectives for every turn; name a label for the "
+                              "second (LABEL: NAME=VALUE,...)")
+        else:
+            default = _slo_bounds(group, text, what)
+    groups = ([default.text] if default else []) + [f"{name}: {own.text}" for name, own in labels.items()]
+    base = default or Slo()
+    return Slo(base.ttft_s, base.tpot_s, base.e2e_s, text="; ".join(groups), labels=tuple(labels.items()))
+
+
 def _validate(cfg: Config) -> Config:
     if cfg.upstream is not None:
         url = URL(cfg.upstream)
@@ -378,6 +475,7 @@ def _validate(cfg: Config) -> Config:
         check_otlp_endpoint(cfg.otlp_endpoint)
     if not cfg.otlp_interval_s > 0:
         raise ConfigError("otlp_interval_s must be positive")
+    parse_slo(cfg.slo, "slo")
     for key, modes in (("upstream_reuse", UPSTREAM_REUSE_MODES), ("relay", RELAY_MODES),
                        ("cadence_poll", CADENCE_POLL_MODES)):
         if getattr(cfg, key) not in modes:

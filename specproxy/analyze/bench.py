@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze.slo import attainment, capacity, met
 from specproxy.analyze.stats import mean_ci, plural, summarize, summarize_clustered
+from specproxy.config import Slo
 from specproxy.record import Record
 
 __all__ = ["MIN_ROUNDS", "ONE_INSTANCE_NOTE", "Round", "geometric_mean_ci", "render_bench", "summarize_bench"]
@@ -58,14 +60,24 @@ def _vals(records: Sequence[Record], name: str) -> np.ndarray:
     return np.array([getattr(r, name) if getattr(r, name) is not None else np.nan for r in records], dtype=float)
 
 
-def round_aggregate(rnd: Round) -> float | None:
-    """Delivered tokens of the round's completed turns over its span (first request to last end)."""
+def records_met(slo: Slo, records: Sequence[Record]) -> np.ndarray:
+    """``analyze/slo.py``'s ``met`` over a round's records: 1 met, 0 not, NaN not judged."""
+    return met(slo, np.array([r.outcome for r in records], dtype=object), _vals(records, "ttft_s"),
+               _vals(records, "decode_tps"), _vals(records, "total_s"),
+               np.array([r.label for r in records], dtype=object))
+
+
+def round_aggregate(rnd: Round, slo: Slo | None = None) -> float | None:
+    """Delivered tokens of the round's completed turns over its span (first request to last end); with
+    ``slo``, goodput: the tokens of those of them that met it over the same span (0 when none did)."""
     spans = [(r.t_request, r.t_done) for r in rnd.records if r.t_request is not None and r.t_done is not None]
-    tokens = [r.completion_tokens for r in rnd.records if r.outcome == "ok" and r.completion_tokens is not None]
-    if not spans or not tokens:
+    good = records_met(slo, rnd.records) == 1.0 if slo is not None else np.ones(len(rnd.records), dtype=bool)
+    counted = [(r.completion_tokens, g) for r, g in zip(rnd.records, good)
+               if r.outcome == "ok" and r.completion_tokens is not None]
+    if not spans or not counted:
         return None
     span = max(end for _, end in spans) - min(start for start, _ in spans)
-    return sum(tokens) / span if span > 0 else None
+    return sum(t for t, g in counted if g) / span if span > 0 else None
 
 
 def geometric_mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None, float | None]:
@@ -95,7 +107,7 @@ def _prefill_tps(r: Record) -> float | None:
     return prompt / r.ttft_s
 
 
-def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
+def _level_summary(rounds: list[Round], phase: str | None, slo: Slo | None = None) -> dict[str, Any]:
     records = [r for rnd in rounds for r in rnd.records]
     ok = [r for r in records if r.outcome == "ok"]
     streamed = [r for r in ok if r.streamed]
@@ -145,7 +157,26 @@ def _level_summary(rounds: list[Round], phase: str | None) -> dict[str, Any]:
                                           for r in streamed]).to_dict()
         out["prefill_tps"] = per_stream(streamed, [_prefill_tps(r) for r in streamed])
         out["more_than_one_token"] = sum((_out_tokens(r) or 0) > 1 for r in ok)
+    if slo is not None:
+        out["slo"] = _level_slo(rounds, records, slo)
     return out
+
+
+def _level_slo(rounds: list[Round], records: list[Record], slo: Slo) -> dict[str, Any]:
+    """The level's share of judged turns that met ``slo`` with its Wilson interval (over the level's turns,
+    every round and instance pooled), and goodput as the aggregate is taken: tokens of the turns that met
+    it over each round's span, geometric mean over rounds or instances."""
+    share = attainment(records_met(slo, records))
+    by_instance: dict[int, list[float]] = defaultdict(list)
+    for rnd in rounds:
+        value = round_aggregate(rnd, slo)
+        if value is not None:
+            by_instance[rnd.instance].append(value)
+    values = ([float(np.mean(v)) for v in by_instance.values()] if len(by_instance) > 1
+              else [v for vs in by_instance.values() for v in vs])
+    mean, lo, hi = geometric_mean_ci(values)
+    return {**share, "goodput_tps": {"mean": mean, "ci_low": lo, "ci_high": hi, "n": len(values),
+                                     "unit": "instances" if len(by_instance) > 1 else "rounds"}}
 
 
 def _out_tokens(r: Record) -> int | None:
@@ -164,19 +195,25 @@ def _prefill_warning(levels: list[dict[str, Any]]) -> str | None:
 
 
 def summarize_bench(rounds: Sequence[Round], *, phase: str | None = None, warmup: int = 0,
-                    restarts: bool = False) -> dict[str, Any]:
-    """Per arm, per concurrency level (and per prompt length for a prefill probe): the figures above."""
+                    restarts: bool = False, slo: Slo | None = None, slo_target: float | None = None) -> dict[str, Any]:
+    """Per arm, per concurrency level (and per prompt length for a prefill probe): the figures above. With
+    ``slo``, each level's share of turns that met it and goodput; with ``slo_target`` too, each arm's
+    highest concurrency whose share stays at or above it (``analyze/slo.py``'s ``capacity``)."""
     arms: dict[str, dict[Any, list[Round]]] = {}
     for rnd in rounds:
         arms.setdefault(rnd.arm, {}).setdefault((rnd.level, rnd.prompt_len or 0), []).append(rnd)
-    out: dict[str, Any] = {"phase": phase, "warmup_per_instance": warmup, "restarts": restarts, "arms": []}
+    out: dict[str, Any] = {"phase": phase, "warmup_per_instance": warmup, "restarts": restarts, "arms": [],
+                           "slo": None if slo is None else slo.as_dict(), "slo_target": slo_target}
     warnings = []
     for arm, levels in arms.items():
         out["arms"].append({
             "arm": arm,
             "instances": len({rnd.instance for ls in levels.values() for rnd in ls}),
-            "levels": [_level_summary(levels[level], phase) for level in sorted(levels)],
+            "levels": [_level_summary(levels[level], phase, slo) for level in sorted(levels)],
         })
+        if slo is not None and slo_target is not None and phase != "prefill":
+            out["arms"][-1]["slo_capacity"] = capacity(
+                [(lv["level"], lv["slo"]) for lv in out["arms"][-1]["levels"]], slo_target)
         if phase == "prefill" and (warning := _prefill_warning(out["arms"][-1]["levels"])):
             warnings.append(f"arm {arm}: {warning}" if len(arms) > 1 else warning)
     out["warnings"] = warnings
@@ -227,6 +264,29 @@ def _agg(a: dict[str, Any]) -> str:
     return f"{a['mean']:.1f}{ci}"
 
 
+def _slo_lines(arm: dict[str, Any], slo: dict[str, Any]) -> list[str]:
+    """Per level: the share of turns that met the SLO [95% Wilson CI] and goodput beside aggregate; then the
+    highest concurrency whose share stays at or above the target, by the share and by its lower bound."""
+    lines = [f"  SLO {slo['text']}: {'concurrency':>11} {'judged':>6} {'share met [95% CI]':>24}  "
+             f"{'goodput tok/s [95% CI]':>26}  {'aggregate tok/s':>16}"]
+    pad = " " * (len(slo["text"]) + 6)
+    for lv in arm["levels"]:
+        a = lv["slo"]
+        share = "-" if a["share"] is None else (f"{a['share'] * 100:.1f}% [{a['ci_low'] * 100:.1f}, "
+                                                f"{a['ci_high'] * 100:.1f}]")
+        agg = lv.get("aggregate_tps")
+        lines.append(f"  {pad}{lv['level']:>11} {a['n']:>6} {share:>24}  {_agg(a['goodput_tps']):>26}  "
+                     f"{'-' if agg is None or agg['mean'] is None else format(agg['mean'], '.1f'):>16}")
+    cap = arm.get("slo_capacity")
+    if cap is not None:
+        def said(level: int | None) -> str:
+            return "none of the levels swept" if level is None else f"concurrency {level}"
+        lines.append(f"  highest concurrency whose share met stays at or above {cap['target'] * 100:g}%: "
+                     f"{said(cap['point'])} (by the share); {said(cap['confident'])} (by its 95% lower bound: "
+                     "what the sweep shows with confidence)")
+    return lines
+
+
 def render_bench(s: dict[str, Any]) -> str:
     lines = []
     phase = s.get("phase")
@@ -257,6 +317,8 @@ def render_bench(s: dict[str, Any]) -> str:
                 lines.append(f"  {lv['level']:>11} {lv['turns']:>6} {errors_n:>6}  "
                              f"{_ci(lv['decode_tps'], '{:.1f}'):>26}  {_ci(lv['ttft_s'], _sig3):>26}  "
                              f"{_agg(agg):>26}  {_over(lv)}")
+        if s.get("slo") is not None and phase != "prefill":
+            lines.extend(_slo_lines(arm, s["slo"]))
         errors = defaultdict(int)
         for lv in arm["levels"]:
             for k, v in lv["errors"].items():

@@ -30,6 +30,8 @@ from specproxy.store.dataset import Turns, parse_time
 from specproxy.store.source import Window, WindowData
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
+from specproxy.analyze.slo import met_of_turns
+from specproxy.config import Slo
 from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
 from specproxy.analyze.stats import (
     CONFOUNDED_WARNING,
@@ -75,7 +77,7 @@ def parse_arm(spec: str) -> Arm:
 
 # the columns a comparison reads
 COMPARE_COLUMNS = ("t_wall", "total_s", "ttft_s", "decode_tps", "completion_tokens", "outcome", "instance_id",
-                   "streamed", "conn_id", "prompt_tokens", "api")
+                   "streamed", "conn_id", "prompt_tokens", "api", "label")
 
 
 def _ok(data: WindowData) -> Turns:
@@ -170,9 +172,34 @@ def check_level(level: float) -> None:
         raise ConfigError(f"--level must be between 0.5 and 1 (e.g. 0.95 or 0.99), got {level:g}") from None
 
 
+def _slo_row(slo: Slo, data_a: WindowData, data_b: WindowData, seed: int, level: float) -> dict[str, Any]:
+    """B/A of the share of judged turns that met ``slo`` (analyze/slo.py), failed turns included (they did
+    not): the mean of each arm's met (1) / not met (0) values, by the rule every other row has
+    (``bootstrap_ratio``: over instances when an arm ran in several, the lone-instance and confounding
+    rules alike), higher is better. Its verdict reads "better" or "worse", not faster or slower."""
+    (ma, ta), (mb, tb) = _judged(slo, data_a), _judged(slo, data_b)
+    r = bootstrap_ratio(ma, mb, higher_is_better=True, stat="mean", clusters_a=_clusters(ta),
+                        clusters_b=_clusters(tb), seed=seed, level=level).to_dict()
+    return _slo_share_row(slo, r, float(ma.mean()) if ma.size else None, float(mb.mean()) if mb.size else None)
+
+
+def _judged(slo: Slo, data: WindowData) -> tuple[np.ndarray, Turns]:
+    """An arm's judged turns: their met (1) / not met (0) values, and their instances."""
+    m = met_of_turns(slo, data.turns) if len(data.turns) else np.zeros(0)
+    judged = np.isfinite(m)
+    return m[judged], data.turns.select(judged, columns=("instance_id",)) if len(data.turns) else data.turns
+
+
+def _slo_share_row(slo: Slo, r: dict[str, Any], a: float | None, b: float | None) -> dict[str, Any]:
+    r["verdict"] = {"faster": "better", "slower": "worse"}.get(r["verdict"], r["verdict"])
+    return {"metric": "slo_share", "label": "share that met the SLO", "population": "judged",
+            "higher_is_better": True, "objective": slo.as_dict(), "a_median": a, "b_median": b, **r}
+
+
 def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int = 0,
-            level: float = 0.95) -> dict[str, Any]:
-    """B/A for each figure, from each arm's turns as the store loaded them (``COMPARE_COLUMNS``)."""
+            level: float = 0.95, slo: Slo | None = None) -> dict[str, Any]:
+    """B/A for each figure, from each arm's turns as the store loaded them (``COMPARE_COLUMNS``); with
+    ``slo``, a row for the share of turns that met it (``a_median``/``b_median`` hold the shares)."""
     check_level(level)
     if (a.label, a.since, a.until) == (b.label, b.since, b.until):
         raise ConfigError(f"compare {a.name} {b.name}: an arm against itself says nothing; to check the instrument "
@@ -194,7 +221,9 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
                  "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
                  "instances_b": None if cb is None else len(set(cb))})
-    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    if slo is not None:
+        rows.append(_slo_row(slo, data_a, data_b, seed, level))
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb), "judged": (ta, tb)}
     for row in rows:
         _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
@@ -234,10 +263,12 @@ def _control_row(metric: tuple, turns: Turns, population: str, seed: int, level:
             "a_median": None, "b_median": None, **r.to_dict()}
 
 
-def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: float = 0.95,
+                            slo: Slo | None = None) -> dict[str, Any]:
     """A against A: the arm split into random halves (by instance when it has several), within each
     kind: the stream rows split the streamed turns, the non-streamed row the non-streamed ones, so a
-    half is never streamed turns against non-streamed ones."""
+    half is never streamed turns against non-streamed ones. With ``slo``, the share row's halves split
+    the judged turns."""
     check_level(level)
     ta = _ok(data)
     if not len(ta):
@@ -247,6 +278,10 @@ def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: f
     rows = [_control_row(metric, streamed, "streamed", seed, level) for metric in METRICS]
     if len(whole) >= 2:  # a half each
         rows.append(_control_row(NON_STREAMED_METRIC, whole, "non_streamed", seed, level))
+    if slo is not None:
+        m, judged = _judged(slo, data)
+        r = negative_control(m, _clusters(judged), seed=seed, level=level, stat="mean", higher_is_better=True)
+        rows.append(_slo_share_row(slo, r.to_dict(), None, None))
     return {"a": a.name, "b": f"{a.name} (other half)", "level": level, "n_a": len(ta), "n_b": len(ta),
             "negative_control": True,
             **_kind_counts(streamed, whole, "a"),
@@ -283,6 +318,9 @@ def render_compare(r: dict[str, Any]) -> str:
     for row in r["rows"]:
         ci = f"[{_f(row['ci_low'])}, {_f(row['ci_high'])}]" if row.get("ci_low") is not None else "-"
         verdict = row["verdict"]
+        if row["metric"] == "slo_share":
+            warnings.append(f"SLO {row['objective']['text']}: the share of turns that met it, failed turns included "
+                            "(as not met); A and B are the shares")
         if verdict in ("faster", "slower") and not row["higher_is_better"]:
             verdict += f" (B's {row['metric']} is {'lower' if verdict == 'faster' else 'higher'})"
         lines.append(f"  {row['label']:34} {_f(row['a_median'], '{:.3f}'):>10} {_f(row['b_median'], '{:.3f}'):>10} "

@@ -31,9 +31,12 @@ from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section, render_by, render_cost
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
                                     which_to_read)
+from specproxy.analyze.slo import attainment, met_of_turns
 from specproxy.analyze.stats import plural, summarize
+from specproxy.config import Slo
 
-__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_text", "report_columns", "streamed_mask", "why_empty"]
+__all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_slo", "render_text",
+           "report_columns", "streamed_mask", "why_empty"]
 
 ENGINE_SPEEDUPS = (1.25, 1.5, 2.0, 3.0)
 WANTED_TURN_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -103,7 +106,7 @@ def streamed_mask(turns: Turns) -> np.ndarray:
 
 
 def build_report(data: WindowData, *, source: str = "", prices: Mapping | None = None,
-                 by: str | None = None) -> dict[str, Any]:
+                 by: str | None = None, slo: Slo | None = None) -> dict[str, Any]:
     """Everything ``specproxy report`` says, as plain data, from one window's data as the store loaded it
     (``Source.load(window, REPORT_COLUMNS, server=True, context=True)``; without ``server`` there is no
     server section, without ``context`` no count of other paths' rows).
@@ -112,6 +115,8 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     turns the database holds instead of "no turns recorded yet". ``prices`` (a price table by model) adds
     the cost of the window's turns; ``by`` (one of ``groups.BY_KEYS``) the table per client, session,
     label, tenant or model; both need ``report_columns(prices, by)`` loaded.
+    With ``slo``, the ``slo`` section: the
+    share of turns that met it and goodput, over the window and per concurrency (``analyze/slo.py``).
     """
     turns, window = data.turns, data.window.as_dict()
     n_all = len(turns)
@@ -152,9 +157,30 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     report["by"] = by_group(turns, by, prices) if by and n_all else None
     report["by_proxy"] = _by_name(ok, "proxy_name")
     report["by_instance"] = _by_name(ok, "instance_id")
+    if slo is not None:
+        report["slo"] = _slo(turns, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
+                                                       "by_concurrency": []}
     if data.scrapes is not None and data.lone is not None:
         report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
     return report
+
+
+def _slo(turns: Turns, slo: Slo) -> dict[str, Any]:
+    """The share of the window's measured turns that met ``slo`` (failed ones included: they did not), its
+    interval and goodput, overall and per concurrency cell; each cell's plain aggregate throughput beside
+    its goodput, over the same busy time (its completed turns')."""
+    judged = met_of_turns(slo, turns)
+
+    def cell(at: np.ndarray | None) -> dict[str, Any]:
+        mine = turns if at is None else turns.select(at, columns=("t_wall", "total_s", "completion_tokens", "outcome"))
+        m = judged if at is None else judged[at]
+        done = mine.ok
+        agg = aggregate_throughput(mine.select(done, columns=("t_wall", "total_s", "completion_tokens")))
+        return {**attainment(m, mine.num["completion_tokens"], agg["busy_s"]), "aggregate_tps": agg["tps"]}
+
+    rows = [{"concurrency": CONCURRENCY_BUCKETS[int(b)], **cell(at)}
+            for b, at in groups(concurrency_buckets(turns.num["concurrency"]))]
+    return {"objective": slo.as_dict(), "overall": cell(None), "by_concurrency": rows}
 
 
 def _usage_gap(ok: Turns) -> dict[str, Any]:
@@ -346,6 +372,30 @@ def _name_rows(rows: list[dict[str, Any]], key: str, title: str) -> list[str]:
     return lines
 
 
+def _share(a: dict[str, Any]) -> str:
+    if a["share"] is None:
+        return "-"
+    return f"{a['share'] * 100:.1f}% [{a['ci_low'] * 100:.1f}, {a['ci_high'] * 100:.1f}]"
+
+
+def render_slo(s: dict[str, Any]) -> list[str]:
+    """The SLO section: the share of judged turns that met it with its 95% Wilson interval, and goodput
+    beside aggregate throughput, overall and per concurrency."""
+    o = s["overall"]
+    lines = ["", f"SLO {s['objective']['text']}: turns that met it (failed turns did not; a turn lacking a figure "
+             "the SLO names, or cut by its client, is not judged)"]
+    if o is None or not o["n"]:
+        lines.append("  no judged turns in this window")
+        return lines
+    lines.append(f"  {'concurrency':>11} {'judged':>7} {'met':>6} {'share met [95% CI]':>24} "
+                 f"{'aggregate tok/s':>16} {'goodput tok/s':>14} {'not judged':>11}")
+    for name, a in [*((row["concurrency"], row) for row in s["by_concurrency"]), ("all", o)]:
+        lines.append(f"  {name:>11} {a['n']:>7} {a['met']:>6} {_share(a):>24} {_fmt(a['aggregate_tps'], '{:.1f}'):>16}"
+                     f" {_fmt(a['goodput_tps'], '{:.1f}'):>14} {a['not_judged']:>11}")
+    lines.append("  goodput: delivered tokens of the turns that met it over the same busy time as aggregate")
+    return lines
+
+
 def render_text(r: dict[str, Any]) -> str:
     lines: list[str] = []
     when = f", {_utc(r['first_t_wall'])} to {_utc(r['last_t_wall'])} UTC" if r["first_t_wall"] is not None else ""
@@ -450,6 +500,8 @@ def render_text(r: dict[str, Any]) -> str:
         lines += render_lines(pc)
         for c in pc["by_client"][:5]:
             lines += render_lines(c, "  ", f"{c['client']}: ")
+    if "slo" in r:
+        lines.extend(render_slo(r["slo"]))
     if "server" in r:
         lines.extend(render_server(r["server"]))
     return "\n".join(lines) + "\n"

@@ -41,6 +41,8 @@ ROW_NEEDS: dict[str, tuple[str, ...]] = {
     "total_s": ("prompt_tokens", "completion_tokens", "api"),
     "total_s_non_streamed": ("prompt_tokens", "completion_tokens", "api"),
     "aggregate_tps": ("prompt_tokens", "completion_tokens", "api", "streamed"),
+    # the SLO's TTFT and whole-turn bounds depend on the prompt and the answer, as those rows do
+    "slo_share": ("prompt_tokens", "completion_tokens", "api", "streamed"),
 }
 _NAMES = {"prompt_tokens": "prompt tokens per turn", "completion_tokens": "completion tokens per turn"}
 

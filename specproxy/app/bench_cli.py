@@ -17,7 +17,7 @@ from typing import Any
 import click
 import orjson
 
-from specproxy.app.cli_common import db_option, echo, friendly, report_of, sqlite_only
+from specproxy.app.cli_common import db_option, echo, friendly, report_of, slo_option, sqlite_only
 from specproxy.errors import ConfigError, SpecproxyError
 
 __all__ = ["NO_TOKENIZER", "export_mooncake", "export_replay", "register"]
@@ -251,14 +251,19 @@ def register(group: click.Group) -> None:
     @click.option("--seed", type=int, default=0, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON")
     @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                  help="TOML config file (as serve's; its upstream, db and tokenizer are used)")
+                  help="TOML config file (as serve's; its upstream, db, tokenizer and slo are used)")
+    @slo_option
+    @click.option("--slo-target", type=float, default=None,
+                  help="With --slo and --concurrency: print the highest concurrency whose share of turns that met "
+                       "the SLO stays at or above this (e.g. 0.9)")
     @friendly
     def bench(upstream: str | None, source: str | None, db: str | None, tokenizer: str | None, levels: str | None,
               repeats: int, duration_s: float | None, rate: float | None, timing: str, speed: float,
               block_size: int, labels: str | None,
               restart_cmd: str | None,
               instances: int, ready_timeout_s: float, warmup: int, phase: str | None, prompt_lengths: str,
-              max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None) -> None:
+              max_tokens: int, model: str | None, seed: int, as_json: bool, config_path: str | None,
+              slo: str | None, slo_target: float | None) -> None:
         """Send requests at each concurrency through the measuring proxy; per-stream and aggregate figures.
 
         Every turn goes through the same proxy and measuring as `serve`'s, into the same database, labelled;
@@ -268,7 +273,7 @@ def register(group: click.Group) -> None:
         from specproxy.analyze.bench import render_bench, summarize_bench
         from specproxy.app.bench import BenchError, BenchPlan, BenchRun, run_bench
         from specproxy.app.progress import make_progress
-        from specproxy.config import load_config
+        from specproxy.config import load_config, parse_slo
         from specproxy.serve.service import install_uvloop
 
         # the proxy bench runs: on loopback, an ephemeral port; turns labelled by the arm (a header), never text
@@ -279,6 +284,13 @@ def register(group: click.Group) -> None:
             "store_text": False, "scrape_interval_s": 1.0, "cadence_poll": "off"})
         base = str(cfg.upstream_url).rstrip("/")  # ConfigError without an upstream
         sqlite_only(cfg.db, "bench writes the turns it measures to an SQLite file")
+        objective = parse_slo(slo) if slo is not None else parse_slo(cfg.slo, "slo")
+        if slo_target is not None and objective is None:
+            raise ConfigError("--slo-target needs an SLO to judge turns by: give --slo (e.g. ttft=2s,tpot=50ms)")
+        if slo_target is not None and not 0 < slo_target <= 1:
+            raise ConfigError(f"--slo-target is a share of turns between 0 and 1 (e.g. 0.9), got {slo_target:g}")
+        if objective is not None and phase == "prefill":
+            raise ConfigError("--slo is not judged on a prefill probe (one output token each: no tpot, no decode)")
         # a probe's turns carry their phase in their label, so report, compare and roofline never mix the phases
         arms = _arms(labels if labels is not None else "bench" + (f"-{phase}" if phase else ""))
         if len(arms) > 1 and restart_cmd is None:
@@ -322,7 +334,8 @@ def register(group: click.Group) -> None:
             turns = sum(len(r.records) for r in run.rounds)
             error = SpecproxyError(f"interrupted (Ctrl-C): what was measured is stored in {cfg.db}"
                                    + (f", and its {turns} turns summarised above" if run.rounds else ""))
-        summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None)
+        summary = summarize_bench(run.rounds, phase=phase, warmup=warmup, restarts=restart_cmd is not None,
+                                  slo=objective, slo_target=slo_target)
         summary.update(database=cfg.db, labels=list(arms), instance_ids={f"{a}#{k}": v for (a, k), v in
                                                                          run.instance_ids.items()},
                        tokenizer=counted, timing=timing, speed=speed if timing == "recorded" else None,

@@ -18,8 +18,8 @@ import orjson
 from specproxy import __version__
 from specproxy.app.bench_cli import register as register_bench
 from specproxy.app.cli_common import (BY_CHOICES, db_option, db_path, echo, friendly, open_db, open_source, prices_of,
-                                      prices_option, read_db_option, report_of, setting, sqlite_only)
-from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config
+                                      prices_option, read_db_option, report_of, setting, slo_option, sqlite_only)
+from specproxy.config import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_REUSE_MODES, Config, load_config, parse_slo
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -145,6 +145,9 @@ def _pages_line(cfg: Config, url: str) -> str:
           "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
 @setting("--lane/--no-lane", "lane",
           "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
+@setting("--slo", "slo",
+          "Judge the live page's turns by a service-level objective, e.g. ttft=2s,tpot=50ms,e2e=30s (ms or s): "
+          "the share that met it and goodput per concurrency")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file (see config.example.toml); flags override it, SPECPROXY_* in between")
 @friendly
@@ -162,7 +165,7 @@ def serve(config_path: str | None, **flags: Any) -> None:
                    f"raise it (ulimit -Hn, or LimitNOFILE= under systemd)", err=True)
     service = Service.from_config(cfg)
     # the live page at /_specproxy/, drawn from the database it writes, with its writer's counts
-    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers)
+    service.pages = LivePages(cfg.db, writer=service.writer, shippers=service.shippers, slo=parse_slo(cfg.slo, "slo"))
     install_uvloop()
 
     def ready(svc: Service) -> None:
@@ -261,16 +264,18 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
               help="Add a table per client (User-Agent), session, label, tenant or model (with its cost, given --prices)")
 @prices_option
 @cache_option
+@slo_option
 @friendly
 def report(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-           html_file: str | None, by: str | None, prices_file: str | None, cache: bool) -> None:
+           html_file: str | None, by: str | None, prices_file: str | None, cache: bool, slo: str | None) -> None:
     """What users actually got: TTFT, decode speed, tokens, prompt make-up, operating point; with --prices,
-    what it cost."""
+    what it cost; with --slo, the share of turns that met it and goodput."""
     from specproxy.analyze.report import render_text
 
     prices = prices_of(prices_file)
+    objective = parse_slo(slo)
     if html_file is None:
-        echo(report_of(db, label, since, until, cache=cache, prices=prices, by=by), render_text, as_json)
+        echo(report_of(db, label, since, until, cache=cache, prices=prices, by=by, slo=objective), render_text, as_json)
         return
     from specproxy.store.dataset import parse_time
     from specproxy.view.html import document
@@ -278,7 +283,7 @@ def report(db: str | None, label: str | None, since: str | None, until: str | No
 
     with open_source(db, cache=cache) as store:
         snap = snapshot(store, source=db_path(db), label=label, since=parse_time(since), until=parse_time(until),
-                        prices=prices, by=by)
+                        prices=prices, by=by, slo=objective)
     try:
         Path(html_file).write_text(document(snap, live=False, title=f"specproxy report: {db_path(db)}"),
                                    encoding="utf-8")
@@ -370,9 +375,10 @@ def _write_rows(names, rows, fmt: str, output: str) -> None:
               help="Confidence level of every interval (e.g. 0.99: a verdict on an A/A is then wrong 1% of the time)")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON")
 @cache_option
+@slo_option
 @friendly
 def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control: bool, seed: int, level: float,
-                as_json: bool, cache: bool) -> None:
+                as_json: bool, cache: bool, slo: str | None) -> None:
     """Ratio B/A with 95% intervals (--level) and a verdict: faster, slower or not distinguishable.
 
     An arm is a label (X-Specproxy-Label, or serve --label) or a time window @START..END
@@ -382,14 +388,15 @@ def compare_cmd(arm_a: str, arm_b: str | None, db: str | None, negative_control:
                                            render_compare)
 
     check_level(level)
+    objective = parse_slo(slo)
     if not negative_control and arm_b is None:
         raise SpecproxyError("compare needs two arms (A B), or one arm with --negative-control")
     a = parse_arm(arm_a)
     b = None if negative_control else parse_arm(arm_b)
     with open_source(db, cache=cache) as store:
         data = [store.load(arm.window, COMPARE_COLUMNS) for arm in (a, b) if arm is not None]
-    r = negative_control_report(a, *data, seed=seed, level=level) if b is None else \
-        compare(a, b, *data, seed=seed, level=level)
+    r = negative_control_report(a, *data, seed=seed, level=level, slo=objective) if b is None else \
+        compare(a, b, *data, seed=seed, level=level, slo=objective)
     echo(r, render_compare, as_json)
 
 

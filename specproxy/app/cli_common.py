@@ -19,7 +19,7 @@ from specproxy.config import Config, load_config
 from specproxy.errors import SpecproxyError
 
 __all__ = ["BY_CHOICES", "DEFAULTS", "by_option", "db_option", "db_path", "echo", "friendly", "open_db", "open_source",
-           "prices_of", "prices_option", "read_db_option", "report_of", "setting", "shown", "sqlite_only"]
+           "prices_of", "prices_option", "read_db_option", "report_of", "setting", "shown", "slo_option", "sqlite_only"]
 
 
 def friendly(fn):
@@ -80,6 +80,11 @@ def prices_of(prices_file: str | None) -> dict | None:
 
     return load_prices(prices_file)
 
+slo_option = click.option(
+    "--slo", "slo", default=None,
+    help="Judge every turn by a service-level objective, e.g. ttft=2s,tpot=50ms,e2e=30s (any of them; ms or s): "
+         "the share of turns that met it, with its interval, and goodput (docs/metrics.md, Goodput under an SLO)")
+
 
 def db_path(db: str | None) -> str:
     return db or load_config(overrides={}).db
@@ -128,7 +133,7 @@ def echo(result: dict, render, as_json: bool) -> None:
 
 
 def report_of(db: str | None, label: str | None = None, since: str | None = None, until: str | None = None,
-              cache: bool = True, prices: dict | None = None, by: str | None = None) -> dict:
+              cache: bool = True, prices: dict | None = None, by: str | None = None, slo: Any = None) -> dict:
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
     from specproxy.analyze.report import build_report, report_columns
@@ -136,4 +141,4 @@ def report_of(db: str | None, label: str | None = None, since: str | None = None
     window = Window(label, parse_time(since), parse_time(until))
     with open_source(db, cache=cache) as store:
         data = store.load(window, report_columns(prices, by), server=True, context=True)
-    return build_report(data, source=db_path(db), prices=prices, by=by)
+    return build_report(data, source=db_path(db), prices=prices, by=by, slo=slo)

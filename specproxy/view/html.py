@@ -27,6 +27,7 @@ ML, MR, MT, MB = 46, 12, 18, 26
 PARTS = (("prompt_system_tokens", "system", "#8c6bb1"), ("prompt_tools_tokens", "tools", "#dd8452"),
          ("prompt_history_tokens", "history", "#937860"), ("prompt_new_tokens", "new", "#55a868"))
 TTFT_COLOR, DECODE_COLOR, REST_COLOR = "#c44e52", "#4c72b0", "#b0b0b0"
+SLO_MISSED_COLOR = "#222"  # the mark beside a recent turn that missed the page's SLO
 USER_FIGURES = (("ttft_s", "TTFT (s)", "{:.3f}"), ("decode_tps", "decode speed, per stream (tok/s)", "{:.1f}"),
                 ("decode_s", "decode time (s)", "{:.3f}"), ("total_s", "whole turn (s)", "{:.3f}"),
                 ("completion_tokens", "completion tokens", "{:.0f}"), ("tokens_per_chunk", "tokens per chunk", "{:.2f}"),
@@ -196,6 +197,26 @@ def _by(b: dict[str, Any] | None) -> str:
     return f'<h2>By {escape(b["key"])}</h2><table class="card">{head}{"".join(rows)}</table>'
 
 
+def _slo(s: dict[str, Any] | None) -> str:
+    """The SLO table (report --slo, serve's slo): per concurrency and over the window, the share of judged
+    turns that met it with its interval, and goodput beside aggregate throughput."""
+    if s is None:
+        return ""
+    head = f'<h2>SLO {escape(s["objective"]["text"])}: turns that met it</h2>'
+    if s["overall"] is None or not s["overall"]["n"]:
+        return head + '<p class="muted">no judged turns in this window</p>'
+    rows = ""
+    for i, (name, a) in enumerate([*((row["concurrency"], row) for row in s["by_concurrency"]), ("all", s["overall"])]):
+        path = "slo/overall" if name == "all" else f"slo/by_concurrency/{i}"
+        rows += (f'<tr><td>{escape(name)}</td>{_fig(f"{path}/n", a["n"], "{:.0f}")}{_fig(f"{path}/met", a["met"], "{:.0f}")}'
+                 f'{_fig(f"{path}/share", a["share"], "{:.3f}")}<td>[{_f(a["ci_low"])}, {_f(a["ci_high"])}]</td>'
+                 f'{_fig(f"{path}/aggregate_tps", a["aggregate_tps"], "{:.1f}")}'
+                 f'{_fig(f"{path}/goodput_tps", a["goodput_tps"], "{:.1f}")}{_fig(f"{path}/not_judged", a["not_judged"], "{:.0f}")}</tr>')
+    return (head + '<table class="card slo"><tr><th>concurrency</th><th>judged</th><th>met</th><th>share met</th>'
+            '<th>95% CI (Wilson)</th><th>aggregate tok/s</th><th>goodput tok/s</th><th>not judged</th></tr>'
+            f'{rows}</table>')
+
+
 def _turns(recent: list[dict[str, Any]], changes: list[dict[str, Any] | None] | None = None) -> str:
     """Each recent turn: TTFT then decode (then the rest of the turn) as one bar, its prompt make-up beside."""
     if not recent:
@@ -224,14 +245,25 @@ def _turns(recent: list[dict[str, Any]], changes: list[dict[str, Any] | None] | 
             x += px
         title = (f'{t["outcome"]}: TTFT {_f(t["ttft_s"])} s, decode {_f(t["decode_s"])} s, total {_f(t["total_s"])} s; '
                  f'{_f(t["completion_tokens"], "{:.0f}")} tokens; prompt {_f(t["prompt_tokens"], "{:.0f}")} tokens')
+        slo = ""
+        if "slo_met" in t:  # judged by the page's SLO (snapshot): a mark at the bar's end when it missed
+            said = {True: "met", False: "not met", None: "not judged"}[t["slo_met"]]
+            title += f"; SLO {said}"
+            slo = f' data-slo-met="{said}"'
+            if t["slo_met"] is False:
+                rects.append(f'<rect class="slo-missed" x="{left + bar_w + 6}" y="{y}" width="8" height="{row_h}" '
+                             f'fill="{SLO_MISSED_COLOR}"/>')
         record = escape(orjson.dumps(t).decode(), quote=True)
         change = escape(orjson.dumps(changes[i] if changes else None).decode(), quote=True)
         outline = "" if t["outcome"] == "ok" else f'<rect x="2" y="{y}" width="4" height="{row_h}" fill="#000"/>'
         hit = f'<rect x="0" y="{y}" width="{left + bar_w + 20 + part_w}" height="{row_h}" fill="transparent"/>'
-        out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}" '
+        out.append(f'<g class="turn outcome-{escape(t["outcome"])}" data-turn-id="{escape(t["id"])}"{slo} '
                    f'data-record="{record}" data-change="{change}"><title>{escape(title)}</title>{hit}{outline}{"".join(rects)}</g>')
+    missed = (f'<i style="background:{SLO_MISSED_COLOR}"></i>missed the SLO &nbsp; '
+              if any("slo_met" in t for t in recent) else "")
     legend = ('<p class="legend"><i style="background:%s"></i>TTFT<i style="background:%s"></i>decode'
-              '<i style="background:%s"></i>rest of the turn &nbsp; prompt:' % (TTFT_COLOR, DECODE_COLOR, REST_COLOR)
+              '<i style="background:%s"></i>rest of the turn &nbsp; %sprompt:'
+              % (TTFT_COLOR, DECODE_COLOR, REST_COLOR, missed)
               + "".join(f'<i style="background:{c}"></i>{n}' for _, n, c in PARTS)
               + f' &nbsp; <span class="muted">(longest turn {t_max:.2f} s, largest prompt {p_max:.0f} tokens;'
                 ' click a turn for its record)</span></p>')
@@ -442,8 +474,8 @@ def fragment(snap: dict[str, Any], note: str = "") -> str:
     if not r["turns"]:
         return note + _header(r) + f'<p class="muted">{escape(why_empty(r))}</p>'
     dists = "".join(_histogram(k, d, r["user"].get(k)) for k, d in p["distributions"].items())
-    return (note + _header(r) + _figures(r) + _prefix_cache(r.get("prefix_cache")) + _cost(r.get("cost")) + _by(r.get("by"))
-            + _turns(snap["recent"], snap.get("changes"))
+    return (note + _header(r) + _figures(r) + _slo(r.get("slo")) + _prefix_cache(r.get("prefix_cache")) + _cost(r.get("cost"))
+            + _by(r.get("by")) + _turns(snap["recent"], snap.get("changes"))
             + f'<h2>Distributions</h2><div class="grid">{dists}{_concurrency(p["concurrency"], r["operating_point"]["concurrency"])}</div>'
             + f'<h2>Throughput</h2><div class="grid">{_timeline(p["timeline"])}</div>'
             + f'<h2>Speedup</h2><div class="grid">{_speedup(p["speedup_curve"], r["whole_turn"])}</div>'

@@ -22,6 +22,7 @@ import time
 from html import escape
 from typing import Any
 
+from specproxy.config import Slo
 from specproxy.store.source import Window
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.view.html import document, fragment
@@ -39,8 +40,9 @@ class LivePages:
     that refuses writes would otherwise leave the page still and silent."""
 
     def __init__(self, db: str, *, window_s: float = WINDOW_S, max_turns: int = MAX_TURNS,
-                 writer: Any = None, shippers: list | None = None) -> None:
+                 writer: Any = None, shippers: list | None = None, slo: Slo | None = None) -> None:
         self.db = db
+        self.slo = slo  # serve's slo: the page's window judged by it (analyze/slo.py), as report --slo does
         self.window_s = window_s
         self.max_turns = max_turns
         self.writer = writer
@@ -72,7 +74,7 @@ class LivePages:
         with SQLiteSource(self.db) as store:
             since = time.time() - self.window_s
             nth = store.nth_newest_t_wall(Window(since=since), self.max_turns)
-            return snapshot(store, source=self.db, since=since if nth is None else max(since, nth))
+            return snapshot(store, source=self.db, since=since if nth is None else max(since, nth), slo=self.slo)
 
     def document(self) -> str:
         title = (f"specproxy live: the last {self.window_s / 60:g} minutes of {self.db} "

@@ -253,3 +253,43 @@ def test_a_restart_aa_of_one_setting_is_not_distinguishable(restart_runs):
     assert compare["level"] == 0.9999 and compare["instances_a"] == compare["instances_b"] == 3
     row = decode_row(compare)
     assert row["ci_low"] is not None and row["verdict"] == "not distinguishable", row
+
+
+def test_a_sweep_with_an_slo_prints_the_capacity_and_report_judges_the_turns_after(four_slot_server,
+                                                                                   hf_tokenizer_dir, tmp_path):
+    """bench --slo --slo-target on a real server: per level the share of turns that met the objective (from
+    the stored turns by the documented rule: TTFT and 1 / decode_tps at or under their bounds), its Wilson
+    interval and goodput beside the aggregate, and the highest concurrency whose share stays at or above the
+    target. The objective is generous (no turn of the tiny model comes near 30 s to its first token or
+    1 s per token), so every turn meets it and the capacity is the top level, by the share and by the lower
+    bound (9 of 9 turns: 0.70, above the 0.6 asked). Then report judges the same stored turns by an
+    objective no server meets (1 microsecond per token): none met it, at every level."""
+    db = tmp_path / "slo.db"
+    work = replay_file(tmp_path / "turns.jsonl", 3, 256, ignore_eos=True)
+    proc = specproxy("bench", "--upstream", four_slot_server.url, "--from", str(work), "--db", str(db),
+                     "--concurrency", "1,2,4", "--tokenizer", f"hf:{hf_tokenizer_dir}", "--label", "slo",
+                     "--slo", "ttft=30s,tpot=1s", "--slo-target", "0.6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    arm = s["arms"][0]
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT concurrency, outcome, ttft_s, decode_tps FROM turns WHERE label = 'slo'").fetchall()
+    conn.close()
+    assert len(rows) == sum(lv["turns"] for lv in arm["levels"]) == 30
+    assert all(o == "ok" and t is not None and t <= 30 and d and 1 / d <= 1 for _, o, t, d in rows), rows
+    for lv in arm["levels"]:
+        a = lv["slo"]
+        assert (a["n"], a["met"], a["not_judged"], a["share"]) == (lv["turns"], lv["turns"], 0, 1.0), lv
+        assert a["ci_high"] == 1.0 and 0.6 < a["ci_low"] < 1.0
+        # every completed turn met it: goodput is the aggregate, round by round
+        assert a["goodput_tps"]["mean"] == pytest.approx(lv["aggregate_tps"]["mean"], rel=1e-9)
+    assert arm["slo_capacity"] == {"target": 0.6, "point": 4, "confident": 4}
+    text = specproxy("bench", "--upstream", four_slot_server.url, "--from", str(work), "--db", str(tmp_path / "t.db"),
+                     "--concurrency", "1,2", "--repeats", "1", "--tokenizer", f"hf:{hf_tokenizer_dir}",
+                     "--slo", "ttft=30s,tpot=1s", "--slo-target", "0.6")
+    assert text.returncode == 0, text.stderr
+    assert "SLO ttft=30s,tpot=1s:" in text.stdout and "100.0% [" in text.stdout
+    assert "highest concurrency whose share met stays at or above 60%: concurrency 2 (by the share)" in text.stdout
+    r = json.loads(specproxy("report", "--db", str(db), "--label", "slo", "--slo", "tpot=0.001ms", "--json").stdout)
+    assert (r["slo"]["overall"]["n"], r["slo"]["overall"]["met"]) == (30, 0)
+    assert all(row["met"] == 0 and row["goodput_tps"] == 0.0 for row in r["slo"]["by_concurrency"])
