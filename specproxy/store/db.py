@@ -105,19 +105,18 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     "sink" TEXT, "tbl" TEXT, "row_key" TEXT, "reason" TEXT, "t_set_aside" REAL, PRIMARY KEY ("sink", "tbl", "row_key")
 )""",
     )),
-    # 012 is another branch's (issue 34's cache writes); the names order the steps, gaps are harmless
-    ("013_tenant", (
+    ("012_tenant", (
         'ALTER TABLE "turns" ADD COLUMN "tenant" TEXT',
         'CREATE INDEX "idx_turns_tenant" ON "turns" ("tenant")',
         # the secret tenant_from_key's fingerprints are keyed with: drawn once per database, kept in it only
         """INSERT INTO "store_meta" VALUES ('tenant_key_secret', lower(hex(randomblob(32))))""",
     )),
-    ("014_prefix_cache", (
+    ("013_prefix_cache", (
         'ALTER TABLE "turns" ADD COLUMN "usage_cache_write_tokens" INTEGER',
         'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_queries_total" REAL',
         'ALTER TABLE "scrapes" ADD COLUMN "prefix_cache_hits_total" REAL',
     )),
-    ("015_prompt_block_digests", (
+    ("014_prompt_block_digests", (
         'ALTER TABLE "turns" ADD COLUMN "prompt_block_digests" TEXT',
     )),
 ]

@@ -128,7 +128,7 @@ def nth_newest_t_wall(conn: Connection, where: str, params: Sequence[Any], n: in
 
 
 def tenant_key_secret(conn: Connection) -> bytes:
-    """The database's own secret for ``tenant_from_key``'s fingerprints (made by its migration 013)."""
+    """The database's own secret for ``tenant_from_key``'s fingerprints (made by its migration 012)."""
     return bytes.fromhex(conn.execute("SELECT value FROM store_meta WHERE key = 'tenant_key_secret'").fetchone()[0])
 
 
