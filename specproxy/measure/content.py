@@ -24,19 +24,26 @@ _CODE_START = re.compile(
     r"#include|function|const|let|var|fn|pub|func|package|SELECT|public|private|static)\b"
 )
 _CODE_END = (";", "{", "}")
+# the runs between line boundaries, as str.splitlines draws them, found one at a time: a huge answer's
+# lines are not all copied at once (one large turn is held about once: docs/operations.md, "Memory")
+_LINE = re.compile("[^\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]+")
 
 
 def classify(content: str, tool_args: str = "") -> str | None:
     """The class of one turn's delivered output; None when nothing was delivered."""
-    if not content.strip():
-        return "tool_call" if tool_args.strip() else None
+    if not content or content.isspace():
+        return "tool_call" if tool_args and not tool_args.isspace() else None
     if len(tool_args) > len(content):
         return "tool_call"
     if "```" in content:
         return "code"
-    lines = [line for line in content.splitlines() if line.strip()]
-    code = sum(map(_looks_like_code, lines))
-    return "code" if lines and code / len(lines) >= 0.4 else "prose"
+    lines = code = 0
+    for m in _LINE.finditer(content):
+        line = m.group()
+        if not line.isspace():
+            lines += 1
+            code += _looks_like_code(line)
+    return "code" if lines and code / lines >= 0.4 else "prose"
 
 
 def _looks_like_code(line: str) -> bool:

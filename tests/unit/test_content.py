@@ -42,3 +42,28 @@ def test_the_line_rule_equals_the_reference_regex(text):
     for line in text.splitlines():
         if line.strip():
             assert _looks_like_code(line) == bool(_CODE_LINE_REFERENCE.search(line)), repr(line)
+
+
+def _classify_by_splitlines(content: str, tool_args: str = "") -> str | None:
+    """The rule written plainly (every line copied at once): the reference ``classify`` is held to."""
+    if not content.strip():
+        return "tool_call" if tool_args.strip() else None
+    if len(tool_args) > len(content):
+        return "tool_call"
+    if "```" in content:
+        return "code"
+    lines = [line for line in content.splitlines() if line.strip()]
+    code = sum(map(_looks_like_code, lines))
+    return "code" if lines and code / len(lines) >= 0.4 else "prose"
+
+
+_PIECES = st.sampled_from(["a", " ", "\n", "\r", "\r\n", "\t", ";", "{", "}", "def ", "    x", "\x0b", "\x0c",
+                           "\x1c", "\x85", "\u2028", "\u2029", "import", "`", "é", "x = 1;"])
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(content=st.lists(_PIECES, max_size=14).map("".join), tool_args=st.lists(_PIECES, max_size=3).map("".join))
+def test_classify_reads_lines_as_splitlines_draws_them(content, tool_args):
+    """The lines are found one at a time (a huge answer is not copied line by line at once), by every
+    boundary ``str.splitlines`` knows."""
+    assert classify(content, tool_args) == _classify_by_splitlines(content, tool_args)
