@@ -1,10 +1,11 @@
 """A real Prometheus (tests/promserver.py) scraping two ``specproxy serve`` processes in front of one fake
 upstream: after traffic through both, ``histogram_quantile(0.5, sum by (le) (...))`` over both proxies'
 per-stream decode speed histograms lands in the very bucket that holds the median ``specproxy report``
-computes over the same turns (one SQLite file holding both proxies' rows), i.e. within the histogram's
+computes over the same turns (``report --db postgresql://``: the fleet's database both proxies ship to),
+i.e. within the histogram's
 resolution. With an odd number of turns this is exact, not a matter of chance: PromQL's rank 0.5 * n
 falls in the bucket of the middle turn, and it interpolates inside that bucket. Issue 35. Every wait is
-for an event (both targets up, a scrape that holds every turn), bounded.
+for an event (both targets up, a scrape that holds every turn, every turn shipped), bounded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import urllib.request
 from bisect import bisect_left
+
+import psycopg
 
 from faultkit import wait_until
 from promserver import Prometheus
@@ -37,21 +40,13 @@ def chat(url: str) -> None:
         assert resp.status == 200
 
 
-def merged(tmp_path, dbs) -> str:
-    """One SQLite file holding every proxy's turns (the reference ``report`` reads): the first proxy's
-    file copied, the others' rows added (until ``report --db postgresql://`` reads the fleet's)."""
-    out = tmp_path / "fleet.db"
-    src = sqlite3.connect(dbs[0])
-    dst = sqlite3.connect(out)
-    src.backup(dst)
-    src.close()
-    for i, db in enumerate(dbs[1:]):
-        dst.execute(f"ATTACH DATABASE ? AS p{i}", (str(db),))
-        dst.execute(f"INSERT INTO turns SELECT * FROM p{i}.turns")
-        dst.commit()
-        dst.execute(f"DETACH DATABASE p{i}")
-    dst.close()
-    return str(out)
+def pg_turns(url: str) -> int | None:
+    """Turns the fleet's PostgreSQL holds (None before the first shipper made its tables)."""
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM turns").fetchone()[0]
+    except psycopg.errors.UndefinedTable:
+        return None
 
 
 def turn_count(db) -> int:
@@ -59,13 +54,14 @@ def turn_count(db) -> int:
         return conn.execute("SELECT count(*) FROM turns").fetchone()[0]
 
 
-def test_promql_median_over_two_proxies_is_in_the_bucket_of_the_reports(tmp_path):
+def test_promql_median_over_two_proxies_is_in_the_bucket_of_the_reports(tmp_path, pg_server):
     lt = LoopThread()
     up = FakeUpstream(Script(pieces=[" a"] * 12))
     lt.run(up.start())
     dbs = [tmp_path / "a.db", tmp_path / "b.db"]
+    url = pg_server.url(pg_server.new_database())  # the fleet's database: both proxies ship to it
     procs = [ServeProcess(tmp_path, up.url, db, "--tokenizer", "tiktoken:cl100k_base", "--proxy-name", f"edge-{i}",
-                          name=f"serve{i}") for i, db in enumerate(dbs)]
+                          "--sink", url, name=f"serve{i}") for i, db in enumerate(dbs)]
     prom = None
     try:
         prom = Prometheus([f"127.0.0.1:{p.port}" for p in procs])
@@ -74,6 +70,7 @@ def test_promql_median_over_two_proxies_is_in_the_bucket_of_the_reports(tmp_path
             up.script = Script(pieces=[" a"] * 12, interval_s=GAPS_S[i % len(GAPS_S)])
             chat(procs[i % 2].url)  # 8 turns through one proxy, 7 through the other
         wait_until(lambda: sum(map(turn_count, dbs)) == TURNS, 30, 0.02, "every turn recorded")
+        wait_until(lambda: pg_turns(url) == TURNS, 120, 0.05, "both shippers to ship every turn")
         count = "sum(specproxy_decode_speed_tokens_per_second_count)"
         wait_until(lambda: prom.value(count) == TURNS, 60, 0.2, "a scrape of both proxies holding every turn")
         by_proxy = {r["metric"]["instance"]: float(r["value"][1]) for r in
@@ -88,8 +85,7 @@ def test_promql_median_over_two_proxies_is_in_the_bucket_of_the_reports(tmp_path
         lt.run(up.close())
         lt.close()
     assert sorted(by_proxy.values()) == [7, 8]  # both proxies' series, summed by the query
-    report = json.loads(subprocess.run([sys.executable, "-m", "specproxy.app.cli", "report", "--db",
-                                        merged(tmp_path, dbs), "--json"], capture_output=True, text=True,
+    report = json.loads(subprocess.run([sys.executable, "-m", "specproxy.app.cli", "report", "--db", url, "--json"], capture_output=True, text=True,
                                        timeout=120, cwd=ROOT, check=True).stdout)
     reference = report["user"]["decode_tps"]
     assert reference["n"] == TURNS  # the same turns on both sides
