@@ -38,11 +38,14 @@ def classify(content: str, tool_args: str = "") -> str | None:
     if "```" in content:
         return "code"
     lines = code = 0
-    for m in _LINE.finditer(content):
-        line = m.group()
-        if not line.isspace():
+    for m in _LINE.finditer(content):  # read in place: not even one line is copied
+        start, end = m.span()
+        last = end - 1
+        while last >= start and content[last].isspace():
+            last -= 1
+        if last >= start:  # not a blank line
             lines += 1
-            code += _looks_like_code(line)
+            code += content[last] in _CODE_END or _CODE_START.match(content, start, end) is not None
     return "code" if lines and code / lines >= 0.4 else "prose"
 
 
