@@ -1,4 +1,4 @@
-"""``scripts/bench_overhead.py``, the benchmark issue 7 is judged by: its arithmetic, and a short real run.
+"""``scripts/bench_overhead.py``, the benchmark issues 7 and 33 are judged by: its arithmetic, and a short real run.
 
 The verdicts it prints decide whether a target is met, so the ratios are checked against hand-worked
 rounds (each ratio is taken within its round, then the median over rounds: a round where nginx was slow
@@ -31,30 +31,30 @@ def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99:
 
 def test_ratios_are_taken_within_each_round_and_the_verdicts_follow_the_targets():
     runs = []
-    # specproxy/nginx per round: 12/8 = 1.5, 15/10 = 1.5, 14/8 = 1.75 -> median 1.5 (met: <= 1.5);
-    # the ratio of the medians would be 14/8 = 1.75
-    for rnd, (ng, sp) in enumerate([(8.0, 12.0), (10.0, 15.0), (8.0, 14.0)]):
+    # specproxy/nginx per round: 9.6/8 = 1.2, 12/10 = 1.2, 11.2/8 = 1.4 -> median 1.2 (met: <= 1.2);
+    # the ratio of the medians would be 11.2/8 = 1.4
+    for rnd, (ng, sp) in enumerate([(8.0, 9.6), (10.0, 12.0), (8.0, 11.2)]):
         runs.append(_run("direct", rnd, cps=12800, cpu=None, p50=1000, p99=1400))
         runs.append(_run("nginx", rnd, cps=12800, cpu=ng, p50=1300, p99=1700))
         runs.append(_run("specproxy", rnd, cps=12672 if rnd == 2 else 12800, cpu=sp, p50=1400, p99=2400 + 100 * rnd))
     s = summarize(runs, [256], ["direct", "nginx", "specproxy"])
     sp = s[(256, "specproxy")]
-    assert sp["cpu_x_nginx"] == (1.5, 1.5, 1.75)
+    assert sp["cpu_x_nginx"] == (1.2, 1.2, 1.4)
     assert sp["added_p99"] == (1100, 1000, 1200)  # each round's p99 minus direct's in that round
     assert sp["x_direct"] == (1.0, 0.99, 1.0)
     verdicts = {line.split(" | ")[0].lstrip("| "): line.rsplit(" | ", 1)[1].rstrip(" |")
                 for line in render_targets(s, [256]).splitlines()[2:]}
-    assert verdicts["C=256: CPU per chunk ≤ 1.5× nginx (schedstat)"] == "met"
+    assert verdicts["C=256: CPU per chunk ≤ 1.2× nginx (schedstat)"] == "met"
     assert verdicts["C=256: added p99 per chunk ≤ 1000 µs"] == "**not met**"
     assert verdicts["C=256: chunks/s ≥ 0.99× direct"] == "met"
 
-    # just over the line: per round 15.5/10, 11.6/8, 16/10 -> median 1.55
-    runs = [r for rnd, (ng, sp_) in enumerate([(10.0, 15.5), (8.0, 11.6), (10.0, 16.0)])
+    # just over the line: per round 12.5/10, 10.4/8, 12.4/10 -> median 1.25
+    runs = [r for rnd, (ng, sp_) in enumerate([(10.0, 12.5), (8.0, 10.4), (10.0, 12.4)])
             for r in (_run("direct", rnd, cps=12800, cpu=None, p50=1000, p99=1400),
                       _run("nginx", rnd, cps=12800, cpu=ng, p50=1300, p99=1700),
                       _run("specproxy", rnd, cps=12800, cpu=sp_, p50=1400, p99=1900))]
     s = summarize(runs, [256], ["direct", "nginx", "specproxy"])
-    assert s[(256, "specproxy")]["sched_x_nginx"][0] == 1.55
+    assert s[(256, "specproxy")]["sched_x_nginx"][0] == 1.25
     lines = render_targets(s, [256]).splitlines()
     assert [ln for ln in lines if "(schedstat)" in ln][0].endswith("| **not met** |")
     assert [ln for ln in lines if "added p99" in ln][0].endswith("| met |")
