@@ -76,8 +76,8 @@ SHAPES = {
     "whole_json": lambda: (None, _whole_body()),
 }
 # What measuring must hold at once besides what it keeps: a compressed body is read inflated (its size
-# is the inflated one). A whole JSON body's text is most of it: the parser makes it while the body is
-# held, and reading it makes more (docs/operations.md, "Memory": not yet within 1.5x).
+# is the inflated one). A whole JSON body is parsed in one call that copies it and makes its text (most
+# of it) beside it: about three times its size (docs/operations.md, "Memory").
 HELD = {"gzip_chunked_stream": lambda: len(_events())}
 PEAK = {"whole_json": 3.25}
 
