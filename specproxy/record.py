@@ -210,7 +210,10 @@ class Record:
     the prompt is not counted, ``usage_prompt_tokens`` is the server's own), ``prompt_over_max_counted_bytes``
     and ``completion_over_max_counted_bytes`` (too large for the tokenizer to count: their token counts are
     null), ``prompt_over_max_counted_items`` (more messages and tool definitions than are counted: the
-    prompt's token counts are null)."""
+    prompt's token counts are null), ``response_over_max_counted_bytes`` (a whole, not streamed, response
+    body over ``max_counted_bytes`` was not parsed, as parsing takes about three times its size: its
+    text's figures are null, and the server's ``usage`` and ``timings`` were read by a byte search for
+    their one key each)."""
 
     measured: bool = True
     """The path is one specproxy measures (a generation endpoint). False: any other path (``GET

@@ -309,7 +309,9 @@ class RecordBuilder:
         reads, self.reads = (self.reads, []) if fast else (list(self.reads), self.reads)  # consumed below
         texts, response_bytes, framing_error = read_response(
             reads, self.read_times, api, streamed=streamed, chunked=self.chunked,
-            content_encoding=self.content_encoding, fast=fast, let_go=self._let_go)
+            content_encoding=self.content_encoding, fast=fast, let_go=self._let_go, max_parsed=self.max_counted)
+        if texts.unparsed and "response_over_max_counted_bytes" not in self.shed:
+            self.shed.append("response_over_max_counted_bytes")
         outcome = self.outcome or "ok"
         if outcome == "client_abort" and texts.saw_done:
             outcome = "ok"  # the client (e.g. the openai SDK) hung up after reading [DONE]: all delivered
@@ -351,7 +353,7 @@ class RecordBuilder:
         decode = texts.t_last - texts.t_first if texts.t_first is not None and texts.t_last is not None else None
         completion = counts["completion"] if counts else None
         if (counts is None and tok is not None and not texts.texts and texts.unreadable is None
-                and self.status is not None and self.status < 400 and not self.capped):
+                and not texts.unparsed and self.status is not None and self.status < 400 and not self.capped):
             completion = 0  # a tokenizer and a successful answer read with no text: truly zero tokens
         decode_tps = None
         if counts and decode and decode > 0:

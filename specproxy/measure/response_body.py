@@ -17,7 +17,7 @@ from itertools import accumulate
 
 from specproxy.frames.chunked import dechunk_reads, join_reads
 from specproxy.measure.apis import Api
-from specproxy.measure.texts import Texts, body_texts
+from specproxy.measure.texts import Texts, body_accounting, body_texts
 
 __all__ = ["read_response"]
 
@@ -26,10 +26,12 @@ _INFLATED = ("gzip", "deflate", "x-gzip")
 
 def read_response(reads: list[bytes], times: list[float], api: Api, *, streamed: bool, chunked: bool,
                   content_encoding: str, fast: bool = True, let_go: Callable[[], None] | None = None,
-                  ) -> tuple[Texts, int, str | None]:
+                  max_parsed: int | None = None) -> tuple[Texts, int, str | None]:
     """What the response delivered, its payload's size (framing removed, encoding not undone) and what
     was wrong with its framing. ``reads`` (read i timed ``times[i]``) is consumed. ``fast=False``: the
-    references alone (Python dechunking and joining, the reference stream reader)."""
+    references alone (Python dechunking and joining, the reference stream reader). ``max_parsed``: a
+    whole body larger than this is not parsed (``texts.body_accounting``: Config ``max_counted_bytes``,
+    past which its text could not be counted anyway); a stream's events are parsed one at a time."""
     framing_error = None
     joined = join_reads(reads, chunked, let_go) if fast and not content_encoding else None
     if joined is not None:
@@ -48,7 +50,9 @@ def read_response(reads: list[bytes], times: list[float], api: Api, *, streamed:
             reads.clear()
         buf, ends, _ = joined
     del joined
-    if not streamed:
+    if not streamed and max_parsed is not None and len(buf) > max_parsed:
+        texts = body_accounting(buf, times)
+    elif not streamed:
         texts = body_texts(buf, times, api.read_full)
     elif fast:
         texts = api.read_stream(buf, ends, times)

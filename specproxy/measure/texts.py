@@ -12,13 +12,14 @@ besides its text (usage, timings, finish reason, ``[DONE]``, an error) is taken 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specproxy.measure.openai import parse_json, read_chunk, read_full_response
 from specproxy.frames.sse import SSEDecoder
 
-__all__ = ["Texts", "body_texts", "stream_texts_reference"]
+__all__ = ["Texts", "body_accounting", "body_texts", "stream_texts_reference"]
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class Texts:
     bad_events: int = 0
     error: str | None = None  # an error event's type (Messages, Responses)
     unreadable: str | None = None  # why the body could not be read: its figures are unknown, not zero
+    unparsed: bool = False  # a whole body too large to parse: its text is unknown, not empty (body_accounting)
     calls: list[str] = field(default_factory=list)  # the distinct tools the output called, first call first
     t_first_event: float | None = None  # the first event with data (any: a role-only chunk too), streamed
     # when the stream's chunks arrived, a chunk being any event with data (the one meaning of both
@@ -123,6 +125,75 @@ def body_texts(body: bytes, times: list[float], read=read_full_response) -> Text
     texts.add(delta.texts, times[-1])  # a non-streamed answer is usable only once it is whole
     _take_accounting(texts, delta)
     return texts
+
+
+def body_accounting(body: bytes, times: list[float]) -> Texts:
+    """A non-streamed body too large to parse (over ``max_counted_bytes``: a JSON parser copies the body
+    and makes its text beside it, about three times its size at once): its text is left unread, the
+    answer arrived with its last read, and the server's ``usage`` and ``timings`` objects are read by a
+    byte search for their one key each (``object_of_key``)."""
+    texts = Texts(unparsed=True)
+    if not times:
+        return texts
+    texts.t_first = texts.t_last = times[-1]  # a non-streamed answer is usable only once it is whole
+    usage = object_of_key(body, b"usage")
+    texts.usage = usage
+    texts.timings = object_of_key(body, b"timings")
+    return texts
+
+
+_KEY = re.compile(rb'"(usage|timings)"\s*:\s*\{')
+
+
+def object_of_key(body: bytes, key: bytes) -> dict | None:
+    """The JSON object that is the value of the body's one ``key``, found without parsing the body: None
+    when there is none, more than one, or it is not a small well-formed object. (In valid JSON, a quote
+    not escaped by a backslash delimits a string: ``"key":{`` outside an escape is a key and its value.)"""
+    found = None
+    for m in _KEY.finditer(body):
+        if m.group(1) != key:
+            continue
+        i = m.start()
+        slashes = 0
+        while i > 0 and body[i - 1] == 0x5C:
+            slashes += 1
+            i -= 1
+        if slashes % 2:
+            continue  # inside a string: an escaped quote, not a key
+        if found is not None:
+            return None
+        found = m.end() - 1
+    if found is None:
+        return None
+    end = _object_end(body, found)
+    try:
+        value = parse_json(body[found:end]) if end is not None else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _object_end(body: bytes, start: int, limit: int = 1 << 16) -> int | None:
+    """Past the ``}`` closing the object that opens at ``body[start]``, read at most ``limit`` bytes."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, min(len(body), start + limit)):
+        c = body[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _take_accounting(texts: Texts, delta) -> None:
