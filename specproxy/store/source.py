@@ -97,7 +97,7 @@ class Scrapes:
 
     def ok(self) -> np.ndarray:
         """Which scrapes succeeded (no error, a server kind)."""
-        return np.array([e is None and k is not None for e, k in zip(self.error, self.server_kind)], dtype=bool)
+        return np.equal(self.error, None) & np.not_equal(self.server_kind, None)
 
 
 @dataclass
