@@ -9,6 +9,7 @@ windows that cut the turns anywhere, with failed scrapes and gaps where the boun
 from __future__ import annotations
 
 import random
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +146,27 @@ def test_other_paths_counted_from_the_cached_columns_as_sql_counts_them(db, wind
         want = plain.load(window, REPORT_COLUMNS, context=True).unmeasured
     assert got == want
     assert windows()[0] != window or want > 0
+
+
+def test_the_whole_database_summary_equals_plain_scans(tmp_path):
+    """``database()`` (read on every picture of an idle live page) seeks indexes instead of scanning:
+    it says what plain scans of the table say, labels of measured rows only, a row from before
+    ``measured`` (NULL) counted as measured, as every reader of turns counts it."""
+    path = tmp_path / "w.db"
+    w = Writer(path)
+    for i, (label, measured) in enumerate([("a", True), ("b", True), ("only-other", False), (None, True),
+                                           ("a", True), ("c", None), ("b", False)]):
+        w.put(make_record(seed=i, t_wall=T0 + i, label=label, measured=measured is not False))
+    w.close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE turns SET measured = NULL WHERE label = 'c'")  # a row written before `measured`
+    conn.commit()
+    with SQLiteSource(conn) as store:
+        got = store.database()
+    n, first, last = conn.execute("SELECT count(*), min(t_wall), max(t_wall) FROM turns WHERE measured IS NOT 0").fetchone()
+    other = conn.execute("SELECT count(*) FROM turns WHERE measured = 0").fetchone()[0]
+    labels = sorted(r[0] for r in conn.execute(
+        "SELECT DISTINCT label FROM turns WHERE measured IS NOT 0 AND label IS NOT NULL"))
+    conn.close()
+    assert got == {"n": n, "first_t_wall": first, "last_t_wall": last, "other": other, "labels": labels}
+    assert labels == ["a", "b", "c"] and other == 2
