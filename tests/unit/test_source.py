@@ -20,7 +20,7 @@ from specproxy.analyze.report import REPORT_COLUMNS, build_report
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
 from specproxy.store.dataset import NUMERIC, TEXT
-from specproxy.store.source import Scrapes, Window
+from specproxy.store.source import SCRAPE_FIELDS, Scrapes, Window
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.writer import Writer
 
@@ -170,3 +170,18 @@ def test_the_whole_database_summary_equals_plain_scans(tmp_path):
     conn.close()
     assert got == {"n": n, "first_t_wall": first, "last_t_wall": last, "other": other, "labels": labels}
     assert labels == ["a", "b", "c"] and other == 2
+
+
+def test_scrapes_from_rows_as_columns_one_by_one():
+    """``Scrapes.from_rows`` casts one 2-D array; the same columns built one by one, None as nan."""
+    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None),
+            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None),
+            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4)]
+    got = Scrapes.from_rows(rows)
+    cols = list(zip(*rows))
+    assert np.array_equal(got.t_wall, np.array(cols[0], dtype=float))
+    for i, name in enumerate(("instance_id", "server_kind", "error")):
+        assert getattr(got, name).tolist() == list(cols[1 + i])
+    for i, f in enumerate(SCRAPE_FIELDS):
+        assert np.array_equal(got.num[f], np.array(cols[4 + i], dtype=float), equal_nan=True)
+        assert got.num[f].dtype == np.float64 and got.num[f].flags.c_contiguous
