@@ -308,6 +308,8 @@ def main() -> None:
     ap.add_argument("--db", help="database to generate, or reuse when it already holds n turns of today's schema")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each CLI variant and in-process [3]")
     ap.add_argument("--top", type=int, default=15, help="profile rows to print [15]")
+    ap.add_argument("--cli-only", action="store_true", help="the CLI runs and the baseline only: no in-process "
+                    "runs or profile (at 10M turns those take as long as the rest)")
     ap.add_argument("--against", metavar="REV", help="also run REV's report (a git revision of this repository, "
                     "e.g. main) and compare its JSON with this code's, figure by figure")
     args = ap.parse_args()
@@ -387,22 +389,24 @@ def main() -> None:
     cache_mib = sum(f.stat().st_size for f in cdir.rglob("*") if f.is_file()) / 2**20 if cdir.exists() else 0.0
 
     runs = []
-    for i in range(args.repeat):
+    for i in range(0 if args.cli_only else args.repeat):
         load_s, build_s, render_s, r = run_once(db)
         runs.append((load_s, build_s, render_s))
         print(f"in-process warm run {i + 1} ({column_cache.last_status}): load {load_s:.2f} s + build {build_s:.2f} s"
               f" + render {render_s:.3f} s = {load_s + build_s + render_s:.2f} s ({r['turns']:,} turns)", file=sys.stderr)
 
-    prof = cProfile.Profile()
-    prof.enable()
-    run_once(db)
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
-    prof_tottime = buf.getvalue()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(r"specproxy|numpy|sqlite3", args.top)
-    prof_cum = buf.getvalue()
+    prof_tottime = prof_cum = "(not run: --cli-only)"
+    if not args.cli_only:
+        prof = cProfile.Profile()
+        prof.enable()
+        run_once(db)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        prof_tottime = buf.getvalue()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(r"specproxy|numpy|sqlite3", args.top)
+        prof_cum = buf.getvalue()
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import specproxy.app.cli, specproxy.analyze.report, specproxy.store.dataset"], env=env, cwd=str(ROOT))
     import_s = time.perf_counter() - t0
@@ -436,9 +440,10 @@ def main() -> None:
     print(f"| CLI `specproxy report --json`, cold: builds `{cdir.name}/` | {stat(cold)} | {ratio(cold)} | {mib(rss['cold'])} |")
     print(f"| CLI `specproxy report --json`, warm: cache present | {stat(warm)} | {ratio(warm)} | {mib(rss['warm'])} |")
     print(f"| (CLI: interpreter start + imports alone) | {import_s:.2f} | | |")
-    print(f"| in-process warm: `SQLiteSource.load(...)` | {stat([x[0] for x in runs])} | | |")
-    print(f"| in-process warm: `build_report(data)` | {stat([x[1] for x in runs])} | | |")
-    print(f"| in-process warm: `render_text(report)` | {stat([x[2] for x in runs], '{:.3f}')} | | |")
+    if runs:
+        print(f"| in-process warm: `SQLiteSource.load(...)` | {stat([x[0] for x in runs])} | | |")
+        print(f"| in-process warm: `build_report(data)` | {stat([x[1] for x in runs])} | | |")
+        print(f"| in-process warm: `render_text(report)` | {stat([x[2] for x in runs], '{:.3f}')} | | |")
     print()
     print(f"Outputs of every CLI run identical (no cache, cold, warm): {'yes' if same else '**NO**'}"
           f"{'' if not failed else f'; exit statuses {failed}'}.")

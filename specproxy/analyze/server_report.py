@@ -16,34 +16,63 @@ import numpy as np
 
 from specproxy.store.dataset import Turns, distinct
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes
-from specproxy.observe.counters import ScrapeSample, running_distribution, window_counters
+from specproxy.observe.counters import COUNTER_FIELDS, ScrapeSample, restart_reason, stretch_counters
 from specproxy.observe.server_metrics import Snapshot
 from specproxy.analyze.stats import plural, summarize
 
 __all__ = ["server_section", "render_server"]
 
 
-def _samples(scrapes: Scrapes, t0: float, t1: float) -> tuple[list[ScrapeSample], int, str | None]:
-    """Stored scrapes in [t0, t1] as ScrapeSamples (wall time as their clock), the failed scrapes, and the
-    latest failure's error."""
+def _failures(scrapes: Scrapes, ok: np.ndarray, t0: float, t1: float) -> tuple[int, str | None]:
+    """The failed scrapes in [t0, t1] and the latest failure's error."""
     lo, hi = np.searchsorted(scrapes.t_wall, t0, side="left"), np.searchsorted(scrapes.t_wall, t1, side="right")
-    samples, failures, last_error = [], 0, None
-    values = []
-    for f in SCRAPE_FIELDS:  # as the stored row had them: None for NULL
-        col = scrapes.num[f][lo:hi]
-        obj = col.astype(object)
-        obj[np.isnan(col)] = None
-        values.append(obj.tolist())
-    for t_wall, instance_id, kind, error, *fields in zip(
-            scrapes.t_wall[lo:hi].tolist(), scrapes.instance_id[lo:hi].tolist(), scrapes.server_kind[lo:hi].tolist(),
-            scrapes.error[lo:hi].tolist(), *values):
-        if error is not None or kind is None:
-            failures += 1
-            last_error = error if error is not None else last_error
-            continue
-        snap = Snapshot(server_kind=kind, **dict(zip(SCRAPE_FIELDS, fields)))
-        samples.append(ScrapeSample(t_mono=t_wall, t_wall=t_wall, snapshot=snap, instance_id=instance_id or ""))
-    return samples, failures, last_error
+    failed = np.flatnonzero(~ok[lo:hi]) + lo
+    errors = [e for e in scrapes.error[failed].tolist() if e is not None]
+    return len(failed), (errors[-1] if errors else None)
+
+
+def _sample(scrapes: Scrapes, i: int) -> ScrapeSample:
+    """Stored scrape ``i`` as the ScrapeSample ``serve`` saw (wall time as its clock; None for NULL)."""
+    fields = {f: (None if np.isnan(v) else v) for f, v in ((f, float(scrapes.num[f][i])) for f in SCRAPE_FIELDS)}
+    t = float(scrapes.t_wall[i])
+    snap = Snapshot(server_kind=scrapes.server_kind[i], **fields)
+    return ScrapeSample(t_mono=t, t_wall=t, snapshot=snap, instance_id=scrapes.instance_id[i] or "")
+
+
+def _stretches(scrapes: Scrapes, idx: np.ndarray) -> list[tuple[int, int]]:
+    """The restart-free stretches of the successful scrapes ``idx`` (time order), as (first, last)
+    positions in ``idx``: where ``window_counters`` would split them (another instance, or
+    ``restart_reason``), found without a sample per scrape. A stored scrape keeps no start time and
+    no per-position counts, so between two of them ``restart_reason`` can only see a changed server
+    kind or a counter that went down: only the pairs where the columns show one of those, or another
+    instance, are asked (``tests/unit/test_server_report.py`` holds this to ``window_counters``)."""
+    if len(idx) < 2:
+        return [(0, len(idx) - 1)] if len(idx) else []
+    inst, kind = scrapes.instance_id[idx], scrapes.server_kind[idx]
+    maybe = (inst[1:] != inst[:-1]) | (kind[1:] != kind[:-1])
+    for f in COUNTER_FIELDS:
+        x = scrapes.num[f][idx]
+        maybe |= x[1:] < x[:-1]  # NaN (not exposed) compares false, as None is skipped
+    cuts = []
+    for j in np.flatnonzero(maybe).tolist():
+        a, b = _sample(scrapes, int(idx[j])), _sample(scrapes, int(idx[j + 1]))
+        if a.instance_id != b.instance_id or restart_reason(a.snapshot, b.snapshot) is not None:
+            cuts.append(j + 1)
+    starts, ends = [0, *cuts], [*cuts, len(idx)]
+    return [(s, e - 1) for s, e in zip(starts, ends)]
+
+
+def _counters(scrapes: Scrapes, idx: np.ndarray):
+    """``window_counters`` over the successful scrapes ``idx`` (all of the window), on columns."""
+    parts = [(s, e) for s, e in _stretches(scrapes, idx) if e > s]
+    ends = [(_sample(scrapes, int(idx[s])), _sample(scrapes, int(idx[e]))) for s, e in parts]
+    in_parts = np.zeros(len(idx), dtype=bool)
+    for s, e in parts:
+        in_parts[s:e + 1] = True
+    g = scrapes.num["spec_accept_length"][idx]
+    running = np.nan_to_num(scrapes.num["requests_running"][idx])
+    gauges = g[in_parts & ~np.isnan(g) & (running > 0)].tolist()
+    return stretch_counters(ends, gauges)
 
 
 def _turn_counters(lone: LoneJoins, rowids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -166,31 +195,38 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     if not len(window):
         return {"scrapes": 0}
     bounds = _span(scrapes, window, until)
-    samples, failures, last_error = _samples(scrapes, bounds["from"], bounds["to"])
+    ok = scrapes.ok()
+    failures, last_error = _failures(scrapes, ok, bounds["from"], bounds["to"])
     s0, s1 = bounds["first_scrape"], bounds["last_scrape"]
     # the counters over the successful scrapes of the span (none when no successful scrape bounds the turns)
-    samples = [] if s0 is None or s1 is None else [x for x in samples if s0 <= x.t_wall <= s1]
-    out: dict[str, Any] = {"scrapes": len(samples), "scrape_failures": failures, "last_scrape_error": last_error}
-    instances = sorted({s.instance_id for s in samples if s.instance_id})
+    if s0 is None or s1 is None:
+        idx = np.empty(0, dtype=np.int64)
+    else:
+        t = scrapes.t_wall
+        lo = np.searchsorted(t, max(s0, bounds["from"]), side="left")
+        hi = np.searchsorted(t, min(s1, bounds["to"]), side="right")
+        idx = np.flatnonzero(ok[lo:hi]) + lo
+    out: dict[str, Any] = {"scrapes": len(idx), "scrape_failures": failures, "last_scrape_error": last_error}
+    instances = sorted({i for i in scrapes.instance_id[idx].tolist() if i})
     turn_instances = sorted(str(i) for i in distinct(turns.txt["instance_id"]) if i)
     out["instances"] = instances
     out["turn_instances"] = turn_instances
-    if not samples:
+    if not len(idx):
         return out
-    out["server_kind"] = samples[-1].snapshot.server_kind
+    out["server_kind"] = scrapes.server_kind[idx[-1]]
     out["span"] = {k: bounds[k] for k in ("first_scrape", "last_scrape", "turns_from", "turns_to")}
     start, done = _turn_times(turns) if len(turns) else (np.empty(0), np.empty(0))
     # the server's running requests at the scrapes taken while these turns were in flight: idle time
-    # between and around them is not their operating point
-    busy = _busy(np.array([x.t_wall for x in samples]), start, done) if len(turns) else np.zeros(len(samples), bool)
-    during = [x for x, b in zip(samples, busy) if b]
-    out["requests_running"] = _dist(running_distribution(during), MIN_RUNNING_SCRAPES)
+    # between and around them is not their operating point (not exposed: left out, never 0)
+    t_idx = scrapes.t_wall[idx]
+    busy = _busy(t_idx, start, done) if len(turns) else np.zeros(len(idx), bool)
+    out["requests_running"] = _dist(scrapes.num["requests_running"][idx][busy], MIN_RUNNING_SCRAPES)
     out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
-    d = window_counters(samples, samples[0].t_mono, samples[-1].t_mono)
+    d = _counters(scrapes, idx)
     streamed = turns.num["streamed"] == 1  # per-stream speed and tokens per chunk are theirs alone
     per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
-        w0, w1 = samples[0].t_wall, samples[-1].t_wall
+        w0, w1 = float(t_idx[0]), float(t_idx[-1])
         inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])
         delivered = float(np.sum(turns.num["completion_tokens"][inside])) if inside.any() else None
         out["window"] = _window(d, bounds, delivered, per_stream, w0, w1)
@@ -221,7 +257,8 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     return out
 def _dist(values, least: int = 1) -> dict[str, Any]:
     """n, median, p95 and max; below ``least`` values, the values themselves instead of a median and p95."""
-    arr = np.asarray(list(values), dtype=float)
+    # an array as it is (list() of 10M turns' concurrency made 10M Python floats first)
+    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=float)
     arr = arr[np.isfinite(arr)]
     if not arr.size:
         return {"n": 0, "median": None, "p95": None, "max": None}

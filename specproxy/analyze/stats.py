@@ -143,16 +143,47 @@ def _median_ranks(n: int, level: float) -> tuple[int, float] | None:
 
 def _median_ci(x: np.ndarray, level: float) -> tuple[float | None, float | None]:
     """``median_ci`` of clean values, in any order."""
-    n = x.size
-    ranks = _median_ranks(n, level)
+    ranks = _median_ranks(x.size, level)
     if ranks is None:
         return None, None
+    return _ci_ends(np.partition(x, _ci_at(x.size, ranks)), x.size, ranks)
+
+
+def _ci_at(n: int, ranks: tuple[int, float]) -> list[int]:
+    d = ranks[0]
+    return [d - 1, d, n - d - 1, n - d]
+
+
+def _ci_ends(part: np.ndarray, n: int, ranks: tuple[int, float]) -> tuple[float, float]:
+    """The interval's ends from values partitioned at ``_ci_at``'s positions."""
     d, lam = ranks
-    at = sorted({d - 1, d, n - d - 1, n - d})
-    part = np.partition(x, at)
-    lo = _between(part[d - 1], part[d], lam)
-    hi = _between(part[n - d], part[n - d - 1], lam)
-    return float(lo), float(hi)
+    return float(_between(part[d - 1], part[d], lam)), float(_between(part[n - d], part[n - d - 1], lam))
+
+
+def _p95_at(n: int) -> tuple[float, int, int]:
+    """numpy's linear percentile 95 of n values: its virtual index and the two ranks it reads."""
+    virtual = (n - 1) * np.true_divide(95, 100)
+    if virtual >= n - 1:
+        return virtual, n - 1, n - 1
+    lo = int(np.floor(virtual))
+    return virtual, lo, lo + 1
+
+
+def _p95(part: np.ndarray, n: int) -> float:
+    """``numpy.percentile(x, 95)`` read off values partitioned at ``_p95_at``'s ranks: numpy's own
+    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
+    virtual, i, j = _p95_at(n)
+    a, b = part[i], part[j]
+    t = virtual - (-1 if i == n - 1 else i)  # numpy's gamma (its index -1 past the end)
+    diff = b - a
+    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
+
+
+def _median(part: np.ndarray, n: int) -> float:
+    """``numpy.median`` read off values partitioned at ``(n - 1) // 2`` and ``n // 2``."""
+    if n % 2:
+        return float(part[n // 2])
+    return float(np.mean(part[n // 2 - 1:n // 2 + 1]))
 
 
 def _between(a: float, b: float, lam: float) -> float:
@@ -168,16 +199,19 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     ``seed`` is accepted for API stability and unused: the order-statistic interval is exact
     and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
     small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
-    statistics, each found by a partition, never a sort (the mean is summed in the values' order).
+    statistics, found by one partition, never a sort (the mean is summed in the values' order).
     """
     x = clean(values)
     if x.size == 0:
         check_level(level)
         return Summary(0, None, None, None, None, None)
     check_level(level)
-    lo, hi = _median_ci(x, level)
-    return Summary(int(x.size), float(np.median(x)), float(x.mean()),
-                   float(np.percentile(x, 95)), lo, hi)
+    n = x.size
+    ranks = _median_ranks(n, level)
+    at = {(n - 1) // 2, n // 2, *_p95_at(n)[1:], *(_ci_at(n, ranks) if ranks is not None else ())}
+    part = np.partition(x, sorted(at))  # every order statistic below in one pass
+    lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
+    return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
 
 
 def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:

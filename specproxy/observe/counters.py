@@ -15,7 +15,8 @@ from typing import Literal
 
 from specproxy.observe.server_metrics import ServerKind, Snapshot
 
-__all__ = ["CounterDelta", "ScrapeSample", "delta", "restart_reason", "running_distribution", "window_counters"]
+__all__ = ["COUNTER_FIELDS", "CounterDelta", "ScrapeSample", "delta", "restart_reason", "running_distribution",
+           "stretch_counters", "window_counters"]
 
 
 
@@ -47,6 +48,9 @@ _COUNTER_FIELDS = (
     ("prefix_cache_queries", "prefix_cache_queries_total"),
     ("prefix_cache_hits", "prefix_cache_hits_total"),
 )
+
+# the Snapshot fields that are counters (a counter that goes down is a restart: ``restart_reason``)
+COUNTER_FIELDS = tuple(name for _, name in _COUNTER_FIELDS)
 
 MalSource = Literal["counters", "gauge", "no_spec_counters", "mixed"]
 
@@ -347,13 +351,21 @@ def window_counters(samples: Sequence[ScrapeSample], t0: float, t1: float) -> Co
     Returns ``None`` when no stretch holds two samples in the window.
     """
     inside = sorted((s for s in samples if t0 <= s.t_mono <= t1), key=lambda s: s.t_mono)
-    parts: list[tuple[CounterDelta, list[ScrapeSample]]] = []
-    for seg in _segments(inside):
-        if len(seg) >= 2:
-            parts.append((delta(seg[0], seg[-1]), seg))
-    if not parts:
+    stretches = [seg for seg in _segments(inside) if len(seg) >= 2]
+    gauges = [s.snapshot.spec_accept_length for seg in stretches for s in seg
+              if s.snapshot.spec_accept_length is not None and (s.snapshot.requests_running or 0) > 0]
+    return stretch_counters([(seg[0], seg[-1]) for seg in stretches], gauges)
+
+
+def stretch_counters(ends: Sequence[tuple[ScrapeSample, ScrapeSample]], gauges: Sequence[float]) -> CounterDelta | None:
+    """The counters over restart-free stretches (``window_counters``' semantics), each given by its first
+    and last sample only, with ``gauges``: the SGLang ``spec_accept_length`` values of the stretches'
+    samples taken while something ran. Why apart: a report over a month of stored scrapes finds the
+    stretches on columns (``analyze/server_report.py``) and builds samples for their ends alone, not
+    half a million objects; both paths then count alike here."""
+    deltas = [delta(a, b) for a, b in ends]
+    if not deltas:
         return None
-    deltas = [d for d, _ in parts]
     kinds = {d.server_kind for d in deltas}
     kind: ServerKind = deltas[-1].server_kind if len(kinds) == 1 else "unknown"
     counts = {out: _sum_opt(getattr(d, out) for d in deltas) for out, _ in _COUNTER_FIELDS}
@@ -374,12 +386,6 @@ def window_counters(samples: Sequence[ScrapeSample], t0: float, t1: float) -> Co
             kind, counts["generated_tokens"], counts["drafts"], counts["accepted_tokens"], True, None
         )
     elif kinds == {"sglang"}:
-        gauges = [
-            s.snapshot.spec_accept_length
-            for _, seg in parts
-            for s in seg
-            if s.snapshot.spec_accept_length is not None and (s.snapshot.requests_running or 0) > 0
-        ]
         if gauges:
             mal, source = _mal_from("sglang", None, None, None, False, sum(gauges) / len(gauges))
     elif kinds == {"vllm"} and all(d.drafts is None for d in deltas):

@@ -9,6 +9,7 @@ windows that cut the turns anywhere, with failed scrapes and gaps where the boun
 from __future__ import annotations
 
 import random
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from specproxy.analyze.report import REPORT_COLUMNS, build_report
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
 from specproxy.store.dataset import NUMERIC, TEXT
-from specproxy.store.source import Scrapes, Window
+from specproxy.store.source import SCRAPE_FIELDS, Scrapes, Window
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.writer import Writer
 
@@ -145,3 +146,42 @@ def test_other_paths_counted_from_the_cached_columns_as_sql_counts_them(db, wind
         want = plain.load(window, REPORT_COLUMNS, context=True).unmeasured
     assert got == want
     assert windows()[0] != window or want > 0
+
+
+def test_the_whole_database_summary_equals_plain_scans(tmp_path):
+    """``database()`` (read on every picture of an idle live page) seeks indexes instead of scanning:
+    it says what plain scans of the table say, labels of measured rows only, a row from before
+    ``measured`` (NULL) counted as measured, as every reader of turns counts it."""
+    path = tmp_path / "w.db"
+    w = Writer(path)
+    for i, (label, measured) in enumerate([("a", True), ("b", True), ("only-other", False), (None, True),
+                                           ("a", True), ("c", None), ("b", False)]):
+        w.put(make_record(seed=i, t_wall=T0 + i, label=label, measured=measured is not False))
+    w.close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE turns SET measured = NULL WHERE label = 'c'")  # a row written before `measured`
+    conn.commit()
+    with SQLiteSource(conn) as store:
+        got = store.database()
+    n, first, last = conn.execute("SELECT count(*), min(t_wall), max(t_wall) FROM turns WHERE measured IS NOT 0").fetchone()
+    other = conn.execute("SELECT count(*) FROM turns WHERE measured = 0").fetchone()[0]
+    labels = sorted(r[0] for r in conn.execute(
+        "SELECT DISTINCT label FROM turns WHERE measured IS NOT 0 AND label IS NOT NULL"))
+    conn.close()
+    assert got == {"n": n, "first_t_wall": first, "last_t_wall": last, "other": other, "labels": labels}
+    assert labels == ["a", "b", "c"] and other == 2
+
+
+def test_scrapes_from_rows_as_columns_one_by_one():
+    """``Scrapes.from_rows`` casts one 2-D array; the same columns built one by one, None as nan."""
+    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None),
+            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None),
+            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4)]
+    got = Scrapes.from_rows(rows)
+    cols = list(zip(*rows))
+    assert np.array_equal(got.t_wall, np.array(cols[0], dtype=float))
+    for i, name in enumerate(("instance_id", "server_kind", "error")):
+        assert getattr(got, name).tolist() == list(cols[1 + i])
+    for i, f in enumerate(SCRAPE_FIELDS):
+        assert np.array_equal(got.num[f], np.array(cols[4 + i], dtype=float), equal_nan=True)
+        assert got.num[f].dtype == np.float64 and got.num[f].flags.c_contiguous
