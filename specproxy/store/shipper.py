@@ -146,26 +146,28 @@ class Shipper:
         """One batch of ``shipped``'s table; the rows sent."""
         after = cursors.get(shipped.table, 0)
         params = (self.proxy_name,) if "?" in shipped.select else ()
-        rows = conn.execute(f"SELECT rowid, {shipped.select} FROM {shipped.table} WHERE rowid > ? ORDER BY rowid "
-                            f"LIMIT ?", (*params, after, self._batch)).fetchall()
-        if not rows:
+        # the batch's last rowid first (from the rowid b-tree alone), so its rows come without a rowid to strip
+        (last,) = conn.execute(f"SELECT max(rowid) FROM (SELECT rowid FROM {shipped.table} WHERE rowid > ? "
+                               f"ORDER BY rowid LIMIT ?)", (after, self._batch)).fetchone()
+        if last is None:
             (largest,) = conn.execute(f"SELECT max(rowid) FROM {shipped.table}").fetchone()
             if after > (largest or 0):  # every row was deleted, and rowids began again
                 cursors[shipped.table] = 0
                 self._note(conn, shipped.table, 0, [])
             return 0
-        values = [row[1:] for row in rows]
+        values = conn.execute(f"SELECT {shipped.select} FROM {shipped.table} WHERE rowid > ? AND rowid <= ? "
+                              f"ORDER BY rowid", (*params, after, last)).fetchall()
         refused = self.sink.send(shipped.table, shipped.columns, values)
         key = shipped.columns.index(shipped.key)
         now = time.time()
         aside = [(self.sink.name, shipped.table, str(values[r.index][key]), r.reason, now) for r in refused]
         for r in refused:
             log.warning("sink %s: a %s row set aside (%s)", self.sink.name, shipped.table, r.reason)
-        cursors[shipped.table] = rows[-1][0]
-        self._note(conn, shipped.table, rows[-1][0], aside)
-        self.rows_shipped += len(rows) - len(refused)
+        cursors[shipped.table] = last
+        self._note(conn, shipped.table, last, aside)
+        self.rows_shipped += len(values) - len(refused)
         self.rows_set_aside += len(refused)
-        return len(rows)
+        return len(values)
 
     def _note(self, conn: sqlite3.Connection, table: str, last_rowid: int, aside: list[tuple]) -> None:
         """How far the sink got (and what it set aside), in one short transaction of the local file."""
