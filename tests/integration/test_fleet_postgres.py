@@ -167,6 +167,29 @@ def test_rows_already_held_are_ignored(tmp_path, pg_server, pgdb):
     assert len(remote_turns(pg_server, pgdb)) == 350 == len(local_turns(db))
 
 
+def test_a_new_batch_goes_straight_in_and_one_sent_again_the_careful_way(tmp_path, pg_server, pgdb):
+    """A fresh batch is COPYed straight into the table (no staging table is made: the fast way); a batch
+    holding rows already held fails that COPY, takes nothing from it, and goes through the staging table's
+    ON CONFLICT DO NOTHING: the new rows in, the old ones once."""
+    url = pg_server.url(pgdb)
+    rows = [tuple(int(v) if isinstance(v, bool) else v for v in (getattr(record(i, proxy_name="proxy-a"), f)
+                                                                  for f in FIELD_NAMES))
+            for i in range(40)]  # as SQLite gives them (booleans 0/1)
+    staging = "SELECT count(*) FROM pg_class WHERE relname = 'stage_turns' AND relpersistence = 't'"
+    sink = PostgresSink(url)
+    sink.open(Identity("proxy-a", "store-a"))
+    try:
+        assert sink.send("turns", FIELD_NAMES, rows[:30]) == []
+        assert pg_rows(pg_server, pgdb, staging) == [(0,)]  # straight in
+        assert sink.send("turns", FIELD_NAMES, rows[20:]) == []  # 10 held already, 10 new
+        assert pg_rows(pg_server, pgdb, staging) == [(1,)]  # the careful way, on this connection
+    finally:
+        sink.close()
+    held = remote_turns(pg_server, pgdb)
+    assert sorted(held) == sorted(row[0] for row in rows)
+    assert all(held[row[0]][1] == row[1] for row in rows)
+
+
 def test_a_refused_row_is_set_aside_and_the_rest_go_in(tmp_path, pg_server, pgdb):
     db = tmp_path / "a.db"
     bad = record(5, concurrency=2**40)  # SQLite holds it; PostgreSQL's INTEGER cannot

@@ -1,11 +1,13 @@
 """The PostgreSQL sink: a batch of local rows into the fleet's database by COPY, idempotently.
 
-Why COPY into a staging table, then one INSERT ... ON CONFLICT DO NOTHING: COPY is the fast way in (tens
-of thousands of rows a second from one proxy), but cannot skip a row already held; the INSERT from the
-temporary staging table can, so a batch sent again (the proxy was killed before it noted the batch as
-sent, or the sink timed out after committing) adds nothing. Why bisect on a refused row: one row
-PostgreSQL will not hold (a value out of its column's range, a NUL in a text) must not cost the others,
-so a batch that fails on its data is split in halves, each in its own savepoint, down to the rows that
+Why COPY straight into the table first: COPY is the fast way in, and a batch is nearly always new and
+valid (the staging table and the conflict check cost as much again: scripts/bench_ship.py). COPY cannot
+skip a row already held, though: when the straight COPY fails on its rows (a batch sent again because the
+proxy was killed before it noted it as sent, or the sink timed out after committing; or a row PostgreSQL
+refuses), nothing of it was taken (a savepoint), and the careful way runs: COPY into a temporary staging
+table, then one INSERT ... ON CONFLICT DO NOTHING, so a batch sent again adds nothing. Why bisect on a
+refused row: one row PostgreSQL will not hold (a value out of its column's range, a NUL in a text) must
+not cost the others, so a batch that fails on its data is split in halves, each in its own savepoint, down to the rows that
 fail alone (log2 of the batch's attempts per bad row); those are returned with the reason.
 
 Connection failures, credentials, permissions and a ``proxy_name`` another database already ships under
@@ -18,6 +20,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from operator import itemgetter
 
 import psycopg
 from psycopg import sql
@@ -78,6 +81,21 @@ def migrate(conn: psycopg.Connection) -> list[str]:
     return applied
 
 
+def _days(rows: list[tuple], field: int) -> set[int]:
+    """The UTC days of the rows' ``field`` (a turn's t_wall). A value no partition can hold is left out
+    (PostgreSQL refuses that row on its own). Usually a batch spans at most a day: then its days are those
+    of its first and last t_wall (two C-level passes instead of a Python step per row)."""
+    t_walls = list(map(itemgetter(field), rows))
+    try:
+        lo, hi = min(t_walls), max(t_walls)
+    except (TypeError, ValueError):  # a NULL or a text among them; no rows
+        lo = hi = math.nan
+    if 0 <= lo and hi < _LAST_DAY * DAY_S and hi - lo <= DAY_S:  # (False for a NaN)
+        return {int(lo // DAY_S), int(hi // DAY_S)}
+    return {int(t // DAY_S) for t in t_walls
+            if isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t < _LAST_DAY * DAY_S}
+
+
 class _Table:
     """How one local table goes in: the columns the sink adds in front of the local ones (who shipped it)."""
 
@@ -98,6 +116,7 @@ class PostgresSink:
         self._conn: psycopg.Connection | None = None
         self._identity: Identity | None = None
         self._days: set[int] = set()  # partitions known to exist
+        self._staged: set[str] = set()  # staging tables made on this connection
 
     def open(self, identity: Identity) -> None:
         self.close()
@@ -116,7 +135,7 @@ class PostgresSink:
         except BaseException:
             conn.close()
             raise
-        self._conn, self._identity, self._days = conn, identity, set()
+        self._conn, self._identity, self._days, self._staged = conn, identity, set(), set()
 
     def _claim(self, conn: psycopg.Connection, identity: Identity) -> None:
         """Ship under ``identity.proxy_name`` only if no other local database does: refused, never merged."""
@@ -137,33 +156,56 @@ class PostgresSink:
         if conn is None or identity is None:
             raise SinkError("not connected")
         spec = _TABLES[table]
-        extra = tuple(getattr(identity, c) for c in spec.identity_columns)
         names = spec.identity_columns + columns
+        if spec.identity_columns:  # who shipped it, in front of every row
+            extra = tuple(getattr(identity, c) for c in spec.identity_columns)
+            rows = [extra + row for row in rows]
         refused: list[Refused] = []
         try:
             if table == "turns":
-                self._make_partitions(conn, [row[columns.index("t_wall")] for row in rows])
-            copy = sql.SQL("COPY {} ({}) FROM STDIN").format(
-                sql.Identifier(f"stage_{table}"), sql.SQL(", ").join(map(sql.Identifier, names)))
-            insert = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT DO NOTHING").format(
-                sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, names)),
-                sql.SQL(", ").join(map(sql.Identifier, names)), sql.Identifier(f"stage_{table}"))
-            truncate = sql.SQL("TRUNCATE {}").format(sql.Identifier(f"stage_{table}"))
-            # the staging table: the columns sent, of the table's types, no constraints (the INSERT checks them)
-            conn.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {} FROM {} "
-                                 "WITH NO DATA").format(sql.Identifier(f"stage_{table}"),
-                                                        sql.SQL(", ").join(map(sql.Identifier, names)),
-                                                        sql.Identifier(table)))
-            with conn.transaction():
-                self._insert(conn, copy, insert, truncate, [(i, extra + row) for i, row in enumerate(rows)], refused)
+                self._make_partitions(conn, _days(rows, names.index("t_wall")))
+            with conn.transaction():  # one transaction per batch
+                if not self._copy_straight(conn, table, names, rows):
+                    self._insert(conn, self._statements(conn, table, names), list(enumerate(rows)), refused)
         except psycopg.Error as exc:
             self.close()
             raise SinkError(one_line(exc)) from None
         return refused
 
-    def _insert(self, conn, copy, insert, truncate, items: list[tuple[int, tuple]], refused: list[Refused]) -> None:
+    @staticmethod
+    def _copy_straight(conn: psycopg.Connection, table: str, names: tuple[str, ...], rows: list[tuple]) -> bool:
+        """The usual batch: none of its rows is held yet and each is valid, so one COPY straight into the
+        table holds it (no staging table, no conflict check: about twice as fast). False, having taken
+        nothing, when a row is already held (a batch sent again) or refused: the careful way does it."""
+        copy = sql.SQL("COPY {} ({}) FROM STDIN").format(sql.Identifier(table),
+                                                          sql.SQL(", ").join(map(sql.Identifier, names)))
+        try:
+            with conn.transaction(), conn.cursor() as cur, cur.copy(copy) as out:
+                for row in rows:
+                    out.write_row(row)
+        except _ROW_ERRORS:
+            return False
+        return True
+
+    def _statements(self, conn: psycopg.Connection, table: str, names: tuple[str, ...]) -> tuple:
+        """The careful way's COPY into a staging table, INSERT ... ON CONFLICT DO NOTHING, TRUNCATE; the
+        staging table made once per connection (the columns sent, of the table's types, no constraints:
+        the INSERT checks them)."""
+        stage = sql.Identifier(f"stage_{table}")
+        columns = sql.SQL(", ").join(map(sql.Identifier, names))
+        if table not in self._staged:
+            conn.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS SELECT {} FROM {} "
+                                 "WITH NO DATA").format(stage, columns, sql.Identifier(table)))
+            self._staged.add(table)
+        return (sql.SQL("COPY {} ({}) FROM STDIN").format(stage, columns),
+                sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT DO NOTHING").format(
+                    sql.Identifier(table), columns, columns, stage),
+                sql.SQL("TRUNCATE {}").format(stage))
+
+    def _insert(self, conn, statements: tuple, items: list[tuple[int, tuple]], refused: list[Refused]) -> None:
         """COPY ``items`` into the staging table and on into the table, in a savepoint; on a row's error,
         the halves apart, down to the rows that fail alone."""
+        copy, insert, truncate = statements
         try:
             with conn.transaction(), conn.cursor() as cur:
                 with cur.copy(copy) as out:
@@ -176,15 +218,13 @@ class PostgresSink:
                 refused.append(Refused(items[0][0], f"{type(exc).__name__}: {one_line(exc)}"))
                 return
             half = len(items) // 2
-            self._insert(conn, copy, insert, truncate, items[:half], refused)
-            self._insert(conn, copy, insert, truncate, items[half:], refused)
+            self._insert(conn, statements, items[:half], refused)
+            self._insert(conn, statements, items[half:], refused)
 
-    def _make_partitions(self, conn: psycopg.Connection, t_walls: list) -> None:
+    def _make_partitions(self, conn: psycopg.Connection, days: set[int]) -> None:
         """The day partitions these turns go in, made when missing (a turn dated where none can be made
         is refused by PostgreSQL: no partition holds it)."""
-        days = {int(t // DAY_S) for t in t_walls
-                if isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t < _LAST_DAY * DAY_S} - self._days
-        for day in sorted(days):
+        for day in sorted(days - self._days):
             name = "turns_" + datetime.datetime.fromtimestamp(day * DAY_S, datetime.UTC).strftime("%Y%m%d")
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_ID,))
@@ -193,6 +233,7 @@ class PostgresSink:
             self._days.add(day)
 
     def close(self) -> None:
+        self._staged = set()
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
