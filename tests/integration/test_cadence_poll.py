@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from faultkit import chunk, post_head, wait_until
 from serveproc import LoopThread, ServeProcess
+from relaykit import give_back_what_the_turns_kept  # noqa: F401 (an autouse fixture: turns relayed by hand)
 
 from specproxy.wire import cadence_poll
 from specproxy.wire import relay_thread

@@ -24,26 +24,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from framing_strategies import chunked_bodies
-from relaykit import Ends, wait_done
+from relaykit import Ends, give_back_what_the_turns_kept, wait_done  # noqa: F401 (an autouse fixture)
 
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire import memory, relay_thread
 
 relayc = relay_thread._relayc
 pytestmark = pytest.mark.skipif(relayc is None, reason="specproxy.wire._relayc is not built")
-
-
-@pytest.fixture(autouse=True)
-def give_back_what_the_turns_kept():
-    """The thread charges the process's memory budget for the bytes each turn keeps (``wire/memory.py``);
-    in the proxy, measuring the turn gives them back. These turns are relayed by hand and never measured,
-    so the test gives their charge back, or a later test in this worker would find the budget spent (one
-    that checks the budget's refusals did)."""
-    before = memory.used()
-    yield
-    kept = memory.used() - before
-    if kept > 0:
-        memory.give(kept)
 
 
 def recv_until(sock: socket.socket, n: int, timeout: float = 5.0) -> bytes:
