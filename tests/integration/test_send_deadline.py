@@ -102,7 +102,8 @@ def test_clients_that_never_read_do_not_hold_max_concurrent_from_readers(make_st
         # as soon as the three wait on their clients (a moment after they started), not after 60 s
         wait_until(lambda: _small_get(stack.service.port) == 200, 20, 0.1, "a reading client answered")
         wait_until(lambda: proxy.counters.in_flight == 3, 20, what="the reading client's exchange over")
-        assert proxy.held_by_clients == 3
+        # a reader may be answered once two of the three wait on their clients: the third follows
+        wait_until(lambda: proxy.held_by_clients == 3, 20, what="all three held by their clients alone")
         clients += [_stalled_client(stack.service.port) for _ in range(3)]
         wait_until(lambda: proxy.counters.in_flight == 6, 20, what="three more stalled exchanges admitted")
         busy = proxy.counters.rejected_busy
@@ -285,7 +286,7 @@ def test_1030_clients_that_never_read_do_not_lock_others_out(tmp_path):
         opened_s = time.monotonic() - t0
         wait_until(lambda: len(sent) >= 1024, 60, 0.05, "1,024 big answers started")
         # every stalled exchange ends within send_timeout_s of stalling (plus a loaded machine's margin)
-        wait_until(lambda: proc.state()["in_flight"] == 0, 60, 0.5, "in_flight back to 0")
+        wait_until(lambda: proc.state()["in_flight"] == 0, 120, 0.5, "in_flight back to 0")
         statuses = [_small_get(proc.port) for _ in range(5)]
         peak_kb = rss.stop()
         state = proc.state()
