@@ -49,6 +49,8 @@ def random_scrapes(seed: int, n: int = 240) -> Scrapes:
             "spec_accepted_tokens_total": gen * 0.5 if spec else np.nan,
             "spec_accept_length": float(rng.uniform(1, 3)) if kind == "sglang" else np.nan,
             "spec_accept_rate": np.nan,
+            "prefix_cache_queries_total": 3 * gen if kind != "sglang" and rng.random() < 0.95 else np.nan,
+            "prefix_cache_hits_total": gen if kind != "sglang" and rng.random() < 0.95 else np.nan,
         }
         for f in SCRAPE_FIELDS:
             num[f].append(values[f])

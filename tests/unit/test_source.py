@@ -174,9 +174,10 @@ def test_the_whole_database_summary_equals_plain_scans(tmp_path):
 
 def test_scrapes_from_rows_as_columns_one_by_one():
     """``Scrapes.from_rows`` casts one 2-D array; the same columns built one by one, None as nan."""
-    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None),
-            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None),
-            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4)]
+    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None, 40.0, 10.0),
+            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None, None, None),
+            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4, None, None)]
+    assert all(len(r) == 4 + len(SCRAPE_FIELDS) for r in rows)
     got = Scrapes.from_rows(rows)
     cols = list(zip(*rows))
     assert np.array_equal(got.t_wall, np.array(cols[0], dtype=float))
