@@ -18,6 +18,7 @@ import openai
 import orjson
 import pytest
 from click.testing import CliRunner
+from faultkit import wait_until
 from real.clientkit import Arrivals
 from real.test_real_agent_apis import messages_body, responses_body
 
@@ -49,6 +50,14 @@ def openai_twice(base_url: str) -> None:
                           {"role": "user", "content": "What is the weather in Zürich?"}]))
 
 
+def _measured_rows(db) -> int:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT count(*) FROM turns WHERE measured = 1").fetchone()[0]
+    finally:
+        conn.close()
+
+
 def expected_usd(r: dict) -> float:
     """The rule by hand: the server's cached count at the cached price, the rest of the prompt at input,
     the output at output (the table prices reasoning as output)."""
@@ -65,6 +74,8 @@ def test_a_priced_audit_per_tenant_of_both_sdks(make_stack, counter, tool_server
     arrivals.wait(6)
     stack.settle()
     db = stack.cfg.db
+    # the records reach the writer's queue as they are measured; its thread commits them a moment later
+    wait_until(lambda: _measured_rows(db) >= 6, 30, 0.02, "the six turns written")
     conn = sqlite3.connect(db)
     conn.row_factory = sqlite3.Row
     stored = [dict(r) for r in conn.execute("SELECT * FROM turns WHERE measured = 1 ORDER BY rowid")]
