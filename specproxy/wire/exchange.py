@@ -14,8 +14,8 @@ waits on ``wait()``, which returns when the body has ended (``outcome``) or when
 full (``paused``): then it waits for the client to drain and calls ``resume()``.
 
 Deadlines of the body (the head's is the connection's): ``idle_timeout_s`` between reads of the body (not
-while the client is the one not reading); ``send_timeout_s`` while the client is the one not reading (no
-progress writing to it: the turn ends as ``client_stalled``). There is no total deadline: a long prefill
+while the client is the one not reading); ``send_timeout_s`` while the client is the one not reading (bytes
+wait for it and it acknowledges none: the turn ends as ``client_stalled``). There is no total deadline: a long prefill
 or a long answer is not an error. All of it runs on the event loop.
 """
 
@@ -32,7 +32,7 @@ from specproxy.wire.pool import UpstreamPool
 from specproxy.wire.relay import CLIENT_GONE, DECHUNK, ENCODE, OK, PASS, PythonRelay, Relay
 from specproxy.wire.relay_thread import NativeChunkedEnd, ThreadRelay
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead
-from specproxy.wire.sockets import taken
+from specproxy.wire.sockets import owed, taken
 from specproxy.wire.upstream import UpstreamConn
 
 __all__ = ["LOOKS", "Exchange", "watch_unsent"]
@@ -64,6 +64,7 @@ class Exchange:
         self._took = 0  # how far the client had taken the body at the last look (sockets.taken)
         self._took_at = 0.0  # and when it was last seen taking more
         self._idle_from = 0.0  # the upstream's idle deadline counts from here at the earliest
+        self._owed = False  # at the last look, bytes waited for the client (sockets.owed)
 
     @property
     def held_by_client(self) -> bool:
@@ -150,11 +151,10 @@ class Exchange:
                                          relay.last_activity)
             if threaded is not None:
                 self.relay = threaded
-                # soon enough to see the client hold the thread back (_send_left), and from where
-                self._took, self._took_at = taken(out), clock()
-                self._arm(min(pool.idle_timeout_s, pool.send_timeout_s / LOOKS))
-                return
-        self._arm()  # each read goes on through PythonRelay.on_read, on the loop
+                self._took, self._took_at = taken(out), clock()  # from where the client's progress counts
+        # reads go on through the thread, or PythonRelay.on_read on the loop; the timer looks at the client
+        # soon enough to see it hold the body back (_send_left)
+        self._arm(self._look())
 
     @property
     def paused(self) -> bool:
@@ -178,7 +178,7 @@ class Exchange:
         if relay is None or not relay.paused or self.outcome is not None:
             return
         relay.resume()
-        self._arm()
+        self._arm(self._look())
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -279,10 +279,14 @@ class Exchange:
 
     # --- deadlines -------------------------------------------------------------------------------------
 
-    def _arm(self, delay: float | None = None) -> None:
+    def _look(self) -> float:
+        """The time to the next look: the upstream's idle deadline, or sooner (``LOOKS`` per send
+        deadline) to see a client that holds the body back."""
+        return min(self.pool.idle_timeout_s, self.pool.send_timeout_s / LOOKS)
+
+    def _arm(self, delay: float) -> None:
         self._cancel_timer()
-        self._timer = self.pool.loop.call_later(self.pool.idle_timeout_s if delay is None else delay,
-                                                self._check_idle)
+        self._timer = self.pool.loop.call_later(delay, self._check_idle)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -314,25 +318,36 @@ class Exchange:
                                            f"({self.pool.idle_timeout_s:g} s)")
 
     def _send_left(self, now: float, relay: Relay) -> float | None:
-        """While the client is what holds the body back (the thread's turn blocked on it, or the loop's
-        relay paused for it): when to look again (``LOOKS`` times per ``send_timeout_s``), and the turn
-        ended as ``client_stalled`` once the client has taken no byte for ``send_timeout_s``. None while
-        the client keeps up. Looked at once per timer, never per read: bytes taken between two looks count
-        from the later one, so a client is cut between ``send_timeout_s`` and a ``LOOKS``th more after it
-        stopped."""
+        """While the client is what holds the body back (the thread's turn blocked on it, the loop's relay
+        paused for it, or bytes of the thread's waiting unacknowledged in the kernel for it): when to look
+        again (``LOOKS`` times per ``send_timeout_s``), and the turn ended as ``client_stalled`` once the
+        client has taken no byte for ``send_timeout_s``. None while the client keeps up. Looked at once per
+        timer, never per read: bytes taken between two looks count from the later one, so a client is cut
+        between ``send_timeout_s`` and a ``LOOKS``th more after it stopped.
+
+        Why bytes owed count without a blocked write: when the kernel's TCP memory runs short (a thousand
+        clients not reading, each holding megabytes of receive buffer), the upstream's bytes stop arriving
+        too; the thread then waits on the upstream, not the client, and only the client's silence on bytes
+        already sent to it tells that it is the one not reading."""
         out = self.out
         if out is None or not (relay.watches_client or relay.paused):
             return None
         took = taken(out)
-        if not relay.blocked:  # the client keeps up with the thread: from now on
-            self._took, self._took_at = took, now
+        if relay.blocked:
+            floor = relay.last_activity  # the thread's last progress, its write to the client included
+            self._idle_from = now  # the upstream's idle deadline starts again once the client takes more
+        elif owed(out):
+            floor = 0.0  # the thread reads on: only the client's own progress counts
+            if not self._owed:
+                self._took, self._took_at = took, now
+        else:  # the client keeps up with the thread: from now on
+            self._took, self._took_at, self._owed = took, now, False
             return None
+        self._owed = True
         if took > self._took:  # the client took some since the last look
             self._took, self._took_at = took, now
-        since = max(self._took_at, relay.last_activity)
-        self._idle_from = now  # the upstream's idle deadline starts again once the client takes more
         send_timeout_s = self.pool.send_timeout_s
-        left = since + send_timeout_s - now
+        left = max(self._took_at, floor) + send_timeout_s - now
         if left <= 0:
             self._cut("client_stalled", f"the client took no bytes for send_timeout_s ({send_timeout_s:g} s)")
         return min(left, send_timeout_s / LOOKS)

@@ -79,7 +79,7 @@ class PythonRelay:
     """A body relayed on the event loop, one ``on_read`` per read of the upstream's socket."""
 
     __slots__ = ("framing", "high", "last_activity", "mode", "out", "paused", "recorder", "report", "upstream")
-    watches_client = False
+    watches_client = True  # the kernel may hold bytes for a client that takes none, unpaused (sockets.owed)
 
     def __init__(self, report: RelayReport, upstream: asyncio.Transport | None, out: asyncio.Transport,
                  framing, mode: int, recorder: Recorder | None) -> None:

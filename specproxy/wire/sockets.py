@@ -8,10 +8,13 @@ them should import another for it.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import struct
 import sys
+import termios
 
-__all__ = ["acked_bytes", "no_delay", "plain_socket_fd", "taken"]
+__all__ = ["acked_bytes", "no_delay", "owed", "plain_socket_fd", "taken"]
 
 
 def plain_socket_fd(transport: asyncio.BaseTransport) -> int | None:
@@ -51,6 +54,28 @@ def taken(out: asyncio.BaseTransport) -> int:
     does not say) minus what waits in our buffer for it. Goes up exactly when the client takes bytes."""
     acked = acked_bytes(out)
     return acked if acked is not None else -out.get_write_buffer_size()
+
+
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a TCP socket: bytes written and not yet acknowledged
+
+
+def owed(out: asyncio.BaseTransport) -> bool:
+    """Bytes of ours wait for the client: in our buffer, or in the kernel's send queue unacknowledged.
+
+    Why the kernel's queue too: a client that stopped reading holds the thread's writes back only once
+    the kernel's send buffer is full; before that (or when the kernel's own TCP memory is short and the
+    upstream's bytes stop coming as well) the thread waits on the upstream, and the client's silence shows
+    only as bytes it never acknowledges."""
+    if out.get_write_buffer_size():
+        return True
+    sock = out.get_extra_info("socket")
+    if sock is None or _OUTQ is None:
+        return False
+    try:
+        queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return False
+    return struct.unpack("i", queued)[0] > 0
 
 
 def no_delay(transport: asyncio.BaseTransport) -> None:
