@@ -40,6 +40,8 @@ def main() -> None:
 CONFIG_ONLY: dict[str, str] = {
     "admin_token": "a secret: a flag would show it in the process list; set it in the --config file or "
                    "SPECPROXY_ADMIN_TOKEN",
+    "tenant_secret": "a secret: a flag would show it in the process list; give --tenant-secret-file FILE, or set "
+                     "SPECPROXY_TENANT_SECRET (or tenant_secret in the --config file)",
     "prices": "a table per model: set it in the --config file ([prices.\"MODEL\"]) or SPECPROXY_PRICES; report "
               "and audit read it with --prices FILE",
 }
@@ -95,8 +97,11 @@ def _pages_line(cfg: Config, url: str) -> str:
           "The request header naming the turn's tenant (a team, a customer), e.g. X-Team; stored, so a header "
           "that may carry a credential is refused")
 @setting("--tenant-from-key/--no-tenant-from-key", "tenant_from_key",
-          "Name the tenant by a keyed hash (HMAC-SHA256, a secret kept in the database) of the API key; the key "
-          "is never stored")
+          "Name the tenant by a keyed hash (HMAC-SHA256, under a secret kept in the database, or the "
+          "--tenant-secret-file one) of the API key; the key is never stored")
+@setting("--tenant-secret-file", "tenant_secret_file",
+          "A file holding a secret shared by a fleet's proxies, to key --tenant-from-key's hash with instead of "
+          "the database's own: every proxy then names a key alike (never stored; or SPECPROXY_TENANT_SECRET)")
 @setting("--capture/--no-capture", "capture",
           "Store request bodies as sent, for `export --format replay` and `bench --from captured` (opt-in)")
 @setting("--max-concurrent", "max_concurrent", "Requests in flight before 503", type=int)

@@ -192,10 +192,13 @@ def raise_open_files_limit() -> int | None:
 
 
 def tenant_rule(cfg: Config) -> TenantRule | None:
-    """How this proxy names tenants: by ``tenant_header``, or by the API key under the database's own
-    secret (read once here, after the writer made or upgraded the database), or not at all."""
+    """How this proxy names tenants: by ``tenant_header``, or by the API key under the fleet's shared
+    secret (``tenant_secret_file``, ``SPECPROXY_TENANT_SECRET``: never written to the database), else under
+    the database's own (read once here, after the writer made or upgraded the database), or not at all."""
     if cfg.tenant_header:
         return TenantRule(header=cfg.tenant_header)
+    if cfg.tenant_from_key and cfg.tenant_key_secret is not None:
+        return TenantRule(secret=cfg.tenant_key_secret)
     if cfg.tenant_from_key:
         with open_existing(cfg.db) as conn:
             return TenantRule(secret=tenant_key_secret(conn))
