@@ -2,7 +2,8 @@
 
 The package by job: ``settings`` (the dataclass, each field's docstring its definition), ``slo`` (the
 objective's text parsed), ``checks`` (what makes a value valid), ``load`` (file, environment, flags; the
-one place that reads the environment). Callers import from here.
+one place that reads the environment). Callers import from here, but for measuring, which takes ``Slo``
+from ``config.slo`` itself (``settings`` imports ``socket``, which measuring may not).
 """
 
 from specproxy.config.checks import check_label, check_otlp_endpoint, check_sink_url

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy import __version__
-from specproxy.config import Config
+from specproxy.config import Config, parse_slo
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.aiohttp_front import AiohttpFront
@@ -298,7 +298,8 @@ class Service:
         if self.otlp is None and self.cfg.otlp_endpoint is not None:  # a Service built by hand, not from_config
             await asyncio.to_thread(self._make_otlp)  # importing its SDK reads files: not on the loop
         counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
-        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
+        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch),
+                                  slo=parse_slo(self.cfg.slo, "slo"))
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
         self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)
