@@ -170,7 +170,8 @@ class Config:
     name. Turns shipped to one database are told apart by it, so each proxy needs its own: a sink refuses
     to ship under a name another proxy's database already ships under (docs/operations.md, "Fleet")."""
     slo: str | None = None
-    """A service-level objective every measured turn is judged by on the live page, e.g.
+    """A service-level objective every measured turn is judged by on the live page and on
+    ``/_specproxy/metrics`` (``specproxy_slo_turns_total``), e.g.
     ``ttft=2s,tpot=50ms,e2e=30s`` (any of the three; ``ms`` or ``s``): TTFT, time per output token
     after the first chunk (``1 / decode_tps``) and whole turn at most that. Labels may have their own
     after a ``;`` (``ttft=2s,tpot=50ms; batch: e2e=60s``): their turns are judged by it instead. The page then shows the
