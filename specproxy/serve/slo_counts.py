@@ -52,7 +52,10 @@ class SloCounts:
         """One turn the store took: waits to be judged (see the module's docstring)."""
         self._waiting.append((key, r.outcome, r.ttft_s, r.decode_tps, r.total_s, r.label))
         if len(self._waiting) >= FOLD_AT and self._lock.acquire(blocking=False):
-            threading.Thread(target=self._judge_and_release, name="specproxy-slo", daemon=True).start()
+            try:
+                threading.Thread(target=self._judge_and_release, name="specproxy-slo", daemon=True).start()
+            except RuntimeError:  # no thread to be had (the interpreter is ending): the next scrape judges them
+                self._lock.release()
 
     def _judge_and_release(self) -> None:
         """In a thread of its own, the lock ``add`` took for it."""
