@@ -29,7 +29,7 @@ def _toml_value(value) -> str:
 def config_example() -> str:
     docs = field_docs(Config)
     out = ["# specproxy configuration. Precedence: this file < SPECPROXY_* environment < command-line flags.",
-           "# Generated from specproxy/config.py by scripts/gen_docs.py; every key is shown with its default.", ""]
+           "# Generated from specproxy/config/settings.py by scripts/gen_docs.py; every key is shown with its default.", ""]
     for f in fields(Config):
         for line in textwrap.wrap(docs.get(f.name, ""), 98):
             out.append(f"# {line}")
@@ -46,7 +46,9 @@ def config_example() -> str:
                        "admin_token": "a-long-random-secret", "proxy_name": "gpu-node-3",
                        "sink": "postgresql://specproxy@db.internal/fleet",
                        "otlp_endpoint": "http://collector:4318/v1/metrics",
-                       "tenant_header": "x-team", "slo": "ttft=2s,tpot=50ms; batch: e2e=60s"}[f.name]  # every optional setting has one
+                       "tenant_header": "x-team",
+                       "tenant_secret_file": "/etc/specproxy/tenant-secret",
+                       "tenant_secret": "a-long-random-secret-shared-by-the-fleet", "slo": "ttft=2s,tpot=50ms; batch: e2e=60s"}[f.name]  # every optional setting has one
             out.append(f"# {f.name} = {_toml_value(example)}")
         else:
             out.append(f"{f.name} = {_toml_value(default)}")

@@ -1,6 +1,6 @@
 """The price table: what a model's tokens cost, in USD per million, as the user gives them.
 
-Why apart from ``config.py``: ``serve --config`` reads it as a key of the config file, ``report`` and
+Why apart from ``config/``: ``serve --config`` reads it as a key of the config file, ``report`` and
 ``audit`` as ``--prices FILE``; both parse it here, once. Nothing here prices a turn: that rule is
 ``analyze/cost.py``'s. There are no default prices: specproxy makes none up.
 """

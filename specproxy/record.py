@@ -254,8 +254,8 @@ class Record:
     tenant: str | None = None
     """Whose turn it is (a team, a customer): the value of the request header Config ``tenant_header``
     names (at most 200 characters), or with ``tenant_from_key`` ``key:`` and 16 hex digits of a keyed
-    hash (HMAC-SHA256 under a secret kept in this database) of the request's API key, never the key;
-    null when neither is set, the request has no such header or key, or on rows recorded before it."""
+    hash (HMAC-SHA256 under a secret kept in this database, or the fleet's shared one, Config
+    ``tenant_secret_file``, never stored) of the request's API key, never the key; null when neither is set, the request has no such header or key, or on rows recorded before it."""
     prompt_block_digests: str | None = None
     """The prompt's token blocks as chained digests, no text: 16 hex digits per block of 64 tokens (of
     the prompt as counted for ``prompt_tokens``; the last block may be shorter), each a BLAKE2b digest

@@ -4,24 +4,9 @@ Why decided here, at analysis time, from the stored fields (``outcome``, ``ttft_
 ``total_s``) and not stored per turn: an objective is a question asked of the data, and users change it.
 Judged when read, ``report --slo`` answers it for turns recorded before it was set, or under another, and
 ``compare`` can ask both arms the same one. The live page asks the same function (``met``) of the same
-rows. docs/metrics.md ("Goodput under an SLO") is the contract; this module is the one place the rule
-is written.
-
-The rule (``met``), per measured turn: 1 (met), 0 (not met) or NaN (not judged).
-
-* ``tpot`` is the stream's decode time per delivered output token after the first chunk: ``decode_s``
-  over (``completion_tokens`` - the first chunk's tokens), which is ``1 / decode_tps`` exactly, so the
-  SLO and the report's decode speed are one figure read two ways.
-* A turn that failed (any outcome but ``ok``, ``client_abort`` and ``shutdown``: an error answer, no
-  answer, a truncated body, a stalled client, a proxy error) did not meet it.
-* A turn the client left (``client_abort``) or specproxy's own shutdown cut (``shutdown``) is not judged:
-  neither the server's doing, and its figures are partial.
-* An objective can give labels their own (``ttft=2s; batch: e2e=60s``): a turn is judged by its label's,
-  else by the one for every turn; a turn neither applies to is not judged.
-* A completed turn meets it when every bound the objective sets has its figure at or under it. A figure
-  it lacks (no tpot on a non-streamed turn, a one-chunk answer or without a tokenizer; a non-streamed
-  turn's TTFT is its whole response time, as stored)
-  leaves it not judged, unless another figure already exceeds its bound: then it did not meet it.
+rows. docs/metrics.md ("Goodput under an SLO") is the contract. The rule itself (``met``, which turn
+met it) is written once, in ``measure/slo_rule.py``, shared with the proxy's own ``/metrics``
+(``specproxy_slo_turns``); this module reads it over stored turns and adds what a set of them says.
 
 The share (``attainment``) is over judged turns, with the Wilson score interval for a proportion (exact
 coverage in docs/statistics.md, "The share of turns that met an SLO"; the bootstrap intervals of the
@@ -39,61 +24,13 @@ from typing import Any
 import numpy as np
 
 from specproxy.config import Slo
+from specproxy.measure.slo_rule import NOT_JUDGED_OUTCOMES, met, tpot_s
 from specproxy.store.dataset import Turns
 
 __all__ = ["NOT_JUDGED_OUTCOMES", "SLO_COLUMNS", "attainment", "capacity", "met", "met_of_turns", "tpot_s", "wilson"]
 
-# a turn cut by its client or by specproxy's shutdown is not the server's doing: not judged
-NOT_JUDGED_OUTCOMES = ("client_abort", "shutdown")
 # the columns the rule reads
 SLO_COLUMNS = ("outcome", "ttft_s", "decode_tps", "total_s", "label")
-
-
-def tpot_s(decode_tps: np.ndarray) -> np.ndarray:
-    """Seconds per output token after the first chunk: 1 / ``decode_tps`` (NaN where it is unknown or 0)."""
-    d = np.asarray(decode_tps, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(np.isfinite(d) & (d > 0), 1.0 / d, np.nan)
-
-
-def met(slo: Slo, outcome: np.ndarray, ttft_s: np.ndarray, decode_tps: np.ndarray, total_s: np.ndarray,
-        labels: np.ndarray | None = None) -> np.ndarray:
-    """Per turn: 1.0 met the SLO, 0.0 did not, NaN not judged (the module docstring's rule). ``labels``:
-    each turn's label, for an objective with labels of their own (``Slo.for_label``); a turn no
-    objective applies to is not judged."""
-    outcome = np.asarray(outcome, dtype=object)
-    n = len(outcome)
-    bounds = {name: np.full(n, np.nan) for name in ("ttft_s", "tpot_s", "e2e_s")}
-    applies = np.zeros(n, dtype=bool)
-    if slo.labels and labels is not None:
-        labels = np.asarray(labels, dtype=object)
-        groups = [(slo.for_label(label), np.fromiter((x == label for x in labels), bool, n))
-                  for label in set(labels.tolist())]
-    else:
-        groups = [(slo.for_label(None), np.ones(n, dtype=bool))]
-    for own, at in groups:
-        if own is None:
-            continue
-        applies |= at
-        for name, b in bounds.items():
-            if getattr(own, name) is not None:
-                b[at] = getattr(own, name)
-    ok = outcome == "ok"
-    judged = applies & ~np.isin(outcome, NOT_JUDGED_OUTCOMES)
-    figures = {"ttft_s": np.asarray(ttft_s, dtype=float), "tpot_s": tpot_s(decode_tps),
-               "e2e_s": np.asarray(total_s, dtype=float)}
-    over = np.zeros(n, dtype=bool)
-    lacking = np.zeros(n, dtype=bool)
-    for name, values in figures.items():
-        bound = bounds[name]
-        set_ = np.isfinite(bound)
-        known = np.isfinite(values)
-        with np.errstate(invalid="ignore"):
-            over |= set_ & known & (values > bound)
-        lacking |= set_ & ~known
-    out = np.where(judged & ok & ~over & ~lacking, 1.0, np.nan)
-    out[judged & ((ok & over) | ~ok)] = 0.0
-    return out
 
 
 def met_of_turns(slo: Slo, turns: Turns) -> np.ndarray:

@@ -43,7 +43,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
 from specproxy.record import Record
+from specproxy.config import Slo
 from specproxy.serve.counters import COUNTS, GAUGE, OTLP_COUNTS, SINK_COUNTS
+from specproxy.serve.slo_counts import SloCounts
 
 __all__ = ["CONTENT_TYPE", "MAX_MODELS", "OwnMetrics"]
 
@@ -117,9 +119,11 @@ class OwnMetrics:
 
     def __init__(self, state: Callable[[], dict[str, float]] = dict,
                  sinks: Callable[[], dict[str, dict[str, float]]] = dict,
-                 identity: Callable[[], dict[str, str]] = dict) -> None:
+                 identity: Callable[[], dict[str, str]] = dict, slo: Slo | None = None) -> None:
         """``sinks``: each sink's figures by its name (``Counters.read_sinks``); ``identity``: who this proxy
-        is (proxy name, version, the upstream's instance id), shown only in ``specproxy_proxy_info``."""
+        is (proxy name, version, the upstream's instance id), shown only in ``specproxy_proxy_info``;
+        ``slo``: serve's objective, whose judged turns ``specproxy_slo_turns`` counts (``slo_counts.py``)."""
+        self.slo = SloCounts(slo, LABELS) if slo is not None else None
         self._state = state
         self._sinks = sinks
         self._identity = identity
@@ -179,6 +183,8 @@ class OwnMetrics:
             self.token_usage.add((*key, "input"), r.prompt_tokens)
         if r.total_s is not None:
             self.duration.add(key, r.total_s)
+        if self.slo is not None:
+            self.slo.add(key, r)
         for part, field in PROMPT_PARTS:
             v = getattr(r, field)
             if v is not None:
@@ -214,6 +220,8 @@ class OwnMetrics:
         yield tokens
         for h in self.histograms:
             yield h.family()
+        if self.slo is not None:
+            yield self.slo.family()
         yield from _state_families(self._state())
         yield from _sink_families(self._sinks())
         identity = self._identity()

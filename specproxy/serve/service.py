@@ -31,7 +31,7 @@ from aiohttp import web
 
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
 from specproxy import __version__
-from specproxy.config import Config
+from specproxy.config import Config, parse_slo
 from specproxy.errors import SpecproxyError
 from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.aiohttp_front import AiohttpFront
@@ -192,10 +192,13 @@ def raise_open_files_limit() -> int | None:
 
 
 def tenant_rule(cfg: Config) -> TenantRule | None:
-    """How this proxy names tenants: by ``tenant_header``, or by the API key under the database's own
-    secret (read once here, after the writer made or upgraded the database), or not at all."""
+    """How this proxy names tenants: by ``tenant_header``, or by the API key under the fleet's shared
+    secret (``tenant_secret_file``, ``SPECPROXY_TENANT_SECRET``: never written to the database), else under
+    the database's own (read once here, after the writer made or upgraded the database), or not at all."""
     if cfg.tenant_header:
         return TenantRule(header=cfg.tenant_header)
+    if cfg.tenant_from_key and cfg.tenant_key_secret is not None:
+        return TenantRule(secret=cfg.tenant_key_secret)
     if cfg.tenant_from_key:
         with open_existing(cfg.db) as conn:
             return TenantRule(secret=tenant_key_secret(conn))
@@ -295,7 +298,8 @@ class Service:
         if self.otlp is None and self.cfg.otlp_endpoint is not None:  # a Service built by hand, not from_config
             await asyncio.to_thread(self._make_otlp)  # importing its SDK reads files: not on the loop
         counters = self.counters = Counters(self.writer, lambda: watch.failures, self.shippers, self.otlp)
-        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch))
+        self.metrics = OwnMetrics(counters.read, counters.read_sinks, lambda: self._identity(watch),
+                                  slo=parse_slo(self.cfg.slo, "slo"))
         writer = self.writer
         # the live page redraws when turns land, and when the store refuses or drops (its note says so)
         self.admin = Admin(self.cfg, self.metrics, lambda: (writer.commits, writer.write_failures, writer.dropped)

@@ -271,12 +271,12 @@ def test_formatting_the_metrics_never_takes_more_than_its_share_of_a_core(monkey
 def test_the_start_up_line_says_when_the_pages_are_closed():
     """Listening beyond loopback without a token, the pages answer 401 to everyone: serve's start-up line
     must not offer their address as if they were open."""
-    from specproxy.app.cli import _pages_line
+    from specproxy.app.serve_cli import pages_line
     from specproxy.config import Config
 
     url = "http://h:8080"
-    assert _pages_line(Config(), url) == f"live page {url}/_specproxy/, Prometheus {url}/_specproxy/metrics"
-    assert _pages_line(Config(admin_token=TOKEN), url).endswith("(admin_token needed)")
-    closed = _pages_line(Config(host="0.0.0.0"), url)
+    assert pages_line(Config(), url) == f"live page {url}/_specproxy/, Prometheus {url}/_specproxy/metrics"
+    assert pages_line(Config(admin_token=TOKEN), url).endswith("(admin_token needed)")
+    closed = pages_line(Config(host="0.0.0.0"), url)
     assert "/_specproxy/" not in closed and "set admin_token" in closed
-    assert _pages_line(Config(host="0.0.0.0", admin_token=TOKEN), url).endswith("(admin_token needed)")
+    assert pages_line(Config(host="0.0.0.0", admin_token=TOKEN), url).endswith("(admin_token needed)")

@@ -272,9 +272,8 @@ def test_the_migrated_turns_table_is_the_record(tmp_path):
 
 def test_every_config_key_is_a_serve_flag_or_says_why_not():
     """Help and config cannot drift: a new Config field needs a serve flag, or a reason in CONFIG_ONLY."""
-    from specproxy.app import cli
+    from specproxy.app.serve_cli import CONFIG_ONLY, serve
 
-    serve, CONFIG_ONLY = cli.serve, getattr(cli, "CONFIG_ONLY", {})
     flags = {p.name for p in serve.params if p.name not in ("config_path", "help")}
     assert flags <= set(KEYS), flags - set(KEYS)
     assert flags | set(CONFIG_ONLY) == set(KEYS), set(KEYS) - flags - set(CONFIG_ONLY)
@@ -284,7 +283,8 @@ def test_every_config_key_is_a_serve_flag_or_says_why_not():
 def test_serve_help_shows_every_default_and_that_upstream_is_required():
     from click.testing import CliRunner
 
-    from specproxy.app.cli import main, serve
+    from specproxy.app.cli import main
+    from specproxy.app.serve_cli import serve
     from specproxy.config import Config
 
     def typed(value):  # how a user types the default

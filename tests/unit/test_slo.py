@@ -1,7 +1,8 @@
 """Goodput under an SLO: the objective as written, the rule that judges a turn, the share's interval,
 goodput, the capacity a sweep shows, and each where a user reads it (report, compare, bench).
 
-The rule is analyze/slo.py's ``met``, asked of stored fields at analysis time (docs/metrics.md, "Goodput
+The rule is measure/slo_rule.py's ``met`` (analyze/slo.py asks it of stored fields at analysis time, the
+proxy's /metrics of the records it counts) (docs/metrics.md, "Goodput
 under an SLO"):
 a failed turn did not meet it, a turn its client left is not judged, a completed turn lacking a figure
 the objective names is not judged unless another figure already misses its bound.
@@ -133,6 +134,19 @@ def test_a_missing_figure_leaves_the_turn_unjudged_unless_another_already_missed
     assert judge("ttft=1s,tpot=20ms", tps=None, ttft=2.0) == 0.0  # but its TTFT missed: not met for sure
     assert judge("ttft=1s", tps=None) == 1.0  # a figure the objective does not name is not needed
 
+
+
+def test_by_one_bound_alone_a_turn_is_judged_as_if_its_objective_set_only_that_one():
+    slo = parse_slo("ttft=1s,tpot=20ms; batch: e2e=60s")
+    labels = np.array([None, None, None, "batch"], dtype=object)
+    outcome = np.array(["ok", "ok", "upstream_error", "ok"], dtype=object)
+    ttft = np.array([2.0, 0.5, 0.5, 5.0])  # the first misses TTFT only
+    tps = np.array([100.0, np.nan, 100.0, 100.0])  # the second has no tpot (a one-chunk answer)
+    args = (slo, outcome, ttft, tps, np.full(4, 30.0), labels)
+    np.testing.assert_array_equal(met(*args, figure="ttft_s"), [0.0, 1.0, 0.0, np.nan])  # batch sets no ttft
+    np.testing.assert_array_equal(met(*args, figure="tpot_s"), [1.0, np.nan, 0.0, np.nan])
+    np.testing.assert_array_equal(met(*args, figure="e2e_s"), [np.nan, np.nan, np.nan, 1.0])
+    np.testing.assert_array_equal(met(*args), [0.0, np.nan, 0.0, 1.0])  # all of them: the rule as ever
 
 # --- the interval ------------------------------------------------------------------------------------
 

@@ -78,3 +78,30 @@ def test_prices_come_from_the_config_file_and_the_environment(tmp_path):
     f.write_text('[prices."qwen"]\ninput = 0.5\n')
     with pytest.raises(ConfigError, match="needs output"):
         load_config(f, env={})
+
+
+SHARED = "fleet-shared-secret-0123456789"
+
+
+def test_a_shared_secret_comes_from_a_file_or_the_environment_alike_and_is_never_shown(tmp_path):
+    f = tmp_path / "secret"
+    f.write_text(f"  {SHARED}\n")
+    by_file = load_config(env={}, overrides={"tenant_from_key": True, "tenant_secret_file": str(f)})
+    by_env = load_config(env={"SPECPROXY_TENANT_SECRET": SHARED + "\n", "SPECPROXY_TENANT_FROM_KEY": "1"})
+    assert by_file.tenant_key_secret == by_env.tenant_key_secret == SHARED.encode()
+    assert SHARED not in repr(by_file) and SHARED not in repr(by_env)
+    assert load_config(env={}, overrides={"tenant_from_key": True}).tenant_key_secret is None  # the database's
+
+
+@pytest.mark.parametrize("env, overrides, said", [
+    ({"SPECPROXY_TENANT_SECRET": SHARED}, {}, "without tenant_from_key"),
+    ({"SPECPROXY_TENANT_SECRET": SHARED[:15]}, {"tenant_from_key": True}, "at least 16 characters"),
+    ({"SPECPROXY_TENANT_SECRET": SHARED}, {"tenant_from_key": True, "tenant_secret_file": "FILE"}, "choose one"),
+])
+def test_a_shared_secret_that_cannot_be_used_is_one_line_that_never_quotes_it(tmp_path, env, overrides, said):
+    f = tmp_path / "secret"
+    f.write_text(SHARED)
+    overrides = {k: str(f) if v == "FILE" else v for k, v in overrides.items()}
+    with pytest.raises(ConfigError, match=said) as err:
+        load_config(env=env, overrides=overrides)
+    assert "\n" not in str(err.value) and SHARED[:15] not in str(err.value)
