@@ -32,7 +32,7 @@ __all__ = ["FOLD_AT", "OBJECTIVES", "SloCounts"]
 
 # (the ``objective`` label, ``met``'s figure): each bound alone, then all of them
 OBJECTIVES = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"), ("all", None))
-FOLD_AT = 4096  # turns waiting to be judged before the loop judges them itself (nobody scraped meanwhile)
+FOLD_AT = 4096  # turns waiting to be judged before a thread of their own judges them (nobody scraped meanwhile)
 MET = {1.0: "true", 0.0: "false"}
 
 
