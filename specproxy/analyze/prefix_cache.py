@@ -96,23 +96,22 @@ def lost_ttft(lost: float | None, fit: dict[str, Any] | None) -> dict[str, float
     return {"s": fit["ms_per_1k_uncached"] * per, "lo": fit["ms_per_1k_lo"] * per, "hi": fit["ms_per_1k_hi"] * per}
 
 
-def cache_totals(predicted: list[int | None], reused: list[int | None],
-                 fit: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Sums over the turns where both counts are known: predicted reusable, reused by the server, lost
-    (the per-turn losses added: a turn that reused more than predicted does not hide another's loss),
-    the share of the predicted that the server reused, and what the lost part costs at ``fit``."""
-    pairs = [(p, r) for p, r in zip(predicted, reused) if p is not None and r is not None]
-    pred = sum(p for p, _ in pairs)
-    used = sum(r for _, r in pairs)
-    lost = sum(lost_tokens(p, r) for p, r in pairs)
-    return {"turns": len(pairs), "predicted_tokens": pred if pairs else None, "reused_tokens": used if pairs else None,
-            "lost_tokens": lost if pairs else None, "turns_with_loss": sum(1 for p, r in pairs if p > r),
-            "reused_share": min(used, pred) / pred if pairs and pred > 0 else None,
-            "lost_ttft_s": lost_ttft(lost if pairs else None, fit)}
-
-
-def _ints(values: np.ndarray) -> list[int | None]:
-    return [None if math.isnan(v) else int(v) for v in values.tolist()]
+def cache_totals(predicted, reused, fit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Sums over the turns where both counts are known (``predicted``, ``reused``: sequences of counts,
+    None or NaN where unknown): predicted reusable, reused by the server, lost (the per-turn losses added:
+    a turn that reused more than predicted does not hide another's loss), the share of the predicted that
+    the server reused, and what the lost part costs at ``fit``. Over arrays: a month's turns at once."""
+    p = np.asarray(predicted, dtype=float)
+    r = np.asarray(reused, dtype=float)
+    both = np.isfinite(p) & np.isfinite(r)
+    p, r = p[both], r[both]
+    turns = int(both.sum())
+    pred, used = int(p.sum()), int(r.sum())
+    lost = int(np.maximum(p - r, 0.0).sum())  # lost_tokens per turn, added
+    return {"turns": turns, "predicted_tokens": pred if turns else None, "reused_tokens": used if turns else None,
+            "lost_tokens": lost if turns else None, "turns_with_loss": int((p > r).sum()),
+            "reused_share": min(used, pred) / pred if turns and pred > 0 else None,
+            "lost_ttft_s": lost_ttft(lost if turns else None, fit)}
 
 
 def fit_of(ttft: np.ndarray, streamed: np.ndarray, prompt: np.ndarray, cached: np.ndarray) -> dict[str, Any] | None:
@@ -128,7 +127,7 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     shape and may go to different servers)."""
     num = ok.num
     fit = fit_of(num["ttft_s"], num["streamed"], num["prompt_tokens"], num["usage_cached_tokens"])
-    out = {"fit": fit, **cache_totals(_ints(num["prefix_reused_tokens"]), _ints(num["usage_cached_tokens"]), fit),
+    out = {"fit": fit, **cache_totals(num["prefix_reused_tokens"], num["usage_cached_tokens"], fit),
            "predicted_turns": int(np.isfinite(num["prefix_reused_tokens"]).sum()),
            "server_cached_turns": int(np.isfinite(num["usage_cached_tokens"]).sum())}
     clients = ok.txt["client"]
@@ -136,7 +135,7 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     for name in sorted({c for c in clients.tolist() if c is not None}):
         m = clients == name
         cfit = fit_of(num["ttft_s"][m], num["streamed"][m], num["prompt_tokens"][m], num["usage_cached_tokens"][m])
-        totals = cache_totals(_ints(num["prefix_reused_tokens"][m]), _ints(num["usage_cached_tokens"][m]), cfit)
+        totals = cache_totals(num["prefix_reused_tokens"][m], num["usage_cached_tokens"][m], cfit)
         if totals["turns"]:
             per_client.append({"client": name, "fit": cfit, **totals})
     out["by_client"] = sorted(per_client, key=lambda c: -(c["lost_tokens"] or 0))
