@@ -5,6 +5,7 @@
     python scripts/bench_overhead.py --stream-mode smooth    # streams on their own phase, no bursts
     python scripts/bench_overhead.py --json out.json         # also write every round's raw numbers
     python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
+    python scripts/bench_overhead.py --with-sink --with-otlp # also with --sink to a local PostgreSQL, and both
 
 Three processes besides this orchestrator, all on 127.0.0.1:
 
@@ -30,10 +31,17 @@ percentile in the same round), the proxy's CPU (utime+stime from /proc/PID/stat,
 RSS (VmHWM, max over the rounds at that C). Before the runs it measures the machine's cross-CPU wake-up
 latency, a floor under any proxy's added latency (large on VMs whose idle vCPUs halt).
 
+``--with-otlp`` and ``--with-sink`` add specproxy again in the same rotation, with ``--otlp-endpoint`` to a
+receiver in this script, with ``--sink`` to a PostgreSQL it starts on the load side's CPUs (a database per
+proxy), and with both when both are given (issue 35's case); each is printed as its per-round ratio to
+specproxy without, against the targets, and for the sink the shipper thread's CPU per turn, its rows and
+seconds behind, and the turns PostgreSQL holds against those the proxy recorded.
+
 This file is the orchestrator; beside it, ``overhead_peers.py`` holds the upstream and the load
 generator (run as ``--role upstream`` / ``--role loadgen`` of this script), ``overhead_procs.py``
-the processes (pinning, CPU from /proc, starting nginx and specproxy) and ``overhead_tables.py`` the
-summaries and the tables it prints.
+the processes (pinning, CPU from /proc, starting nginx and specproxy), ``overhead_sink.py`` the
+PostgreSQL of ``--with-sink`` and what is read of the shipping, and ``overhead_tables.py`` the summaries
+and the tables it prints.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from overhead_peers import loadgen_main, now_ns, otlp_receiver, raise_nofile, up
 from overhead_procs import (
     QUIET_WAITED,
     children,
+    cpu_between,
     ensure_nginx,
     hwm_kb,
     listdir,
@@ -66,6 +75,7 @@ from overhead_procs import (
     pin,
     proc_cpu_s,
     proc_sched_s,
+    procs_cpu_s,
     sleep_until,
     specproxy_state,
     start_nginx,
@@ -76,74 +86,12 @@ from overhead_procs import (
     wait_quiet,
     wake_floor,
 )
-from overhead_tables import (OTLP_INTERVAL_S, WITH_OTLP, git_state, render, render_otlp, render_polls, render_targets,
-                             render_threads, summarize)
+from overhead_sink import SinkSide, delivered, shipper_sample, thread_on_cpu_s
+from overhead_tables import (OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render, render_otlp,
+                             render_polls, render_shipper, render_sink, render_targets, render_threads, summarize)
+from overhead_watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Watcher:
-    """``--watch``: someone looking at specproxy while it relays: the live page's event stream read
-    throughout (``/_specproxy/events``) and ``/_specproxy/metrics`` scraped once a second, as a browser
-    tab and a Prometheus server would. Counts what it got (pictures: the events' ``data:`` messages, not
-    the bytes, since a stream of keep-alive comments is bytes too; scrapes that answered Prometheus
-    text), so a window where it got nothing is visible."""
-
-    def __init__(self, port: int, until_ns: int) -> None:
-        import threading
-
-        self.port, self.until_ns = port, until_ns
-        self.events_bytes = 0
-        self.pictures = 0
-        self.scrapes = 0
-        self.errors: list[str] = []
-        self._threads = [threading.Thread(target=f, daemon=True) for f in (self._events, self._metrics)]
-        for t in self._threads:
-            t.start()
-
-    def _events(self) -> None:
-        import http.client
-
-        try:
-            # the page may wait several seconds between pictures under load (serve/admin.py RENDER_SHARE)
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            conn.request("GET", "/_specproxy/events")
-            resp = conn.getresponse()
-            tail = b""  # a message's start may be cut between two reads
-            while now_ns() < self.until_ns:
-                data = resp.read1(65536)
-                if not data:
-                    break
-                self.events_bytes += len(data)
-                seen = tail + data
-                self.pictures += seen.count(b"\ndata: ")  # the stream opens with a comment: each follows a LF
-                tail = seen[-6:]  # shorter than the marker: no message is counted twice
-            conn.close()
-        except OSError as exc:
-            self.errors.append(f"events: {type(exc).__name__}: {exc}")
-
-    def _metrics(self) -> None:
-        import http.client
-
-        while now_ns() < self.until_ns:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/_specproxy/metrics")
-                resp = conn.getresponse()
-                if resp.status == 200 and b"# TYPE specproxy_turns_total counter" in resp.read():
-                    self.scrapes += 1
-                else:
-                    self.errors.append(f"metrics: HTTP {resp.status}")
-                conn.close()
-            except OSError as exc:
-                self.errors.append(f"metrics: {type(exc).__name__}: {exc}")
-            time.sleep(1.0)  # a scrape interval, not a wait for an event
-
-    def join(self) -> dict:
-        for t in self._threads:
-            t.join(timeout=10)
-        return {"events_bytes": self.events_bytes, "pictures": self.pictures, "scrapes": self.scrapes,
-                "errors": self.errors[:5]}
 
 
 def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pids: list[int], load_cores, seed: int) -> dict:
@@ -164,13 +112,13 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     m0 = machine_busy_s()
     c0 = sum(proc_cpu_s(p) for p in proxy_pids)
     s0 = sum(proc_sched_s(p) for p in proxy_pids)
-    l0 = sum(proc_cpu_s(p) for p in (*load_pids, lg.pid))
+    l0 = procs_cpu_s((*load_pids, lg.pid))
     th0 = {tid: v for p in proxy_pids for tid, v in threads_cpu(p).items()}
     w0 = now_ns()
     sleep_until(t_end)
     c1 = sum(proc_cpu_s(p) for p in proxy_pids)
     s1 = sum(proc_sched_s(p) for p in proxy_pids)
-    l1 = sum(proc_cpu_s(p) for p in (*load_pids, lg.pid))
+    l1 = procs_cpu_s((*load_pids, lg.pid))
     th1 = {tid: v for p in proxy_pids for tid, v in threads_cpu(p).items()}
     m1 = machine_busy_s()
     w1 = now_ns()
@@ -188,15 +136,18 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     res["proxy_cpu_s"] = c1 - c0 if pids else None
     res["cpu_us_per_chunk"] = (c1 - c0) / res["chunks"] * 1e6 if pids and res["chunks"] else None
     res["sched_us_per_chunk"] = (s1 - s0) / res["chunks"] * 1e6 if pids and res["chunks"] else None
-    res["load_cpu_util"] = (l1 - l0) / ((w1 - w0) / 1e9) / max(1, len(load_cores or {0}))
+    res["proxy_sched_s"] = s1 - s0 if pids else None
+    load_s = cpu_between(l0, l1)
+    res["load_cpu_util"] = load_s / ((w1 - w0) / 1e9) / max(1, len(load_cores or {0}))
     res["proxy_cpu_util"] = (c1 - c0) / ((w1 - w0) / 1e9) if pids else None
     # CPU used on this machine by anything but the benchmark's processes (other users, builds...)
-    res["other_cpu_util"] = max(0.0, ((m1 - m0) - (c1 - c0) - (l1 - l0)) / ((w1 - w0) / 1e9))
+    res["other_cpu_util"] = max(0.0, ((m1 - m0) - (c1 - c0) - load_s) / ((w1 - w0) / 1e9))
     if pids and res["chunks"]:
         res["threads"] = {
             str(tid): [(th1[tid][0] - th0[tid][0]) / res["chunks"] * 1e6, (th1[tid][1] - th0[tid][1]) / res["chunks"] * 1e6]
             for tid in th1 if tid in th0 and th1[tid][2] > th0[tid][2]  # it ran, whatever the ticks say
         }
+        res["threads_on_cpu_s"] = {str(tid): th1[tid][2] - th0[tid][2] for tid in th1 if tid in th0}
     return res
 
 
@@ -282,10 +233,19 @@ def orchestrate(args) -> None:
     nginx_bin = None if args.no_nginx else ensure_nginx()
     if nginx_bin is None:
         paths.remove("nginx")
-    receiver = None
-    if args.with_otlp:  # the same specproxy again, pushing OTLP to a local receiver, in the same rotation
-        paths.append(WITH_OTLP)
+    receiver = sink = None
+    variant_args: dict[str, object] = {}  # specproxy again in the same rotation: each variant's extra arguments
+    if args.with_otlp:  # pushing OTLP to a local receiver
         otlp_url, otlp_took, receiver = otlp_receiver()
+        otlp_args = ["--otlp-endpoint", otlp_url, "--otlp-interval", str(OTLP_INTERVAL_S)]
+        variant_args[WITH_OTLP] = lambda: otlp_args
+    if args.with_sink:  # shipping to a local PostgreSQL (on the load side's CPUs: this process's now)
+        sink = SinkSide()
+        variant_args[WITH_SINK] = lambda: ["--sink", sink.new_url()]
+        if args.with_otlp:
+            variant_args[WITH_SINK_OTLP] = lambda: ["--sink", sink.new_url(), *otlp_args]
+    paths += list(variant_args)
+    deliveries: dict[str, dict[str, dict]] = {}  # --with-sink: per C and path, the turns and the shipper's life
     nginx_version = "-"
     if nginx_bin:
         v = subprocess.run([nginx_bin, "-v"], capture_output=True, text=True)
@@ -303,7 +263,8 @@ def orchestrate(args) -> None:
     try:
         up_port = int(up.stdout.readline())
         for c in cs:
-            nginx = specproxy = with_otlp = None
+            nginx = specproxy = None
+            variants: dict[str, tuple[subprocess.Popen, int, Path, str | None]] = {}  # proc, port, db, sink URL
             try:
                 targets = {"direct": (up_port, [])}
                 if "nginx" in paths:
@@ -311,18 +272,23 @@ def orchestrate(args) -> None:
                     targets["nginx"] = (nport, [nginx.pid])
                 specproxy, sport, db = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg)
                 targets["specproxy"] = (sport, [specproxy.pid])
-                if receiver is not None:
-                    with_otlp, oport, _ = start_specproxy(tmp, up_port, proxy_cores, [
-                        *args.specproxy_arg, "--otlp-endpoint", otlp_url, "--otlp-interval", str(OTLP_INTERVAL_S)])
-                    targets[WITH_OTLP] = (oport, [with_otlp.pid])
+                for path, extra_of in variant_args.items():
+                    extra = extra_of()
+                    vproc, vport, vdb = start_specproxy(tmp, up_port, proxy_cores, [*args.specproxy_arg, *extra])
+                    variants[path] = (vproc, vport, vdb, extra[1] if extra[0] == "--sink" else None)
+                    targets[path] = (vport, [vproc.pid])
                 state0, t_state0 = specproxy_state(specproxy, tmp, sport), time.monotonic()
-                args._our_pids = [os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
+                args._our_pids = ([os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
+                                  + ([sink.server.pid] if sink else []))
                 for rnd in range(args.rounds):
                     order = paths[rnd % len(paths):] + paths[: rnd % len(paths)]
                     for p in order:
                         port, pids = targets[p]
-                        r = run_window(args, p, port, c, pids, [up.pid], load_cores, seed=rnd * 7 + 1)
+                        load_pids = [up.pid, *(sink.pids() if sink else [])]  # PostgreSQL: the load side's
+                        r = run_window(args, p, port, c, pids, load_pids, load_cores, seed=rnd * 7 + 1)
                         r["round"] = rnd
+                        if p in variants and variants[p][3]:  # the shipper's gauges, just after the window
+                            r["shipper"] = shipper_sample(specproxy_state(variants[p][0], tmp, port))
                         runs.append(r)
                         print(f"C={c:<4} round {rnd + 1}/{args.rounds} {p:9}: {r['chunks_per_s']:9.0f} chunks/s "
                               f"p50 {r['lat_us'].get('p50', float('nan')):8.0f} µs  p99 {r['lat_us'].get('p99', float('nan')):8.0f} µs"
@@ -334,15 +300,26 @@ def orchestrate(args) -> None:
                 if state0 and state1 and "poll_windows" in state1:
                     polls[c] = {k: state1[k] - state0[k] for k in ("poll_windows", "poll_hits", "poll_s")}
                     polls[c]["cores"] = polls[c]["poll_s"] / (time.monotonic() - t_state0)
-                sp_children = children(specproxy.pid)
-                names = {"specproxy": {**thread_names(specproxy.pid),
-                                       **{int(t): "measuring process" for c in sp_children
-                                          for t in listdir(f"/proc/{c}/task")}},
-                         "nginx": ({nginx.pid: "master", **{k: "worker" for k in children(nginx.pid)}} if nginx else {})}
+                for path, (vproc, _, vdb, url) in variants.items():
+                    if url:  # every turn it recorded reached PostgreSQL? (waits, bounded, for the drain)
+                        d = deliveries.setdefault(str(c), {})[path] = delivered(vdb, url)
+                        d["ship_cpu_s"] = thread_on_cpu_s(vproc.pid)
+                        d["completed"] = sum(r.get("turns_all", 0) for r in runs
+                                             if r["conns"] == c and r["path"] == path)
+                        print(f"C={c}: {path}: the load generator completed {d['completed']} turns, specproxy "
+                              f"recorded {d['recorded']} ({d['recorded_ok']} ok), PostgreSQL holds {d['in_pg']} "
+                              f"({d['in_pg_ok']} ok) after waiting {d['waited_s']:.1f} s for the shipper",
+                              file=sys.stderr)
+                procs = {"specproxy": specproxy, **{path: v[0] for path, v in variants.items()}}
+                names = {path: {**thread_names(proc.pid), **{int(t): "measuring process" for ch in children(proc.pid)
+                                                                for t in listdir(f"/proc/{ch}/task")}}
+                         for path, proc in procs.items()}
+                names["nginx"] = {nginx.pid: "master", **{k: "worker" for k in children(nginx.pid)}} if nginx else {}
                 if c == profile_c and args.py_spy:
                     profile = profile_window(args, targets["specproxy"], c, [up.pid], load_cores, args.py_spy)
                 hwm = {"nginx": sum(hwm_kb(p) for p in ([nginx.pid, *children(nginx.pid)] if nginx else [])),
-                       "specproxy": sum(hwm_kb(p) for p in (specproxy.pid, *sp_children))}
+                       **{path: sum(hwm_kb(p) for p in (proc.pid, *children(proc.pid)))
+                          for path, proc in procs.items()}}
                 for r in runs:
                     if r["conns"] == c and r["path"] in names and "threads" in r:
                         r["thread_names"] = {tid: names[r["path"]].get(int(tid), f"tid {tid}") for tid in r["threads"]}
@@ -355,7 +332,8 @@ def orchestrate(args) -> None:
             finally:
                 stop(specproxy)
                 stop(nginx)
-                stop(with_otlp)
+                for vproc, *_ in variants.values():
+                    stop(vproc)
             if specproxy is not None:
                 import sqlite3
 
@@ -368,6 +346,8 @@ def orchestrate(args) -> None:
         stop(up)
         if receiver is not None:
             receiver.shutdown()
+        if sink is not None:
+            sink.close()
     summary = summarize(runs, cs, paths)
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -376,13 +356,18 @@ def orchestrate(args) -> None:
         "prompt_bytes": args.prompt_bytes, "rounds": args.rounds, "warmup": args.warmup, "measure": args.measure,
         "proxy_cores": ",".join(map(str, sorted(proxy_cores))) if proxy_cores else "any", "load_cores": env_cores,
         "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": platform.python_version(),
-        "cadence_poll": polls,
+        "cadence_poll": polls, "sink": deliveries,
     }
     print()
     print(render(summary, cs, paths, meta, held))
     print()
     print(render_targets(summary, cs))
     print()
+    for path in (WITH_SINK_OTLP, WITH_SINK):  # issue 35: the targets with a sink (and OTLP) on
+        if path in paths:
+            print(render_targets(summary, cs, path))
+            print()
+            break
     for c in cs:  # where each C's CPU goes, C=256 (the targets') included
         if c > 1 or len(cs) == 1:  # at C=1 a window holds ~200 chunks: per-thread splits are noise
             print(render_threads(runs, c))
@@ -393,12 +378,17 @@ def orchestrate(args) -> None:
     if receiver is not None:
         print(render_otlp(runs, cs, otlp_took[0]))
         print()
+    if sink is not None:
+        print(render_sink(runs, cs))
+        print()
+        print(render_shipper(runs, cs, deliveries))
+        print()
     if profile:
         print(profile)
         print()
     loads = [r["load_cpu_util"] for r in runs]
     others = [r["other_cpu_util"] for r in runs]
-    print(f"Load side (upstream + load generator) used at most {max(loads):.2f} of its "
+    print(f"Load side (upstream + load generator{' + PostgreSQL' if sink else ''}) used at most {max(loads):.2f} of its "
           f"{len(load_cores or [0])} CPU(s) in any window; errors in all windows: {sum(r['errors'] for r in runs)}; "
           f"total time {time.monotonic() - t_begin:.0f} s. CPU used by other processes on this machine during the "
           f"windows: median {statistics.median(others):.2f}, max {max(others):.2f} cores"
@@ -430,6 +420,9 @@ def main() -> None:
     ap.add_argument("--specproxy-arg", action="append", default=[], help="extra argument for specproxy serve")
     ap.add_argument("--with-otlp", action="store_true", help="also run specproxy with --otlp-endpoint to a local "
                     "receiver in the same rotation, and print the with/without ratios")
+    ap.add_argument("--with-sink", action="store_true", help="also run specproxy with --sink to a PostgreSQL this "
+                    "script starts (and, with --with-otlp, one with both) in the same rotation; print the with/without "
+                    "ratios, the shipper's CPU per turn and lag, and the turns PostgreSQL holds")
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "
                     "use < 0.15 CPU, at most this many seconds in all [60]; 0: never wait")

@@ -3,7 +3,7 @@
 
     python scripts/bench_report_pg.py -n 1000000          # a local PostgreSQL in a temporary directory
 
-Starts a PostgreSQL of Debian's packages the way the tests do (``tests/pgserver.py``: ``initdb`` and
+Starts a PostgreSQL of Debian's packages the way the tests do (``tests/pgcluster.py``: ``initdb`` and
 ``pg_ctl`` on 127.0.0.1, fsync off), loads ``n`` synthetic turns of 4 proxies over a week through the
 sink's own write path (``PostgresSink.send``: COPY into a staging table, then INSERT into the day
 partitions), ``ANALYZE``s, and then times, ``--repeat`` times each:
@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import psycopg  # noqa: E402
 
 from benchlib import cpu_model  # noqa: E402
-from pgserver import PgServer, pg_bin  # noqa: E402
+from pgcluster import PgServer, pg_bin  # noqa: E402
 from specproxy.analyze.report import REPORT_COLUMNS, build_report  # noqa: E402
 from specproxy.store.pg_source import PgSource  # noqa: E402
 from specproxy.store.sinks import Identity  # noqa: E402

@@ -6,7 +6,7 @@
 
 In one run: N turns (500 kinds from ``make_record``, each under many ids, over the last hour) written to a fresh SQLite file by
 the Writer (not timed), then shipped by ``store/shipper.py`` to a fresh database of a PostgreSQL server
-this script starts on 127.0.0.1 (Debian's binaries, as the test suite does: ``tests/pgserver.py``), and
+this script starts on 127.0.0.1 (Debian's binaries, as the test suite does: ``tests/pgcluster.py``), and
 timed from ``start`` until ``caught_up``. Reports turns/s and the shipper thread's CPU per turn (its
 thread's CPU time, read from ``/proc``), beside the baseline of the same run: a bare COPY of the same
 rows into an unindexed, unpartitioned table of the same columns (what PostgreSQL takes at most).
@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 import psycopg  # noqa: E402
 
 from benchlib import cpu_model  # noqa: E402
-from pgserver import PgServer, pg_bin  # noqa: E402
+from pgcluster import PgServer, pg_bin  # noqa: E402
 from specproxy.app.fake_upstream import make_record  # noqa: E402
 from specproxy.record import FIELD_NAMES, new_turn_id  # noqa: E402
 from specproxy.store.shipper import Shipper  # noqa: E402

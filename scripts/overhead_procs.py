@@ -37,6 +37,23 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
 
 
+def procs_cpu_s(pids) -> dict[int, float]:
+    """utime + stime of each of ``pids`` still running (a PostgreSQL backend or autovacuum worker may
+    end between two readings): sum the differences over the pids both readings have."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = proc_cpu_s(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the processes read in both ``procs_cpu_s`` readings used between them."""
+    return sum(after[p] - before[p] for p in after if p in before)
+
+
 def proc_sched_s(pid: int) -> float:
     """On-CPU time of all the process's threads in ns precision (/proc/PID/task/*/schedstat)."""
     total = 0
@@ -110,7 +127,8 @@ def threads_cpu(pid: int) -> dict[int, tuple[float, float, float]]:
 
 # specproxy's threads name their OS threads (``specproxy.wire.os_thread``, the relay in ``_pump.c``); Linux
 # keeps 15 bytes of a name, so a ``comm`` is matched back to the full name it was cut from.
-SPECPROXY_THREADS = ("specproxy-measure", "specproxy-writer", "specproxy-cadence", "specproxy-relay")
+SPECPROXY_THREADS = ("specproxy-measure", "specproxy-writer", "specproxy-cadence", "specproxy-relay",
+                     "specproxy-ship", "specproxy-otlp")
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -329,10 +347,10 @@ def wait_quiet(our_pids: list[int], limit_s: float, threshold: float = 0.15) -> 
     budget = max(0.0, limit_s - QUIET_WAITED[0])
     while True:
         pids = [p for pid in our_pids for p in (pid, *children(pid))]
-        m0, o0, t0 = machine_busy_s(), sum(proc_cpu_s(p) for p in pids if os.path.exists(f"/proc/{p}")), time.monotonic()
+        m0, o0, t0 = machine_busy_s(), procs_cpu_s(pids), time.monotonic()
         time.sleep(0.3)
-        m1, o1, t1 = machine_busy_s(), sum(proc_cpu_s(p) for p in pids if os.path.exists(f"/proc/{p}")), time.monotonic()
-        other = ((m1 - m0) - (o1 - o0)) / (t1 - t0)
+        m1, o1, t1 = machine_busy_s(), procs_cpu_s(pids), time.monotonic()
+        other = ((m1 - m0) - cpu_between(o0, o1)) / (t1 - t0)
         waited = time.monotonic() - t_begin
         if other < threshold or waited >= budget:
             QUIET_WAITED[0] += waited

@@ -9,6 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+WITH_OTLP = "specproxy+otlp"  # the same specproxy with --otlp-endpoint (--with-otlp)
+WITH_SINK = "specproxy+sink"  # with --sink postgresql://... (--with-sink)
+WITH_SINK_OTLP = "specproxy+sink+otlp"  # with both (--with-sink --with-otlp): issue 35's case
+PROXY_PATHS = ("nginx", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP)  # the paths with a process to read
+OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
+SHIPPER_THREAD = "specproxy-ship"  # store/shipper.py's thread, by the name the benchmark reads it under
+
 
 def _med(xs):
     xs = [x for x in xs if x is not None]
@@ -121,7 +128,7 @@ def render_threads(runs: list[dict], c: int) -> str:
     L = [f"Where the proxy's CPU goes at C={c} (µs per chunk, median over rounds; user = in the process, "
          "sys = in the kernel for it: its syscalls, and the loopback TCP delivery they trigger):", "",
          "| path | thread | user | sys | total |", "|---|---|---:|---:|---:|"]
-    for path in ("nginx", "specproxy"):
+    for path in PROXY_PATHS:
         rs = [r for r in runs if r["conns"] == c and r["path"] == path and r.get("threads")]
         if not rs:
             continue
@@ -145,8 +152,11 @@ def render_threads(runs: list[dict], c: int) -> str:
     return "\n".join(L)
 
 
-def render_targets(summary: dict, cs: list[int]) -> str:
-    L = ["| target (issue 33) | measured | verdict |", "|---|---:|---|"]
+def render_targets(summary: dict, cs: list[int], path: str = "specproxy") -> str:
+    """Issue 33's targets for specproxy, or for one of its variants (``--with-sink``/``--with-otlp``:
+    issue 35 asks that they hold with a sink and OTLP on)."""
+    who = "" if path == "specproxy" else f", {path}"
+    L = [f"| target (issue 33{who}) | measured | verdict |", "|---|---:|---|"]
 
     def add(name, stat, limit, spec, better="le"):
         if stat is None:
@@ -156,13 +166,13 @@ def render_targets(summary: dict, cs: list[int]) -> str:
         L.append(f"| {name} | {_fmt(stat, spec)} | {'met' if ok else '**not met**'} |")
 
     c_hi = 256 if 256 in cs else max(cs)
-    sp = summary.get((c_hi, "specproxy"))
+    sp = summary.get((c_hi, path))
     if sp:
         add(f"C={c_hi}: CPU per chunk ≤ 1.2× nginx (utime+stime)", sp["cpu_x_nginx"], 1.2, "{:.2f}×")
         add(f"C={c_hi}: CPU per chunk ≤ 1.2× nginx (schedstat)", sp["sched_x_nginx"], 1.2, "{:.2f}×")
         add(f"C={c_hi}: added p99 per chunk ≤ 1000 µs", sp["added_p99"], 1000, "{:.0f} µs")
         add(f"C={c_hi}: chunks/s ≥ 0.99× direct", sp["x_direct"], 0.99, "{:.3f}×", "ge")
-    s1 = summary.get((1, "specproxy")) if 1 in cs else None
+    s1 = summary.get((1, path)) if 1 in cs else None
     if s1:
         add("C=1: added p50 ≤ 50 µs", s1["added_p50"], 50, "{:.0f} µs")
     return "\n".join(L)
@@ -181,28 +191,91 @@ def render_polls(polls: dict[int, dict[str, float]]) -> str:
     return ("specproxy's cadence poll (its state line; polling is in its CPU above): " + "; ".join(parts) + ".")
 
 
-WITH_OTLP = "specproxy+otlp"
-OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
-
-
-def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
-    """``--with-otlp``: specproxy with OTLP against without, per C: the per-round ratios of CPU per chunk and
-    of added latency (the two paths ran in the same rounds, in rotating order)."""
-    L = [f"OTLP's cost (--otlp-endpoint to a local receiver, every {OTLP_INTERVAL_S:g} s; it took {exports} "
-         "exports): median over rounds of the per-round ratio with / without (min–max)", "",
-         "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |", "|---:|---:|---:|---:|---:|"]
+def render_ratios(runs: list[dict], cs: list[int], path: str, title: str) -> str:
+    """A variant of specproxy against specproxy, per C: the per-round ratios with / without of CPU per
+    chunk, chunks/s and latency (the two ran in the same rounds, in rotating order), their median (min–max)."""
+    L = [title, "", "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |",
+         "|---:|---:|---:|---:|---:|"]
     for c in cs:
         by = {(r["path"], r["round"]): r for r in runs if r["conns"] == c}
         cells = []
         for key, sub in (("sched_us_per_chunk", None), ("chunks_per_s", None), ("lat_us", "p50"), ("lat_us", "p99")):
             ratios = []
-            for (path, rnd), r in by.items():
+            for (p, rnd), r in by.items():
                 base = by.get(("specproxy", rnd))
-                if path != WITH_OTLP or base is None:
+                if p != path or base is None:
                     continue
                 a, b = (r[key], base[key]) if sub is None else (r[key].get(sub), base[key].get(sub))
                 if a and b:
                     ratios.append(a / b)
             cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios else "-")
         L.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(L)
+
+
+def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
+    """``--with-otlp``: specproxy with OTLP against without, per C."""
+    return render_ratios(runs, cs, WITH_OTLP, f"OTLP's cost (--otlp-endpoint to a local receiver, every "
+                         f"{OTLP_INTERVAL_S:g} s; it took {exports} exports): median over rounds of the per-round "
+                         "ratio with / without (min–max)")
+
+
+def render_sink(runs: list[dict], cs: list[int]) -> str:
+    """``--with-sink``: specproxy with the sink (and with the sink and OTLP, when both ran) against without."""
+    parts = []
+    for path, what in ((WITH_SINK, "--sink postgresql://... to a local PostgreSQL"),
+                       (WITH_SINK_OTLP, "--sink and --otlp-endpoint both, issue 35's case")):
+        if any(r["path"] == path for r in runs):
+            parts.append(render_ratios(runs, cs, path, f"The cost of {path} ({what}): median over rounds of the "
+                                       "per-round ratio with / without (min–max)"))
+    return "\n\n".join(parts)
+
+
+def shipper_cpu_s(run: dict) -> float | None:
+    """The shipper thread's on-CPU seconds in one window (None: the window's threads were not named)."""
+    names, on_cpu = run.get("thread_names"), run.get("threads_on_cpu_s")
+    if not names or on_cpu is None:
+        return None
+    return sum(s for tid, s in on_cpu.items() if names.get(tid) == SHIPPER_THREAD)
+
+
+def render_shipper(runs: list[dict], cs: list[int], deliveries: dict[str, dict[str, dict]]) -> str:
+    """``--with-sink``: what the shipper cost and how far behind it was, per C and sink path, and whether
+    every turn arrived (``deliveries[str(C)][path]``: ``overhead_sink.delivered`` and the life figures)."""
+    L = [f"The shipper (its thread `{SHIPPER_THREAD}`), median over rounds (min–max): its on-CPU time (schedstat) "
+         "per turn the load generator completed in the window, and its share of the proxy's on-CPU time; rows "
+         "and seconds behind are its own gauges (`specproxy_sink_*`), read from the state line at each window's "
+         "end (the most over rounds); over the proxy's life at that C (warm-ups, gaps and the drain included): "
+         "its CPU per turn PostgreSQL holds, and the turns the load generator completed, the proxy recorded "
+         "(ok) and PostgreSQL holds (ok) once the shipper caught up.", "",
+         "| C | path | CPU µs/turn | share of proxy CPU | rows behind | s behind | batches failed "
+         "| µs/turn, life | completed → recorded (ok) → in PostgreSQL (ok) |",
+         "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in cs:
+        for path in (WITH_SINK, WITH_SINK_OTLP):
+            rs = [r for r in runs if r["conns"] == c and r["path"] == path]
+            if not rs:
+                continue
+            per_turn, share = [], []
+            for r in rs:
+                ship = shipper_cpu_s(r)
+                if ship is not None and r["turns"]:
+                    per_turn.append(ship / r["turns"] * 1e6)
+                if ship is not None and r.get("proxy_sched_s"):
+                    share.append(ship / r["proxy_sched_s"])
+            samples = [r["shipper"] for r in rs if r.get("shipper")]
+            cell = lambda v, spec: "-" if v is None else spec.format(v)  # noqa: E731
+            most = {k: max((s.get(k, 0) for s in samples), default=None)
+                    for k in ("sink_rows_behind", "sink_seconds_behind", "sink_batches_failed")}
+            d = deliveries.get(str(c), {}).get(path)
+            life = f"{d['ship_cpu_s'] / d['in_pg'] * 1e6:.1f}" if d and d.get("in_pg") else "-"
+            arrived = "-"
+            if d:
+                missing = d["recorded"] - d["in_pg"]
+                arrived = (f"{d['completed']:,} → {d['recorded']:,} ({d['recorded_ok']:,}) → {d['in_pg']:,} "
+                           f"({d['in_pg_ok']:,})" + (" all arrived" if missing == 0 else f" **{missing:,} missing**"))
+            L.append(f"| {c} | {path} | {_fmt(_med(per_turn), '{:.1f}')} | {_fmt(_med(share), '{:.1%}')} "
+                     f"| {cell(most['sink_rows_behind'], '{:,.0f}')} | {cell(most['sink_seconds_behind'], '{:.2f}')} "
+                     f"| {cell(most['sink_batches_failed'], '{:.0f}')} "
+                     f"| {life} | {arrived} |")
     return "\n".join(L)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from specproxy.errors import ConfigError
 from specproxy.serve.own_metrics import LABELS, OwnMetrics
+from specproxy.wire.os_thread import name_os_thread
 
 __all__ = ["Otlp", "probe"]
 
@@ -143,6 +144,7 @@ class Otlp:
         self._exporter.shutdown()
 
     def _run(self) -> None:
+        name_os_thread()  # its CPU told apart from the others' (top -H, scripts/bench_overhead.py)
         why = probe(self.endpoint)
         if why is not None:
             log.warning("otlp_endpoint %s does not take metrics: %s; forwarding goes on, exports are retried "

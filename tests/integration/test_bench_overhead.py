@@ -15,10 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+import pytest
 
-from overhead_tables import WITH_OTLP, render_otlp, render_polls, render_targets, summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # tests/ is on the path already (pgcluster)
+
+from overhead_tables import (  # noqa: E402
+    WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_otlp, render_polls, render_shipper, render_sink, render_targets,
+    summarize)
 
 
 def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
@@ -132,3 +136,82 @@ def test_a_short_run_with_otlp_measures_both_specproxys(tmp_path):
     assert runs[WITH_OTLP]["chunks"] > 0 and runs[WITH_OTLP]["errors"] == 0
     assert f"| 4 | {WITH_OTLP} |" in proc.stdout
     assert "OTLP's cost" in proc.stdout and "it took 0 exports" not in proc.stdout  # the receiver was sent to
+
+
+def _sink_run(rnd: int, *, ship_s: float, turns: int, behind: dict) -> dict:
+    r = _run(WITH_SINK, rnd, cps=100, cpu=10.0, p50=100, p99=1000)
+    r.update(turns=turns, proxy_sched_s=0.4, threads_on_cpu_s={"11": ship_s, "12": 0.3},
+             thread_names={"11": "specproxy-ship", "12": "MainThread"}, shipper=behind)
+    return r
+
+
+def test_the_shippers_cost_is_per_turn_and_its_lag_the_most_over_rounds():
+    """``--with-sink``: the shipper thread's CPU (found by its name) per turn of each window, and as a share
+    of the proxy's CPU, median over rounds; rows and seconds behind the most over rounds; over the proxy's
+    life its CPU per turn PostgreSQL holds; a turn recorded but not in PostgreSQL is said."""
+    runs = [_sink_run(0, ship_s=0.002, turns=100, behind={"sink_rows_behind": 30, "sink_seconds_behind": 0.4,
+                                                           "sink_batches_failed": 0}),
+            _sink_run(1, ship_s=0.006, turns=100, behind={"sink_rows_behind": 120, "sink_seconds_behind": 1.25,
+                                                           "sink_batches_failed": 1})]
+    deliveries = {"256": {WITH_SINK: {"recorded": 1000, "recorded_ok": 990, "in_pg": 998, "in_pg_ok": 990,
+                                      "completed": 990, "ship_cpu_s": 0.0499}}}
+    table = render_shipper(runs, [256], deliveries)
+    assert ("| 256 | specproxy+sink | 40.0 (20.0–60.0) | 1.0% (0.5%–1.5%) | 120 | 1.25 | 1 | 50.0 "
+            "| 990 → 1,000 (990) → 998 (990) **2 missing** |") in table, table
+    deliveries["256"][WITH_SINK]["in_pg"] = 1000
+    assert "→ 1,000 (990) all arrived |" in render_shipper(runs, [256], deliveries)
+
+
+def test_the_sinks_ratios_and_targets_are_those_of_each_variant():
+    """The sink's and the sink-and-OTLP's with/without ratios, each against specproxy in the same round,
+    and issue 33's targets judged on the variant's own row."""
+    runs = []
+    for rnd, (sp, sink, both) in enumerate([(10.0, 11.0, 12.0), (20.0, 21.0, 30.0), (10.0, 10.0, 10.0)]):
+        runs += [_run("direct", rnd, cps=100, cpu=None, p50=100, p99=1000),
+                 _run("specproxy", rnd, cps=100, cpu=sp, p50=200, p99=1500),
+                 _run(WITH_SINK, rnd, cps=100, cpu=sink, p50=200, p99=1500),
+                 _run(WITH_SINK_OTLP, rnd, cps=100, cpu=both, p50=200, p99=3000)]
+    text = render_sink(runs, [256])
+    sink_part, both_part = text.split("\n\nThe cost of ", 1)
+    assert sink_part.startswith("The cost of specproxy+sink (") and both_part.startswith("specproxy+sink+otlp (")
+    assert "| 256 | 1.050 (1.000–1.100) | 1.000 (1.000–1.000) |" in sink_part
+    assert ("| 256 | 1.200 (1.000–1.500) | 1.000 (1.000–1.000) | 1.000 (1.000–1.000) | 2.000 (2.000–2.000) |"
+            in both_part)
+    s = summarize(runs, [256], ["direct", "specproxy", WITH_SINK, WITH_SINK_OTLP])
+    targets = render_targets(s, [256], WITH_SINK_OTLP)
+    assert targets.startswith("| target (issue 33, specproxy+sink+otlp) |")
+    assert "| C=256: added p99 per chunk ≤ 1000 µs | 2000 µs | **not met** |" in targets
+    assert "| C=256: added p99 per chunk ≤ 1000 µs | 500 µs | met |" in render_targets(s, [256])
+
+
+def test_a_short_run_with_a_sink_ships_every_turn(tmp_path):
+    """``--with-sink --with-otlp``: a PostgreSQL started by the script, specproxy with the sink and with the
+    sink and OTLP in the same rotation, every turn each recorded found in its database, the shipper's
+    thread found by name and its gauges read after each window."""
+    from pgcluster import pg_bin
+
+    if pg_bin() is None:
+        if os.environ.get("SPECPROXY_REQUIRE_POSTGRES") == "1":
+            pytest.fail("PostgreSQL's binaries are not installed and SPECPROXY_REQUIRE_POSTGRES=1")
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    out = tmp_path / "runs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
+         "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
+         "--with-sink", "--with-otlp", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    runs = {r["path"]: r for r in got["runs"]}
+    assert set(runs) == {"direct", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP}
+    for path in (WITH_SINK, WITH_SINK_OTLP):
+        r, d = runs[path], got["meta"]["sink"]["4"][path]
+        assert r["chunks"] > 0 and r["errors"] == 0, r
+        assert "specproxy-ship" in r["thread_names"].values(), r["thread_names"]
+        assert r["shipper"]["sink_batches_failed"] == 0 and r["shipper"]["sink_rows_set_aside"] == 0, r["shipper"]
+        assert d["recorded"] == d["in_pg"] and d["recorded_ok"] == d["in_pg_ok"], d  # every turn arrived
+        assert d["recorded_ok"] >= d["completed"] > 0 and d["ship_cpu_s"] > 0, d
+        assert f"| 4 | {path} |" in proc.stdout
+    assert proc.stdout.count(" all arrived |") == 2
+    assert "| target (issue 33, specproxy+sink+otlp) |" in proc.stdout

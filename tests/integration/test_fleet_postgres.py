@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from faultkit import wait_until
-from pgserver import LOCKED_PASSWORD
+from pgcluster import LOCKED_PASSWORD
 from serveproc import LoopThread, ServeProcess
 from specproxy.app.fake_upstream import FakeUpstream, Script
 from specproxy.record import FIELD_NAMES, Record, new_turn_id

@@ -12,6 +12,7 @@ import sqlite3
 import sys
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -243,6 +244,22 @@ def test_a_turn_that_did_not_end_ok_carries_its_outcome_as_error_type(lt):
     assert {a["gen_ai.provider.name"] for a in by_outcome.values()} == {"anthropic"}
     ttft = {attrs(p)["specproxy.outcome"]: p.count for _, _, p in got["gen_ai.server.time_to_first_token"]}
     assert ttft == {"ok": 1, "client_cancelled": 1}  # the non-streamed turn has none
+
+
+def test_the_exporting_thread_carries_its_name_to_the_os(lt):
+    """Its CPU is read by its OS thread name (``top -H``; ``scripts/bench_overhead.py --with-otlp`` splits
+    the proxy's CPU by thread), which Python before 3.14 leaves as the process's."""
+    from specproxy.serve.otlp import Otlp
+
+    receiver = Receiver(lt)
+    otlp = Otlp(receiver.url, 3600.0, "edge-x", "0.0", lambda: None)
+    otlp.start()
+    try:
+        comm = Path(f"/proc/self/task/{otlp._thread.native_id}/comm")
+        wait_until(lambda: comm.read_text().strip() == "specproxy-otlp", timeout=10, what="the thread's OS name")
+    finally:
+        otlp.close()
+        receiver.close()
 
 
 def test_without_the_otlp_extra_the_endpoint_is_one_clear_error(monkeypatch):
