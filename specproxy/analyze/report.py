@@ -32,7 +32,8 @@ from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section, rend
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
                                     which_to_read)
 from specproxy.analyze.slo import attainment, met_of_turns
-from specproxy.analyze.stats import plural, summarize
+from specproxy.analyze.summary import summarize
+from specproxy.analyze.wording import plural
 from specproxy.config import Slo
 
 __all__ = ["ENGINE_SPEEDUPS", "REPORT_COLUMNS", "aggregate_throughput", "build_report", "render_slo", "render_text",
