@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analyze.report import aggregate_throughput, streamed_mask
+from specproxy.analyze.report_data import aggregate_throughput, streamed_mask
 from specproxy.analyze.speedup import window_speedups
 from specproxy.analyze.summary import summarize
 from specproxy.store.dataset import Turns

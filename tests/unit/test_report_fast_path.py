@@ -15,7 +15,7 @@ import pytest
 
 from specproxy.analyze import server_report, summary
 from specproxy.analyze.arrays import clean
-from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
 from specproxy.observe.counters import ScrapeSample, window_counters
 from specproxy.observe.server_metrics import Snapshot
 from specproxy.store.source import SCRAPE_FIELDS, Window
@@ -82,7 +82,7 @@ def test_the_fast_report_equals_the_plain_reference(db, monkeypatch, window):
                if name.startswith("specproxy.analyze") and getattr(mod, "summarize", None) is summarize]
     for name in patched:
         monkeypatch.setattr(sys.modules[name], "summarize", plain_summarize)
-    assert {"specproxy.analyze.report", "specproxy.analyze.server_report"} <= set(patched)
+    assert {"specproxy.analyze.report_data", "specproxy.analyze.server_report"} <= set(patched)
     monkeypatch.setattr(server_report, "_counters", plain_counters)
     plain = report_json(db, cache=False, window=window)
     assert orjson.loads(plain)["server"]["window"]["seconds"] > 0  # the server section is there to compare
