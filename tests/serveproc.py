@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from faultkit import wait_until
@@ -100,3 +101,12 @@ def _number(text: str) -> int | float:
         return int(text)
     except ValueError:
         return float(text)
+
+
+def chat(url: str) -> int:
+    """One small streamed chat turn through the serve at ``url``, read to its end; its status."""
+    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+        return resp.status
