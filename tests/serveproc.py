@@ -37,6 +37,16 @@ class LoopThread:
         self.thread.join(10)
 
 
+async def cancel_leftovers() -> None:
+    """End what a test left running on the loop it runs on (a scripted peer's connections still open or
+    waiting for a request), so that nothing is torn down by garbage collection after the loop stopped."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
+
+
 # --- specproxy serve as a subprocess -------------------------------------------------------------------
 
 _READY = re.compile(r"forwarding http://127\.0\.0\.1:(\d+) ->")

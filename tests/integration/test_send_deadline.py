@@ -17,7 +17,7 @@ import pytest
 from faultkit import ScriptedUpstream, db_rows, post_head, sse_head, wait_until
 from rawpeers import RawUpstream, chunk
 from procmem import PeakRss
-from serveproc import LoopThread, ServeProcess
+from serveproc import LoopThread, ServeProcess, cancel_leftovers
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
@@ -193,15 +193,6 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
 # --- 1,030 clients that never read, against the real serve -------------------------------------------------
 
 
-async def _cancel_leftovers() -> None:
-    """End the upstream's connections still open, before their loop closes."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=5)
-
-
 class _WideListener(RawUpstream):
     """A listener whose accept queue takes a thousand connects at once (asyncio's default is 100)."""
 
@@ -287,7 +278,7 @@ def test_1030_clients_that_never_read_do_not_lock_others_out(tmp_path):
             s.close()
         proc.stop()
         loop.run(listener.close())
-        loop.run(_cancel_leftovers())
+        loop.run(cancel_leftovers())
         loop.close()
     outcomes = dict(db_rows(db, "SELECT outcome, count(*) FROM turns WHERE path = ? GROUP BY outcome", (CHAT,)))
     busy = state["rejected_busy"]
