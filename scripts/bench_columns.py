@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
 
-from specproxy.analyze.report import REPORT_COLUMNS  # noqa: E402
+from specproxy.analyze.report_data import REPORT_COLUMNS  # noqa: E402
 from specproxy.store import column_cache  # noqa: E402
 from specproxy.store.dataset import NUMERIC, TEXT  # noqa: E402
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from bench_report import synth_columns  # noqa: E402
 
-from specproxy.analyze.report import REPORT_COLUMNS  # noqa: E402
+from specproxy.analyze.report_data import REPORT_COLUMNS  # noqa: E402
 from specproxy.record import FIELD_NAMES  # noqa: E402
 from specproxy.serve.admin import render_gap  # noqa: E402
 from specproxy.store.db import open_store  # noqa: E402

@@ -59,7 +59,8 @@ from specproxy.store import column_cache  # noqa: E402
 from specproxy.store.source import Window  # noqa: E402
 from specproxy.store.sqlite_source import SQLiteSource  # noqa: E402
 from specproxy.record import FIELD_NAMES  # noqa: E402
-from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text  # noqa: E402
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report  # noqa: E402
+from specproxy.analyze.report import render_text  # noqa: E402
 from specproxy.store.db import open_store  # noqa: E402
 
 

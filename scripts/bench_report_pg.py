@@ -36,7 +36,7 @@ import psycopg  # noqa: E402
 
 from benchlib import cpu_model  # noqa: E402
 from pgcluster import PgServer, pg_bin  # noqa: E402
-from specproxy.analyze.report import REPORT_COLUMNS, build_report  # noqa: E402
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report  # noqa: E402
 from specproxy.store.pg_source import PgSource  # noqa: E402
 from specproxy.store.sinks import Identity  # noqa: E402
 from specproxy.store.sinks.postgres import PostgresSink  # noqa: E402

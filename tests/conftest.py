@@ -41,6 +41,7 @@ from specproxy.config import RELAY_MODES, load_config  # noqa: E402
 from specproxy.serve.service import Service  # noqa: E402
 from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
 from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E402
+from serveproc import cancel_leftovers  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
 pytest_plugins = ["real.fixtures", "pgserver"]  # and the fleet's PostgreSQL (pg_server)
@@ -222,15 +223,6 @@ class LiveStack:
     def url(self) -> str:
         return self.service.url
 
-    async def _cancel_leftovers(self) -> None:
-        """End what a test left running on the loop (a scripted peer's connection), so that nothing
-        is torn down by garbage collection after the loop stopped."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
-
     def run(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
@@ -252,7 +244,7 @@ class LiveStack:
         self.run(self.upstream.close())
         if self.raw is not None:
             self.run(self.raw.close())
-        self.run(self._cancel_leftovers())
+        self.run(cancel_leftovers())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -14,6 +14,19 @@ from pgcluster import PgServer, pg_bin
 __all__ = ["pg_server"]
 
 
+def pg_count(url: str, table: str = "turns") -> int | None:
+    """Rows of ``table`` in the fleet's database at ``url``; None before the first shipper made its tables
+    (what the fleet's tests wait on: a shipper's rows arriving). ``turns``' key holds its id, so its count
+    is that of distinct turns."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    except psycopg.errors.UndefinedTable:
+        return None
+
+
 @pytest.fixture(scope="session")
 def pg_server():
     bindir = pg_bin()

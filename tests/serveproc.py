@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from faultkit import wait_until
@@ -34,6 +35,16 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+async def cancel_leftovers() -> None:
+    """End what a test left running on the loop it runs on (a scripted peer's connections still open or
+    waiting for a request), so that nothing is torn down by garbage collection after the loop stopped."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
 
 
 # --- specproxy serve as a subprocess -------------------------------------------------------------------
@@ -100,3 +111,12 @@ def _number(text: str) -> int | float:
         return int(text)
     except ValueError:
         return float(text)
+
+
+def chat(url: str) -> int:
+    """One small streamed chat turn through the serve at ``url``, read to its end; its status."""
+    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+        return resp.status

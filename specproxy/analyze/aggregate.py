@@ -58,8 +58,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled, take_last
-from specproxy.analyze.stats import (MIN_REQUESTS, Ratio, boot_instance_ratio, combine, instance_parts, log_var,
-                                     no_interval, unknown_instances_warning)
+from specproxy.analyze.instances import instance_parts, unknown_instances_warning
+from specproxy.analyze.resample import boot_instance_ratio, log_var
+from specproxy.analyze.stats import MIN_REQUESTS, Ratio, combine, no_interval
 
 __all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
            "aggregate_batch", "effective_turns", "lumpy_reason", "N_REPLAY"]

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from specproxy.analyze.slo import attainment, capacity, met
-from specproxy.analyze.stats import mean_ci, plural, summarize, summarize_clustered
+from specproxy.analyze.summary import mean_ci, summarize, summarize_clustered
+from specproxy.analyze.wording import plural
 from specproxy.config import Slo
 from specproxy.record import Record
 

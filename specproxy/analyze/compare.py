@@ -33,12 +33,9 @@ from specproxy.analyze.control import negative_control
 from specproxy.analyze.slo import met_of_turns
 from specproxy.config import Slo
 from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
-from specproxy.analyze.stats import (
-    CONFOUNDED_WARNING,
-    bootstrap_ratio,
-    instance_warning,
-    plural,
-)
+from specproxy.analyze.instances import CONFOUNDED_WARNING, instance_warning
+from specproxy.analyze.stats import bootstrap_ratio
+from specproxy.analyze.wording import plural
 
 __all__ = ["Arm", "check_level", "compare", "negative_control_report", "parse_arm", "render_compare"]
 

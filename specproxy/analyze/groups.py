@@ -16,7 +16,7 @@ import numpy as np
 
 from specproxy.analyze.cost import (BY_KEYS, COST_COLUMNS, cost_summary, group_names, render_cost_lines,
                                     turn_costs, usd)
-from specproxy.analyze.stats import plural
+from specproxy.analyze.wording import plural
 from specproxy.prices import Price
 from specproxy.store.dataset import Turns
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analyze.report import aggregate_throughput, streamed_mask
+from specproxy.analyze.report_data import aggregate_throughput, streamed_mask
 from specproxy.analyze.speedup import window_speedups
-from specproxy.analyze.stats import summarize
+from specproxy.analyze.summary import summarize
 from specproxy.store.dataset import Turns
 
 __all__ = ["SPEEDUP_GRID", "pictures"]

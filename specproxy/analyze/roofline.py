@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from specproxy.errors import ConfigError
-from specproxy.analyze.stats import plural
+from specproxy.analyze.wording import plural
 
 __all__ = ["no_decode_speed", "render_roofline", "roofline"]
 

@@ -18,7 +18,8 @@ from specproxy.store.dataset import Turns, distinct
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes
 from specproxy.observe.counters import COUNTER_FIELDS, ScrapeSample, restart_reason, stretch_counters
 from specproxy.observe.server_metrics import Snapshot
-from specproxy.analyze.stats import plural, summarize
+from specproxy.analyze.summary import summarize
+from specproxy.analyze.wording import plural
 
 __all__ = ["server_section", "render_server"]
 

@@ -1,4 +1,5 @@
-"""The statistics core: summaries and A/B ratios (the negative control is in ``control``).
+"""The A/B ratio: stat(b) / stat(a), its interval and its verdict (summaries of one figure are in
+``summary``, the negative control in ``control``).
 
 Why: on inference hardware one config varies a lot from run to run, and two restarts of the
 same config can give non-overlapping intervals (docs/statistics.md). A bare median,
@@ -12,11 +13,6 @@ docs/statistics.md (including the shapes where it misses: bimodal mixes). The fa
 coverages behind each choice below are in docs/statistics.md, "Figures behind the choices" (the seeded
 simulations of tests/unit/test_stats.py).
 
-* CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
-  between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
-  assumption (latencies are skewed), no random numbers, one sort: O(n log n). Uninterpolated,
-  the coverage jumps with n; interpolated it is close to the level at every n. Below 6 values
-  no pair of order statistics covers 95%: the interval is then None, not a made-up one.
 * Ratios (``bootstrap_ratio``): each arm's bootstrap distribution of log(stat) gives a
   variance; the interval is exp(log(stat_b / stat_a) +- q * se), on the log scale because
   ratios are. Unit per arm: requests when it ran in one instance (or has no labels); whole
@@ -39,220 +35,32 @@ simulations of tests/unit/test_stats.py).
   sorted data (or the interpolated quantile function) at the order statistics of uniform
   indices, which are Beta distributed: O(n_boot) per arm after a sort. Instances:
   O(n_boot * k * log n).
-* An arm in one instance cannot show restart-to-restart variance. If the other arm ran in
-  several, the lone instance borrows their between-instance variance (assumes the same spread in
-  both arms). If each arm ran in its own single
-  instance, the instance effect is unmeasured: the verdict is "not distinguishable" whatever
-  the request-level interval says, and the warnings say why. Both arms in the same single
-  instance: a valid comparison for that instance only, with a warning.
-* Arms sharing instances (interleaved A/B) are resampled independently: conservative.
+* How the arms' server instances enter the variance, and when they force the verdict to
+  "not distinguishable": ``instances``.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import check_level, clean, clean_labelled
-from specproxy.analyze.resample import (STATS, boot_instance_ratio, boot_instances, boot_requests, finite_var,
-                                        log_var, smoothed_log_medians)
+from specproxy.analyze.arrays import check_level, clean_labelled
+from specproxy.analyze.instances import instance_parts, unknown_instances_warning
+from specproxy.analyze.resample import STATS, boot_instances, boot_requests, finite_var, log_var, smoothed_log_medians
 from specproxy.analyze.tdist import t_ppf, t_quantiles
 
 __all__ = [
-    "Summary", "summarize", "summarize_clustered", "median_ci", "mean_ci", "Ratio", "bootstrap_ratio", "ratio_batch", "no_interval",
-    "ND", "CONFOUNDED_WARNING", "unknown_instances_warning", "SEPARATE_INSTANCES_WARNING", "instance_warning", "plural",
-    "MIN_REQUESTS", "boot_instance_ratio", "combine", "instance_parts", "log_var", "percentile_interval",
-    "median_excess", "median_tail", "MEDIAN_EXCESS",
+    "MEDIAN_EXCESS", "MIN_REQUESTS", "ND", "Ratio", "bootstrap_ratio", "combine", "median_excess", "median_tail",
+    "no_interval", "percentile_interval", "ratio_batch",
 ]
-
-CONFOUNDED_WARNING = "an A/B inside one server instance is confounded with that instance"
-SEPARATE_INSTANCES_WARNING = (
-    "each arm ran in a different single instance: the instance effect is unmeasured, so the verdict "
-    "cannot be faster/slower; the interval covers request-to-request noise only. Run each arm in "
-    "several instances (restarts)")
-
-
-def unknown_instances_warning(arm: str) -> str:
-    """The warning for an arm whose turns carry no server instance (its server's /metrics was not
-    scraped): not "confounded with that instance", since which instance it ran in is not known."""
-    return (f"arm {arm}'s server instances are unknown (its server's /metrics was not scraped): whether "
-            "the arms ran in one server instance or in several cannot be told, and restart-to-restart "
-            "variance is not in the interval")
-
 
 MIN_REQUESTS = 5  # per arm; below this the bootstrap variance is too unstable (docs/statistics.md)
 ND = "not distinguishable"
-
-
-# ----------------------------------------------------------------------------- Summary
-
-@dataclass(frozen=True)
-class Summary:
-    """n, median, mean, p95 and the 95% CI of the median. With n = 0 every figure is None."""
-    n: int
-    median: float | None
-    mean: float | None
-    p95: float | None
-    ci_low: float | None
-    ci_high: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
-    """Interpolated order-statistic CI of the median; (None, None) when n < 6 (at 95%).
-
-    gamma_d = P(d <= B <= n-d), B ~ Bin(n, 1/2), is the exact coverage of [X(d), X(n-d+1)] for any
-    continuous distribution. Take the largest d with gamma_d >= level and move each end towards
-    the next order statistic by lambda = (n-d)I / (d + (n-2d)I), I = (gamma_d - level) /
-    (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986). Four order statistics: one
-    ``numpy.partition``, O(n), not a sort.
-    """
-    check_level(level)
-    return _median_ci(clean(values), level)
-
-
-@functools.lru_cache(maxsize=512)
-def _median_ranks(n: int, level: float) -> tuple[int, float] | None:
-    """(d, lambda) of ``median_ci`` at size n (None: no interval): the same for every figure of that size,
-    and O(n) to find, so found once."""
-    if n < 2:
-        return None
-    j = np.arange(n // 2 + 1)  # P(B <= j), B ~ Bin(n, 1/2), from the log pmf: no underflow
-    cdf = np.cumsum(np.exp(n * math.log(0.5) + np.concatenate(
-        ([0.0], np.cumsum(np.log((n - j) / (j + 1.0)))))))
-    d = np.arange(1, n // 2 + 1)
-    gamma = 1.0 - 2.0 * cdf[d - 1]
-    ok = np.nonzero(gamma >= level)[0]
-    if ok.size == 0:
-        return None
-    d_best = int(d[ok[-1]])
-    g_d = float(gamma[ok[-1]])
-    g_next = float(1.0 - 2.0 * cdf[d_best]) if d_best < n // 2 else 0.0
-    i = (g_d - level) / (g_d - g_next) if g_d > g_next else 0.0
-    lam = (n - d_best) * i / (d_best + (n - 2 * d_best) * i) if i > 0 else 0.0
-    return d_best, lam
-
-
-def _median_ci(x: np.ndarray, level: float) -> tuple[float | None, float | None]:
-    """``median_ci`` of clean values, in any order."""
-    ranks = _median_ranks(x.size, level)
-    if ranks is None:
-        return None, None
-    return _ci_ends(np.partition(x, _ci_at(x.size, ranks)), x.size, ranks)
-
-
-def _ci_at(n: int, ranks: tuple[int, float]) -> list[int]:
-    d = ranks[0]
-    return [d - 1, d, n - d - 1, n - d]
-
-
-def _ci_ends(part: np.ndarray, n: int, ranks: tuple[int, float]) -> tuple[float, float]:
-    """The interval's ends from values partitioned at ``_ci_at``'s positions."""
-    d, lam = ranks
-    return float(_between(part[d - 1], part[d], lam)), float(_between(part[n - d], part[n - d - 1], lam))
-
-
-def _p95_at(n: int) -> tuple[float, int, int]:
-    """numpy's linear percentile 95 of n values: its virtual index and the two ranks it reads."""
-    virtual = (n - 1) * np.true_divide(95, 100)
-    if virtual >= n - 1:
-        return virtual, n - 1, n - 1
-    lo = int(np.floor(virtual))
-    return virtual, lo, lo + 1
-
-
-def _p95(part: np.ndarray, n: int) -> float:
-    """``numpy.percentile(x, 95)`` read off values partitioned at ``_p95_at``'s ranks: numpy's own
-    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
-    virtual, i, j = _p95_at(n)
-    a, b = part[i], part[j]
-    t = virtual - (-1 if i == n - 1 else i)  # numpy's gamma (its index -1 past the end)
-    diff = b - a
-    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
-
-
-def _median(part: np.ndarray, n: int) -> float:
-    """``numpy.median`` read off values partitioned at ``(n - 1) // 2`` and ``n // 2``."""
-    if n % 2:
-        return float(part[n // 2])
-    return float(np.mean(part[n // 2 - 1:n // 2 + 1]))
-
-
-def _between(a: float, b: float, lam: float) -> float:
-    """``a`` moved towards ``b`` by ``lam``, never outside [a, b] (rounding could step past b,
-    and an interval end past the median it brackets is a wrong answer, however small)."""
-    v = (1 - lam) * a + lam * b
-    return min(max(v, min(a, b)), max(a, b))
-
-
-def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.95) -> Summary:
-    """Summary of one metric. None/NaN are dropped (missing is missing, never 0).
-
-    ``seed`` is accepted for API stability and unused: the order-statistic interval is exact
-    and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
-    small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
-    statistics, found by one partition, never a sort (the mean is summed in the values' order).
-    """
-    x = clean(values)
-    if x.size == 0:
-        check_level(level)
-        return Summary(0, None, None, None, None, None)
-    check_level(level)
-    n = x.size
-    ranks = _median_ranks(n, level)
-    at = {(n - 1) // 2, n // 2, *_p95_at(n)[1:], *(_ci_at(n, ranks) if ranks is not None else ())}
-    part = np.partition(x, sorted(at))  # every order statistic below in one pass
-    lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
-    return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
-
-
-def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high): Student's t interval of the mean; the ends are None below 2 values.
-
-    For a few replicates of one figure (a benchmark's aggregate throughput per repeat or per server
-    instance), where a median's order-statistic interval needs 6 values and the replicates are
-    themselves averages over many turns, so their mean is close to normal."""
-    check_level(level)
-    x = clean(values)
-    if x.size == 0:
-        return None, None, None
-    mean = float(x.mean())
-    if x.size < 2:
-        return mean, None, None
-    half = t_ppf(0.5 + level / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return mean, mean - half, mean + half
-
-
-def summarize_clustered(values: Iterable[Any], clusters: Sequence[Any], *, seed: int = 0,
-                        level: float = 0.95) -> Summary:
-    """``summarize``, but the interval of the median is over clusters (server instances, or a benchmark's
-    rounds), not over values: values of one cluster share its offset (an instance's from its start, a
-    round's from drift within an instance), so pooling them as independent gives an interval that leaves
-    out the cluster-to-cluster variance. Which variance that is depends on the clusters: instances carry
-    restart-to-restart variation, rounds of one instance only run-to-run drift.
-
-    compare's rule for an arm in several instances (``bootstrap_ratio``): the variance of the log pooled
-    median when whole clusters are resampled, times k/(k-1), and Student t with k - 1 df; the interval is
-    the median times exp(+-t * se). Below 2 clusters, or with a 0 among the bootstrap medians, no interval."""
-    check_level(level)
-    x, lab, uniq = clean_labelled(values, clusters)
-    base = summarize(x, level=level)
-    k = len(uniq)
-    if x.size == 0 or k < 2 or base.median is None or base.median <= 0 or (x < 0).any():
-        return dataclasses.replace(base, ci_low=None, ci_high=None)
-    v = float(log_var(boot_instances(x, lab, "median", 2000, np.random.default_rng(seed)))[0]) * k / (k - 1)
-    if not math.isfinite(v):
-        return dataclasses.replace(base, ci_low=None, ci_high=None)
-    half = t_ppf(0.5 + level / 2, k - 1) * math.sqrt(v)
-    return dataclasses.replace(base, ci_low=base.median * math.exp(-half), ci_high=base.median * math.exp(half))
 
 
 # ----------------------------------------------------------------------------- request-level rule
@@ -387,7 +195,6 @@ def _stat_rows(x_sorted: np.ndarray, stat: str) -> np.ndarray:
     q = STATS[stat]
     return x_sorted.mean(axis=1) if q is None else np.quantile(x_sorted, q, axis=1)
 
-
 # ----------------------------------------------------------------------------- Ratio
 
 @dataclass(frozen=True)
@@ -487,56 +294,3 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
         method = (f"log-{stat} bootstrap SE over a: {units['a']}, b: {units['b']}; "
                   + ("normal quantile" if math.isinf(df[0]) else f"t quantile, df={df[0]:.1f}"))
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
-
-
-def instance_parts(comps: dict, ka: int | None, kb: int | None, ua: list, ub: list,
-                    warnings: list[str]) -> tuple[list, bool]:
-    """The variance components of a comparison given where each arm ran, and whether the
-    verdict is forced to "not distinguishable" (each arm in its own single instance).
-
-    Shared by every ratio row (per-request stats and aggregate throughput), so all rows treat
-    server instances by the same rule (module docstring)."""
-    single_a, single_b = ka == 1, kb == 1
-    confound = instance_warning(None if ka is None else ua, None if kb is None else ub)
-    if confound and confound not in warnings:
-        warnings.append(confound)
-    forced = confound == SEPARATE_INSTANCES_WARNING
-    parts = [comps["a"][:2], comps["b"][:2]]
-    if (single_a and (kb or 0) >= 2) or (single_b and (ka or 0) >= 2):
-        one, many = ("a", "b") if single_a else ("b", "a")
-        k_many = ka if many == "a" else kb
-        v_many, df_many, _ = comps[many]
-        # the lone instance carries a whole instance effect: ~k * (variance of the pooled stat)
-        parts = [(comps[one][0], comps[one][1]), ((k_many + 1) * v_many, df_many)]
-        warnings.append(f"arm {one} ran in one instance: its instance-to-instance variance is "
-                        f"borrowed from arm {many}'s {k_many} instances (assumes equal spread)")
-    return parts, forced
-
-
-def instance_warning(instances_a: Iterable[Any] | None, instances_b: Iterable[Any] | None) -> str | None:
-    """The one warning on how the arms' server instances confound an A/B; None when they do not.
-
-    ``instances_*``: the distinct instances an arm ran in, None when it has no instance labels.
-    Both arms in the same single instance: a valid comparison for that instance only. Each in a
-    different single instance: the instance effect is unmeasured (the precise warning; saying
-    "inside one instance" beside it would contradict it). One arm in one instance and the other in
-    several: None here, as ``bootstrap_ratio`` borrows the other arm's between-instance variance
-    and says so. One arm's instances known and the other's unknown: that they are unknown (not
-    "confounded with that instance": the unknown arm may have run anywhere). Both unknown: None
-    (the arms' own lines say "instances unknown").
-    """
-    a = None if instances_a is None else set(instances_a)
-    b = None if instances_b is None else set(instances_b)
-    single_a, single_b = a is not None and len(a) == 1, b is not None and len(b) == 1
-    if single_a and single_b:
-        return CONFOUNDED_WARNING if a == b else SEPARATE_INSTANCES_WARNING
-    if (a is None) != (b is None):
-        return unknown_instances_warning("a" if a is None else "b")
-    return None
-
-
-def plural(n: int | None, noun: str) -> str:
-    """"1 instance", "2 instances", "instances unknown" (no count: e.g. turns without an instance id)."""
-    if n is None:
-        return f"{noun}s unknown"
-    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -136,7 +136,7 @@ def report_of(db: str | None, label: str | None = None, since: str | None = None
               cache: bool = True, prices: dict | None = None, by: str | None = None, slo: Any = None) -> dict:
     from specproxy.store.dataset import parse_time
     from specproxy.store.source import Window
-    from specproxy.analyze.report import build_report, report_columns
+    from specproxy.analyze.report_data import build_report, report_columns
 
     window = Window(label, parse_time(since), parse_time(until))
     with open_source(db, cache=cache) as store:

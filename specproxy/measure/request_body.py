@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import orjson
 
 from specproxy.measure.apis import Api
+from specproxy.measure.json_keys import sole_key
 from specproxy.measure.openai import PromptParts, parse_json
 
 __all__ = ["RequestRead", "inflate", "model_only", "read_request"]
@@ -45,20 +46,9 @@ def model_only(body: bytes) -> str | None:
     """The value of the one ``"model"`` key of a JSON body, found without parsing it: None when there is
     none, more than one, or it is not a short string. (In valid JSON, a quote not escaped by a backslash
     delimits a string, so ``"model":"..."`` outside an escape is a key and its value.)"""
-    found = None
-    for m in _MODEL_KEY.finditer(body):
-        i = m.start()
-        slashes = 0
-        while i > 0 and body[i - 1] == 0x5C:
-            slashes += 1
-            i -= 1
-        if slashes % 2:
-            continue
-        if found is not None:
-            return None
-        found = m.group(1)
+    m = sole_key(body, _MODEL_KEY.finditer(body))
     try:
-        value = orjson.loads(found) if found is not None else None
+        value = orjson.loads(m.group(1)) if m is not None else None
     except ValueError:
         return None
     return value if isinstance(value, str) else None

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from specproxy.measure.json_keys import sole_key
 from specproxy.measure.openai import parse_json, read_chunk, read_full_response
 from specproxy.frames.sse import SSEDecoder
 
@@ -149,22 +150,10 @@ def object_of_key(body: bytes, key: bytes) -> dict | None:
     """The JSON object that is the value of the body's one ``key``, found without parsing the body: None
     when there is none, more than one, or it is not a small well-formed object. (In valid JSON, a quote
     not escaped by a backslash delimits a string: ``"key":{`` outside an escape is a key and its value.)"""
-    found = None
-    for m in _KEY.finditer(body):
-        if m.group(1) != key:
-            continue
-        i = m.start()
-        slashes = 0
-        while i > 0 and body[i - 1] == 0x5C:
-            slashes += 1
-            i -= 1
-        if slashes % 2:
-            continue  # inside a string: an escaped quote, not a key
-        if found is not None:
-            return None
-        found = m.end() - 1
-    if found is None:
+    m = sole_key(body, (k for k in _KEY.finditer(body) if k.group(1) == key))
+    if m is None:
         return None
+    found = m.end() - 1
     end = _object_end(body, found)
     try:
         value = parse_json(body[found:end]) if end is not None else None

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from specproxy.analyze.report import why_empty
-from specproxy.analyze.stats import plural
+from specproxy.analyze.wording import plural
 
 __all__ = ["document", "fragment"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from specproxy.analyze.pictures import pictures
-from specproxy.analyze.report import build_report, report_columns
+from specproxy.analyze.report_data import build_report, report_columns
 from specproxy.analyze.turn_diff import recent_changes, render_diff
 from specproxy.analyze.slo import met
 from specproxy.config import Slo

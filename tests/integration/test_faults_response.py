@@ -15,6 +15,7 @@ import pytest
 
 from faultkit import (KeptClient, await_until, chunk, kernel_queued, post_head, read_request,
                       request_once)
+from procmem import memory, reset_peak
 from specproxy.wire.pool import UpstreamPool
 
 # each front; each relay for the tests whose bodies the relay thread can take (a chunked one after its
@@ -493,21 +494,7 @@ def test_header_names_with_an_underscore_are_dropped_both_ways(make_stack):
     assert up.body == BODY
 
 
-
 # --- 4. response bodies are kept only as far as measuring needs -----------------------------------------
-
-
-def _peak_rss_reset() -> None:
-    """Reset this process's peak resident set (VmHWM) to what it holds now (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 BIG_MB = 80
@@ -555,11 +542,11 @@ def test_a_large_response_body_is_not_held_in_memory(make_stack, each_relay, mea
     request = post_head(CHAT, BODY) if measured else b"GET /big HTTP/1.1\r\nHost: p\r\n\r\n"
     stack.run(_read_and_drop(port, b"GET /warm HTTP/1.1\r\nHost: p\r\n\r\n"))  # the first turn's one-off costs
     stack.settle()
-    _peak_rss_reset()
-    before = _rss_kib("VmRSS")
+    reset_peak()
+    before = memory()["VmRSS"]
     got = stack.run(_read_and_drop(port, request))
     stack.settle()
-    grew_mb = (_rss_kib("VmHWM") - before) / 1024
+    grew_mb = (memory()["VmHWM"] - before) / (1 << 20)
     assert got == BIG_CHUNKS * len(BIG_CHUNK) + 5
     _assert_relayed_by(stack, each_relay, 2)  # the thread takes each body after its first reads
     assert grew_mb < BIG_MB / 4, f"peak RSS grew {grew_mb:.0f} MB for a {BIG_MB} MB body"

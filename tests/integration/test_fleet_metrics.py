@@ -11,22 +11,12 @@ import signal
 import time
 import urllib.request
 
-import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
 from faultkit import wait_until
-from serveproc import LoopThread, ServeProcess
+from pgserver import pg_count
+from serveproc import LoopThread, ServeProcess, chat
 from specproxy.app.fake_upstream import FakeUpstream, Script
-
-CHAT = "/v1/chat/completions"
-
-
-def chat(url: str) -> None:
-    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
-    req = urllib.request.Request(url + CHAT, body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-        assert resp.status == 200
 
 
 def sink_figures(url: str) -> dict[str, dict[str, float]]:
@@ -40,14 +30,6 @@ def sink_figures(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def pg_turns(pg, db: str) -> int:
-    try:
-        with psycopg.connect(pg.url(db), autocommit=True) as conn:
-            return conn.execute("SELECT count(DISTINCT id) FROM turns").fetchone()[0]
-    except psycopg.errors.UndefinedTable:
-        return -1
-
-
 def test_rows_behind_grows_while_postgres_is_down_and_returns_to_0(tmp_path, pg_server):
     pgdb = pg_server.new_database()
     sink = pg_server.url(pgdb)
@@ -58,8 +40,8 @@ def test_rows_behind_grows_while_postgres_is_down_and_returns_to_0(tmp_path, pg_
     down = False
     try:
         for _ in range(3):
-            chat(proc.url)
-        wait_until(lambda: pg_turns(pg_server, pgdb) == 3, 60, 0.05, "the first turns shipped")
+            assert chat(proc.url) == 200
+        wait_until(lambda: pg_count(sink) == 3, 60, 0.05, "the first turns shipped")
         wait_until(lambda: sink_figures(proc.url).get("specproxy_sink_rows_shipped_total", {}).get(sink, 0) >= 3,
                    60, 0.1, "the shipped rows counted")
         before = sink_figures(proc.url)
@@ -69,7 +51,7 @@ def test_rows_behind_grows_while_postgres_is_down_and_returns_to_0(tmp_path, pg_
         down = True
         t_first = time.time()
         for _ in range(5):
-            chat(proc.url)
+            assert chat(proc.url) == 200
         # the outbox grows by exactly the turns served while the sink was down
         wait_until(lambda: sink_figures(proc.url)["specproxy_sink_rows_behind"][sink] == 5, 60, 0.1,
                    "rows behind to count the waiting turns")
@@ -83,7 +65,7 @@ def test_rows_behind_grows_while_postgres_is_down_and_returns_to_0(tmp_path, pg_
         after = sink_figures(proc.url)
         assert after["specproxy_sink_seconds_behind"][sink] == 0
         assert after["specproxy_sink_batches_failed_total"][sink] >= during["specproxy_sink_batches_failed_total"][sink]
-        assert pg_turns(pg_server, pgdb) == 8
+        assert pg_count(sink) == 8
     finally:
         if down:
             pg_server.start()

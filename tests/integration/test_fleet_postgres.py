@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from faultkit import wait_until
 from pgcluster import LOCKED_PASSWORD
-from serveproc import LoopThread, ServeProcess
+from pgserver import pg_count
+from serveproc import LoopThread, ServeProcess, chat
 from specproxy.app.fake_upstream import FakeUpstream, Script
 from specproxy.record import FIELD_NAMES, Record, new_turn_id
 from specproxy.store import rows as store_rows
@@ -57,14 +58,6 @@ def write(db: Path, records, items=()) -> None:
 def pg_rows(pg, db: str, sql: str) -> list[tuple]:
     with psycopg.connect(pg.url(db), autocommit=True) as conn:
         return conn.execute(sql).fetchall()
-
-
-def pg_turn_count(pg, db: str) -> int | None:
-    """Turns PostgreSQL holds; None before the first proxy made the schema."""
-    try:
-        return pg_rows(pg, db, "SELECT count(*) FROM turns")[0][0]
-    except psycopg.errors.UndefinedTable:
-        return None
 
 
 def local_turns(db: Path) -> dict[str, tuple]:
@@ -301,14 +294,6 @@ def upstream():
     lt.close()
 
 
-def chat(url: str) -> int:
-    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
-    req = urllib.request.Request(url + CHAT, body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-        return resp.status
-
-
 @pytest.mark.parametrize("who", ["locked", "reader", "unreachable"])
 def test_serve_with_a_failing_sink_forwards_records_and_says_why(tmp_path, pg_server, pgdb, upstream, who):
     url = (f"postgresql://fleet@127.0.0.1:{_closed_port()}/x" if who == "unreachable"
@@ -355,7 +340,7 @@ def test_sigkill_mid_batch_then_restart_loses_and_duplicates_nothing(tmp_path, p
     proc = ServeProcess(tmp_path, upstream.url, db, "--sink", url, "--proxy-name", "edge-1")
     try:
         chat(proc.url)
-        wait_until(lambda: pg_turn_count(pg_server, pgdb) == 1, 60, 0.05, "first turn shipped")
+        wait_until(lambda: pg_count(pg_server.url(pgdb)) == 1, 60, 0.05, "first turn shipped")
         with psycopg.connect(pg_server.url(pgdb)) as locker:
             locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
             for _ in range(20):
@@ -376,7 +361,7 @@ def test_sigkill_mid_batch_then_restart_loses_and_duplicates_nothing(tmp_path, p
         for _ in range(5):
             chat(proc.url)
         wait_until(lambda: len(local_turns(db)) == 26, 30, 0.02, "the turns recorded")
-        wait_until(lambda: pg_turn_count(pg_server, pgdb) == 26, 60, 0.05, "the catch-up")
+        wait_until(lambda: pg_count(pg_server.url(pgdb)) == 26, 60, 0.05, "the catch-up")
     finally:
         proc.signal(signal.SIGTERM)
         proc.wait(60)

@@ -15,38 +15,18 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import urllib.request
 from bisect import bisect_left
 
-import psycopg
-
 from faultkit import wait_until
+from pgserver import pg_count
 from promserver import Prometheus
-from serveproc import ROOT, LoopThread, ServeProcess
+from serveproc import ROOT, LoopThread, ServeProcess, chat
 from specproxy.app.fake_upstream import FakeUpstream, Script
 from specproxy.serve.own_metrics import SPEED_TPS
 
-CHAT = "/v1/chat/completions"
 # seconds between chunks, one per turn, cycled: decode speeds spread over several buckets
 GAPS_S = (0.002, 0.004, 0.007, 0.012, 0.02, 0.035)
 TURNS = 15  # odd: the median is one turn's speed
-
-
-def chat(url: str) -> None:
-    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
-    req = urllib.request.Request(url + CHAT, body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-        assert resp.status == 200
-
-
-def pg_turns(url: str) -> int | None:
-    """Turns the fleet's PostgreSQL holds (None before the first shipper made its tables)."""
-    try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            return conn.execute("SELECT count(*) FROM turns").fetchone()[0]
-    except psycopg.errors.UndefinedTable:
-        return None
 
 
 def turn_count(db) -> int:
@@ -68,9 +48,9 @@ def test_promql_median_over_two_proxies_is_in_the_bucket_of_the_reports(tmp_path
         wait_until(lambda: prom.targets_up() == 2, 60, 0.2, "both proxies up in Prometheus")
         for i in range(TURNS):
             up.script = Script(pieces=[" a"] * 12, interval_s=GAPS_S[i % len(GAPS_S)])
-            chat(procs[i % 2].url)  # 8 turns through one proxy, 7 through the other
+            assert chat(procs[i % 2].url) == 200  # 8 turns through one proxy, 7 through the other
         wait_until(lambda: sum(map(turn_count, dbs)) == TURNS, 30, 0.02, "every turn recorded")
-        wait_until(lambda: pg_turns(url) == TURNS, 120, 0.05, "both shippers to ship every turn")
+        wait_until(lambda: pg_count(url) == TURNS, 120, 0.05, "both shippers to ship every turn")
         count = "sum(specproxy_decode_speed_tokens_per_second_count)"
         wait_until(lambda: prom.value(count) == TURNS, 60, 0.2, "a scrape of both proxies holding every turn")
         by_proxy = {r["metric"]["instance"]: float(r["value"][1]) for r in

@@ -18,11 +18,11 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-import psycopg
 import pytest
 from click.testing import CliRunner
 
 from faultkit import wait_until
+from pgserver import pg_count
 from serveproc import LoopThread, ServeProcess
 from specproxy.app.cli import main
 from specproxy.app.fake_upstream import FakeUpstream, Script, make_record
@@ -297,14 +297,6 @@ def chat(url: str, text: str, label: str) -> None:
 def local_count(db: Path, table: str) -> int:
     with sqlite3.connect(db) as conn:
         return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-
-
-def pg_count(url: str, table: str) -> int | None:
-    try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-    except psycopg.errors.UndefinedTable:
-        return None
 
 
 def union(files: list[Path], path: Path) -> Path:

@@ -23,6 +23,7 @@ import orjson
 import pytest
 
 from faultkit import KeptClient, ScriptedUpstream, chunk, db_rows, sse_head, wait_until
+from procmem import memory
 from serveproc import LoopThread, ServeProcess
 from stream_shapes import delta_event
 
@@ -40,16 +41,6 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _unread_by(port: int) -> int:
@@ -141,11 +132,11 @@ def _serve(tmp_path, upstream, *args):
                 assert resp is not None and resp.status == 200
     asyncio.run(warm())
     wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 5, 30, 0.05, "the warm-up's rows")
-    return proc, _status(proc.proc.pid)["VmHWM"]
+    return proc, memory(proc.proc.pid)["VmHWM"]
 
 
 def _assert_within_budget(proc, before: int) -> int:
-    peak = _status(proc.proc.pid)["VmHWM"]
+    peak = memory(proc.proc.pid)["VmHWM"]
     assert peak <= before + BUDGET + CONSTANT, (
         f"peak RSS {peak / MIB:.0f} MiB: more than {before / MIB:.0f} MiB before the load + the budget "
         f"{BUDGET / MIB:.0f} MiB + {CONSTANT / MIB:.0f} MiB")
@@ -431,13 +422,13 @@ def test_one_large_body_peaks_near_its_size_and_is_let_go_of(tmp_path, loop_thre
 
     assert asyncio.run(ask(_small_body("warm"))) == 200
     wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 1, 30, 0.05, "the warm-up's row")
-    before = _status(proc.proc.pid)
+    before = memory(proc.proc.pid)
     filler = b'{"model":"big-body","messages":[{"role":"user","content":"' + b"y" * size + b'"}]}'
     assert asyncio.run(ask(filler)) == 200
     del filler
     wait_until(lambda: len(db_rows(tmp_path / "turns.db")) >= 2, 60, 0.05, "the large turn's row")
     wait_until(lambda: proc.state()["pending_measure"] == 0, 30, 0.05, "measuring done")
-    after = _status(proc.proc.pid)
+    after = memory(proc.proc.pid)
     print(f"RSS before {before['VmRSS'] / MIB:.0f} MiB, peak {after['VmHWM'] / MIB:.0f}, after {after['VmRSS'] / MIB:.0f}")
 
     assert after["VmHWM"] - before["VmRSS"] <= 1.5 * size + 32 * MIB

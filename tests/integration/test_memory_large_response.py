@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from faultkit import KeptClient, ScriptedUpstream, chunk, db_rows, sse_head, wait_until
+from procmem import memory
 from serveproc import LoopThread, ServeProcess
 from stream_shapes import delta_event
 
@@ -32,16 +33,6 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _events() -> bytes:
@@ -138,11 +129,11 @@ def test_one_large_kept_response_peaks_near_its_size_and_is_let_go_of(tmp_path, 
     for i in range(3):  # warm: the relay thread, the measuring thread, the writer
         asyncio.run(ask("warm"))
     wait_until(lambda: len(db_rows(db)) >= 3, 30, 0.05, "the warm-up rows")
-    before = _status(proc.proc.pid)
+    before = memory(proc.proc.pid)
     assert asyncio.run(ask("big")) >= kept
     wait_until(lambda: len(db_rows(db)) >= 4, 120, 0.05, "the large turn's row")
     wait_until(lambda: proc.state()["pending_measure"] == 0, 60, 0.05, "measuring done")
-    after = _status(proc.proc.pid)
+    after = memory(proc.proc.pid)
     capped, reason, response_bytes, outcome, usage = db_rows(
         db, "SELECT measure_capped, measure_capped_reason, response_bytes, outcome, usage_completion_tokens "
             "FROM turns ORDER BY rowid DESC LIMIT 1")[0]

@@ -8,7 +8,8 @@ import aiohttp
 
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.dataset import load_turns
-from specproxy.analyze.report import build_report, render_text
+from specproxy.analyze.report_data import build_report
+from specproxy.analyze.report import render_text
 from specproxy.app.fake_upstream import Script
 from waits import wait_for
 

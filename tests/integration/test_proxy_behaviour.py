@@ -16,7 +16,7 @@ import pytest
 
 from rawpeers import SSE_HEAD, chunk, read_request, wait_closed
 from specproxy.store.sqlite_source import SQLiteSource
-from specproxy.analyze.report import build_report
+from specproxy.analyze.report_data import build_report
 from specproxy.app.fake_upstream import Script, pieces_of
 from specproxy.store.dataset import load_turns
 from waits import wait_for

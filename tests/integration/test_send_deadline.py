@@ -9,16 +9,15 @@ and the upstream is closed: it never gave the proxy more than the kernel's buffe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-import threading
 import time
 
 import pytest
 
 from faultkit import ScriptedUpstream, db_rows, post_head, sse_head, wait_until
 from rawpeers import RawUpstream, chunk
-from serveproc import LoopThread, ServeProcess
+from procmem import PeakRss
+from serveproc import LoopThread, ServeProcess, cancel_leftovers
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
@@ -222,44 +221,6 @@ def test_an_answer_left_unread_in_the_buffer_does_not_hold_the_connection():
 # --- 1,030 clients that never read, against the real serve -------------------------------------------------
 
 
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-class _PeakRss:
-    """Samples a process's RSS every 50 ms on a thread of its own, until stopped."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = self.first = _rss_kb(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            with contextlib.suppress(OSError):
-                self.peak = max(self.peak, _rss_kb(self.pid))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(5)
-        return self.peak
-
-
-async def _cancel_leftovers() -> None:
-    """End the upstream's connections still open, before their loop closes."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=5)
-
-
 class _WideListener(RawUpstream):
     """A listener whose accept queue takes a thousand connects at once (asyncio's default is 100)."""
 
@@ -307,7 +268,7 @@ def test_1030_clients_that_never_read_do_not_lock_others_out(tmp_path):
     clients: list[socket.socket] = []
     try:
         assert _small_get(proc.port) == 200
-        rss = _PeakRss(proc.proc.pid)
+        rss = PeakRss(proc.proc.pid)
         t0 = time.monotonic()
         for _ in range(1030):
             clients.append(_stalled_client(proc.port))
@@ -316,21 +277,21 @@ def test_1030_clients_that_never_read_do_not_lock_others_out(tmp_path):
         # every stalled exchange ends within send_timeout_s of stalling (plus a loaded machine's margin)
         wait_until(lambda: proc.state()["in_flight"] == 0, 120, 0.5, "in_flight back to 0")
         statuses = [_small_get(proc.port) for _ in range(5)]
-        peak_kb = rss.stop()
+        peak = rss.stop()
         state = proc.state()
         assert statuses == [200] * 5, statuses
         assert state["in_flight"] == 0 and state["rejected_busy"] <= 6, state
         assert max(sent) < BIG
-        print(f"opened 1030 in {opened_s:.1f} s; RSS {rss.first / 1024:.0f} MB -> peak {peak_kb / 1024:.0f} MB; "
+        print(f"opened 1030 in {opened_s:.1f} s; RSS {rss.first / 2**20:.0f} MB -> peak {peak / 2**20:.0f} MB; "
               f"upstream got out at most {max(sent) / 2**20:.1f} MB of an answer; state {state}")
         # forwarding never stopped: what it holds per stalled client is its buffers, not the answer
-        assert peak_kb - rss.first < (budget >> 10) + 160 * 1024, (rss.first, peak_kb)
+        assert peak - rss.first < budget + (160 << 20), (rss.first, peak)
     finally:
         for s in clients:
             s.close()
         proc.stop()
         loop.run(listener.close())
-        loop.run(_cancel_leftovers())
+        loop.run(cancel_leftovers())
         loop.close()
     outcomes = dict(db_rows(db, "SELECT outcome, count(*) FROM turns WHERE path = ? GROUP BY outcome", (CHAT,)))
     busy = state["rejected_busy"]

@@ -17,7 +17,8 @@ from yarl import URL
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.config import load_config, server_root
 from specproxy.store.dataset import load_turns
-from specproxy.analyze.report import build_report, render_text
+from specproxy.analyze.report_data import build_report
+from specproxy.analyze.report import render_text
 from specproxy.observe.scrape import FAIL_LOG_EVERY_S, _worth_a_line
 from specproxy.app.fake_upstream import Script
 from specproxy.wire.pool import UpstreamPool

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from faultkit import ScriptedUpstream, chunk, db_rows, fill_filesystem, tiny_tmpfs, wait_until
-from serveproc import LoopThread, ServeProcess
+from serveproc import LoopThread, ServeProcess, cancel_leftovers
 
 CHAT = "/v1/chat/completions"
 SSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -110,7 +110,7 @@ def test_a_full_disk_under_serve_is_said_counted_and_written_as_space_allows(tmp
             if proc.proc.poll() is None:
                 proc.kill()
     loop.run(up.close())
-    loop.run(_cancel_leftovers())
+    loop.run(cancel_leftovers())
     loop.close()
 
 
@@ -147,17 +147,8 @@ def test_a_turn_that_ended_is_written_at_once_and_the_one_in_flight_gets_no_row(
         if proc.proc.poll() is None:
             proc.kill()
         loop.run(up.close())
-        loop.run(_cancel_leftovers())
+        loop.run(cancel_leftovers())
         loop.close()
-
-
-async def _cancel_leftovers() -> None:
-    """End the upstream's connections still waiting for a request, before their loop closes."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=5)
 
 
 def _safe_post(port: int) -> None:

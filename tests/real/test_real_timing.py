@@ -20,7 +20,8 @@ from real.clientkit import (
 from real.server import LlamaServer
 
 from specproxy.store.sqlite_source import SQLiteSource
-from specproxy.analyze.report import build_report, render_text
+from specproxy.analyze.report_data import build_report
+from specproxy.analyze.report import render_text
 from specproxy.store.dataset import load_turns
 
 pytestmark = pytest.mark.real

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specproxy.analyze.bench import Round, geometric_mean_ci, round_aggregate, summarize_bench
 from specproxy.analyze.roofline import roofline
-from specproxy.analyze.stats import mean_ci
+from specproxy.analyze.summary import mean_ci
 from specproxy.app.bench import schedule
 from specproxy.app.fake_upstream import make_record
 from specproxy.app.replay import CHAT, COMPLETIONS, MESSAGES, RESPONSES, parse_line, read_replay_file, replay_line

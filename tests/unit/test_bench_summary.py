@@ -19,7 +19,7 @@ import re
 import numpy as np
 
 from specproxy.analyze.bench import ONE_INSTANCE_NOTE, Round, render_bench, summarize_bench
-from specproxy.analyze.stats import summarize
+from specproxy.analyze.summary import summarize
 from specproxy.app.fake_upstream import make_record
 from specproxy.app.progress import Quiet, RichProgress, make_progress
 

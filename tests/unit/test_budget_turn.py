@@ -143,6 +143,8 @@ def test_the_model_of_a_prompt_too_large_to_parse_is_found_by_its_one_key():
     assert _model_only(b'{"model":"a\\"b"}') == 'a"b'  # an escaped quote inside the value
     # inside a string a key's quotes are escaped: not a key
     assert _model_only(b'{"messages":[{"content":"say \\"model\\":\\"x\\""}],"model":"real"}') == "real"
+    # a key whose name ends in an escaped quote and "model": the match there starts at an escaped quote
+    assert _model_only(b'{"a\\"model":"x","model":"real"}') == "real"
     assert _model_only(b'{"model":"a","tools":[{"model":"b"}]}') is None  # two: which is unknown
     assert _model_only(b'{"messages":[]}') is None and _model_only(b'{"model":1}') is None
     assert _model_only(b'{"model":"' + b"x" * 300 + b'"}') is None

@@ -22,7 +22,8 @@ from specproxy.store import column_cache
 from specproxy.analyze.compare import COMPARE_COLUMNS, Arm, compare, negative_control_report
 from specproxy.store.dataset import TEXT, load_turns
 from specproxy.store import rows
-from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
+from specproxy.analyze.report import render_text
 from specproxy.store.db import connect
 from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specproxy.analyze.stats import CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING
+from specproxy.analyze.instances import CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING
 from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record, make_whole_record
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specproxy.analyze.compare import COMPARE_COLUMNS, negative_control_report, parse_arm, render_compare
-from specproxy.analyze.stats import CONFOUNDED_WARNING
+from specproxy.analyze.instances import CONFOUNDED_WARNING
 from specproxy.app.fake_upstream import make_record
 from specproxy.store.db import open_existing
 from specproxy.store.sqlite_source import SQLiteSource

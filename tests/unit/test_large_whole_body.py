@@ -60,6 +60,8 @@ def whole_ttft(body: bytes) -> float:
 def test_the_one_key_is_found_and_a_key_inside_a_string_is_not():
     assert object_of_key(b'{"a":"\\"usage\\":{\\"x\\":1}","usage":{"p":{"q":"}"},"n":2}}', b"usage") == {
         "p": {"q": "}"}, "n": 2}
+    # a key whose name ends in an escaped quote and "usage": the match there starts at an escaped quote
+    assert object_of_key(b'{"a\\"usage":{"n":1},"usage":{"n":2}}', b"usage") == {"n": 2}
     assert object_of_key(b'{"usage":{"n":1},"x":{"usage":{"n":2}}}', b"usage") is None  # two: which one?
     assert object_of_key(b'{"usage":[1]}', b"usage") is None and object_of_key(b'{"usage":{"n":', b"usage") is None
     assert object_of_key(b'{"timings" : {"cache_n": 3}}', b"timings") == {"cache_n": 3}

@@ -17,13 +17,20 @@ from specproxy.serve.measuring import MAX_BATCH, MAX_DEFER_S, MeasuringWorker
 SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
 
 
-def _turn(n: int) -> RecordBuilder:
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b'{"model":"m%d","messages":[]}' % n,
-                      t_wall=time.time(), t_request=1.0)
+def _chat_turn(model: str, content: bytes | None = None) -> RecordBuilder:
+    """A finished streamed chat turn whose request asks for ``model`` with no messages, or with one user
+    message of ``content`` (a large one: a prompt measuring must parse)."""
+    messages = b"[]" if content is None else b'[{"role":"user","content":"%s"}]' % content
+    b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
+                      body=b'{"model":"%s","messages":%s}' % (model.encode(), messages))
     b.on_headers(1.1, 200, "text/event-stream")
     b.on_bytes(SSE, 1.2, 1.2)
     b.finish(1.3)
     return b
+
+
+def _turn(n: int) -> RecordBuilder:
+    return _chat_turn(f"m{n}")
 
 
 def _stored(builder, record) -> bool:
@@ -418,7 +425,7 @@ def test_small_turns_are_not_built_behind_a_backlog_of_large_ones():
 
     order: list[str] = []
     done = asyncio.Event()
-    pad = "x" * (LARGE_TURN_BYTES + LARGE_TURN_BYTES // 2)
+    pad = b"x" * (LARGE_TURN_BYTES + LARGE_TURN_BYTES // 2)
 
     def on_done(results):
         order.extend(built.record.model for built in results)
@@ -428,12 +435,7 @@ def test_small_turns_are_not_built_behind_a_backlog_of_large_ones():
     async def go():
         worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=_stored)
         for i in range(3):
-            b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
-                              body=b'{"model":"big%d","messages":[{"role":"user","content":"%s"}]}' % (i, pad.encode()))
-            b.on_headers(1.1, 200, "text/event-stream")
-            b.on_bytes(SSE, 1.2, 1.2)
-            b.finish(1.3)
-            worker.submit(b, more_in_flight=True)
+            worker.submit(_chat_turn(f"big{i}", pad), more_in_flight=True)
         for i in range(3):
             worker.submit(_turn(i), more_in_flight=i < 2)
         worker.held.set()
@@ -464,11 +466,7 @@ def test_a_batch_that_parsed_much_gives_the_heaps_pages_back(monkeypatch):
 
     async def go():
         worker = _Held(None, lambda: 0.0, asyncio.get_running_loop(), on_done, store=_stored)
-        b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
-                          body=b'{"model":"m","messages":[{"role":"user","content":"%s"}]}' % (b"x" * (1 << 20)))
-        b.on_headers(1.1, 200, "text/event-stream")
-        b.on_bytes(SSE, 1.2, 1.2)
-        b.finish(1.3)
+        b = _chat_turn("m", b"x" * (1 << 20))
         assert b.charged() == 0  # nothing charged (no budget): only the parsing counts
         worker.submit(b, more_in_flight=False)
         worker.held.set()

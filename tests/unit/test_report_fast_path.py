@@ -13,9 +13,9 @@ import numpy as np
 import orjson
 import pytest
 
-from specproxy.analyze import server_report, stats
+from specproxy.analyze import server_report, summary
 from specproxy.analyze.arrays import clean
-from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
 from specproxy.observe.counters import ScrapeSample, window_counters
 from specproxy.observe.server_metrics import Snapshot
 from specproxy.store.source import SCRAPE_FIELDS, Window
@@ -41,19 +41,19 @@ def db(tmp_path_factory):
     return path
 
 
-def plain_summarize(values, *, seed: int = 0, level: float = 0.95) -> stats.Summary:
+def plain_summarize(values, *, seed: int = 0, level: float = 0.95) -> summary.Summary:
     """Every figure read off one sorted copy; the mean in the values' order, as summarize sums it."""
     x = clean(values)
-    stats.check_level(level)
+    summary.check_level(level)
     if not x.size:
-        return stats.Summary(0, None, None, None, None, None)
+        return summary.Summary(0, None, None, None, None, None)
     s, n = np.sort(x), x.size
-    ranks = stats._median_ranks(n, level)
+    ranks = summary._median_ranks(n, level)
     lo = hi = None
     if ranks is not None:
         d, lam = ranks
-        lo, hi = float(stats._between(s[d - 1], s[d], lam)), float(stats._between(s[n - d], s[n - d - 1], lam))
-    return stats.Summary(n, float(np.median(s)), float(x.mean()), float(np.percentile(s, 95)), lo, hi)
+        lo, hi = float(summary._between(s[d - 1], s[d], lam)), float(summary._between(s[n - d], s[n - d - 1], lam))
+    return summary.Summary(n, float(np.median(s)), float(x.mean()), float(np.percentile(s, 95)), lo, hi)
 
 
 def plain_counters(scrapes, idx):
@@ -77,12 +77,12 @@ def report_json(path: Path, cache: bool, window: Window = Window()) -> bytes:
                                     Window(since=1_790_000_000.0 + 3600, until=1_790_000_000.0 + 7200)])
 def test_the_fast_report_equals_the_plain_reference(db, monkeypatch, window):
     fast = report_json(db, cache=True, window=window)
-    summarize = stats.summarize
+    summarize = summary.summarize
     patched = [name for name, mod in list(sys.modules.items())
                if name.startswith("specproxy.analyze") and getattr(mod, "summarize", None) is summarize]
     for name in patched:
         monkeypatch.setattr(sys.modules[name], "summarize", plain_summarize)
-    assert {"specproxy.analyze.report", "specproxy.analyze.server_report"} <= set(patched)
+    assert {"specproxy.analyze.report_data", "specproxy.analyze.server_report"} <= set(patched)
     monkeypatch.setattr(server_report, "_counters", plain_counters)
     plain = report_json(db, cache=False, window=window)
     assert orjson.loads(plain)["server"]["window"]["seconds"] > 0  # the server section is there to compare

@@ -13,7 +13,8 @@ import pytest
 
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store.dataset import load_turns
-from specproxy.analyze.report import build_report, render_text
+from specproxy.analyze.report_data import build_report
+from specproxy.analyze.report import render_text
 from specproxy.store.db import open_store
 from specproxy.store.writer import Writer
 from specproxy.app.fake_upstream import make_record, make_whole_record

@@ -10,7 +10,8 @@ import sqlite3
 import pytest
 
 from specproxy.store.sqlite_source import SQLiteSource
-from specproxy.analyze.report import PROMPT_PARTS, build_report, render_text
+from specproxy.analyze.report_data import PROMPT_PARTS, build_report
+from specproxy.analyze.report import render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store.dataset import load_turns
 from specproxy.store.writer import Writer

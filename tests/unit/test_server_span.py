@@ -16,7 +16,8 @@ import pytest
 
 from specproxy.store.source import Window
 from specproxy.store.sqlite_source import SQLiteSource
-from specproxy.analyze.report import build_report, render_text
+from specproxy.analyze.report_data import build_report
+from specproxy.analyze.report import render_text
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
 from specproxy.store.dataset import load_turns

@@ -18,7 +18,8 @@ import pytest
 
 from specproxy.analyze.bench import Round, render_bench, summarize_bench
 from specproxy.analyze.compare import Arm, compare, render_compare
-from specproxy.analyze.report import REPORT_COLUMNS, build_report, render_text
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
+from specproxy.analyze.report import render_text
 from specproxy.analyze.slo import attainment, capacity, met, tpot_s, wilson
 from specproxy.app.fake_upstream import make_record, make_whole_record
 from specproxy.config import Slo, load_config, parse_slo

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from specproxy.analyze.report import REPORT_COLUMNS, build_report
+from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
 from specproxy.app.fake_upstream import make_record
 from specproxy.store import rows
 from specproxy.store.dataset import NUMERIC, TEXT

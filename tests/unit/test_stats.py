@@ -1,4 +1,4 @@
-"""Tests for specproxy.analyze.stats: the intervals are checked by simulation, not by example.
+"""Tests for specproxy.analyze.stats, .summary and .instances: the intervals are checked by simulation, not by example.
 
 Every simulation is seeded and vectorised where it can be; the measured rates are printed
 (run with -s to see them) so a change in calibration shows up as numbers, not only as a failure.
@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specproxy.analyze.cells import concurrency_bucket, prompt_bucket, which_to_read
-from specproxy.analyze.stats import (
-    CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, Ratio, Summary, bootstrap_ratio, instance_warning, median_ci,
-    median_tail, percentile_interval, plural, summarize, unknown_instances_warning,
-)
+from specproxy.analyze.instances import (CONFOUNDED_WARNING, SEPARATE_INSTANCES_WARNING, instance_warning,
+                                         unknown_instances_warning)
+from specproxy.analyze.stats import Ratio, bootstrap_ratio, median_tail, percentile_interval
+from specproxy.analyze.summary import Summary, median_ci, summarize
+from specproxy.analyze.wording import plural
 from specproxy.analyze.control import negative_control
 from specproxy.analyze.tdist import t_ppf as _t_ppf
 from specproxy.analyze.throughput import aggregate_throughput, aggregate_throughput_interval

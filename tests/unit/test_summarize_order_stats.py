@@ -9,7 +9,7 @@ import math
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from specproxy.analyze.stats import _between, _median_ranks, summarize
+from specproxy.analyze.summary import _between, _median_ranks, summarize
 from tests.budget import examples
 
 

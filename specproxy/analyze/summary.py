@@ -1,0 +1,196 @@
+"""Summaries of one figure: n, median, mean, p95, and the 95% interval of the median.
+
+Why: on inference hardware one config varies a lot from run to run (docs/statistics.md), so a bare
+median is a confident number that may be wrong; here every figure has n and an interval. The
+comparisons of two arms are in ``stats`` (the A/B ratio), which this module knows nothing of.
+
+* CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
+  between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
+  assumption (latencies are skewed), no random numbers, one partition: O(n). Uninterpolated,
+  the coverage jumps with n; interpolated it is close to the level at every n. Below 6 values
+  no pair of order statistics covers 95%: the interval is then None, not a made-up one.
+* A figure of few replicates (``mean_ci``): Student's t interval of their mean.
+* Values in clusters (server instances, a benchmark's rounds; ``summarize_clustered``): the interval
+  of the median over whole clusters, by the rule ``stats.bootstrap_ratio`` uses for an arm in
+  several instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from specproxy.analyze.arrays import check_level, clean, clean_labelled
+from specproxy.analyze.resample import boot_instances, log_var
+from specproxy.analyze.tdist import t_ppf
+
+__all__ = ["Summary", "mean_ci", "median_ci", "summarize", "summarize_clustered"]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """n, median, mean, p95 and the 95% CI of the median. With n = 0 every figure is None."""
+    n: int
+    median: float | None
+    mean: float | None
+    p95: float | None
+    ci_low: float | None
+    ci_high: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
+    """Interpolated order-statistic CI of the median; (None, None) when n < 6 (at 95%).
+
+    gamma_d = P(d <= B <= n-d), B ~ Bin(n, 1/2), is the exact coverage of [X(d), X(n-d+1)] for any
+    continuous distribution. Take the largest d with gamma_d >= level and move each end towards
+    the next order statistic by lambda = (n-d)I / (d + (n-2d)I), I = (gamma_d - level) /
+    (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986). Four order statistics: one
+    ``numpy.partition``, O(n), not a sort.
+    """
+    check_level(level)
+    return _median_ci(clean(values), level)
+
+
+@functools.lru_cache(maxsize=512)
+def _median_ranks(n: int, level: float) -> tuple[int, float] | None:
+    """(d, lambda) of ``median_ci`` at size n (None: no interval): the same for every figure of that size,
+    and O(n) to find, so found once."""
+    if n < 2:
+        return None
+    j = np.arange(n // 2 + 1)  # P(B <= j), B ~ Bin(n, 1/2), from the log pmf: no underflow
+    cdf = np.cumsum(np.exp(n * math.log(0.5) + np.concatenate(
+        ([0.0], np.cumsum(np.log((n - j) / (j + 1.0)))))))
+    d = np.arange(1, n // 2 + 1)
+    gamma = 1.0 - 2.0 * cdf[d - 1]
+    ok = np.nonzero(gamma >= level)[0]
+    if ok.size == 0:
+        return None
+    d_best = int(d[ok[-1]])
+    g_d = float(gamma[ok[-1]])
+    g_next = float(1.0 - 2.0 * cdf[d_best]) if d_best < n // 2 else 0.0
+    i = (g_d - level) / (g_d - g_next) if g_d > g_next else 0.0
+    lam = (n - d_best) * i / (d_best + (n - 2 * d_best) * i) if i > 0 else 0.0
+    return d_best, lam
+
+
+def _median_ci(x: np.ndarray, level: float) -> tuple[float | None, float | None]:
+    """``median_ci`` of clean values, in any order."""
+    ranks = _median_ranks(x.size, level)
+    if ranks is None:
+        return None, None
+    return _ci_ends(np.partition(x, _ci_at(x.size, ranks)), x.size, ranks)
+
+
+def _ci_at(n: int, ranks: tuple[int, float]) -> list[int]:
+    d = ranks[0]
+    return [d - 1, d, n - d - 1, n - d]
+
+
+def _ci_ends(part: np.ndarray, n: int, ranks: tuple[int, float]) -> tuple[float, float]:
+    """The interval's ends from values partitioned at ``_ci_at``'s positions."""
+    d, lam = ranks
+    return float(_between(part[d - 1], part[d], lam)), float(_between(part[n - d], part[n - d - 1], lam))
+
+
+def _p95_at(n: int) -> tuple[float, int, int]:
+    """numpy's linear percentile 95 of n values: its virtual index and the two ranks it reads."""
+    virtual = (n - 1) * np.true_divide(95, 100)
+    if virtual >= n - 1:
+        return virtual, n - 1, n - 1
+    lo = int(np.floor(virtual))
+    return virtual, lo, lo + 1
+
+
+def _p95(part: np.ndarray, n: int) -> float:
+    """``numpy.percentile(x, 95)`` read off values partitioned at ``_p95_at``'s ranks: numpy's own
+    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
+    virtual, i, j = _p95_at(n)
+    a, b = part[i], part[j]
+    t = virtual - (-1 if i == n - 1 else i)  # numpy's gamma (its index -1 past the end)
+    diff = b - a
+    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
+
+
+def _median(part: np.ndarray, n: int) -> float:
+    """``numpy.median`` read off values partitioned at ``(n - 1) // 2`` and ``n // 2``."""
+    if n % 2:
+        return float(part[n // 2])
+    return float(np.mean(part[n // 2 - 1:n // 2 + 1]))
+
+
+def _between(a: float, b: float, lam: float) -> float:
+    """``a`` moved towards ``b`` by ``lam``, never outside [a, b] (rounding could step past b,
+    and an interval end past the median it brackets is a wrong answer, however small)."""
+    v = (1 - lam) * a + lam * b
+    return min(max(v, min(a, b)), max(a, b))
+
+
+def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.95) -> Summary:
+    """Summary of one metric. None/NaN are dropped (missing is missing, never 0).
+
+    ``seed`` is accepted for API stability and unused: the order-statistic interval is exact
+    and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
+    small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
+    statistics, found by one partition, never a sort (the mean is summed in the values' order).
+    """
+    x = clean(values)
+    if x.size == 0:
+        check_level(level)
+        return Summary(0, None, None, None, None, None)
+    check_level(level)
+    n = x.size
+    ranks = _median_ranks(n, level)
+    at = {(n - 1) // 2, n // 2, *_p95_at(n)[1:], *(_ci_at(n, ranks) if ranks is not None else ())}
+    part = np.partition(x, sorted(at))  # every order statistic below in one pass
+    lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
+    return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
+
+
+def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high): Student's t interval of the mean; the ends are None below 2 values.
+
+    For a few replicates of one figure (a benchmark's aggregate throughput per repeat or per server
+    instance), where a median's order-statistic interval needs 6 values and the replicates are
+    themselves averages over many turns, so their mean is close to normal."""
+    check_level(level)
+    x = clean(values)
+    if x.size == 0:
+        return None, None, None
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, None, None
+    half = t_ppf(0.5 + level / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, mean - half, mean + half
+
+
+def summarize_clustered(values: Iterable[Any], clusters: Sequence[Any], *, seed: int = 0,
+                        level: float = 0.95) -> Summary:
+    """``summarize``, but the interval of the median is over clusters (server instances, or a benchmark's
+    rounds), not over values: values of one cluster share its offset (an instance's from its start, a
+    round's from drift within an instance), so pooling them as independent gives an interval that leaves
+    out the cluster-to-cluster variance. Which variance that is depends on the clusters: instances carry
+    restart-to-restart variation, rounds of one instance only run-to-run drift.
+
+    compare's rule for an arm in several instances (``bootstrap_ratio``): the variance of the log pooled
+    median when whole clusters are resampled, times k/(k-1), and Student t with k - 1 df; the interval is
+    the median times exp(+-t * se). Below 2 clusters, or with a 0 among the bootstrap medians, no interval."""
+    check_level(level)
+    x, lab, uniq = clean_labelled(values, clusters)
+    base = summarize(x, level=level)
+    k = len(uniq)
+    if x.size == 0 or k < 2 or base.median is None or base.median <= 0 or (x < 0).any():
+        return dataclasses.replace(base, ci_low=None, ci_high=None)
+    v = float(log_var(boot_instances(x, lab, "median", 2000, np.random.default_rng(seed)))[0]) * k / (k - 1)
+    if not math.isfinite(v):
+        return dataclasses.replace(base, ci_low=None, ci_high=None)
+    half = t_ppf(0.5 + level / 2, k - 1) * math.sqrt(v)
+    return dataclasses.replace(base, ci_low=base.median * math.exp(-half), ci_high=base.median * math.exp(half))
+
