@@ -5,6 +5,7 @@
     python scripts/bench_overhead.py --stream-mode smooth    # streams on their own phase, no bursts
     python scripts/bench_overhead.py --json out.json         # also write every round's raw numbers
     python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
+    python scripts/bench_overhead.py --specproxy-baseline ../base --no-nginx  # this checkout against another
 
 Three processes besides this orchestrator, all on 127.0.0.1:
 
@@ -76,8 +77,8 @@ from overhead_procs import (
     wait_quiet,
     wake_floor,
 )
-from overhead_tables import (OTLP_INTERVAL_S, WITH_OTLP, git_state, render, render_otlp, render_polls, render_targets,
-                             render_threads, summarize)
+from overhead_tables import (BASELINE, OTLP_INTERVAL_S, WITH_OTLP, git_state, render, render_baseline, render_otlp,
+                             render_polls, render_targets, render_threads, summarize)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,7 +158,7 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
            "--tokens", f"{args.tokens[0]}-{args.tokens[1]}", "--prompt-bytes", str(args.prompt_bytes),
            "--stream-mode", args.stream_mode, "--seed", str(seed)]
     lg = subprocess.Popen(cmd, preexec_fn=pin(load_cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path == "specproxy" else None
+    watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path in ("specproxy", BASELINE) else None
     all_pids = lambda: [p for pid in pids for p in (pid, *children(pid))]  # noqa: E731
     sleep_until(t_start)
     proxy_pids = all_pids()
@@ -290,6 +291,14 @@ def orchestrate(args) -> None:
     if nginx_bin:
         v = subprocess.run([nginx_bin, "-v"], capture_output=True, text=True)
         nginx_version = (v.stderr or v.stdout).strip().split("/")[-1]
+    base_python = base_git = None
+    if args.specproxy_baseline:  # another checkout's specproxy (its own venv) in the same rotation
+        base_root = Path(args.specproxy_baseline).resolve()
+        base_python = str(base_root / ".venv" / "bin" / "python")
+        if not os.path.exists(base_python):
+            sys.exit(f"--specproxy-baseline: no {base_python} (make the checkout's venv: pip install -e .)")
+        paths.append(BASELINE)
+        base_git = git_state(base_root)
     cs = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     env_cores = ",".join(map(str, sorted(load_cores))) if load_cores else "any"
@@ -303,7 +312,7 @@ def orchestrate(args) -> None:
     try:
         up_port = int(up.stdout.readline())
         for c in cs:
-            nginx = specproxy = with_otlp = None
+            nginx = specproxy = with_otlp = baseline = None
             try:
                 targets = {"direct": (up_port, [])}
                 if "nginx" in paths:
@@ -315,6 +324,9 @@ def orchestrate(args) -> None:
                     with_otlp, oport, _ = start_specproxy(tmp, up_port, proxy_cores, [
                         *args.specproxy_arg, "--otlp-endpoint", otlp_url, "--otlp-interval", str(OTLP_INTERVAL_S)])
                     targets[WITH_OTLP] = (oport, [with_otlp.pid])
+                if base_python is not None:
+                    baseline, bport, _ = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg, base_python)
+                    targets[BASELINE] = (bport, [baseline.pid])
                 state0, t_state0 = specproxy_state(specproxy, tmp, sport), time.monotonic()
                 args._our_pids = [os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
                 for rnd in range(args.rounds):
@@ -338,11 +350,15 @@ def orchestrate(args) -> None:
                 names = {"specproxy": {**thread_names(specproxy.pid),
                                        **{int(t): "measuring process" for c in sp_children
                                           for t in listdir(f"/proc/{c}/task")}},
-                         "nginx": ({nginx.pid: "master", **{k: "worker" for k in children(nginx.pid)}} if nginx else {})}
+                         "nginx": ({nginx.pid: "master", **{k: "worker" for k in children(nginx.pid)}} if nginx else {}),
+                         BASELINE: ({**thread_names(baseline.pid),
+                                     **{int(t): "measuring process" for c in children(baseline.pid)
+                                        for t in listdir(f"/proc/{c}/task")}} if baseline else {})}
                 if c == profile_c and args.py_spy:
                     profile = profile_window(args, targets["specproxy"], c, [up.pid], load_cores, args.py_spy)
                 hwm = {"nginx": sum(hwm_kb(p) for p in ([nginx.pid, *children(nginx.pid)] if nginx else [])),
-                       "specproxy": sum(hwm_kb(p) for p in (specproxy.pid, *sp_children))}
+                       "specproxy": sum(hwm_kb(p) for p in (specproxy.pid, *sp_children)),
+                       **({BASELINE: sum(hwm_kb(p) for p in (baseline.pid, *children(baseline.pid)))} if baseline else {})}
                 for r in runs:
                     if r["conns"] == c and r["path"] in names and "threads" in r:
                         r["thread_names"] = {tid: names[r["path"]].get(int(tid), f"tid {tid}") for tid in r["threads"]}
@@ -356,6 +372,7 @@ def orchestrate(args) -> None:
                 stop(specproxy)
                 stop(nginx)
                 stop(with_otlp)
+                stop(baseline)
             if specproxy is not None:
                 import sqlite3
 
@@ -376,7 +393,7 @@ def orchestrate(args) -> None:
         "prompt_bytes": args.prompt_bytes, "rounds": args.rounds, "warmup": args.warmup, "measure": args.measure,
         "proxy_cores": ",".join(map(str, sorted(proxy_cores))) if proxy_cores else "any", "load_cores": env_cores,
         "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": platform.python_version(),
-        "cadence_poll": polls,
+        "cadence_poll": polls, "baseline_git": base_git,
     }
     print()
     print(render(summary, cs, paths, meta, held))
@@ -392,6 +409,9 @@ def orchestrate(args) -> None:
         print()
     if receiver is not None:
         print(render_otlp(runs, cs, otlp_took[0]))
+        print()
+    if base_git is not None:
+        print(render_baseline(runs, cs, base_git))
         print()
     if profile:
         print(profile)
@@ -430,6 +450,9 @@ def main() -> None:
     ap.add_argument("--specproxy-arg", action="append", default=[], help="extra argument for specproxy serve")
     ap.add_argument("--with-otlp", action="store_true", help="also run specproxy with --otlp-endpoint to a local "
                     "receiver in the same rotation, and print the with/without ratios")
+    ap.add_argument("--specproxy-baseline", metavar="CHECKOUT", help="also run the specproxy of another checkout "
+                    "(its .venv, made with pip install -e .) in the same rotation, and print this / that ratios per "
+                    "round: a before/after on one machine in one run")
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "
                     "use < 0.15 CPU, at most this many seconds in all [60]; 0: never wait")

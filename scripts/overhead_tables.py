@@ -104,11 +104,11 @@ def render(summary: dict, cs: list[int], paths: list[str], meta: dict, held: dic
     return "\n".join(L)
 
 
-def git_state() -> str:
+def git_state(root: Path = ROOT) -> str:
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "specproxy"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "specproxy"],
                                capture_output=True, text=True, timeout=10).stdout.split("\n")
         changed = sorted(line[3:].split("/")[-1] for line in dirty if line.strip())
         return f"{head}" + (f" + uncommitted {', '.join(changed)}" if changed else "")
@@ -121,7 +121,7 @@ def render_threads(runs: list[dict], c: int) -> str:
     L = [f"Where the proxy's CPU goes at C={c} (µs per chunk, median over rounds; user = in the process, "
          "sys = in the kernel for it: its syscalls, and the loopback TCP delivery they trigger):", "",
          "| path | thread | user | sys | total |", "|---|---|---:|---:|---:|"]
-    for path in ("nginx", "specproxy"):
+    for path in ("nginx", "specproxy", BASELINE):
         rs = [r for r in runs if r["conns"] == c and r["path"] == path and r.get("threads")]
         if not rs:
             continue
@@ -182,23 +182,38 @@ def render_polls(polls: dict[int, dict[str, float]]) -> str:
 
 
 WITH_OTLP = "specproxy+otlp"
+BASELINE = "specproxy-base"  # --specproxy-baseline: the same benchmark's specproxy from another checkout
 OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
 
 
 def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
-    """``--with-otlp``: specproxy with OTLP against without, per C: the per-round ratios of CPU per chunk and
-    of added latency (the two paths ran in the same rounds, in rotating order)."""
-    L = [f"OTLP's cost (--otlp-endpoint to a local receiver, every {OTLP_INTERVAL_S:g} s; it took {exports} "
-         "exports): median over rounds of the per-round ratio with / without (min–max)", "",
+    """``--with-otlp``: specproxy with OTLP against without, per C."""
+    return render_versus(runs, cs, WITH_OTLP, "specproxy",
+                         f"OTLP's cost (--otlp-endpoint to a local receiver, every {OTLP_INTERVAL_S:g} s; it took "
+                         f"{exports} exports): median over rounds of the per-round ratio with / without (min–max)")
+
+
+def render_baseline(runs: list[dict], cs: list[int], base_git: str) -> str:
+    """``--specproxy-baseline``: this checkout's specproxy against the baseline checkout's, per C."""
+    return render_versus(runs, cs, "specproxy", BASELINE,
+                         f"This checkout's specproxy against the baseline's ({base_git}), run in the same rounds: "
+                         "median over rounds of the per-round ratio this / baseline (min–max; below 1: this "
+                         "one is cheaper or faster)")
+
+
+def render_versus(runs: list[dict], cs: list[int], path: str, base_path: str, title: str) -> str:
+    """Two paths that ran in the same rounds, in rotating order, per C: the per-round ratios ``path`` /
+    ``base_path`` of CPU per chunk and of latency (within a round, so the machine's drift cancels)."""
+    L = [title, "",
          "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |", "|---:|---:|---:|---:|---:|"]
     for c in cs:
         by = {(r["path"], r["round"]): r for r in runs if r["conns"] == c}
         cells = []
         for key, sub in (("sched_us_per_chunk", None), ("chunks_per_s", None), ("lat_us", "p50"), ("lat_us", "p99")):
             ratios = []
-            for (path, rnd), r in by.items():
-                base = by.get(("specproxy", rnd))
-                if path != WITH_OTLP or base is None:
+            for (p, rnd), r in by.items():
+                base = by.get((base_path, rnd))
+                if p != path or base is None:
                     continue
                 a, b = (r[key], base[key]) if sub is None else (r[key].get(sub), base[key].get(sub))
                 if a and b:
