@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from specproxy.measure.blocks import BLOCK_TOKENS, block_digests
+from specproxy.measure.memo_key import memo_key
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.tokens import completion_text
 
@@ -67,7 +68,7 @@ class _Turn:
 
 
 def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return memo_key(data)  # in memory only: a segment's key, a message's or a tool list's identity
 
 
 def _json_digest(value: Any) -> bytes:
