@@ -6,6 +6,7 @@
     python scripts/bench_overhead.py --json out.json         # also write every round's raw numbers
     python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
     python scripts/bench_overhead.py --with-sink --with-otlp # also with --sink to a local PostgreSQL, and both
+    python scripts/bench_overhead.py --specproxy-baseline ../base --no-nginx  # this checkout against another
 
 Three processes besides this orchestrator, all on 127.0.0.1:
 
@@ -87,8 +88,9 @@ from overhead_procs import (
     wake_floor,
 )
 from overhead_sink import SinkSide, delivered, shipper_sample, thread_on_cpu_s
-from overhead_tables import (OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render, render_otlp,
-                             render_polls, render_shipper, render_sink, render_targets, render_threads, summarize)
+from overhead_tables import (BASELINE, OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render,
+                             render_baseline, render_otlp, render_polls, render_shipper, render_sink, render_targets,
+                             render_threads, summarize)
 from overhead_watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +107,7 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
            "--tokens", f"{args.tokens[0]}-{args.tokens[1]}", "--prompt-bytes", str(args.prompt_bytes),
            "--stream-mode", args.stream_mode, "--seed", str(seed)]
     lg = subprocess.Popen(cmd, preexec_fn=pin(load_cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path == "specproxy" else None
+    watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path in ("specproxy", BASELINE) else None
     all_pids = lambda: [p for pid in pids for p in (pid, *children(pid))]  # noqa: E731
     sleep_until(t_start)
     proxy_pids = all_pids()
@@ -250,6 +252,14 @@ def orchestrate(args) -> None:
     if nginx_bin:
         v = subprocess.run([nginx_bin, "-v"], capture_output=True, text=True)
         nginx_version = (v.stderr or v.stdout).strip().split("/")[-1]
+    base_python = base_git = None
+    if args.specproxy_baseline:  # another checkout's specproxy (its own venv) in the same rotation
+        base_root = Path(args.specproxy_baseline).resolve()
+        base_python = str(base_root / ".venv" / "bin" / "python")
+        if not os.path.exists(base_python):
+            sys.exit(f"--specproxy-baseline: no {base_python} (make the checkout's venv: pip install -e .)")
+        paths.append(BASELINE)
+        base_git = git_state(base_root)
     cs = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     env_cores = ",".join(map(str, sorted(load_cores))) if load_cores else "any"
@@ -277,6 +287,10 @@ def orchestrate(args) -> None:
                     vproc, vport, vdb = start_specproxy(tmp, up_port, proxy_cores, [*args.specproxy_arg, *extra])
                     variants[path] = (vproc, vport, vdb, extra[1] if extra[0] == "--sink" else None)
                     targets[path] = (vport, [vproc.pid])
+                if base_python is not None:  # the other checkout's specproxy, by its own interpreter
+                    bproc, bport, bdb = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg, base_python)
+                    variants[BASELINE] = (bproc, bport, bdb, None)
+                    targets[BASELINE] = (bport, [bproc.pid])
                 state0, t_state0 = specproxy_state(specproxy, tmp, sport), time.monotonic()
                 args._our_pids = ([os.getpid(), up.pid] + [t[1][0] for t in targets.values() if t[1]]
                                   + ([sink.server.pid] if sink else []))
@@ -356,7 +370,7 @@ def orchestrate(args) -> None:
         "prompt_bytes": args.prompt_bytes, "rounds": args.rounds, "warmup": args.warmup, "measure": args.measure,
         "proxy_cores": ",".join(map(str, sorted(proxy_cores))) if proxy_cores else "any", "load_cores": env_cores,
         "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": platform.python_version(),
-        "cadence_poll": polls, "sink": deliveries,
+        "cadence_poll": polls, "sink": deliveries, "baseline_git": base_git,
     }
     print()
     print(render(summary, cs, paths, meta, held))
@@ -382,6 +396,8 @@ def orchestrate(args) -> None:
         print(render_sink(runs, cs))
         print()
         print(render_shipper(runs, cs, deliveries))
+    if base_git is not None:
+        print(render_baseline(runs, cs, base_git))
         print()
     if profile:
         print(profile)
@@ -423,6 +439,9 @@ def main() -> None:
     ap.add_argument("--with-sink", action="store_true", help="also run specproxy with --sink to a PostgreSQL this "
                     "script starts (and, with --with-otlp, one with both) in the same rotation; print the with/without "
                     "ratios, the shipper's CPU per turn and lag, and the turns PostgreSQL holds")
+    ap.add_argument("--specproxy-baseline", metavar="CHECKOUT", help="also run the specproxy of another checkout "
+                    "(its .venv, made with pip install -e .) in the same rotation, and print this / that ratios per "
+                    "round: a before/after on one machine in one run")
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "
                     "use < 0.15 CPU, at most this many seconds in all [60]; 0: never wait")

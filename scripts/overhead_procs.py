@@ -301,10 +301,13 @@ def start_nginx(binary: str, tmp: Path, up_port: int, cores) -> tuple[subprocess
     return proc, port
 
 
-def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str]) -> tuple[subprocess.Popen, int, Path]:
+def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str], python: str | None = None,
+                    ) -> tuple[subprocess.Popen, int, Path]:
+    """``specproxy serve`` in front of the upstream; ``python``: the interpreter whose install of specproxy
+    runs (another checkout's venv, ``--specproxy-baseline``), this one's by default."""
     port = _free_port()
     db = tmp / f"specproxy-{time.monotonic_ns()}.db"
-    cmd = [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
+    cmd = [python or sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
            "--port", str(port), "--db", str(db), "--tokenizer", "tiktoken:o200k_base", *extra]
     log = open(tmp / f"specproxy-{port}.log", "w")
     proc = subprocess.Popen(cmd, preexec_fn=pin(cores), stdout=log, stderr=log, cwd=str(tmp))

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WITH_OTLP = "specproxy+otlp"  # the same specproxy with --otlp-endpoint (--with-otlp)
 WITH_SINK = "specproxy+sink"  # with --sink postgresql://... (--with-sink)
 WITH_SINK_OTLP = "specproxy+sink+otlp"  # with both (--with-sink --with-otlp): issue 35's case
-PROXY_PATHS = ("nginx", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP)  # the paths with a process to read
+BASELINE = "specproxy-base"  # --specproxy-baseline: the same benchmark's specproxy from another checkout
+PROXY_PATHS = ("nginx", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, BASELINE)  # the paths with a process to read
 OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
 SHIPPER_THREAD = "specproxy-ship"  # store/shipper.py's thread, by the name the benchmark reads it under
 
@@ -111,11 +112,11 @@ def render(summary: dict, cs: list[int], paths: list[str], meta: dict, held: dic
     return "\n".join(L)
 
 
-def git_state() -> str:
+def git_state(root: Path = ROOT) -> str:
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "specproxy"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "specproxy"],
                                capture_output=True, text=True, timeout=10).stdout.split("\n")
         changed = sorted(line[3:].split("/")[-1] for line in dirty if line.strip())
         return f"{head}" + (f" + uncommitted {', '.join(changed)}" if changed else "")
@@ -191,18 +192,26 @@ def render_polls(polls: dict[int, dict[str, float]]) -> str:
     return ("specproxy's cadence poll (its state line; polling is in its CPU above): " + "; ".join(parts) + ".")
 
 
-def render_ratios(runs: list[dict], cs: list[int], path: str, title: str) -> str:
-    """A variant of specproxy against specproxy, per C: the per-round ratios with / without of CPU per
-    chunk, chunks/s and latency (the two ran in the same rounds, in rotating order), their median (min–max)."""
-    L = [title, "", "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |",
-         "|---:|---:|---:|---:|---:|"]
+def render_baseline(runs: list[dict], cs: list[int], base_git: str) -> str:
+    """``--specproxy-baseline``: this checkout's specproxy against the baseline checkout's, per C."""
+    return render_versus(runs, cs, "specproxy", BASELINE,
+                         f"This checkout's specproxy against the baseline's ({base_git}), run in the same rounds: "
+                         "median over rounds of the per-round ratio this / baseline (min–max; below 1: this "
+                         "one is cheaper or faster)")
+
+
+def render_versus(runs: list[dict], cs: list[int], path: str, base_path: str, title: str) -> str:
+    """Two paths that ran in the same rounds, in rotating order, per C: the per-round ratios ``path`` /
+    ``base_path`` of CPU per chunk and of latency (within a round, so the machine's drift cancels)."""
+    L = [title, "",
+         "| C | CPU µs/chunk (schedstat) × | chunks/s × | latency p50 × | latency p99 × |", "|---:|---:|---:|---:|---:|"]
     for c in cs:
         by = {(r["path"], r["round"]): r for r in runs if r["conns"] == c}
         cells = []
         for key, sub in (("sched_us_per_chunk", None), ("chunks_per_s", None), ("lat_us", "p50"), ("lat_us", "p99")):
             ratios = []
             for (p, rnd), r in by.items():
-                base = by.get(("specproxy", rnd))
+                base = by.get((base_path, rnd))
                 if p != path or base is None:
                     continue
                 a, b = (r[key], base[key]) if sub is None else (r[key].get(sub), base[key].get(sub))
@@ -215,7 +224,7 @@ def render_ratios(runs: list[dict], cs: list[int], path: str, title: str) -> str
 
 def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
     """``--with-otlp``: specproxy with OTLP against without, per C."""
-    return render_ratios(runs, cs, WITH_OTLP, f"OTLP's cost (--otlp-endpoint to a local receiver, every "
+    return render_versus(runs, cs, WITH_OTLP, "specproxy", f"OTLP's cost (--otlp-endpoint to a local receiver, every "
                          f"{OTLP_INTERVAL_S:g} s; it took {exports} exports): median over rounds of the per-round "
                          "ratio with / without (min–max)")
 
@@ -226,7 +235,7 @@ def render_sink(runs: list[dict], cs: list[int]) -> str:
     for path, what in ((WITH_SINK, "--sink postgresql://... to a local PostgreSQL"),
                        (WITH_SINK_OTLP, "--sink and --otlp-endpoint both, issue 35's case")):
         if any(r["path"] == path for r in runs):
-            parts.append(render_ratios(runs, cs, path, f"The cost of {path} ({what}): median over rounds of the "
+            parts.append(render_versus(runs, cs, path, "specproxy", f"The cost of {path} ({what}): median over rounds of the "
                                        "per-round ratio with / without (min–max)"))
     return "\n\n".join(parts)
 

@@ -7,9 +7,10 @@ one holds a 128-bit digest and a count per entry, however long the text.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable
+
+from specproxy.measure.memo_key import memo_key
 
 __all__ = ["CountMemo"]
 
@@ -17,7 +18,7 @@ __all__ = ["CountMemo"]
 class CountMemo:
     """``count(text)`` remembered for the texts a chat client sends again every turn.
 
-    Keyed by a BLAKE2b-128 digest of the text, not the text: the memo holds ``maxsize`` digests and
+    Keyed by a 128-bit digest of the text (``memo_key``), not the text: the memo holds ``maxsize`` digests and
     counts (~90 bytes each), never the conversations themselves, however long their messages. A
     digest costs a small fraction of tokenizing the same text (docs/performance.md, "Design figures"). Least
     recently used entries go first; ``hits`` and ``misses`` say how it does. Thread-safe.
@@ -32,7 +33,7 @@ class CountMemo:
         self.misses = 0
 
     def __call__(self, text: str) -> int:
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        key = memo_key(text.encode("utf-8", "surrogatepass"))
         with self._lock:
             n = self._counts.pop(key, None)
             if n is not None:

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from specproxy.measure.blocks import BLOCK_TOKENS, block_digests
+from specproxy.measure.memo_key import memo_key
 from specproxy.measure.openai import PromptParts, message_text
 from specproxy.measure.tokens import completion_text
 
@@ -67,7 +68,7 @@ class _Turn:
 
 
 def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return memo_key(data)  # in memory only: a segment's key, a message's or a tool list's identity
 
 
 def _json_digest(value: Any) -> bytes:
@@ -182,15 +183,20 @@ class PrefixTracker:
                 "system_changed": prev.system != cur.system, "tools_changed": prev.tools != cur.tools}
         if not counted:
             return TurnPrefix(diff=diff)
-        a = np.frombuffer(b"".join(s[2] for s in prev.segments), dtype=np.uint32)
-        b = np.frombuffer(b"".join(s[2] for s in cur.segments), dtype=np.uint32)
-        n = min(len(a), len(b))
-        differ = np.flatnonzero(a[:n] != b[:n])
-        reused = int(differ[0]) if len(differ) else n
+        prev_ids = b"".join(s[2] for s in prev.segments)
+        cur_ids = b"".join(s[2] for s in cur.segments)
+        prev_n, cur_n = len(prev_ids) // 4, len(cur_ids) // 4  # tokens
+        if prev_ids.startswith(cur_ids) or cur_ids.startswith(prev_ids):
+            reused = min(prev_n, cur_n)  # the usual turn: one prompt extends the other (one memcmp, no arrays)
+        else:
+            n = min(prev_n, cur_n)
+            differ = np.flatnonzero(np.frombuffer(prev_ids, dtype=np.uint32, count=n)
+                                    != np.frombuffer(cur_ids, dtype=np.uint32, count=n))
+            reused = int(differ[0]) if len(differ) else n
         part = None
-        if reused < len(a):  # not only appended: say where the break is
+        if reused < prev_n:  # not only appended: say where the break is
             at = 0
-            for _, seg_part, ids in (cur.segments if reused < len(b) else prev.segments):
+            for _, seg_part, ids in (cur.segments if reused < cur_n else prev.segments):
                 at += len(ids) // 4
                 if reused < at:
                     part = seg_part

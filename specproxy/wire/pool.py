@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
+import select
 import ssl
 
 from yarl import URL
@@ -38,25 +38,26 @@ POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long
 SWEEP_S = 1.0  # how often idle connections kept for client connections are checked for their client gone
 
 
-def _pending(transport: asyncio.Transport) -> bool:
-    """Whether the socket under an idle connection has bytes waiting, or its end of file (a peek that
-    never blocks). A TLS connection is not peeked: its records are not the exchange's bytes."""
+# what a zero-timeout poll reports for a socket that has bytes waiting, its end of file, or an error (a reset)
+_WAITING = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+
+
+def _pending(transport: asyncio.Transport, poller: select.poll) -> bool:
+    """Whether the socket under an idle connection has bytes waiting, its end of file, or an error (a
+    reset: not one to send on); a TLS connection is not looked at (its records are not the exchange's
+    bytes). One ``poll`` with no timeout on ``poller`` (the pool's, the loop's thread alone uses it).
+
+    Why not a ``recv(1, MSG_PEEK)``: on a Python socket over the transport's descriptor it costs ~10 µs per
+    checkout (the socket object, the timeout set, the ``BlockingIOError`` raised when nothing waits, the
+    usual case), a poll ~1.4 µs (uvloop, this machine), and it tells the same three cases apart."""
     fd = plain_socket_fd(transport)
     if fd is None:
         return False
-    # a socket object over the transport's own descriptor, let go of (never closed) after one peek:
-    # family and type given, so that making it costs no system call
-    peek = socket.socket(transport.get_extra_info("socket").family, socket.SOCK_STREAM, fileno=fd)
+    poller.register(fd, _WAITING)
     try:
-        peek.settimeout(0)  # non-blocking already (the transport's): say so to Python
-        peek.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return False  # nothing waits: the connection is as the last exchange left it
-    except OSError:
-        return True  # reset: not one to send on
+        return bool(poller.poll(0))
     finally:
-        peek.detach()
-    return True
+        poller.unregister(fd)
 
 
 class UpstreamPool:
@@ -90,6 +91,7 @@ class UpstreamPool:
         self._turn_sink: TurnSink | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._idle_timers: dict[UpstreamConn, asyncio.TimerHandle] = {}  # an idle connection's close
+        self._poller = select.poll()  # checkout's look at an idle connection's socket (_pending)
 
     @property
     def idle(self) -> list[UpstreamConn]:
@@ -125,7 +127,7 @@ class UpstreamPool:
                     self._cancel_idle_timer(conn)
                     transport = conn.transport
                     if transport is not None and not transport.is_closing() and conn.state is ConnState.IDLE:
-                        if not _pending(transport):
+                        if not _pending(transport, self._poller):
                             self._lend(conn, owner)
                             return conn
                     conn.close()

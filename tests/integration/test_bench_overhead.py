@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # tests/ is on the path already (pgcluster)
 
 from overhead_tables import (  # noqa: E402
-    WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_otlp, render_polls, render_shipper, render_sink, render_targets,
-    summarize)
+    BASELINE, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_baseline, render_otlp, render_polls, render_shipper,
+    render_sink, render_targets, render_threads, summarize)
 
 
 def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
@@ -215,3 +215,44 @@ def test_a_short_run_with_a_sink_ships_every_turn(tmp_path):
         assert f"| 4 | {path} |" in proc.stdout
     assert proc.stdout.count(" all arrived |") == 2
     assert "| target (issue 33, specproxy+sink+otlp) |" in proc.stdout
+
+
+def test_the_baselines_ratios_are_this_over_that_within_each_round_and_its_threads_are_shown():
+    """``--specproxy-baseline``: each round's this/baseline ratio (this checkout's ``specproxy`` over the
+    other checkout's), their median (min–max); the baseline's threads get their own rows."""
+    runs = [_run("specproxy", 0, cps=100, cpu=18.0, p50=90, p99=1000),
+            _run(BASELINE, 0, cps=100, cpu=20.0, p50=100, p99=1000),
+            _run("specproxy", 1, cps=99, cpu=27.0, p50=100, p99=1200),
+            _run(BASELINE, 1, cps=100, cpu=30.0, p50=100, p99=1000),
+            _run("specproxy", 2, cps=100, cpu=10.0, p50=100, p99=1000),
+            _run(BASELINE, 2, cps=100, cpu=10.0, p50=100, p99=1000)]
+    table = render_baseline(runs, [256], "e7a1032")
+    assert "the baseline's (e7a1032)" in table
+    assert "| 256 | 0.900 (0.900–1.000) | 1.000 (0.990–1.000) | 1.000 (0.900–1.000) | 1.000 (1.000–1.200) |" in table
+    for r in runs:
+        r["threads"] = {"1": [1.0, 2.0]}
+        r["thread_names"] = {"1": "MainThread"}
+    assert f"| {BASELINE} | MainThread | 1.0 | 2.0 | 3.0 |" in render_threads(runs, 256)
+
+
+def test_a_short_run_with_a_baseline_runs_the_other_checkouts_specproxy(tmp_path):
+    """The baseline is run by the other checkout's own interpreter: here a checkout whose .venv/bin/python
+    runs this one's (a script: a symlinked venv interpreter would not find its venv), so the same
+    specproxy runs twice, as two paths of every round."""
+    other = tmp_path / "other"
+    (other / ".venv" / "bin").mkdir(parents=True)
+    python = other / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "runs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
+         "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
+         "--specproxy-baseline", str(other), "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["path"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"direct", "specproxy", BASELINE}
+    assert runs[BASELINE]["chunks"] > 0 and runs[BASELINE]["errors"] == 0
+    assert f"| 4 | {BASELINE} |" in proc.stdout and "against the baseline's" in proc.stdout

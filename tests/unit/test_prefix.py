@@ -80,3 +80,17 @@ def test_segments_shared_across_sessions_are_tokenized_once(tiktoken_tok):
     # per session: system, tools, its question; then its two new messages ("Yes." is shared after the first)
     assert fresh.encoded == 3 * (3 + 2)
     assert shared.encoded == (3 + 2) + 2 * (1 + 1)
+
+
+def test_a_prompt_cut_back_to_an_earlier_one_reuses_all_of_it_and_breaks_in_the_part_after(tiktoken_tok):
+    """The other way round from growing: the next turn's prompt is the previous one's first messages (a
+    client retried an earlier turn). All of it is the previous prompt's prefix; the break is in the part
+    the previous turn had next (both directions are one comparison of the two prompts' token ids)."""
+    tracker = PrefixTracker()
+    long = split_prompt(_body("Be brief.", 2))
+    short = split_prompt({**_body("Be brief.", 2), "messages": _body("Be brief.", 2)["messages"][:3]})
+    tracker.observe("s", tiktoken_tok, long)
+    got = tracker.observe("s", tiktoken_tok, short)
+    assert got.reused == tiktoken_tok.count_prompt(short).total
+    assert got.part == "history"
+    assert got.diff == {"messages_added": 0, "messages_removed": 3, "system_changed": False, "tools_changed": False}
