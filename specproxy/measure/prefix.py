@@ -67,15 +67,11 @@ class _Turn:
     digests: list[bytes]  # chained digests of its token blocks (blocks.py)
 
 
-def _digest(data: bytes) -> bytes:
-    return memo_key(data)  # in memory only: a segment's key, a message's or a tool list's identity
-
-
 def _json_digest(value: Any) -> bytes:
     try:
-        return _digest(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+        return memo_key(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
     except TypeError:  # not JSON-encodable (a parsed body always is)
-        return _digest(repr(value).encode())
+        return memo_key(repr(value).encode())
 
 
 def _segments(tok: Any, parts: PromptParts) -> list[tuple[str, str | None]]:
@@ -126,7 +122,7 @@ class PrefixTracker:
         encode = getattr(tok, "encode", None)
         if encode is not None:
             for text, part in _segments(tok, parts):
-                d = _digest(text.encode("utf-8", "surrogatepass"))
+                d = memo_key(text.encode("utf-8", "surrogatepass"))
                 ids = known.get(d)
                 if ids is None:
                     ids = self._shared_ids(d)

@@ -42,8 +42,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specproxy.measure.chunk_gaps import ADVISED_BOUNDS_S, GAP_BOUNDS_S, StreamTiming
-from specproxy.record import Record
 from specproxy.config import Slo
+from specproxy.record import Record
 from specproxy.serve.counters import COUNTS, GAUGE, OTLP_COUNTS, SINK_COUNTS
 from specproxy.serve.slo_counts import SloCounts
 

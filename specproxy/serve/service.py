@@ -197,9 +197,9 @@ def tenant_rule(cfg: Config) -> TenantRule | None:
     the database's own (read once here, after the writer made or upgraded the database), or not at all."""
     if cfg.tenant_header:
         return TenantRule(header=cfg.tenant_header)
-    if cfg.tenant_from_key and cfg.tenant_key_secret is not None:
-        return TenantRule(secret=cfg.tenant_key_secret)
     if cfg.tenant_from_key:
+        if cfg.tenant_key_secret is not None:
+            return TenantRule(secret=cfg.tenant_key_secret)
         with open_existing(cfg.db) as conn:
             return TenantRule(secret=tenant_key_secret(conn))
     return None
