@@ -119,6 +119,29 @@ MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("014_prompt_block_digests", (
         'ALTER TABLE "turns" ADD COLUMN "prompt_block_digests" TEXT',
     )),
+    # A counter of the edits to rows already stored, kept by the database itself, so that the column cache
+    # (store/column_cache.py) knows its rows are still the database's without scanning the table. An
+    # insert of a new row is not an edit (the cache reads the rows above its highest rowid). INSERT OR
+    # REPLACE (the writer's INSERT_TURN) removes the row it replaces without firing a DELETE trigger
+    # (recursive_triggers is off), hence the BEFORE INSERT one, for a key that exists already.
+    ("015_table_edits", (
+        'CREATE TABLE "table_edits" ("name" TEXT PRIMARY KEY, "edits" INTEGER NOT NULL)',
+        """INSERT INTO "table_edits" VALUES ('turns', 0), ('scrapes', 0)""",
+        """CREATE TRIGGER "turns_edit_update" AFTER UPDATE ON "turns"
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'turns'; END""",
+        """CREATE TRIGGER "turns_edit_delete" AFTER DELETE ON "turns"
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'turns'; END""",
+        """CREATE TRIGGER "turns_edit_replace" BEFORE INSERT ON "turns"
+WHEN EXISTS (SELECT 1 FROM "turns" WHERE "id" = NEW."id")
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'turns'; END""",
+        """CREATE TRIGGER "scrapes_edit_update" AFTER UPDATE ON "scrapes"
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'scrapes'; END""",
+        """CREATE TRIGGER "scrapes_edit_delete" AFTER DELETE ON "scrapes"
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'scrapes'; END""",
+        """CREATE TRIGGER "scrapes_edit_replace" BEFORE INSERT ON "scrapes"
+WHEN EXISTS (SELECT 1 FROM "scrapes" WHERE "id" = NEW."id")
+BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'scrapes'; END""",
+    )),
 ]
 
 
