@@ -1,37 +1,51 @@
-"""A columnar cache of the ``turns`` table beside the database, checked against it on every load.
+"""A columnar cache of the ``turns`` and ``scrapes`` tables beside the database, checked against it on
+every load.
 
 Why: a report over a million turns spent ~9 s turning SQLite rows into Python objects and those into
-numpy columns; the same columns read back from one ``.npy`` file each take a fraction of a second.
-The cache is derived data and must never change a number, so every load checks it against the
-database and, whenever it cannot vouch for it, the caller reads SQLite as before.
+numpy columns (and 1 s more for its 121k scrapes); the same columns mapped from one ``.npy`` file each
+take a fraction of a second. The cache is derived data and must never change a number, so every load
+checks it against the database and, whenever it cannot vouch for it, the caller reads SQLite as before.
 
 Where: ``<db>.cache/`` beside the database file (``specproxy.db`` -> ``specproxy.db.cache/``):
-``manifest.json`` and immutable segment directories ``seg-*/``, each with one ``.npy`` per column
-(text columns as int32 codes into a dictionary kept in the manifest). Deleting the directory is
-always safe; ``specproxy report --no-cache`` bypasses it.
+``manifest.json`` (one entry per table) and immutable segment directories ``seg-*/``, each with one
+``.npy`` per column of one table (text columns as int32 codes into a dictionary kept in the manifest).
+Deleting the directory is always safe; ``specproxy report --no-cache`` bypasses it. One implementation
+serves both tables (``Table``): segments, manifest, checks and the incremental read.
 
-Why incremental: specproxy only ever inserts turns (``INSERT OR REPLACE`` of a turn id that exists
-deletes that row and inserts a new one with a new rowid; nothing runs ``UPDATE turns``), so the rows
-with a rowid above the cached maximum are the new ones: they are read, appended as a new segment,
-and segments are merged when there are more than ``MAX_SEGMENTS``.
+Why incremental: specproxy only ever inserts rows without naming their rowid, so SQLite gives each a
+rowid above every stored one, and the rows with a rowid above the cached maximum are the new ones: they
+are read, appended as a new segment, and segments are merged when there are more than ``MAX_SEGMENTS``.
+Every other change to a stored row (an UPDATE, a DELETE, and the delete an ``INSERT OR REPLACE`` of an
+existing id does) is counted by the database itself: migration 015's triggers add one to the table's
+row of ``table_edits``, in the same transaction as the change.
 
-What keys it, checked on every load inside one read transaction:
+What keys it, checked on every load inside one read transaction (none of it scans the table):
 
-* the cache format, the cached column names, the database file's device and inode (a file put in
-  its place is another inode), ``PRAGMA schema_version``, the ``turns`` table's SQL and the applied
-  migrations (a migration or any schema change rebuilds);
-* the cached rows are still exactly there: per label, the count and the sum of rowids of the rows up
-  to the cached maximum rowid equal the cache's (a deleted, replaced or relabelled row, or rowids
-  renumbered by VACUUM, changes them; served by the label index); a checksum of every ``t_wall`` in
-  microseconds equals the cache's (served by the t_wall index); the first, the last and a few random
-  cached rows equal their database rows in every column loaded;
-* every file's size and CRC-32 equal the manifest's (a torn or corrupted file is a rebuild).
+* the cache format, the table and its cached column names, the database file's device and inode (a
+  file put in its place is another inode), its ``store_id``, ``PRAGMA schema_version`` (which VACUUM
+  also bumps), the table's SQL and the applied migrations (a migration or any schema change rebuilds);
+* the table's edit counter: any edit of a stored row since the cache was written rebuilds. A database
+  without the counter (one from before migration 015 reached through a connection that did not
+  upgrade it) is not served from the cache at all: the SQL path, ``last_status`` says why;
+* the cached rows are still there: the rowids ascend up to the manifest's maximum, the table's maximum
+  rowid is not below it, and the first, the last and ``SAMPLED_ROWS`` random cached rows equal their
+  database rows in every column loaded (a file copied over the database in place, rowids renumbered);
+* every file's size and ``.npy`` header (shape, dtype) equal the manifest's and the segment's row count.
 
-Writes go to a ``tmp-*`` directory renamed into place, then the manifest is replaced atomically: a
-crashed writer leaves at most an unreferenced directory, cleaned up later. A directory that cannot
-be written (read-only database directory) means no cache, never an error. The one change the checks
-do not see for sure is another program's in-place ``UPDATE`` of a column other than ``label`` and
-``t_wall`` (seen only if a sampled row is hit): delete the cache directory after such an edit.
+Why no checksum of the files: segments are written to a ``tmp-*`` directory, renamed into place and
+never written again, and the manifest is replaced atomically after them, so a file the manifest refers
+to is never torn; a crashed writer leaves at most an unreferenced directory, cleaned up later. A
+truncated or extended file fails the size check, a rewritten header the header check. CRC-32 over every
+file cost a full read and a copy of every column (0.43 s and the columns' size again in memory at 1M
+turns); the files are now mapped read-only, and the pages the analysis touches are the only ones read.
+What is not caught is a byte changed in place inside a file (a disk fault, a hand edit) that no sampled
+row lands on: the cache trusts its own files as SQLite trusts the database's pages.
+
+A directory that cannot be written (read-only database directory) means no cache, never an error. What
+the counter cannot see: changes made while the triggers were dropped (dropping them changes the schema
+version: a rebuild, but a change made in between and the triggers put back is missed), a row inserted
+with an explicit rowid below the cached maximum (nothing in specproxy does so), and a backup of the same
+database restored in place with as many rows and the same counter: delete ``DB.cache/`` after such edits.
 """
 
 from __future__ import annotations
@@ -39,28 +53,31 @@ from __future__ import annotations
 import io
 import json
 import logging
+import mmap
 import os
 import shutil
 import sqlite3
 import time
 import uuid
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CACHED_TEXT", "Columns", "cache_dir", "db_file", "load_columns"]
+from specproxy.store.source import SCRAPE_FIELDS, Scrapes
+
+__all__ = ["CACHED_TEXT", "SCRAPES", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_scrapes"]
 
 log = logging.getLogger("specproxy.cache")
 
-FORMAT = 1
+FORMAT = 2
 # text columns with few distinct values: stored as codes into a dictionary ("id" is not cached)
 CACHED_TEXT = ("outcome", "label", "instance_id", "tokenizer", "content_class", "path", "api", "client", "session",
                "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
 MAX_SEGMENTS = 8
 SAMPLED_ROWS = 16
-_PRIME = 2147483647  # t_wall checksum: sum of (microseconds since the first turn) mod this prime
 _FETCH = 50_000
 
 
@@ -71,6 +88,26 @@ class Columns:
     rowid: np.ndarray
     num: dict[str, np.ndarray]
     txt: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Table:
+    """One cached table: ``rowid`` (int64), ``numeric`` columns (float64, NULL as NaN) and ``text`` columns
+    (int32 codes into a dictionary per segment, -1 for NULL)."""
+
+    name: str
+    numeric: tuple[str, ...]
+    text: tuple[str, ...]
+
+    def dtype(self, column: str) -> np.dtype:
+        return np.dtype(np.int64 if column == "rowid" else np.int32 if column in self.text else np.float64)
+
+
+SCRAPES = Table("scrapes", ("t_wall", *SCRAPE_FIELDS), ("instance_id", "server_kind", "error"))
+
+
+def _turns(numeric: tuple[str, ...]) -> Table:
+    return Table("turns", numeric, CACHED_TEXT)
 
 
 def cache_dir(db_path: str | Path) -> Path:
@@ -90,93 +127,115 @@ class _Invalid(Exception):
     """The cache cannot vouch for these rows: rebuild it (or read SQLite)."""
 
 
+class _NoCounter(Exception):
+    """The database keeps no edit counter: the cache cannot know its rows are current (read SQLite)."""
+
+
 # --- the key --------------------------------------------------------------------------------------
 
 
-def _key(conn: sqlite3.Connection, db: Path, numeric: tuple[str, ...]) -> dict:
+def _one(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> Any:
+    """The first column of the first row, None when there is no row or no such table."""
+    try:
+        row = conn.execute(sql, params).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return None if row is None else row[0]
+
+
+def _key(conn: sqlite3.Connection, db: Path, table: Table) -> dict:
+    edits = _one(conn, "SELECT edits FROM table_edits WHERE name = ?", (table.name,))
+    if edits is None:
+        raise _NoCounter(f"no edit counter for {table.name} (table_edits: a database from before migration "
+                         "015_table_edits, not upgraded)")
     st = os.stat(db)
-    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'turns'").fetchone() or (None,)
     try:
         migrations = [r[0] for r in conn.execute("SELECT name FROM _migrations ORDER BY name")]
     except sqlite3.OperationalError:
         migrations = None
     return {
         "format": FORMAT,
-        "numeric": list(numeric),
-        "text": list(CACHED_TEXT),
+        "table": table.name,
+        "numeric": list(table.numeric),
+        "text": list(table.text),
         "dev": st.st_dev,
         "ino": st.st_ino,
+        "store_id": _one(conn, "SELECT value FROM store_meta WHERE key = 'store_id'"),
         "schema_version": conn.execute("PRAGMA schema_version").fetchone()[0],
-        "turns_sql": sql,
+        "sql": _one(conn, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table.name,)),
         "migrations": migrations,
+        "edits": edits,
     }
 
 
 # --- files ------------------------------------------------------------------------------------------
 
 
-def _save(path: Path, arr: np.ndarray) -> list[int]:
+def _save(path: Path, arr: np.ndarray) -> int:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
     data = buf.getvalue()
     with open(path, "wb") as f:
         f.write(data)
-    return [len(data), zlib.crc32(data)]
+    return len(data)
 
 
-def _load(path: Path, size_crc: list[int], rows: int) -> np.ndarray:
-    """One column file, checked against the manifest's size and CRC-32 and the segment's row count."""
-    size, crc = size_crc
-    buf = bytearray(size)
+def _load(path: Path, size: int, rows: int, dtype: np.dtype) -> np.ndarray:
+    """One column file mapped read-only (no copy), its size and header checked against the manifest and
+    the segment's row count."""
     with open(path, "rb") as f:
-        if f.readinto(buf) != size or f.read(1):
+        if os.fstat(f.fileno()).st_size != size:
             raise _Invalid(f"{path.name}: size changed")
-    if zlib.crc32(buf) != crc:
-        raise _Invalid(f"{path.name}: checksum")
-    fp = io.BytesIO(buf)
-    version = np.lib.format.read_magic(fp)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
-    else:
-        shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
-    if shape != (rows,) or dtype.hasobject or size - fp.tell() != rows * dtype.itemsize:
-        raise _Invalid(f"{path.name}: shape")
-    return np.frombuffer(buf, dtype=dtype, count=rows, offset=fp.tell())
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, got = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, got = np.lib.format.read_array_header_2_0(f)
+        offset = f.tell()
+        if shape != (rows,) or got != dtype or offset + rows * dtype.itemsize != size:
+            raise _Invalid(f"{path.name}: shape")
+        if not rows:
+            return np.empty(0, dtype)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(mapped, dtype=dtype, count=rows, offset=offset)
 
 
-def _read_manifest(cdir: Path) -> dict | None:
+def _read_manifest(cdir: Path) -> dict[str, dict]:
+    """The manifest's entry per table ({} when there is none, or one of another format)."""
     try:
         with open(cdir / "manifest.json", "rb") as f:
             m = json.loads(f.read())
-        return m if isinstance(m, dict) and isinstance(m.get("segments"), list) else None
     except (OSError, ValueError):
-        return None
+        return {}
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tables"), dict):
+        return {}
+    return {name: t for name, t in m["tables"].items()
+            if isinstance(t, dict) and isinstance(t.get("segments"), list)}
 
 
 # --- reading rows from SQLite -------------------------------------------------------------------------
 
 
-def _fetch(conn: sqlite3.Connection, numeric: tuple[str, ...], after: int) -> tuple[dict[str, np.ndarray], dict]:
+def _fetch(conn: sqlite3.Connection, table: Table, after: int) -> tuple[dict[str, np.ndarray], dict]:
     """Rows with rowid > ``after``, rowid order: arrays (rowid, numeric, text codes) and dictionaries."""
-    cols = ("rowid", *numeric, *CACHED_TEXT)
-    cur = conn.execute(f"SELECT {', '.join(cols)} FROM turns WHERE rowid > ? ORDER BY rowid", (after,))
+    cols = ("rowid", *table.numeric, *table.text)
+    cur = conn.execute(f"SELECT {', '.join(cols)} FROM {table.name} WHERE rowid > ? ORDER BY rowid", (after,))
     parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
-    lookup: dict[str, dict] = {c: {} for c in CACHED_TEXT}
-    n_num = 1 + len(numeric)
+    lookup: dict[str, dict] = {c: {} for c in table.text}
+    n_num = 1 + len(table.numeric)
     while True:
         rows = cur.fetchmany(_FETCH)
         if not rows:
             break
         columns = list(zip(*rows))
         parts["rowid"].append(np.array(columns[0], dtype=np.int64))
-        for i, name in enumerate(numeric):
+        for i, name in enumerate(table.numeric):
             parts[name].append(np.array(columns[1 + i], dtype=float))  # NULL (None) becomes NaN
-        for i, name in enumerate(CACHED_TEXT):
+        for i, name in enumerate(table.text):
             d = lookup[name]
             codes = [-1 if v is None else d.setdefault(v, len(d)) for v in columns[n_num + i]]
             parts[name].append(np.array(codes, dtype=np.int32))
-    arrays = {c: (np.concatenate(v) if v else np.empty(0, np.int64 if c == "rowid" else np.int32 if c in CACHED_TEXT
-                                                      else float)) for c, v in parts.items()}
+    arrays = {c: (np.concatenate(v) if v else np.empty(0, table.dtype(c))) for c, v in parts.items()}
     return arrays, {c: list(d) for c, d in lookup.items()}
 
 
@@ -198,21 +257,22 @@ def _write_segment(cdir: Path, arrays: dict[str, np.ndarray], dicts: dict) -> di
             "files": files, "dicts": dicts}
 
 
-def _load_segment(cdir: Path, seg: dict, names: set[str]) -> dict[str, np.ndarray]:
+def _load_segment(cdir: Path, table: Table, seg: dict, names: set[str]) -> dict[str, np.ndarray]:
     d = cdir / seg["dir"]
     if not seg["dir"].startswith("seg-") or "/" in seg["dir"]:
         raise _Invalid("segment name")
-    return {name: _load(d / f"{name}.npy", seg["files"][name], seg["rows"]) for name in names}
+    return {name: _load(d / f"{name}.npy", seg["files"][name], seg["rows"], table.dtype(name)) for name in names}
 
 
-def _merge(segs: list[dict], loaded: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict]:
+def _merge(text: tuple[str, ...], segs: list[dict],
+           loaded: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict]:
     """Segments (all their files loaded) as one: arrays concatenated, text codes onto one dictionary."""
     if len(loaded) == 1:  # one segment: its arrays and dictionaries as they are
-        return dict(loaded[0]), {n: list(segs[0]["dicts"][n]) for n in loaded[0] if n in CACHED_TEXT}
+        return dict(loaded[0]), {n: list(segs[0]["dicts"][n]) for n in loaded[0] if n in text}
     out: dict[str, np.ndarray] = {}
     dicts: dict[str, list] = {}
     for name in loaded[0]:
-        if name not in CACHED_TEXT:
+        if name not in text:
             out[name] = np.concatenate([a[name] for a in loaded])
             continue
         merged: dict = {}
@@ -242,40 +302,24 @@ def _same(sql_value, cached: float) -> bool:
     return float(sql_value) == float(cached)
 
 
-def _check(conn: sqlite3.Connection, arrays: dict[str, np.ndarray], dicts: dict, max_rowid: int) -> None:
-    """Raise _Invalid unless the database still holds exactly the cached rows up to ``max_rowid``."""
-    rowid, t_wall = arrays["rowid"], arrays["t_wall"]
-    if len(rowid) > 1 and not np.all(np.diff(rowid) > 0):
+def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray], dicts: dict,
+           max_rowid: int) -> None:
+    """Raise _Invalid unless the database still holds the cached rows up to ``max_rowid`` (the edit
+    counter in the key vouches for the rows not sampled here)."""
+    rowid = arrays["rowid"]
+    if len(rowid) > 1 and not np.all(rowid[1:] > rowid[:-1]):
         raise _Invalid("rowids not ascending")
-    # per label: count and sum of rowids (the label index covers this query)
-    sql = {lab: (n, s) for lab, n, s in conn.execute(
-        "SELECT label, count(*), sum(rowid) FROM turns WHERE rowid <= ? GROUP BY label", (max_rowid,))}
-    codes, values = arrays["label"], dicts["label"]
-    if len(codes) and (codes.min() < -1 or codes.max() >= len(values)):
-        raise _Invalid("label code out of range")
-    mine = {}
-    for code in (np.flatnonzero(np.bincount(codes + 1, minlength=1)) - 1).tolist():
-        mask = codes == code
-        mine[None if code < 0 else values[code]] = (int(mask.sum()), int(rowid[mask].sum()))
-    if sql != mine:
-        raise _Invalid("rows or labels changed")
-    # t_wall: count of non-NULL values and a checksum of them in microseconds (the t_wall index covers this)
-    known = ~np.isnan(t_wall)
-    base = float(t_wall[known].min()) if known.any() else 0.0
-    n_sql, sum_sql = conn.execute(
-        "SELECT count(t_wall), sum(CAST((t_wall - ?) * 1000000 AS INTEGER) % ?) FROM turns WHERE rowid <= ?",
-        (base, _PRIME, max_rowid)).fetchone()
-    micros = ((t_wall[known] - base) * 1000000).astype(np.int64)
-    if n_sql != int(known.sum()) or (sum_sql or 0) != int(np.fmod(micros, _PRIME).sum()):
-        raise _Invalid("t_wall changed")
+    if not len(rowid) or int(rowid[-1]) != max_rowid:
+        raise _Invalid("the last rowid is not the manifest's")
+    top = _one(conn, f"SELECT max(rowid) FROM {table.name}")
+    if top is None or top < max_rowid:
+        raise _Invalid("rows above the database's last")
     # the first, the last and a few random rows, in every loaded column
-    if not len(rowid):
-        return
     rng = np.random.default_rng()
     pos = np.unique(np.concatenate([[0, len(rowid) - 1], rng.integers(0, len(rowid), SAMPLED_ROWS)]))
     names = [n for n in arrays if n != "rowid"]
     got = conn.execute(
-        f"SELECT rowid, {', '.join(names)} FROM turns WHERE rowid IN ({', '.join('?' * len(pos))})",
+        f"SELECT rowid, {', '.join(names)} FROM {table.name} WHERE rowid IN ({', '.join('?' * len(pos))})",
         [int(rowid[p]) for p in pos]).fetchall()
     if len(got) != len(pos):
         raise _Invalid("a sampled row is missing")
@@ -283,9 +327,9 @@ def _check(conn: sqlite3.Connection, arrays: dict[str, np.ndarray], dicts: dict,
     for r in got:
         p = at[r[0]]
         for i, name in enumerate(names):
-            if name in CACHED_TEXT:
+            if name in table.text:
                 code = int(arrays[name][p])
-                if r[1 + i] != (None if code < 0 else dicts[name][code]):
+                if not -1 <= code < len(dicts[name]) or r[1 + i] != (None if code < 0 else dicts[name][code]):
                     raise _Invalid(f"a sampled row differs in {name}")
             elif not _same(r[1 + i], arrays[name][p]):
                 raise _Invalid(f"a sampled row differs in {name}")
@@ -294,6 +338,29 @@ def _check(conn: sqlite3.Connection, arrays: dict[str, np.ndarray], dicts: dict,
 # --- loading ----------------------------------------------------------------------------------------
 
 last_status = "off"  # what the last load_columns did: hit, append, build, unusable (for tests and benchmarks)
+last_scrapes_status = "off"  # the same for the last load_scrapes
+
+
+def _serve(conn: sqlite3.Connection, read: Callable[[Path, Path], tuple[Any, str]]) -> tuple[Any, str]:
+    """``read(db, cache directory)`` inside one read transaction (one snapshot for the checks and the new
+    rows): its result and status, or None and why the cache cannot serve this connection."""
+    try:
+        db = db_file(conn)
+    except sqlite3.Error:
+        return None, "unusable"
+    if db is None or not db.is_file():
+        return None, "unusable"
+    own = not conn.in_transaction
+    try:
+        if own:
+            conn.execute("BEGIN")
+        return read(db, cache_dir(db))
+    except Exception as exc:  # not a specproxy database, a column missing, odd values: the SQL path says why
+        log.debug("column cache unusable: %s", exc)
+        return None, f"unusable: {type(exc).__name__}: {exc}"
+    finally:
+        if own and conn.in_transaction:
+            conn.execute("COMMIT")
 
 
 def load_columns(conn: sqlite3.Connection, numeric: tuple[str, ...], want_num: tuple[str, ...],
@@ -308,82 +375,97 @@ def load_columns(conn: sqlite3.Connection, numeric: tuple[str, ...], want_num: t
     last_status = "unusable"
     if not set(want_num) <= set(numeric) or not set(want_txt) <= set(CACHED_TEXT):
         return None
-    try:
-        db = db_file(conn)
-    except sqlite3.Error:
-        return None
-    if db is None or not db.is_file():
-        return None
-    own = not conn.in_transaction
-    try:
-        if own:
-            conn.execute("BEGIN")  # one snapshot for the checks and the new rows
-        cols, last_status = _load_columns(conn, db, cache_dir(db), tuple(numeric), want_num, want_txt)
-        return cols
-    except Exception as exc:  # not a specproxy database, a column missing, odd values: the SQL path says why
-        log.debug("column cache unusable: %s", exc)
-        last_status = f"unusable: {type(exc).__name__}: {exc}"
-        return None
-    finally:
-        if own and conn.in_transaction:
-            conn.execute("COMMIT")
+    cols, last_status = _serve(conn, lambda db, cdir: _load_columns(conn, db, cdir, tuple(numeric), want_num,
+                                                                     want_txt))
+    return cols
 
 
 def _load_columns(conn, db, cdir, numeric, want_num, want_txt) -> tuple[Columns, str]:
-    key = _key(conn, db, numeric)
     names = ["rowid", "t_wall", "label", *[n for n in want_num if n != "t_wall"], *[t for t in want_txt if t != "label"]]
-    m = _read_manifest(cdir)
-    segs: list[dict] = []
-    old: dict[str, np.ndarray] | None = None
-    old_dicts: dict = {}
-    max_rowid = None
-    if m is not None and m.get("key") == key:
-        try:
-            segs = m["segments"]
-            loaded = [_load_segment(cdir, s, set(names)) for s in segs]
-            if segs:
-                old, old_dicts = _merge(segs, loaded)
-                max_rowid = max(s["max_rowid"] for s in segs)
-                _check(conn, old, old_dicts, max_rowid)
-        except (_Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
-            log.info("column cache of %s rebuilt: %s", db, exc)
-            segs, old, old_dicts, max_rowid = [], None, {}, None
-    new, new_dicts = _fetch(conn, numeric, max_rowid if max_rowid is not None else -(2**63))
-    status = "hit" if segs else "build"
-    if len(new["rowid"]):
-        status = "append" if segs else "build"
-        try:
-            previous = {s.get("dir") for s in m["segments"] if isinstance(s, dict)} if m is not None else set()
-            _persist(cdir, key, segs, new, new_dicts, previous)
-        except OSError as exc:  # read-only directory, disk full: no cache, no error
-            log.debug("column cache of %s not written: %s", db, exc)
-            status += " (not saved)"
-        part = {n: new[n] for n in names}
-        if old is None:
-            old, old_dicts = _merge([{"dicts": new_dicts}], [part])
-        else:
-            old, old_dicts = _merge([{"dicts": old_dicts}, {"dicts": new_dicts}], [old, part])
-    elif old is None:  # no turns at all
-        old, old_dicts = _merge([{"dicts": new_dicts}], [{n: new[n] for n in names}])
+    old, old_dicts, status = _load_table(conn, db, cdir, _turns(numeric), names)
     cols = Columns(rowid=old["rowid"], num={n: old[n] for n in names[1:] if n not in CACHED_TEXT},
                    txt={n: _decode(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
     return cols, status
 
 
-def _persist(cdir: Path, key: dict, segs: list[dict], new: dict[str, np.ndarray], new_dicts: dict,
+def load_scrapes(conn: sqlite3.Connection, t0: float, t1: float) -> Scrapes | None:
+    """The stored scrapes with ``t0 <= t_wall <= t1`` in ``queries.scrape_rows``' order (t_wall, then
+    rowid: the order of its t_wall index), from the cache brought up to date; None when the cache cannot
+    serve them (read SQLite instead)."""
+    global last_scrapes_status
+
+    def read(db: Path, cdir: Path) -> tuple[Scrapes, str]:
+        arrays, dicts, status = _load_table(conn, db, cdir, SCRAPES, ["rowid", *SCRAPES.numeric, *SCRAPES.text])
+        t = arrays["t_wall"]
+        idx = np.flatnonzero((t >= t0) & (t <= t1))  # NaN (NULL) compares false, as in SQL
+        idx = idx[np.argsort(t[idx], kind="stable")]  # ties stay in rowid order
+        text = {n: _decode(arrays[n][idx], dicts[n]) for n in SCRAPES.text}
+        return Scrapes(t[idx], text["instance_id"], text["server_kind"], text["error"],
+                       {f: arrays[f][idx] for f in SCRAPE_FIELDS}), status
+
+    got, last_scrapes_status = _serve(conn, read)
+    return got
+
+
+def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
+                names: list[str]) -> tuple[dict[str, np.ndarray], dict, str]:
+    """The table's ``names`` columns (rowid first) and text dictionaries, every row in rowid order, from
+    the cache checked and brought up to date (and saved when it can be), and what was done: hit, append,
+    build."""
+    key = _key(conn, db, table)
+    entry = _read_manifest(cdir).get(table.name)
+    segs: list[dict] = []
+    old: dict[str, np.ndarray] | None = None
+    old_dicts: dict = {}
+    max_rowid = None
+    if entry is not None and entry.get("key") == key:
+        try:
+            segs = entry["segments"]
+            loaded = [_load_segment(cdir, table, s, set(names)) for s in segs]
+            if segs:
+                old, old_dicts = _merge(table.text, segs, loaded)
+                max_rowid = max(s["max_rowid"] for s in segs)
+                _check(conn, table, old, old_dicts, max_rowid)
+        except (_Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
+            log.info("column cache of %s (%s) rebuilt: %s", db, table.name, exc)
+            segs, old, old_dicts, max_rowid = [], None, {}, None
+    new, new_dicts = _fetch(conn, table, max_rowid if max_rowid is not None else -(2**63))
+    status = "hit" if segs else "build"
+    if len(new["rowid"]):
+        status = "append" if segs else "build"
+        try:
+            previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
+            _persist(cdir, table, key, segs, new, new_dicts, previous)
+        except OSError as exc:  # read-only directory, disk full: no cache, no error
+            log.debug("column cache of %s not written: %s", db, exc)
+            status += " (not saved)"
+        part = {n: new[n] for n in names}
+        if old is None:
+            old, old_dicts = _merge(table.text, [{"dicts": new_dicts}], [part])
+        else:
+            old, old_dicts = _merge(table.text, [{"dicts": old_dicts}, {"dicts": new_dicts}], [old, part])
+    elif old is None:  # no rows at all
+        old, old_dicts = _merge(table.text, [{"dicts": new_dicts}], [{n: new[n] for n in names}])
+    return old, old_dicts, status
+
+
+def _persist(cdir: Path, table: Table, key: dict, segs: list[dict], new: dict[str, np.ndarray], new_dicts: dict,
              previous: set) -> None:
-    """Write the new rows as a segment (or, past MAX_SEGMENTS, everything as one) and the manifest."""
+    """Write the new rows as a segment (or, past MAX_SEGMENTS, everything as one) and the manifest, with
+    the other tables' entries as the manifest holds them now."""
     cdir.mkdir(exist_ok=True)
     if len(segs) + 1 > MAX_SEGMENTS:
-        everything = [_load_segment(cdir, s, set(new)) for s in segs]
-        merged, dicts = _merge([*segs, {"dicts": new_dicts}], [*everything, new])
+        everything = [_load_segment(cdir, table, s, set(new)) for s in segs]
+        merged, dicts = _merge(table.text, [*segs, {"dicts": new_dicts}], [*everything, new])
         segs = [_write_segment(cdir, merged, dicts)]
     else:
         segs = [*segs, _write_segment(cdir, new, new_dicts)]
+    tables = {**_read_manifest(cdir), table.name: {"key": key, "segments": segs}}
     tmp = cdir / f"tmp-manifest-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.write_text(json.dumps({"key": key, "segments": segs}))
+    tmp.write_text(json.dumps({"format": FORMAT, "tables": tables}))
     os.replace(tmp, cdir / "manifest.json")
-    _clean(cdir, {s["dir"] for s in segs}, previous)
+    keep = {s.get("dir") for t in tables.values() for s in t["segments"] if isinstance(s, dict)}
+    _clean(cdir, keep, previous)
 
 
 def _clean(cdir: Path, keep: set[str], previous: set) -> None:

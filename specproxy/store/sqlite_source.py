@@ -2,7 +2,8 @@
 
 Why a class over a connection: the CLI opens the file once (``db.open_existing``: every way it can be
 the wrong file is one line) and every read of a report goes through the same connection and the same
-filters (``dataset.where_clause``), with the columnar cache for the turns when ``cache`` is set.
+filters (``dataset.where_clause``), with the columnar cache (``column_cache``) for the turns and the
+scrapes when ``cache`` is set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store import queries
+from specproxy.store import column_cache, queries
 from specproxy.store.dataset import Turns, load_turns, where_clause
 from specproxy.store.db import connect
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes, Source, Window
@@ -62,6 +63,13 @@ class SQLiteSource(Source):
         return queries.rows_in_time(self.conn, window.since, window.until, limit) < limit
 
     def scrapes(self, t0: float, t1: float) -> Scrapes:
+        """From the columnar cache (when ``cache``) unless it cannot serve them: the same rows in the same
+        order as the SQL (``tests/unit/test_source.py``); the cache maps the table's columns, SQL turns
+        each row into Python objects (1 s for the 121k scrapes beside a million turns)."""
+        if self.cache:
+            got = column_cache.load_scrapes(self.conn, t0, t1)
+            if got is not None:
+                return got
         return Scrapes.from_rows(queries.scrape_rows(self.conn, t0, t1, SCRAPE_FIELDS))
 
     def scrape_time(self, t: float, *, after: bool, ok: bool = True, not_after: float | None = None) -> float | None:

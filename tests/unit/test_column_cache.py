@@ -5,6 +5,7 @@ or half-written cache files and cache locations that cannot be written."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import random
 import shutil
@@ -20,7 +21,7 @@ from specproxy.store.source import Window
 from specproxy.store.sqlite_source import SQLiteSource
 from specproxy.store import column_cache
 from specproxy.analyze.compare import COMPARE_COLUMNS, Arm, compare, negative_control_report
-from specproxy.store.dataset import TEXT, load_turns
+from specproxy.store.dataset import NUMERIC, TEXT, load_turns
 from specproxy.store import rows
 from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
 from specproxy.analyze.report import render_text
@@ -124,36 +125,106 @@ def test_appended_turns_are_read_incrementally(db):
     for seed in range(3, 3 + column_cache.MAX_SEGMENTS + 1):  # more segments than kept: merged
         write_turns(db, 5, seed=seed, t0=1_790_002_000.0 + seed)
         assert_same(db, expect="append")
-    assert len(json.loads((column_cache.cache_dir(db) / "manifest.json").read_text())["segments"]) <= column_cache.MAX_SEGMENTS
+    assert len(_manifest(db)["turns"]["segments"]) <= column_cache.MAX_SEGMENTS
     assert len([p for p in column_cache.cache_dir(db).iterdir() if p.name.startswith("seg-")]) <= column_cache.MAX_SEGMENTS + 2
     assert_same(db, expect="hit")
     assert_turns_equal(db)
 
 
+def _manifest(db: Path) -> dict:
+    m = json.loads((column_cache.cache_dir(db) / "manifest.json").read_text())
+    assert m["format"] == column_cache.FORMAT
+    return m["tables"]
+
+
 def _sql(db: Path, *statements: str) -> None:
-    conn = sqlite3.connect(db)
+    conn = sqlite3.connect(db, isolation_level=None)  # autocommit: VACUUM runs outside a transaction
     for s in statements:
         conn.execute(s)
-    conn.commit()
     conn.close()
+
+
+@pytest.fixture
+def unsampled(monkeypatch):
+    """Only the first and the last cached row sampled: what the database's edit counter sees, not luck."""
+    monkeypatch.setattr(column_cache, "SAMPLED_ROWS", 0)
 
 
 @pytest.mark.parametrize("edit", [
     "DELETE FROM turns WHERE rowid % 7 = 3",  # pruning old rows
     "DELETE FROM turns WHERE rowid = (SELECT max(rowid) FROM turns)",  # the newest row
     "DELETE FROM turns WHERE rowid = (SELECT min(rowid) FROM turns)",  # the oldest row
+    "DELETE FROM turns WHERE rowid = 123",  # one row in the middle
     "UPDATE turns SET label = 'new' WHERE label = 'old' AND rowid % 2 = 0",  # relabelled by hand
     "UPDATE turns SET t_wall = t_wall + 0.000002 WHERE rowid = 200",  # two microseconds
     "UPDATE turns SET ttft_s = NULL",  # every row of another column
+    "UPDATE turns SET decode_tps = 1.5 WHERE rowid = 123",  # one value of one row, not label nor t_wall
+    "UPDATE turns SET outcome = 'client_abort' WHERE rowid = 77",  # a text column
 ])
-def test_deleted_or_edited_rows_rebuild(db, edit):
+def test_deleted_or_edited_rows_rebuild(db, edit, unsampled):
     assert_same(db, expect="build")
     _sql(db, edit)
     assert_same(db, expect="build")
     assert_same(db, expect="hit")
 
 
-def test_newest_row_replaced_in_its_rowid_rebuilds(db):
+def test_every_edit_is_counted_by_the_database(db):
+    """The counter the cache is keyed on: UPDATE, DELETE and INSERT OR REPLACE of an existing id count,
+    a new row does not (the cache reads it as an append); per table."""
+    def edits():
+        c = sqlite3.connect(db)
+        got = dict(c.execute("SELECT name, edits FROM table_edits"))
+        c.close()
+        return got
+
+    start = edits()
+    assert start == {"turns": 0, "scrapes": 0}
+    (tid,) = sqlite3.connect(db).execute("SELECT id FROM turns WHERE rowid = 10").fetchone()
+    w = Writer(db)
+    w.put(make_record(t_wall=1_790_000_000.5))  # a new turn
+    w.put(rows.failed_scrape(1_790_000_000.0, 1.0, "i", "refused"))  # a new scrape
+    w.close()
+    assert edits() == start
+    w = Writer(db)
+    w.put(make_record(id=tid, t_wall=1_790_000_000.5))  # the writer's INSERT OR REPLACE of an existing id
+    w.close()
+    assert edits() == {"turns": 1, "scrapes": 0}
+    _sql(db, "UPDATE turns SET ttft_s = 1 WHERE rowid IN (1, 2)", "DELETE FROM turns WHERE rowid = 3",
+         "UPDATE scrapes SET error = NULL")
+    assert edits() == {"turns": 4, "scrapes": 1}
+
+
+def test_vacuum_rebuilds(db, unsampled):
+    """VACUUM may renumber the rowids of a table without an INTEGER PRIMARY KEY, and fires no trigger: it
+    changes the schema version, which keys the cache."""
+    _sql(db, "DELETE FROM turns WHERE rowid % 5 = 1")
+    assert_same(db, expect="build")
+    _sql(db, "VACUUM")
+    assert_same(db, expect="build")
+    assert_same(db, expect="hit")
+
+
+def test_a_database_without_the_edit_counter_is_read_from_sqlite(db):
+    """A database from before migration 015 reached through a connection that did not upgrade it: the
+    cache cannot know whether stored rows changed, so it serves nothing and says why."""
+    assert_same(db, expect="build")
+    _sql(db, *[f"DROP TRIGGER {t}_edit_{e}" for t in ("turns", "scrapes") for e in ("update", "delete", "replace")],
+         "DROP TABLE table_edits", "DELETE FROM _migrations WHERE name = '015_table_edits'")
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)  # not connect(): that would upgrade it
+    try:
+        def report(cache):
+            data = SQLiteSource(conn, cache=cache).load(Window(), REPORT_COLUMNS, server=True, context=True)
+            return orjson.dumps(build_report(data, source="db"), option=orjson.OPT_SERIALIZE_NUMPY)
+
+        assert report(True) == report(False)
+        assert column_cache.last_status.startswith("unusable: ") and "edit counter" in column_cache.last_status
+        assert column_cache.last_scrapes_status.startswith("unusable: ")
+    finally:
+        conn.close()
+    assert_same(db, expect="build")  # connect() upgrades it (migration 015 again): cached as before
+
+
+def test_newest_row_replaced_in_its_rowid_rebuilds(db, unsampled):
     """The newest row deleted and another inserted: SQLite hands out the same rowid again, and the
     count and the maximum rowid are as before."""
     assert_same(db, expect="build")
@@ -166,8 +237,9 @@ def test_newest_row_replaced_in_its_rowid_rebuilds(db):
     assert_same(db, expect="build")
 
 
-def test_turn_rewritten_by_insert_or_replace(db):
-    """The store's INSERT OR REPLACE of an id that exists: a delete and an insert at a new rowid."""
+def test_turn_rewritten_by_insert_or_replace(db, unsampled):
+    """The store's INSERT OR REPLACE of an id that exists: a delete (no DELETE trigger fires) and an
+    insert at a new rowid, which alone would look like an append."""
     assert_same(db, expect="build")
     (tid,) = sqlite3.connect(db).execute("SELECT id FROM turns WHERE rowid = 10").fetchone()
     w = Writer(db)
@@ -209,16 +281,27 @@ def _segment_files(db: Path) -> list[Path]:
     return sorted(p for p in column_cache.cache_dir(db).glob("seg-*/*.npy"))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "empty", "manifest", "segment_dir"])
+@pytest.mark.parametrize("damage", ["truncate", "extend", "header", "flip", "delete", "empty", "manifest",
+                                    "segment_dir"])
 def test_damaged_cache_rebuilds(db, damage):
+    """Size and header are checked against the manifest; the bytes of a value only where a sampled row
+    lands (here the last row's, always sampled): segments are never rewritten, so no checksum."""
     assert_same(db, expect="build")
     cdir = column_cache.cache_dir(db)
     target = next(p for p in _segment_files(db) if p.name == "decode_tps.npy")
     if damage == "truncate":
         data = target.read_bytes()
         target.write_bytes(data[: len(data) // 2])
-    elif damage == "flip":
+    elif damage == "extend":
+        target.write_bytes(target.read_bytes() + bytes(8))
+    elif damage == "header":  # the same size, another shape: the data would be read off by one row
+        data = target.read_bytes()
+        assert b"(400,)" in data
+        target.write_bytes(data.replace(b"(400,)", b"(399,)", 1))
+    elif damage == "flip":  # the last row's prompt_tokens (never NULL here): a sampled row differs
+        target = target.with_name("prompt_tokens.npy")
         data = bytearray(target.read_bytes())
+        assert not np.isnan(np.frombuffer(bytes(data[-8:]), dtype=np.float64)[0])
         data[-3] ^= 0x40
         target.write_bytes(bytes(data))
     elif damage == "delete":
@@ -226,11 +309,26 @@ def test_damaged_cache_rebuilds(db, damage):
     elif damage == "empty":
         target.write_bytes(b"")
     elif damage == "manifest":
-        (cdir / "manifest.json").write_text('{"key": {"format": 1}, "segm')
+        (cdir / "manifest.json").write_text('{"format": 2, "tables": {"turns": {"key": {"format": 1}, "segm')
     elif damage == "segment_dir":
         shutil.rmtree(target.parent)
     assert_same(db, expect="build")
     assert_same(db, expect="hit")
+
+
+def test_a_warm_load_maps_the_files_instead_of_copying_them(db):
+    """The numeric columns of a one-segment cache are the files mapped read-only: no read, no second copy
+    in memory (and the analysis never writes into a loaded column: the reports above would raise)."""
+    assert_same(db, expect="build")
+    conn = connect(db, readonly=True)
+    try:
+        cols = column_cache.load_columns(conn, NUMERIC, ("t_wall", "decode_tps"), ("label",))
+    finally:
+        conn.close()
+    assert column_cache.last_status == "hit"
+    for a in (cols.rowid, cols.num["decode_tps"]):
+        assert not a.flags.writeable and not a.flags.owndata
+        assert isinstance(a.base.obj, mmap.mmap)  # a memoryview of the mapping
 
 
 def test_crashed_writer_leaves_nothing_that_counts(db, monkeypatch):

@@ -186,3 +186,85 @@ def test_scrapes_from_rows_as_columns_one_by_one():
     for i, f in enumerate(SCRAPE_FIELDS):
         assert np.array_equal(got.num[f], np.array(cols[4 + i], dtype=float), equal_nan=True)
         assert got.num[f].dtype == np.float64 and got.num[f].flags.c_contiguous
+
+
+def assert_scrapes_equal(got: Scrapes, want: Scrapes) -> None:
+    """Row for row, in order: times, text (None for NULL), every figure (nan for NULL), the dtypes."""
+    assert got.t_wall.dtype == want.t_wall.dtype == np.float64
+    assert np.array_equal(got.t_wall, want.t_wall)
+    for name in ("instance_id", "server_kind", "error"):
+        assert getattr(got, name).dtype == object and getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    assert got.num.keys() == want.num.keys()
+    for f in SCRAPE_FIELDS:
+        assert got.num[f].dtype == np.float64 and got.num[f].flags.c_contiguous, f
+        assert np.array_equal(got.num[f], want.num[f], equal_nan=True), f
+
+
+def spans(t: np.ndarray, seed: int) -> list[tuple[float, float]]:
+    """Everything, nothing, and spans whose bounds fall on stored scrape times (both ends inclusive)."""
+    rng = random.Random(seed)
+    out = [(-np.inf, np.inf), (T0 + 10_000, T0 + 20_000), (T0 + 900, T0 + 1300)]
+    for _ in range(12):
+        a, b = sorted(rng.sample(t[~np.isnan(t)].tolist(), 2))
+        out.append((a, b))
+    return out
+
+
+def test_scrapes_from_the_cache_are_the_sql_scrapes(db):
+    """``scrapes(t0, t1)`` served from the columnar cache: the rows ``queries.scrape_rows`` gives, in its
+    order, with failed scrapes, gaps and bounds on stored times."""
+    from specproxy.store import column_cache
+
+    with SQLiteSource(db, cache=True) as cached, SQLiteSource(db) as plain:
+        every = plain.scrapes(-np.inf, np.inf)
+        for t0, t1 in spans(every.t_wall, 3):
+            assert_scrapes_equal(cached.scrapes(t0, t1), plain.scrapes(t0, t1))
+            assert column_cache.last_scrapes_status in ("build", "hit"), column_cache.last_scrapes_status
+    assert column_cache.last_scrapes_status == "hit"
+
+
+def test_cached_scrapes_follow_appends_deletions_ties_and_nulls(tmp_path):
+    """Scrapes inserted out of time order, equal times (SQL orders ties by rowid, through its t_wall
+    index), a NULL time (never in a span), appended later, then deleted by retention and edited."""
+    from specproxy.store import column_cache
+    from specproxy.store.db import connect
+    from specproxy.store.retention import delete_scrapes
+
+    path = tmp_path / "ties.db"
+    rng = random.Random(11)
+
+    def put(n: int, base: float) -> None:
+        w = Writer(path)
+        for i in range(n):
+            t = None if i == 5 else base + rng.choice([0.0, 1.0, 1.0, 2.5]) + (i // 4) * 3.0
+            if rng.random() < 0.2:
+                w.put(rows.failed_scrape(t, float(i), rng.choice(["i1", None]), rng.choice(["refused", "timeout"])))
+            else:
+                w.put(rows.scrape((t, float(i), rng.choice(["i1", "i2"]), "vllm", float(i), None, float(i * 10),
+                                   None, 1.0, 2.0, float(i), 1.5, 0.5, "[]", None), prefix_cache_hits=float(i)))
+        w.close()
+
+    def check(expect: str) -> None:
+        with SQLiteSource(path, cache=True) as cached, SQLiteSource(path) as plain:
+            every = plain.scrapes(-np.inf, np.inf)
+            status = None
+            for t0, t1 in spans(every.t_wall, len(every)):
+                assert_scrapes_equal(cached.scrapes(t0, t1), plain.scrapes(t0, t1))
+                status = status or column_cache.last_scrapes_status
+        assert status == expect
+
+    put(200, T0)
+    check("build")
+    check("hit")
+    put(60, T0 + 100)  # overlapping times, new rowids
+    check("append")
+    conn = connect(path)
+    assert delete_scrapes(conn, T0 + 30) > 0  # retention: the oldest scrapes deleted
+    conn.close()
+    check("build")
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE scrapes SET requests_running = 99 WHERE id = 150")
+    conn.commit()
+    conn.close()
+    check("build")
+    check("hit")
