@@ -66,9 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store.source import SCRAPE_FIELDS, Scrapes
-
-__all__ = ["CACHED_TEXT", "SCRAPES", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_scrapes"]
+__all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
 
 log = logging.getLogger("specproxy.cache")
 
@@ -101,9 +99,6 @@ class Table:
 
     def dtype(self, column: str) -> np.dtype:
         return np.dtype(np.int64 if column == "rowid" else np.int32 if column in self.text else np.float64)
-
-
-SCRAPES = Table("scrapes", ("t_wall", *SCRAPE_FIELDS), ("instance_id", "server_kind", "error"))
 
 
 def _turns(numeric: tuple[str, ...]) -> Table:
@@ -316,7 +311,7 @@ def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray]
         raise _Invalid("rows above the database's last")
     # the first, the last and a few random rows, in every loaded column
     rng = np.random.default_rng()
-    pos = np.unique(np.concatenate([[0, len(rowid) - 1], rng.integers(0, len(rowid), SAMPLED_ROWS)]))
+    pos = sorted({0, len(rowid) - 1, *rng.integers(0, len(rowid), SAMPLED_ROWS).tolist()})
     names = [n for n in arrays if n != "rowid"]
     got = conn.execute(
         f"SELECT rowid, {', '.join(names)} FROM {table.name} WHERE rowid IN ({', '.join('?' * len(pos))})",
@@ -338,7 +333,7 @@ def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray]
 # --- loading ----------------------------------------------------------------------------------------
 
 last_status = "off"  # what the last load_columns did: hit, append, build, unusable (for tests and benchmarks)
-last_scrapes_status = "off"  # the same for the last load_scrapes
+last_rows_status = "off"  # the same for the last load_rows
 
 
 def _serve(conn: sqlite3.Connection, read: Callable[[Path, Path], tuple[Any, str]]) -> tuple[Any, str]:
@@ -388,22 +383,21 @@ def _load_columns(conn, db, cdir, numeric, want_num, want_txt) -> tuple[Columns,
     return cols, status
 
 
-def load_scrapes(conn: sqlite3.Connection, t0: float, t1: float) -> Scrapes | None:
-    """The stored scrapes with ``t0 <= t_wall <= t1`` in ``queries.scrape_rows``' order (t_wall, then
-    rowid: the order of its t_wall index), from the cache brought up to date; None when the cache cannot
-    serve them (read SQLite instead)."""
-    global last_scrapes_status
+def load_rows(conn: sqlite3.Connection, table: Table,
+              pick: Callable[[dict[str, np.ndarray]], np.ndarray]) -> tuple[dict, dict] | None:
+    """The rows of ``table`` that ``pick`` chooses, from the cache brought up to date: ``pick(numeric)``
+    gets the numeric columns of every row in rowid order and returns the indices of the rows wanted, in
+    the order wanted. Returns ``(numeric, text)``: every column of the table for those rows, text
+    decoded (``None`` for NULL); None when the cache cannot serve them (read SQLite instead)."""
+    global last_rows_status
 
-    def read(db: Path, cdir: Path) -> tuple[Scrapes, str]:
-        arrays, dicts, status = _load_table(conn, db, cdir, SCRAPES, ["rowid", *SCRAPES.numeric, *SCRAPES.text])
-        t = arrays["t_wall"]
-        idx = np.flatnonzero((t >= t0) & (t <= t1))  # NaN (NULL) compares false, as in SQL
-        idx = idx[np.argsort(t[idx], kind="stable")]  # ties stay in rowid order
-        text = {n: _decode(arrays[n][idx], dicts[n]) for n in SCRAPES.text}
-        return Scrapes(t[idx], text["instance_id"], text["server_kind"], text["error"],
-                       {f: arrays[f][idx] for f in SCRAPE_FIELDS}), status
+    def read(db: Path, cdir: Path) -> tuple[tuple[dict, dict], str]:
+        arrays, dicts, status = _load_table(conn, db, cdir, table, ["rowid", *table.numeric, *table.text])
+        idx = pick({n: arrays[n] for n in table.numeric})
+        return ({n: arrays[n][idx] for n in table.numeric},
+                {n: _decode(arrays[n][idx], dicts[n]) for n in table.text}), status
 
-    got, last_scrapes_status = _serve(conn, read)
+    got, last_rows_status = _serve(conn, read)
     return got
 
 

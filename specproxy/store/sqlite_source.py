@@ -26,6 +26,9 @@ __all__ = ["NARROW", "SQLiteSource"]
 # columnar cache holds every turn, and loading it for the last hour of a month would read the month
 NARROW = 8
 
+# the scrapes as the columnar cache holds them: what ``Scrapes`` is made of
+SCRAPE_TABLE = column_cache.Table("scrapes", ("t_wall", *SCRAPE_FIELDS), ("instance_id", "server_kind", "error"))
+
 
 class SQLiteSource(Source):
     """``db``: an open connection (kept open: the caller's) or a path (opened read-only here; ``close()``)."""
@@ -67,9 +70,16 @@ class SQLiteSource(Source):
         order as the SQL (``tests/unit/test_source.py``); the cache maps the table's columns, SQL turns
         each row into Python objects (1 s for the 121k scrapes beside a million turns)."""
         if self.cache:
-            got = column_cache.load_scrapes(self.conn, t0, t1)
+            def between(num: dict[str, np.ndarray]) -> np.ndarray:
+                t = num["t_wall"]
+                idx = np.flatnonzero((t >= t0) & (t <= t1))  # NaN (NULL) compares false, as in SQL
+                return idx[np.argsort(t[idx], kind="stable")]  # ties in rowid order, as the t_wall index has them
+
+            got = column_cache.load_rows(self.conn, SCRAPE_TABLE, between)
             if got is not None:
-                return got
+                num, txt = got
+                return Scrapes(num["t_wall"], txt["instance_id"], txt["server_kind"], txt["error"],
+                               {f: num[f] for f in SCRAPE_FIELDS})
         return Scrapes.from_rows(queries.scrape_rows(self.conn, t0, t1, SCRAPE_FIELDS))
 
     def scrape_time(self, t: float, *, after: bool, ok: bool = True, not_after: float | None = None) -> float | None:

@@ -218,7 +218,7 @@ def test_a_database_without_the_edit_counter_is_read_from_sqlite(db):
 
         assert report(True) == report(False)
         assert column_cache.last_status.startswith("unusable: ") and "edit counter" in column_cache.last_status
-        assert column_cache.last_scrapes_status.startswith("unusable: ")
+        assert column_cache.last_rows_status.startswith("unusable: ")
     finally:
         conn.close()
     assert_same(db, expect="build")  # connect() upgrades it (migration 015 again): cached as before

@@ -219,8 +219,8 @@ def test_scrapes_from_the_cache_are_the_sql_scrapes(db):
         every = plain.scrapes(-np.inf, np.inf)
         for t0, t1 in spans(every.t_wall, 3):
             assert_scrapes_equal(cached.scrapes(t0, t1), plain.scrapes(t0, t1))
-            assert column_cache.last_scrapes_status in ("build", "hit"), column_cache.last_scrapes_status
-    assert column_cache.last_scrapes_status == "hit"
+            assert column_cache.last_rows_status in ("build", "hit"), column_cache.last_rows_status
+    assert column_cache.last_rows_status == "hit"
 
 
 def test_cached_scrapes_follow_appends_deletions_ties_and_nulls(tmp_path):
@@ -250,7 +250,7 @@ def test_cached_scrapes_follow_appends_deletions_ties_and_nulls(tmp_path):
             status = None
             for t0, t1 in spans(every.t_wall, len(every)):
                 assert_scrapes_equal(cached.scrapes(t0, t1), plain.scrapes(t0, t1))
-                status = status or column_cache.last_scrapes_status
+                status = status or column_cache.last_rows_status
         assert status == expect
 
     put(200, T0)
