@@ -1,9 +1,10 @@
 """Only the C accelerators live here; everything else about the package is in pyproject.toml.
 
-``specproxy.wire._relayc`` (the relay thread and the relay's per-read path) and
-``specproxy.frames._scanc`` (the measuring's per-chunk scans) are optional: without a C compiler the install still succeeds and the
-pure-Python paths run (``specproxy serve`` logs which). CI requires both (``SPECPROXY_REQUIRE_RELAYC=1`` makes
-tests/unit/test_relayc.py and tests/unit/test_scanc.py fail when one is missing).
+``specproxy.wire._relayc`` (the relay thread and the relay's per-read path),
+``specproxy.frames._scanc`` (the measuring's per-chunk scans) and ``specproxy.store._columnsc`` (SQLite rows into column
+buffers, for the columnar cache) are optional: without a C compiler the install still succeeds and the
+pure-Python paths run (``specproxy serve`` logs which). CI requires all three (``SPECPROXY_REQUIRE_RELAYC=1`` makes
+tests/unit/test_relayc.py, tests/unit/test_scanc.py and tests/unit/test_columnsc.py fail when one is missing).
 """
 
 from setuptools import Extension, setup
@@ -18,6 +19,9 @@ setup(ext_modules=[
               depends=["specproxy/frames/_hex.h", "specproxy/frames/_chunked.h", "specproxy/wire/_pump.h",
                        "specproxy/wire/_cadence.h"],
               include_dirs=["specproxy/frames"], optional=True, extra_compile_args=_FLAGS),
+    # The column reader links the system's SQLite (Debian's libsqlite3-dev, which Python's sqlite3 is built on).
+    Extension("specproxy.store._columnsc", ["specproxy/store/_columnsc.c"], libraries=["sqlite3"],
+              optional=True, extra_compile_args=_FLAGS),
     Extension("specproxy.frames._scanc", ["specproxy/frames/_scanc.c"], depends=["specproxy/frames/_hex.h"],
               optional=True, extra_compile_args=_FLAGS),
 ])
