@@ -16,8 +16,9 @@ Why incremental: specproxy only ever inserts rows without naming their rowid, so
 rowid above every stored one, and the rows with a rowid above the cached maximum are the new ones: they
 are read, appended as a new segment, and segments are merged when there are more than ``MAX_SEGMENTS``.
 Every other change to a stored row (an UPDATE, a DELETE, and the delete an ``INSERT OR REPLACE`` of an
-existing id does) is counted by the database itself: migration 015's triggers add one to the table's
-row of ``table_edits``, in the same transaction as the change.
+existing id does, which fires the DELETE trigger because ``db.connect`` turns ``recursive_triggers`` on)
+is counted by the database itself: migration 015's triggers add one to the table's row of
+``table_edits``, in the same transaction as the change.
 
 What keys it, checked on every load inside one read transaction (none of it scans the table):
 
@@ -42,7 +43,8 @@ What is not caught is a byte changed in place inside a file (a disk fault, a han
 row lands on: the cache trusts its own files as SQLite trusts the database's pages.
 
 A directory that cannot be written (read-only database directory) means no cache, never an error. What
-the counter cannot see: changes made while the triggers were dropped (dropping them changes the schema
+the counter cannot see: another program's ``INSERT OR REPLACE`` of an existing row on a connection
+without ``recursive_triggers``, changes made while the triggers were dropped (dropping them changes the schema
 version: a rebuild, but a change made in between and the triggers put back is missed), a row inserted
 with an explicit rowid below the cached maximum (nothing in specproxy does so), and a backup of the same
 database restored in place with as many rows and the same counter: delete ``DB.cache/`` after such edits.
@@ -60,11 +62,15 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from specproxy.store import column_reader
+from specproxy.store.column_reader import Unsupported, read_native, read_reference
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
 
@@ -76,7 +82,8 @@ CACHED_TEXT = ("outcome", "label", "instance_id", "tokenizer", "content_class", 
                "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
 MAX_SEGMENTS = 8
 SAMPLED_ROWS = 16
-_FETCH = 50_000
+# a cold build of at least this many rows is read on every CPU (two here), in consecutive rowid ranges
+_SPLIT_ROWS = 200_000
 
 
 @dataclass
@@ -211,27 +218,52 @@ def _read_manifest(cdir: Path) -> dict[str, dict]:
 # --- reading rows from SQLite -------------------------------------------------------------------------
 
 
-def _fetch(conn: sqlite3.Connection, table: Table, after: int) -> tuple[dict[str, np.ndarray], dict]:
-    """Rows with rowid > ``after``, rowid order: arrays (rowid, numeric, text codes) and dictionaries."""
-    cols = ("rowid", *table.numeric, *table.text)
-    cur = conn.execute(f"SELECT {', '.join(cols)} FROM {table.name} WHERE rowid > ? ORDER BY rowid", (after,))
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
-    lookup: dict[str, dict] = {c: {} for c in table.text}
-    n_num = 1 + len(table.numeric)
-    while True:
-        rows = cur.fetchmany(_FETCH)
-        if not rows:
-            break
-        columns = list(zip(*rows))
-        parts["rowid"].append(np.array(columns[0], dtype=np.int64))
-        for i, name in enumerate(table.numeric):
-            parts[name].append(np.array(columns[1 + i], dtype=float))  # NULL (None) becomes NaN
-        for i, name in enumerate(table.text):
-            d = lookup[name]
-            codes = [-1 if v is None else d.setdefault(v, len(d)) for v in columns[n_num + i]]
-            parts[name].append(np.array(codes, dtype=np.int32))
-    arrays = {c: (np.concatenate(v) if v else np.empty(0, table.dtype(c))) for c, v in parts.items()}
-    return arrays, {c: list(d) for c, d in lookup.items()}
+def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
+           edits: int) -> tuple[dict[str, np.ndarray], dict]:
+    """Rows with rowid > ``after``, rowid order: arrays (rowid, numeric, text codes) and dictionaries.
+
+    Read by the C reader (``column_reader``) when it is built, the range split across the CPUs (a
+    month's cold build is minutes of SQLite's own row decoding on one core), each part on its own
+    connection in its own read transaction, guarded by the edit counter: when a part saw another count
+    than ``edits`` (this connection's), or the reader refuses a value, the rows are read here instead.
+    Rows added after this connection's snapshot (above its max rowid) are left for the next load."""
+    names = ("rowid", *table.numeric, *table.text)
+    kinds = "i" + "f" * len(table.numeric) + "t" * len(table.text)
+    sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
+    lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
+    if lo is None:
+        return _columns(names, kinds, read_reference(conn, sql, (after, after), kinds), table)
+    if column_reader.NATIVE:
+        guard = f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
+        parts = _ranges(lo - 1, hi, _workers() if hi - lo >= _SPLIT_ROWS else 1)
+        try:
+            with ThreadPoolExecutor(len(parts)) as pool:
+                got = list(pool.map(lambda r: read_native(db, sql, r, kinds, guard), parts))
+            if all(g == edits for g, _ in got):
+                loaded = [dict(zip(names, arrays)) for _, (arrays, _) in got]
+                segs = [{"dicts": dict(zip(names, dicts))} for _, (_, dicts) in got]
+                return _merge(table.text, segs, loaded)
+            log.info("column cache of %s: %s changed while read; read again on one connection", db, table.name)
+        except (Unsupported, RuntimeError) as exc:
+            log.info("column cache of %s: the C reader cannot read %s (%s); the sqlite3 module reads it",
+                     db, table.name, exc)
+    return _columns(names, kinds, read_reference(conn, sql, (after, hi), kinds), table)
+
+
+def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list], table: Table
+             ) -> tuple[dict[str, np.ndarray], dict]:
+    arrays, dicts = read
+    return dict(zip(names, arrays)), {n: d for n, d, k in zip(names, dicts, kinds) if k == "t"}
+
+
+def _ranges(after: int, last: int, k: int) -> list[tuple[int, int]]:
+    """``(after, last]`` as k consecutive ``(a, b]`` ranges of about equal length."""
+    cuts = [after + (last - after) * i // k for i in range(k + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _workers() -> int:
+    return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
 # --- segments ---------------------------------------------------------------------------------------
@@ -423,7 +455,7 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
         except (_Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
             log.info("column cache of %s (%s) rebuilt: %s", db, table.name, exc)
             segs, old, old_dicts, max_rowid = [], None, {}, None
-    new, new_dicts = _fetch(conn, table, max_rowid if max_rowid is not None else -(2**63))
+    new, new_dicts = _fetch(conn, db, table, max_rowid if max_rowid is not None else -(2**63), key["edits"])
     status = "hit" if segs else "build"
     if len(new["rowid"]):
         status = "append" if segs else "build"
