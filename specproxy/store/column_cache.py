@@ -66,11 +66,12 @@ _FETCH = 50_000
 
 @dataclass
 class Columns:
-    """Every turn, in rowid order: ``rowid`` int64, ``num`` float64 arrays, ``txt`` object arrays."""
+    """Every turn, in rowid order: ``rowid`` int64, ``num`` float64 arrays, ``codes`` the text columns as
+    (int32 codes, values), -1 for NULL: handed over as stored, never decoded to objects here."""
 
     rowid: np.ndarray
     num: dict[str, np.ndarray]
-    txt: dict[str, np.ndarray]
+    codes: dict[str, tuple[np.ndarray, list]]
 
 
 def cache_dir(db_path: str | Path) -> Path:
@@ -226,11 +227,11 @@ def _merge(segs: list[dict], loaded: list[dict[str, np.ndarray]]) -> tuple[dict[
     return out, dicts
 
 
-def _decode(codes: np.ndarray, values: list) -> np.ndarray:
-    table = np.array([*values, None], dtype=object)  # code -1 is the last entry: NULL
+def _coded(codes: np.ndarray, values: list) -> tuple[np.ndarray, list]:
+    """A text column's codes and values, once every code is -1 (NULL) or an index of ``values``."""
     if len(codes) and (codes.min() < -1 or codes.max() >= len(values)):
         raise _Invalid("text code out of range")
-    return table[codes]
+    return codes, values
 
 
 # --- the checks ----------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ def _load_columns(conn, db, cdir, numeric, want_num, want_txt) -> tuple[Columns,
     elif old is None:  # no turns at all
         old, old_dicts = _merge([{"dicts": new_dicts}], [{n: new[n] for n in names}])
     cols = Columns(rowid=old["rowid"], num={n: old[n] for n in names[1:] if n not in CACHED_TEXT},
-                   txt={n: _decode(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
+                   codes={n: _coded(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
     return cols, status
 
 
