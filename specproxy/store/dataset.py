@@ -21,7 +21,7 @@ from specproxy.errors import ConfigError
 from specproxy.store.db import connect
 from specproxy.store.turns import Turns
 
-__all__ = ["NUMERIC", "Turns", "busy_seconds", "distinct", "load_turns", "parse_time", "where_clause"]
+__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "where_clause"]
 
 NUMERIC = (
     "t_wall",
@@ -174,11 +174,6 @@ def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *,
     codes = {name: found.codes[name] for name in want_txt}
     everything = len(idx) == len(t) and in_order  # the common case: no positions, nothing to copy
     return Turns(num, codes=codes, positions=None if everything else idx)
-
-
-def distinct(values: np.ndarray) -> set:
-    """The distinct values of an object column (``Turns.distinct`` does it from a text column's codes)."""
-    return set(values.tolist())
 
 
 def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:

@@ -109,7 +109,7 @@ class Turns:
     ``positions`` (int64) makes these the rows at those positions of the given columns, copied when read.
     """
 
-    __slots__ = ("_num", "_txt", "_n", "_made", "_codes", "num", "txt")
+    __slots__ = ("_num", "_txt", "_n", "_made", "_codes")
 
     def __init__(self, num: Mapping[str, np.ndarray], txt: Mapping[str, np.ndarray] | None = None, *,
                  codes: Mapping[str, tuple[np.ndarray, Sequence]] | None = None,
@@ -127,11 +127,19 @@ class Turns:
             self._n = len(given[0].data if given[0].data is not None else given[0].objects) if given else 0
         self._made: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})  # columns read: num, txt
         self._codes: dict[str, np.ndarray] = {}  # text columns' codes read
-        self.num = _View(self, False)
-        self.txt = _View(self, True)
 
     def __len__(self) -> int:
         return self._n
+
+    # views made on each access, not kept: a kept view would be a reference cycle, and a window's columns
+    # would then wait for the garbage collector instead of going with their last reference
+    @property
+    def num(self) -> _View:
+        return _View(self, False)
+
+    @property
+    def txt(self) -> _View:
+        return _View(self, True)
 
     def __repr__(self) -> str:
         return f"<Turns {self._n}: {list(self._num)} {list(self._txt)}>"
@@ -228,5 +236,4 @@ class Turns:
         keep = self._txt if columns is None else {k: self._txt[k] for k in columns if k in self._txt}
         out._txt = {k: (col, at(pos)) for k, (col, pos) in keep.items()}
         out._n, out._made, out._codes = len(idx), ({}, {}), {}
-        out.num, out.txt = _View(out, False), _View(out, True)
         return out
