@@ -42,6 +42,9 @@ class _Column:
     def __init__(self, data: np.ndarray | None, values: tuple | None = None, objects: np.ndarray | None = None):
         self.data, self.values, self.objects = data, values, objects
 
+    def __len__(self) -> int:
+        return len(self.data if self.data is not None else self.objects)
+
     def codes(self) -> tuple[np.ndarray, tuple]:
         if self.data is None:
             self.data, self.values = factorize(self.objects.tolist())
@@ -120,11 +123,9 @@ class Turns:
                           for k, (c, v) in (codes or {}).items()})
         if positions is not None:
             self._n = len(positions)
-        else:
-            given = [c for c, _ in (*self._num.values(), *self._txt.values())]
-            if "t_wall" in self._num:
-                given.insert(0, self._num["t_wall"][0])
-            self._n = len(given[0].data if given[0].data is not None else given[0].objects) if given else 0
+        else:  # t_wall is always loaded (as len() was its length); else any column
+            first = self._num.get("t_wall") or next(iter((*self._num.values(), *self._txt.values())), None)
+            self._n = 0 if first is None else len(first[0])
         self._made: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})  # columns read: num, txt
         self._codes: dict[str, np.ndarray] = {}  # text columns' codes read
 
