@@ -165,7 +165,7 @@ def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *,
         counts["unmeasured"] = int(np.count_nonzero(mask & (found.num["measured"] == 0)))
     mask &= measured
     idx = np.flatnonzero(mask)
-    tw = t[idx]
+    tw = t if len(idx) == len(t) else t[idx]  # every row (the common case): no gather to check the order
     in_order = len(tw) < 2 or bool(np.all(tw[1:] >= tw[:-1]))  # rowid order is usually t_wall order already
     if not in_order:
         nulls = np.isnan(tw)
