@@ -72,7 +72,9 @@ def groups(index: np.ndarray) -> list[tuple[int, np.ndarray]]:
     keep = np.flatnonzero(index >= 0)
     if not len(keep):
         return []
-    order = keep[np.argsort(index[keep].astype(np.int16), kind="stable")]
+    cells = index[keep]
+    small = np.int16 if cells.max() < 2**15 else np.int64  # int16: numpy's radix sort; more cells (clients, sessions)
+    order = keep[np.argsort(cells.astype(small), kind="stable")]
     cells = index[order]
     starts = np.flatnonzero(np.concatenate(([True], cells[1:] != cells[:-1])))
     ends = np.append(starts[1:], len(order))

@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze.cells import groups
 from specproxy.prices import Price
 from specproxy.store.dataset import NUMERIC, Turns
 
 __all__ = ["BY_KEYS", "CACHE_WRITE_COLUMN", "COST_COLUMNS", "KINDS", "PARTS", "PRICED_OUTCOMES", "TurnCosts",
-           "cost_by", "cost_summary", "group_names", "render_cost_lines", "turn_costs", "usd"]
+           "cost_by", "cost_summary", "group_index", "group_names", "render_cost_lines", "turn_costs", "usd"]
 
 PARTS = ("system", "tools", "history", "new")
 KINDS = ("input", "cached_input", "cache_write", "output", "reasoning")
@@ -79,12 +80,11 @@ def _overlap(lo: np.ndarray, hi: np.ndarray, a: np.ndarray, b: np.ndarray) -> np
 
 def turn_costs(turns: Turns, prices: Mapping[str, Price]) -> TurnCosts:
     """The cost of each of ``turns`` (loaded with ``COST_COLUMNS``) at ``prices`` (by model), by the rule above."""
-    num, txt = turns.num, turns.txt
+    num = turns.num
     n = len(turns)
     price = {k: np.full(n, np.nan) for k in KINDS}
-    model = txt["model"]
     for name, p in prices.items():
-        rows = model == name
+        rows = turns.is_("model", name)
         for k in KINDS:
             price[k][rows] = getattr(p, k)
     ours = num["prompt_tokens"]
@@ -100,9 +100,8 @@ def turn_costs(turns: Turns, prices: Mapping[str, Price]) -> TurnCosts:
     reasoning = np.clip(np.nan_to_num(reasoning_raw), 0, np.nan_to_num(output))
 
     why = np.full(n, None, dtype=object)
-    outcome = txt["outcome"]
     checks = (
-        (~np.isin(outcome, PRICED_OUTCOMES), "no answer (the upstream failed or was never reached)"),
+        (~turns.lookup("outcome", dict.fromkeys(PRICED_OUTCOMES, True), False), "no answer (the upstream failed or was never reached)"),
         (~np.isfinite(price["input"]), "no price for its model"),
         (~np.isfinite(prompt), "no prompt count"),
         (~np.isfinite(output), "no output count"),
@@ -162,19 +161,26 @@ def cost_summary(costs: TurnCosts) -> dict[str, Any]:
     }
 
 
+def group_index(turns: Turns, key: str) -> tuple[np.ndarray, list]:
+    """Each turn's group by ``key`` as an index into the returned names: its value, ``(none)`` where the
+    record has none (one group with a value that reads so). From the column's codes: no pass over objects,
+    and ``cells.groups`` of the index gives every group's turns at once."""
+    codes, values = turns.codes(key)
+    names: dict[Any, int] = {}
+    per_code = np.array([names.setdefault(v, len(names)) for v in (*values, NO_GROUP)], dtype=np.int64)
+    return per_code[codes], list(names)  # code -1 (NULL) is the last entry
+
+
 def group_names(turns: Turns, key: str) -> np.ndarray:
     """``key``'s value per turn, ``(none)`` where the record has none."""
-    values = turns.txt[key]
-    return np.where(values == None, NO_GROUP, values).astype(object)  # noqa: E711
+    index, names = group_index(turns, key)
+    return np.array(names, dtype=object)[index]
 
 
 def cost_by(turns: Turns, costs: TurnCosts, key: str) -> list[dict[str, Any]]:
     """``cost_summary`` per value of ``key`` (one of ``BY_KEYS``), the costliest first."""
-    names = group_names(turns, key)
-    out = []
-    for name in sorted(set(names.tolist())):
-        s = cost_summary(costs.select(names == name))
-        out.append({"group": name, **s})
+    index, names = group_index(turns, key)
+    out = [{"group": names[g], **cost_summary(costs.select(rows))} for g, rows in groups(index)]
     return sorted(out, key=lambda g: (-(g["usd"] or 0.0), -g["turns"], g["group"]))
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.analyze.cost import (BY_KEYS, COST_COLUMNS, cost_summary, group_names, render_cost_lines,
+from specproxy.analyze import cells
+from specproxy.analyze.cost import (BY_KEYS, COST_COLUMNS, cost_summary, group_index, render_cost_lines,
                                     turn_costs, usd)
 from specproxy.analyze.wording import plural
 from specproxy.prices import Price
@@ -48,28 +49,28 @@ def by_group(turns: Turns, key: str, prices: Mapping[str, Price] | None) -> dict
     """Per value of ``key``: turns, completed turns, median TTFT and per-stream decode speed (streamed
     turns that completed), prompt and completion tokens (sums of the known counts), the share of the
     server's prompt tokens it said it had cached, and the cost (None without prices), the most turns first."""
-    names = group_names(turns, key)
+    index, names = group_index(turns, key)
     costs = turn_costs(turns, prices) if prices is not None else None
-    ok = turns.txt["outcome"] == "ok"
+    ok = turns.ok
     streamed = ok & (turns.num["streamed"] == 1)
-    groups = []
-    for name in set(names.tolist()):
-        rows = names == name
+    out = []
+    for g, rows in cells.groups(index):  # each group's turns, in their order, from one pass
         usage = turns.num["usage_prompt_tokens"][rows]
         cached = turns.num["usage_cached_tokens"][rows]
         both = np.isfinite(usage) & np.isfinite(cached)
-        groups.append({
-            "group": name, "turns": int(rows.sum()), "completed": int((rows & ok).sum()),
-            "ttft_p50_s": _median(turns.num["ttft_s"][rows & streamed]),
-            "decode_tps_p50": _median(turns.num["decode_tps"][rows & streamed]),
+        timed = rows[streamed[rows]]
+        out.append({
+            "group": names[g], "turns": len(rows), "completed": int(ok[rows].sum()),
+            "ttft_p50_s": _median(turns.num["ttft_s"][timed]),
+            "decode_tps_p50": _median(turns.num["decode_tps"][timed]),
             "prompt_tokens": _total(turns.num["prompt_tokens"][rows]),
             "completion_tokens": _total(turns.num["completion_tokens"][rows]),
             "server_cached_share": (float(cached[both].sum() / usage[both].sum())
                                     if both.any() and usage[both].sum() > 0 else None),
             "cost": cost_summary(costs.select(rows)) if costs is not None else None,
         })
-    groups.sort(key=lambda g: (-g["turns"], str(g["group"])))
-    return {"key": key, "groups": groups}
+    out.sort(key=lambda g: (-g["turns"], str(g["group"])))
+    return {"key": key, "groups": out}
 
 
 def _f(value: Any, fmt: str) -> str:

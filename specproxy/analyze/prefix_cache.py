@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze.cells import groups
 from specproxy.analyze.tdist import t_ppf
 
 __all__ = ["MIN_FIT_TURNS", "PREFIX_CACHE_COLUMNS", "cache_totals", "fit_of", "lost_tokens", "lost_ttft",
@@ -130,10 +131,10 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     out = {"fit": fit, **cache_totals(num["prefix_reused_tokens"], num["usage_cached_tokens"], fit),
            "predicted_turns": int(np.isfinite(num["prefix_reused_tokens"]).sum()),
            "server_cached_turns": int(np.isfinite(num["usage_cached_tokens"]).sum())}
-    clients = ok.txt["client"]
+    names = sorted(c for c in ok.distinct("client") if c is not None)
     per_client = []
-    for name in sorted({c for c in clients.tolist() if c is not None}):
-        m = clients == name
+    for i, m in groups(ok.lookup("client", {name: i for i, name in enumerate(names)})):  # a pass, not one per client
+        name = names[i]
         cfit = fit_of(num["ttft_s"][m], num["streamed"][m], num["prompt_tokens"][m], num["usage_cached_tokens"][m])
         totals = cache_totals(num["prefix_reused_tokens"][m], num["usage_cached_tokens"][m], cfit)
         if totals["turns"]:

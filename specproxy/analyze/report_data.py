@@ -16,13 +16,12 @@ all completed turns.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from specproxy.store.dataset import Turns, busy_seconds, distinct
+from specproxy.store.dataset import Turns, busy_seconds
 from specproxy.store.source import WindowData
 from specproxy.analyze.prefix_cache import PREFIX_CACHE_COLUMNS, prefix_cache_section
 from specproxy.analyze.server_report import server_section
@@ -120,7 +119,7 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     turns, window = data.turns, data.window.as_dict()
     n_all = len(turns)
     outcomes: dict[str, int] = {}
-    for o, count in Counter(turns.txt["outcome"].tolist()).items():
+    for o, count in turns.counts("outcome").items():
         outcomes[str(o)] = outcomes.get(str(o), 0) + count
     ok = turns.select(turns.ok) if n_all else turns
     report: dict[str, Any] = {
@@ -129,8 +128,8 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
         "outcomes": outcomes,
         "first_t_wall": float(np.min(turns.num["t_wall"])) if n_all else None,
         "last_t_wall": float(np.max(turns.num["t_wall"])) if n_all else None,
-        "tokenizers": sorted({str(t) for t in distinct(turns.txt["tokenizer"]) if t}),
-        "labels": sorted({str(t) for t in distinct(turns.txt["label"]) if t}),
+        "tokenizers": sorted({str(t) for t in turns.distinct("tokenizer") if t}),
+        "labels": sorted({str(t) for t in turns.distinct("label") if t}),
         "window": window,
         # the whole database, loaded only when the window selects nothing: None otherwise
         "database_turns": data.database if not n_all else None,
@@ -250,14 +249,13 @@ def _by_name(ok: Turns, column: str) -> list[dict[str, Any]]:
     turns without a name (recorded before it was, or by a proxy that could not tell) are one row, None."""
     if column not in ok.txt or not len(ok):
         return []
-    names = ok.txt[column]
-    known = sorted({str(v) for v in names.tolist() if v is not None})
-    order = [*known, None] if any(v is None for v in names.tolist()) else known
+    present = ok.distinct(column)
+    known = sorted({str(v) for v in present if v is not None})
+    order = [*known, None] if None in present else known
     if len(order) < 2:
         return []
-    index = np.full(len(ok), len(known))  # None's row: after the named ones
-    for i, name in enumerate(known):
-        index[names == name] = i
+    # None's row (and any value not equal to its name's text): after the named ones
+    index = ok.lookup(column, {name: i for i, name in enumerate(known)}, default=len(known))
     key = "proxy" if column == "proxy_name" else "instance"
     return _cells(ok, key, order, index,
                   lambda cell: {"turns": len(cell), "aggregate": aggregate_throughput(cell)},
@@ -270,10 +268,7 @@ CONTENT_CLASSES = ("prose", "code", "tool_call")
 def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
     """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class.
     Over streamed turns: a non-streamed reply is one chunk of all its tokens, not an acceptance length."""
-    classes = streamed.txt["content_class"]
-    index = np.full(len(streamed), -1)
-    for i, name in enumerate(CONTENT_CLASSES):
-        index[classes == name] = i
+    index = streamed.lookup("content_class", {name: i for i, name in enumerate(CONTENT_CLASSES)})
     return _cells(streamed, "content_class", CONTENT_CLASSES, index,
                   lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])},
                   columns=("tokens_per_chunk",))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store.dataset import Turns, distinct
+from specproxy.store.dataset import Turns
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes
 from specproxy.observe.counters import COUNTER_FIELDS, ScrapeSample, restart_reason, stretch_counters
 from specproxy.observe.server_metrics import Snapshot
@@ -209,7 +209,7 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
         idx = np.flatnonzero(ok[lo:hi]) + lo
     out: dict[str, Any] = {"scrapes": len(idx), "scrape_failures": failures, "last_scrape_error": last_error}
     instances = sorted({i for i in scrapes.instance_id[idx].tolist() if i})
-    turn_instances = sorted(str(i) for i in distinct(turns.txt["instance_id"]) if i)
+    turn_instances = sorted(str(i) for i in turns.distinct("instance_id") if i)
     out["instances"] = instances
     out["turn_instances"] = turn_instances
     if not len(idx):

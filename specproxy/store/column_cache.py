@@ -88,11 +88,12 @@ _SPLIT_ROWS = 200_000
 
 @dataclass
 class Columns:
-    """Every turn, in rowid order: ``rowid`` int64, ``num`` float64 arrays, ``txt`` object arrays."""
+    """Every turn, in rowid order: ``rowid`` int64, ``num`` float64 arrays, ``codes`` the text columns as
+    (int32 codes, values), -1 for NULL: handed over as stored, never decoded to objects here."""
 
     rowid: np.ndarray
     num: dict[str, np.ndarray]
-    txt: dict[str, np.ndarray]
+    codes: dict[str, tuple[np.ndarray, list]]
 
 
 @dataclass(frozen=True)
@@ -313,11 +314,11 @@ def _merge(text: tuple[str, ...], segs: list[dict],
     return out, dicts
 
 
-def _decode(codes: np.ndarray, values: list) -> np.ndarray:
-    table = np.array([*values, None], dtype=object)  # code -1 is the last entry: NULL
+def _coded(codes: np.ndarray, values: list) -> tuple[np.ndarray, list]:
+    """A text column's codes and values, once every code is -1 (NULL) or an index of ``values``."""
     if len(codes) and (codes.min() < -1 or codes.max() >= len(values)):
         raise _Invalid("text code out of range")
-    return table[codes]
+    return codes, values
 
 
 # --- the checks ----------------------------------------------------------------------------------
@@ -411,7 +412,7 @@ def _load_columns(conn, db, cdir, numeric, want_num, want_txt) -> tuple[Columns,
     names = ["rowid", "t_wall", "label", *[n for n in want_num if n != "t_wall"], *[t for t in want_txt if t != "label"]]
     old, old_dicts, status = _load_table(conn, db, cdir, _turns(numeric), names)
     cols = Columns(rowid=old["rowid"], num={n: old[n] for n in names[1:] if n not in CACHED_TEXT},
-                   txt={n: _decode(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
+                   codes={n: _coded(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
     return cols, status
 
 

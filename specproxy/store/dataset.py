@@ -10,7 +10,6 @@ beside the database (column_cache.py), with the same filters and order applied i
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,8 +19,9 @@ import numpy as np
 
 from specproxy.errors import ConfigError
 from specproxy.store.db import connect
+from specproxy.store.turns import Turns
 
-__all__ = ["NUMERIC", "Turns", "busy_seconds", "distinct", "load_turns", "parse_time", "where_clause"]
+__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "where_clause"]
 
 NUMERIC = (
     "t_wall",
@@ -56,29 +56,6 @@ NUMERIC = (
 )
 TEXT = ("id", "outcome", "label", "instance_id", "tokenizer", "content_class", "api", "client", "session",
         "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
-
-
-@dataclass
-class Turns:
-    """Columns of the selected turns: ``num[name]`` float arrays (``num["rowid"]`` int64), ``txt[name]``
-    object arrays."""
-
-    num: dict[str, np.ndarray]
-    txt: dict[str, np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.num["t_wall"])
-
-    def select(self, mask: np.ndarray, columns: Sequence[str] | None = None) -> Turns:
-        """The turns where ``mask`` holds; only ``columns`` of them when given (copies are not free)."""
-        if columns is None:
-            return Turns({k: v[mask] for k, v in self.num.items()}, {k: v[mask] for k, v in self.txt.items()})
-        return Turns({k: self.num[k][mask] for k in columns if k in self.num},
-                     {k: self.txt[k][mask] for k in columns if k in self.txt})
-
-    @property
-    def ok(self) -> np.ndarray:
-        return self.txt["outcome"] == "ok"
 
 
 def parse_time(value: str | None) -> float | None:
@@ -170,38 +147,33 @@ def _load_sql(conn: sqlite3.Connection, want_num: tuple[str, ...], want_txt: tup
 
 def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *, label: str | None,
             since: float | None, until: float | None, path: str | None, counts: dict[str, int] | None = None) -> Turns:
-    """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first)."""
+    """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first).
+    The result holds the found columns and the selected positions: a column is copied only when read."""
     t = found.num["t_wall"]
     measured = found.num["measured"] != 0  # NULL (NaN) is a row from before unmeasured rows: measured
+    whole = Turns({}, codes=found.codes)  # the filters compare codes, not objects
     mask = np.ones(len(t), dtype=bool)
     if label is not None:
-        mask &= found.txt["label"] == label
+        mask &= whole.is_("label", label)
     if since is not None:
         mask &= t >= since  # NaN (NULL) compares false, as in SQL
     if until is not None:
         mask &= t < until
     if path is not None:
-        mask &= found.txt["path"] == path
+        mask &= whole.is_("path", path)
     if counts is not None:  # as queries.unmeasured_rows counts them: measured = 0 (not NULL)
         counts["unmeasured"] = int(np.count_nonzero(mask & (found.num["measured"] == 0)))
     mask &= measured
     idx = np.flatnonzero(mask)
-    tw = t[idx]
+    tw = t if len(idx) == len(t) else t[idx]  # every row (the common case): no gather to check the order
     in_order = len(tw) < 2 or bool(np.all(tw[1:] >= tw[:-1]))  # rowid order is usually t_wall order already
     if not in_order:
         nulls = np.isnan(tw)
         idx = idx[np.lexsort((idx, np.where(nulls, 0.0, tw), ~nulls))]  # rowid order = idx order
-    elif len(idx) == len(t):  # everything, in order: no copies
-        idx = slice(None)
-    num = {"rowid": found.rowid[idx]}
-    num.update({name: found.num[name][idx] for name in want_num})
-    txt = {name: found.txt[name][idx] for name in want_txt}
-    return Turns(num, txt)
-
-
-def distinct(values: np.ndarray) -> set:
-    """The distinct values of a column (an object column has few: labels, outcomes, instances)."""
-    return set(values.tolist())
+    num = {"rowid": found.rowid, **{name: found.num[name] for name in want_num}}
+    codes = {name: found.codes[name] for name in want_txt}
+    everything = len(idx) == len(t) and in_order  # the common case: no positions, nothing to copy
+    return Turns(num, codes=codes, positions=None if everything else idx)
 
 
 def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:

@@ -1,0 +1,240 @@
+"""``Turns``: a window's turns as columns, with text kept as codes and selections that copy nothing up front.
+
+Why codes: a text column of a million turns holds a handful of distinct values (outcomes, labels,
+instances). As Python objects, every comparison, set and group over it walks a million objects (the
+report's per-instance table spent ~1 s so); as int32 codes into a short list of values it is one numpy
+pass. The column cache already stores text that way, so the loader hands the codes over as they are.
+``txt[name]`` still gives the object array (decoded on first use and kept), so every reader of it works;
+the hot paths ask ``codes``, ``is_``, ``lookup``, ``distinct`` or ``counts`` instead. NULL is code -1,
+distinct from every value.
+
+Why lazy selections: ``select`` used to copy every (or every named) column of the selected turns, most of
+which were never read (0.4 s at 1M turns, seconds and gigabytes at 10M). A selection now holds its
+parent's whole columns and the selected positions, and copies a column the first time it is read (then
+keeps it); a selection of a selection composes the positions, so it still reads from the loaded columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NULL", "Turns", "factorize"]
+
+NULL = -1  # the code of NULL (None) in every text column
+
+
+def factorize(objects: Iterable[Any]) -> tuple[np.ndarray, tuple]:
+    """Objects as int32 codes into their distinct values in first-seen order; None is ``NULL``."""
+    table: dict[Any, int] = {}
+    codes = np.fromiter((NULL if v is None else table.setdefault(v, len(table)) for v in objects), dtype=np.int32)
+    return codes, tuple(table)
+
+
+class _Column:
+    """One column as loaded, every row of it: numbers (``data``), or text as codes (``data``, int32) into
+    ``values``, or text as an object array (``objects``; its codes are made from it once, when asked)."""
+
+    __slots__ = ("data", "values", "objects")
+
+    def __init__(self, data: np.ndarray | None, values: tuple | None = None, objects: np.ndarray | None = None):
+        self.data, self.values, self.objects = data, values, objects
+
+    def __len__(self) -> int:
+        return len(self.data if self.data is not None else self.objects)
+
+    def codes(self) -> tuple[np.ndarray, tuple]:
+        if self.data is None:
+            self.data, self.values = factorize(self.objects.tolist())
+        return self.data, self.values
+
+
+def _positions(mask: Any, n: int) -> np.ndarray:
+    """A boolean mask, positions or a slice as ascending-as-given int64 positions."""
+    if isinstance(mask, slice):
+        return np.arange(n)[mask]
+    mask = np.asarray(mask)
+    if mask.dtype == bool:
+        if mask.shape != (n,):
+            raise IndexError(f"boolean mask of {mask.shape} over {n} turns")
+        return np.flatnonzero(mask)
+    return mask.astype(np.int64, copy=False)
+
+
+class _View(MutableMapping):
+    """``Turns.num`` or ``Turns.txt``: a mapping from column name to its array, made on first access."""
+
+    __slots__ = ("_turns", "_text")
+
+    def __init__(self, turns: Turns, text: bool):
+        self._turns, self._text = turns, text
+
+    def _cols(self) -> dict[str, tuple[_Column, np.ndarray | None]]:
+        return self._turns._txt if self._text else self._turns._num
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._turns._text(name) if self._text else self._turns._number(name)
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        self._forget(name)
+        self._cols()[name] = (_Column(None, objects=value) if self._text else _Column(value), None)
+
+    def __delitem__(self, name: str) -> None:
+        del self._cols()[name]
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self._turns._made[self._text].pop(name, None)
+        if self._text:
+            self._turns._codes.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._cols()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cols())
+
+    def __len__(self) -> int:
+        return len(self._cols())
+
+    def __repr__(self) -> str:
+        return f"<{'txt' if self._text else 'num'} columns {list(self._cols())}>"
+
+
+class Turns:
+    """Columns of the selected turns: ``num[name]`` float arrays (``num["rowid"]`` int64), ``txt[name]``
+    object arrays (None for NULL); both mappings are filled on first access of each column.
+
+    ``Turns(num, txt)`` takes arrays as they are; ``codes`` (name -> (int32 codes, values)) text as codes;
+    ``positions`` (int64) makes these the rows at those positions of the given columns, copied when read.
+    """
+
+    __slots__ = ("_num", "_txt", "_n", "_made", "_codes")
+
+    def __init__(self, num: Mapping[str, np.ndarray], txt: Mapping[str, np.ndarray] | None = None, *,
+                 codes: Mapping[str, tuple[np.ndarray, Sequence]] | None = None,
+                 positions: np.ndarray | None = None):
+        self._num = {k: (_Column(np.asarray(v)), positions) for k, v in num.items()}
+        self._txt = {k: (_Column(None, objects=np.asarray(v, dtype=object)), positions) for k, v in (txt or {}).items()}
+        self._txt.update({k: (_Column(np.asarray(c, dtype=np.int32), tuple(v)), positions)
+                          for k, (c, v) in (codes or {}).items()})
+        if positions is not None:
+            self._n = len(positions)
+        else:  # t_wall is always loaded (as len() was its length); else any column
+            first = self._num.get("t_wall") or next(iter((*self._num.values(), *self._txt.values())), None)
+            self._n = 0 if first is None else len(first[0])
+        self._made: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})  # columns read: num, txt
+        self._codes: dict[str, np.ndarray] = {}  # text columns' codes read
+
+    def __len__(self) -> int:
+        return self._n
+
+    # views made on each access, not kept: a kept view would be a reference cycle, and a window's columns
+    # would then wait for the garbage collector instead of going with their last reference
+    @property
+    def num(self) -> _View:
+        return _View(self, False)
+
+    @property
+    def txt(self) -> _View:
+        return _View(self, True)
+
+    def __repr__(self) -> str:
+        return f"<Turns {self._n}: {list(self._num)} {list(self._txt)}>"
+
+    # --- columns ---------------------------------------------------------------------------------------
+
+    def _number(self, name: str) -> np.ndarray:
+        got = self._made[0].get(name)
+        if got is None:
+            col, pos = self._num[name]
+            got = self._made[0][name] = col.data if pos is None else col.data[pos]
+        return got
+
+    def _text(self, name: str) -> np.ndarray:
+        got = self._made[1].get(name)
+        if got is None:
+            col, pos = self._txt[name]
+            if col.objects is not None:
+                got = col.objects if pos is None else col.objects[pos]
+            else:
+                codes, values = self.codes(name)
+                got = np.array([*values, None], dtype=object)[codes]  # code -1 (NULL) is the last entry
+            self._made[1][name] = got
+        return got
+
+    def codes(self, name: str) -> tuple[np.ndarray, tuple]:
+        """A text column as int32 codes (``NULL``: -1) into its values (which may hold values no turn here has)."""
+        col, pos = self._txt[name]
+        data, values = col.codes()
+        got = self._codes.get(name)
+        if got is None:
+            got = self._codes[name] = data if pos is None else data[pos]
+        return got, values
+
+    def is_(self, name: str, value: Any) -> np.ndarray:
+        """Which turns have ``value`` (None: NULL) in text column ``name``: ``txt[name] == value``, from the codes."""
+        codes, values = self.codes(name)
+        if value is None:
+            return codes == NULL
+        try:
+            return codes == values.index(value)
+        except ValueError:
+            return np.zeros(len(codes), dtype=bool)
+
+    def lookup(self, name: str, table: Mapping[Any, Any], default: Any = -1) -> np.ndarray:
+        """Per turn, ``table[value]`` of its value in text column ``name`` (NULL looks up None), ``default``
+        where the table has none: how a text column becomes row indexes of a table, in one pass."""
+        codes, values = self.codes(name)
+        per_code = np.array([*(table.get(v, default) for v in values), table.get(None, default)])
+        return per_code[codes]
+
+    def distinct(self, name: str) -> set:
+        """The values text column ``name`` holds in these turns (None when some turn's is NULL)."""
+        codes, values = self.codes(name)
+        present = np.flatnonzero(np.bincount(codes + 1, minlength=1)) - 1
+        return {None if c == NULL else values[c] for c in present.tolist()}
+
+    def counts(self, name: str) -> dict[Any, int]:
+        """How many turns hold each value of text column ``name``, in the order the values first occur
+        (``collections.Counter`` over the objects, from the codes)."""
+        codes, values = self.codes(name)
+        tally = np.bincount(codes + 1, minlength=1)
+        present = np.flatnonzero(tally)
+        if len(present) <= 64:  # a pass per value: outcomes, labels
+            first = [int(np.argmax(codes == c - 1)) for c in present.tolist()]
+        else:
+            _, first_of = np.unique(codes, return_index=True)
+            first = first_of.tolist()
+        return {(None if c == 0 else values[c - 1]): int(tally[c]) for _, c in sorted(zip(first, present.tolist()))}
+
+    @property
+    def ok(self) -> np.ndarray:
+        return self.is_("outcome", "ok")
+
+    # --- selections ------------------------------------------------------------------------------------
+
+    def select(self, mask: Any, columns: Sequence[str] | None = None) -> Turns:
+        """The turns where ``mask`` holds (or at these positions); only ``columns`` of them when given.
+        Nothing is copied here: each column of the result is copied from the loaded one when first read."""
+        idx = _positions(mask, self._n)
+        composed: dict[int, np.ndarray] = {}
+
+        def at(pos: np.ndarray | None) -> np.ndarray:
+            if pos is None:
+                return idx
+            key = id(pos)
+            if key not in composed:
+                composed[key] = pos[idx]
+            return composed[key]
+
+        out = Turns.__new__(Turns)
+        keep = self._num if columns is None else {k: self._num[k] for k in columns if k in self._num}
+        out._num = {k: (col, at(pos)) for k, (col, pos) in keep.items()}
+        keep = self._txt if columns is None else {k: self._txt[k] for k in columns if k in self._txt}
+        out._txt = {k: (col, at(pos)) for k, (col, pos) in keep.items()}
+        out._n, out._made, out._codes = len(idx), ({}, {}), {}
+        return out
