@@ -183,15 +183,19 @@ def _window(d, span: dict[str, Any], delivered: float | None, per_stream: float 
     }
 
 
+_UNSET: Any = object()
+
+
 def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Turns | None = None,
-                   until: float | None = None) -> dict[str, Any]:
+                   until: float | None = None, per_stream: float | None = _UNSET) -> dict[str, Any]:
     """Everything the server's counters add to a report over these turns' window.
 
     ``span``: all of the report's turns, failed ones included; when none of ``turns`` is there (every
     turn failed, e.g. the upstream never answered) the scrapes are counted over their window instead,
     so that the failed scrapes of that time are said, not "none recorded". ``until``: the report's
     --until: no scrape after it is read. ``scrapes`` and ``lone``: the window's, loaded by the store
-    (``store.source.Source.load`` with ``server=True``)."""
+    (``store.source.Source.load`` with ``server=True``). ``per_stream``: the median decode speed of
+    ``turns``' streamed turns when the caller has it already (the report's own figure): not found again."""
     window = turns if len(turns) or span is None else span
     if not len(window):
         return {"scrapes": 0}
@@ -225,7 +229,8 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
     d = _counters(scrapes, idx)
     streamed = turns.num["streamed"] == 1  # per-stream speed and tokens per chunk are theirs alone
-    per_stream = summarize(turns.num["decode_tps"][streamed]).median
+    if per_stream is _UNSET:
+        per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
         w0, w1 = float(t_idx[0]), float(t_idx[-1])
         inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])

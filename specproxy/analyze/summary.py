@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import check_level, clean, clean_labelled
+from specproxy.analyze.arrays import check_level, clean, clean_labelled, finite
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
@@ -167,7 +167,7 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
     statistics, found by one partition, never a sort (the mean is summed in the values' order).
     """
-    x = clean(values)
+    x = finite(values)  # read only: partitioned as a copy, summed where it is
     if x.size == 0:
         check_level(level)
         return Summary(0, None, None, None, None, None)
