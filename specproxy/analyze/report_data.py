@@ -161,14 +161,14 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
     report["completed_turns"] = {"streamed": len(streamed), "non_streamed": len(whole)}
     report["user"] = {key: _summary(streamed.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
     report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
-    report["usage_vs_delivered"] = _usage_gap(ok)
+    report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
     report["prompt"] = _prompt(ok)
     report["by_concurrency"] = _by_concurrency(ok)
     report["by_prompt_length"] = _by_prompt_length(streamed)
     report["by_content_class"] = _by_content_class(streamed)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
     report["whole_turn"] = later(_whole_turn, ok.num["ttft_s"], ok.num["decode_s"], streamed_mask(ok))
-    report["prefix_cache"] = prefix_cache_section(ok)
+    report["prefix_cache"] = later(prefix_cache_section, ok)
     report["cost"] = cost_section(turns, prices) if n_all else None
     report["by"] = by_group(turns, by, prices) if by and n_all else None
     report["by_proxy"] = _by_name(ok, "proxy_name")
@@ -201,15 +201,16 @@ def _slo(turns: Turns, slo: Slo) -> dict[str, Any]:
     return {"objective": slo.as_dict(), "overall": cell(None), "by_concurrency": rows}
 
 
-def _usage_gap(ok: Turns) -> dict[str, Any]:
-    """Our delivered count beside the server's own usage count, where both exist."""
-    ours, theirs = ok.num["completion_tokens"], ok.num["usage_completion_tokens"]
+def _usage_gap(ours: np.ndarray, theirs: np.ndarray) -> dict[str, Any]:
+    """Our delivered count beside the server's own usage count, where both exist (the completed turns'
+    ``completion_tokens`` and ``usage_completion_tokens``)."""
     both = np.isfinite(ours) & np.isfinite(theirs)
-    diff = theirs[both] - ours[both]
+    ours, theirs = ours[both], theirs[both]  # each selected once: the sums and the difference read them
+    diff = theirs - ours
     return {
         "n": int(both.sum()),
-        "delivered_tokens": float(ours[both].sum()) if both.any() else None,
-        "usage_tokens": float(theirs[both].sum()) if both.any() else None,
+        "delivered_tokens": float(ours.sum()) if both.any() else None,
+        "usage_tokens": float(theirs.sum()) if both.any() else None,
         "median_usage_minus_delivered": float(np.median(diff)) if both.any() else None,
     }
 

@@ -29,7 +29,7 @@ from specproxy.analyze.arrays import check_level, clean, clean_labelled, finite
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
-__all__ = ["Summary", "mean_ci", "median_ci", "summarize", "summarize_clustered"]
+__all__ = ["Summary", "mean_ci", "median_ci", "median_p95_max", "summarize", "summarize_clustered"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,14 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     part = np.partition(x, sorted(at))  # every order statistic below in one pass
     lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
     return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
+
+
+def median_p95_max(x: np.ndarray) -> tuple[float, float, float]:
+    """``numpy.median``, ``numpy.percentile(x, 95)`` and the max of clean values (at least one), to the last
+    bit, read off one partition: numpy partitions once for each, and the max is one more pass."""
+    n = x.size
+    part = np.partition(x, sorted({(n - 1) // 2, n // 2, *_p95_at(n)[1:], n - 1}))
+    return _median(part, n), _p95(part, n), float(part[n - 1])
 
 
 def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
