@@ -228,8 +228,8 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     split = int(np.count_nonzero(whole))
     every = split == len(whole)  # then a part's sum over the split turns is its sum (no selected copy)
 
-    def over_split(values: np.ndarray) -> float:  # contiguous as the selection is: the same sum, bit for bit
-        return float(np.sum(np.ascontiguousarray(values) if every else values[whole]))
+    def over_split(values: np.ndarray) -> float:
+        return float(np.sum(values if every else values[whole]))
 
     tokens = over_split(total)
     out["split_turns"] = split
