@@ -100,11 +100,14 @@ def aggregate_throughput(turns: Turns) -> dict[str, Any]:
     end = start + turns.num["total_s"]
     tokens = turns.num["completion_tokens"]
     known = np.isfinite(tokens)
-    busy = busy_seconds(start[known], end[known])
-    if not known.any() or busy <= 0:
-        return {"n": int(known.sum()), "tokens": None, "busy_s": None, "tps": None}
-    total = float(np.sum(tokens[known]))
-    return {"n": int(known.sum()), "tokens": total, "busy_s": busy, "tps": total / busy}
+    n = int(np.count_nonzero(known))
+    if n < len(known):  # else every turn counts: no selected copies (the same values, the same sums)
+        start, end, tokens = start[known], end[known], tokens[known]
+    busy = busy_seconds(start, end)
+    if not n or busy <= 0:
+        return {"n": n, "tokens": None, "busy_s": None, "tps": None}
+    total = float(np.sum(tokens))
+    return {"n": n, "tokens": total, "busy_s": busy, "tps": total / busy}
 
 
 def streamed_mask(turns: Turns) -> np.ndarray:
@@ -250,8 +253,10 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
     for b, at in groups(index):
         cell = turns.select(at, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
         streamed = streamed_mask(cell)
-        rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
-                     "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})
+        n = int(np.count_nonzero(streamed))
+        mine = (lambda col: cell.num[col]) if n == len(cell) else (lambda col: cell.num[col][streamed])
+        rows.append({key: names[int(b)], "n": n, "ttft_s": _summary(mine("ttft_s")),
+                     "per_stream_tps": _summary(mine("decode_tps")), **extra(cell)})
     return rows
 
 
