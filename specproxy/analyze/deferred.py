@@ -7,6 +7,9 @@ the next cells. Each figure is the same function of the same values wherever it 
 the same to the last bit, and in the same order: a figure's place in the report is taken when it is
 asked for (a ``Future`` there), and ``resolved`` puts each result in that place.
 
+A figure computed on the pool computes the figures it asks for in place (``_in_place``): no worker
+waits for a figure queued behind it.
+
 One worker per core the process may run on (``os.sched_getaffinity``), at most ``MAX_WORKERS``; on one
 core there is no pool and every figure is computed where it is asked for. At most ``MAX_PENDING``
 figures wait at once: the main thread waits for the oldest before asking for more, so the columns a
@@ -28,6 +31,11 @@ MAX_WORKERS = 2
 MAX_PENDING = 8
 
 
+def _in_place(fn: Callable[..., Any], *args: Any) -> Any:
+    _POOL.set(None)  # in this worker's own context: whatever it asks for, it computes
+    return fn(*args)
+
+
 class _Pool:
     def __init__(self, executor: ThreadPoolExecutor) -> None:
         self._executor = executor
@@ -36,7 +44,7 @@ class _Pool:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         while len(self._pending) >= MAX_PENDING:
             self._pending.popleft().result()
-        future = self._executor.submit(fn, *args)
+        future = self._executor.submit(_in_place, fn, *args)
         self._pending.append(future)
         return future
 

@@ -16,6 +16,7 @@ all completed turns.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -165,7 +166,7 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
     report["user"] = {key: _summary(streamed.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
     report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
     report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
-    report["prompt"] = _prompt(ok)
+    report["prompt"] = later(_prompt, ok)
     report["by_concurrency"] = _by_concurrency(ok)
     report["by_prompt_length"] = _by_prompt_length(streamed)
     report["by_content_class"] = _by_content_class(streamed)
@@ -181,8 +182,9 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
                                                        "by_concurrency": []}
     if data.scrapes is not None and data.lone is not None:
         # its per-stream speed is the user figure's median (the same values, in the same order)
-        report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"],
-                                          per_stream=resolved(report["user"]["decode_tps"])["median"])
+        report["server"] = later(functools.partial(
+            server_section, data.scrapes, data.lone, ok, span=turns, until=window["until"],
+            per_stream=resolved(report["user"]["decode_tps"])["median"]))
     return report
 
 

@@ -139,10 +139,18 @@ def _span(scrapes: Scrapes, times: tuple[np.ndarray, np.ndarray], until: float |
             "turns_to": last}
 
 
+def _ascending(x: np.ndarray) -> bool:
+    """No element below the one before (NaN: not ascending): then a stable argsort is the identity."""
+    return bool(np.all(x[1:] >= x[:-1]))
+
+
 def _busy(t: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """Which times ``t`` fall while at least one of the turns [start, end] was in flight."""
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], np.maximum.accumulate(end[order])
+    if _ascending(start):  # turns come in start order: the stable sort would not move one
+        s, e = start, np.maximum.accumulate(end)
+    else:
+        order = np.argsort(start, kind="stable")
+        s, e = start[order], np.maximum.accumulate(end[order])
     i = np.searchsorted(s, t, side="right") - 1  # the last turn started at or before t
     return (i >= 0) & (e[np.maximum(i, 0)] >= t)
 
@@ -241,7 +249,9 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     # the join is over streamed turns: a non-streamed reply is one chunk of all its tokens, which says
     # nothing about steps, and it has no decode speed to divide by the MAL
     order = np.flatnonzero(streamed)
-    order = order[np.argsort(turns.num["rowid"][order], kind="stable")]
+    rowids = turns.num["rowid"][order]
+    if not _ascending(rowids):  # stored in start order, turns are in rowid order already: nothing to sort
+        order = order[np.argsort(rowids, kind="stable")]
     pos, mal = _turn_counters(lone, turns.num["rowid"][order])
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``

@@ -34,6 +34,14 @@ def test_figures_run_on_the_pool_and_land_in_their_places(monkeypatch):
     assert out["b"] == ("x", 1) and out["c"] == {"d": None} and list(out) == ["a", "b", "c"]
 
 
+def test_a_figure_on_the_pool_computes_its_own_figures_in_place(monkeypatch):
+    _cores(monkeypatch, 2)
+    with deferred.figures_in_parallel():
+        outer = deferred.later(lambda: deferred.later(lambda: threading.current_thread().name))
+        name = deferred.resolved(outer)
+    assert name.startswith("figures")  # a value, not a Future: no worker waits for another
+
+
 def test_one_core_computes_in_place(monkeypatch):
     _cores(monkeypatch, 1)
     with deferred.figures_in_parallel():
