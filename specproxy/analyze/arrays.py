@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["BOOT_CHUNK", "check_level", "clean", "clean_labelled", "floats", "missing", "take_last"]
+__all__ = ["BOOT_CHUNK", "check_level", "clean", "clean_labelled", "finite", "floats", "missing", "take_last"]
 
 BOOT_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps: bounded memory
 
@@ -26,18 +26,37 @@ def take_last(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.take(np.ascontiguousarray(a).reshape(-1), idx + offsets)
 
 
-def floats(values: Iterable[Any] | None) -> np.ndarray:
-    """Values as float64; None and NaN become NaN (the caller drops them); inf is an error."""
-    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values or []),
-                     dtype=float).reshape(-1)
+def _as_floats(values: Iterable[Any] | None) -> np.ndarray:
+    return np.asarray(values if isinstance(values, np.ndarray) else list(values or []), dtype=float).reshape(-1)
+
+
+def _refuse_inf(arr: np.ndarray) -> None:
     if np.isinf(arr).any():
         raise ValueError("infinite value: a missing figure must be None/NaN, not inf")
+
+
+def floats(values: Iterable[Any] | None) -> np.ndarray:
+    """Values as float64; None and NaN become NaN (the caller drops them); inf is an error."""
+    arr = _as_floats(values)
+    _refuse_inf(arr)
     return arr
 
 
 def clean(values: Iterable[Any] | None) -> np.ndarray:
     arr = floats(values)
     return arr[~np.isnan(arr)]
+
+
+def finite(values: Iterable[Any] | None) -> np.ndarray:
+    """``clean``'s values, but the input array itself (no copy) when none is missing: for readers only
+    (a summary partitions a copy and sums in place), so that a 10M-turn column is not copied first.
+    One pass when nothing is missing, where ``clean`` makes three and a copy."""
+    arr = _as_floats(values)
+    keep = np.isfinite(arr)
+    if keep.all():
+        return arr
+    _refuse_inf(arr)
+    return arr[keep]
 
 
 def clean_labelled(values, labels) -> tuple[np.ndarray, np.ndarray | None, list]:

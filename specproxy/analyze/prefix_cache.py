@@ -72,16 +72,18 @@ def ttft_fit(ttft: list[float] | np.ndarray, uncached: list[float] | np.ndarray,
     n = len(x)
     if n < MIN_FIT_TURNS or np.ptp(x) == 0:
         return None
-    xc = x - x.mean()
+    x_mean, y_mean = x.mean(), y.mean()  # each found once, used twice
+    xc = x - x_mean
     sxx = float(xc @ xc)
-    slope = float(xc @ (y - y.mean())) / sxx
+    slope = float(xc @ (y - y_mean)) / sxx
     if slope <= 0:
         return None
-    intercept = float(y.mean() - slope * x.mean())
+    intercept = float(y_mean - slope * x_mean)
     resid = y - intercept - slope * x
-    lev = 1.0 / n + xc * xc / sxx  # each turn's leverage
+    xc2 = xc * xc
+    lev = 1.0 / n + xc2 / sxx  # each turn's leverage
     lev = np.minimum(lev, 1.0 - 1e-12)
-    var = float(np.sum(xc * xc * (resid / (1.0 - lev)) ** 2)) / (sxx * sxx)  # HC3
+    var = float(np.sum(xc2 * (resid / (1.0 - lev)) ** 2)) / (sxx * sxx)  # HC3
     half = _t_ppf(0.5 + level / 2, n - 2) * math.sqrt(var) if n > 2 else math.inf
     ms = 1e6  # seconds per token -> ms per 1k tokens
     return {"n": n, "ms_per_1k_uncached": slope * ms, "ms_per_1k_lo": (slope - half) * ms,

@@ -16,6 +16,7 @@ all completed turns.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
                                     which_to_read)
 from specproxy.analyze.slo import attainment, met_of_turns
+from specproxy.analyze.deferred import figures_in_parallel, later, resolved
 from specproxy.analyze.summary import summarize
 from specproxy.config import Slo
 
@@ -76,8 +78,15 @@ def report_columns(prices: Mapping | None = None, by: str | None = None) -> tupl
     return (*REPORT_COLUMNS, *(c for c in dict.fromkeys(extra) if c not in REPORT_COLUMNS))
 
 
-def _summary(values: np.ndarray, scale: float = 1.0) -> dict[str, Any]:
-    return summarize(values * scale).to_dict()
+def _summary(values: np.ndarray, scale: float = 1.0, extra: dict[str, Any] | None = None) -> Any:
+    """``summarize(values * scale)`` as a dict, then ``extra``'s keys: on the report's pool when it has one
+    (``deferred``: a Future in its place until the report is ``resolved``)."""
+    return later(_summary_now, values, scale, extra)
+
+
+def _summary_now(values: np.ndarray, scale: float, extra: dict[str, Any] | None) -> dict[str, Any]:
+    # x * 1.0 is x to the last bit (NaN stays NaN): no copy of a whole column for it
+    return {**summarize(values if scale == 1.0 else values * scale).to_dict(), **(extra or {})}
 
 
 def aggregate_throughput(turns: Turns) -> dict[str, Any]:
@@ -91,11 +100,14 @@ def aggregate_throughput(turns: Turns) -> dict[str, Any]:
     end = start + turns.num["total_s"]
     tokens = turns.num["completion_tokens"]
     known = np.isfinite(tokens)
-    busy = busy_seconds(start[known], end[known])
-    if not known.any() or busy <= 0:
-        return {"n": int(known.sum()), "tokens": None, "busy_s": None, "tps": None}
-    total = float(np.sum(tokens[known]))
-    return {"n": int(known.sum()), "tokens": total, "busy_s": busy, "tps": total / busy}
+    n = int(np.count_nonzero(known))
+    if n < len(known):  # else every turn counts: no selected copies (the same values, the same sums)
+        start, end, tokens = start[known], end[known], tokens[known]
+    busy = busy_seconds(start, end)
+    if not n or busy <= 0:
+        return {"n": n, "tokens": None, "busy_s": None, "tps": None}
+    total = float(np.sum(tokens))
+    return {"n": n, "tokens": total, "busy_s": busy, "tps": total / busy}
 
 
 def streamed_mask(turns: Turns) -> np.ndarray:
@@ -115,7 +127,16 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     label, tenant or model; both need ``report_columns(prices, by)`` loaded.
     With ``slo``, the ``slo`` section: the
     share of turns that met it and goodput, over the window and per concurrency (``analyze/slo.py``).
+    The figures that depend only on their own columns are computed on a small thread pool meanwhile
+    (``deferred``): the same figures, in the same order.
     """
+    with figures_in_parallel():
+        return resolved(_figures(data, source=source, prices=prices, by=by, slo=slo))
+
+
+def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str | None,
+             slo: Slo | None) -> dict[str, Any]:
+    """``build_report``'s dict, some figures in it still Futures (``deferred.resolved`` reads them)."""
     turns, window = data.turns, data.window.as_dict()
     n_all = len(turns)
     outcomes: dict[str, int] = {}
@@ -143,14 +164,14 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     report["completed_turns"] = {"streamed": len(streamed), "non_streamed": len(whole)}
     report["user"] = {key: _summary(streamed.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
     report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
-    report["usage_vs_delivered"] = _usage_gap(ok)
-    report["prompt"] = _prompt(ok)
+    report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
+    report["prompt"] = later(_prompt, ok)
     report["by_concurrency"] = _by_concurrency(ok)
     report["by_prompt_length"] = _by_prompt_length(streamed)
     report["by_content_class"] = _by_content_class(streamed)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
-    report["whole_turn"] = _whole_turn(ok)
-    report["prefix_cache"] = prefix_cache_section(ok)
+    report["whole_turn"] = later(_whole_turn, ok.num["ttft_s"], ok.num["decode_s"], streamed_mask(ok))
+    report["prefix_cache"] = later(prefix_cache_section, ok)
     report["cost"] = cost_section(turns, prices) if n_all else None
     report["by"] = by_group(turns, by, prices) if by and n_all else None
     report["by_proxy"] = _by_name(ok, "proxy_name")
@@ -159,7 +180,10 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
         report["slo"] = _slo(turns, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
                                                        "by_concurrency": []}
     if data.scrapes is not None and data.lone is not None:
-        report["server"] = server_section(data.scrapes, data.lone, ok, span=turns, until=window["until"])
+        # its per-stream speed is the user figure's median (the same values, in the same order)
+        report["server"] = later(functools.partial(
+            server_section, data.scrapes, data.lone, ok, span=turns, until=window["until"],
+            per_stream=resolved(report["user"]["decode_tps"])["median"]))
     return report
 
 
@@ -181,15 +205,16 @@ def _slo(turns: Turns, slo: Slo) -> dict[str, Any]:
     return {"objective": slo.as_dict(), "overall": cell(None), "by_concurrency": rows}
 
 
-def _usage_gap(ok: Turns) -> dict[str, Any]:
-    """Our delivered count beside the server's own usage count, where both exist."""
-    ours, theirs = ok.num["completion_tokens"], ok.num["usage_completion_tokens"]
+def _usage_gap(ours: np.ndarray, theirs: np.ndarray) -> dict[str, Any]:
+    """Our delivered count beside the server's own usage count, where both exist (the completed turns'
+    ``completion_tokens`` and ``usage_completion_tokens``)."""
     both = np.isfinite(ours) & np.isfinite(theirs)
-    diff = theirs[both] - ours[both]
+    ours, theirs = ours[both], theirs[both]  # each selected once: the sums and the difference read them
+    diff = theirs - ours
     return {
         "n": int(both.sum()),
-        "delivered_tokens": float(ours[both].sum()) if both.any() else None,
-        "usage_tokens": float(theirs[both].sum()) if both.any() else None,
+        "delivered_tokens": float(ours.sum()) if both.any() else None,
+        "usage_tokens": float(theirs.sum()) if both.any() else None,
         "median_usage_minus_delivered": float(np.median(diff)) if both.any() else None,
     }
 
@@ -204,14 +229,20 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     whole = np.isfinite(total)
     for part in PROMPT_PARTS:
         whole &= np.isfinite(ok.num[part])
-    tokens = float(np.sum(total[whole]))
-    out["split_turns"] = int(whole.sum())
-    out["split_tokens"] = tokens if whole.any() else None
+    split = int(np.count_nonzero(whole))
+    every = split == len(whole)  # then a part's sum over the split turns is its sum (no selected copy)
+
+    def over_split(values: np.ndarray) -> float:
+        return float(np.sum(values if every else values[whole]))
+
+    tokens = over_split(total)
+    out["split_turns"] = split
+    out["split_tokens"] = tokens if split else None
     for part in PROMPT_PARTS:
-        s = _summary(ok.num[part])
-        s["tokens"] = float(np.sum(ok.num[part][whole])) if whole.any() else None
-        s["share_of_prompt_tokens"] = s["tokens"] / tokens if whole.any() and tokens > 0 else None
-        out[part] = s
+        values = ok.num[part]
+        part_tokens = over_split(values) if split else None
+        out[part] = _summary(values, extra={
+            "tokens": part_tokens, "share_of_prompt_tokens": part_tokens / tokens if split and tokens > 0 else None})
     return out
 
 
@@ -223,8 +254,10 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
     for b, at in groups(index):
         cell = turns.select(at, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
         streamed = streamed_mask(cell)
-        rows.append({key: names[int(b)], "n": int(streamed.sum()), "ttft_s": _summary(cell.num["ttft_s"][streamed]),
-                     "per_stream_tps": _summary(cell.num["decode_tps"][streamed]), **extra(cell)})
+        n = int(np.count_nonzero(streamed))
+        mine = (lambda col: cell.num[col]) if n == len(cell) else (lambda col: cell.num[col][streamed])
+        rows.append({key: names[int(b)], "n": n, "ttft_s": _summary(mine("ttft_s")),
+                     "per_stream_tps": _summary(mine("decode_tps")), **extra(cell)})
     return rows
 
 
@@ -232,9 +265,13 @@ def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
     """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) and which
     figure to read over all its turns, as concurrency counts every turn in flight."""
     return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
-                  lambda cell: {"aggregate": aggregate_throughput(cell),
-                                "read": which_to_read(float(np.median(cell.num["concurrency"])))},
+                  lambda cell: {"aggregate": later(aggregate_throughput, cell),
+                                "read": later(_read, cell.num["concurrency"])},
                   columns=("total_s", "completion_tokens", "concurrency"))
+
+
+def _read(concurrency: np.ndarray) -> str | None:
+    return which_to_read(float(np.median(concurrency)))
 
 
 def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
@@ -274,14 +311,14 @@ def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
                   columns=("tokens_per_chunk",))
 
 
-def _whole_turn(ok: Turns) -> dict[str, Any]:
-    """The speedup a user would feel for engine decode speedups, from this traffic (streamed turns).
+def _whole_turn(ttft_s: np.ndarray, decode_s: np.ndarray, streamed: np.ndarray) -> dict[str, Any]:
+    """The speedup a user would feel for engine decode speedups, from this traffic (streamed turns: the
+    completed turns' columns, and which of them were streamed).
 
     TTFT held (prefill does not get faster when decoding does), in the before-a-change form, over the
     window's summed TTFT and decode time: the exact ratio of all users' turn time before and after.
     """
-    streamed = streamed_mask(ok)
-    w = window_speedups(ok.num["ttft_s"][streamed], ok.num["decode_s"][streamed], speedups=ENGINE_SPEEDUPS)
+    w = window_speedups(ttft_s[streamed], decode_s[streamed], speedups=ENGINE_SPEEDUPS)
     n = w.n
     return {
         "n": n,

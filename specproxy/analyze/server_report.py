@@ -18,7 +18,8 @@ from specproxy.store.dataset import Turns
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes
 from specproxy.observe.counters import COUNTER_FIELDS, ScrapeSample, restart_reason, stretch_counters
 from specproxy.observe.server_metrics import Snapshot
-from specproxy.analyze.summary import summarize
+from specproxy.analyze.deferred import later
+from specproxy.analyze.summary import median_p95_max, summarize
 from specproxy.analyze.wording import plural
 
 __all__ = ["server_section", "render_server"]
@@ -113,15 +114,15 @@ def _turn_times(turns: Turns) -> tuple[np.ndarray, np.ndarray]:
     return start, start + np.nan_to_num(turns.num["total_s"])
 
 
-def _span(scrapes: Scrapes, turns: Turns, until: float | None) -> dict[str, Any]:
+def _span(scrapes: Scrapes, times: tuple[np.ndarray, np.ndarray], until: float | None) -> dict[str, Any]:
     """The scrapes the counters are read between, fixed by the turns alone (so a report gives the same
     figures whenever it runs): the last successful scrape at or before the first turn's start and the
     first at or after the last turn's end, never past ``until``. Where there is none, the nearest one
     inside the turns' time (the span then cuts them: said by ``cut_s``). ``from``/``to``: where the
     failed scrapes are counted: from the same start (the last attempt before the turns when none
     succeeded) to the first attempt, failed or not, after the last turn's end. ``scrapes``: the store's
-    (``Source.load``), which hold every scrape these bounds can be."""
-    start, end = _turn_times(turns)
+    (``Source.load``), which hold every scrape these bounds can be. ``times``: the turns' (``_turn_times``)."""
+    start, end = times
     first, last = float(np.min(start)), float(np.max(end))
     stop = last if until is None else min(last, until)
     t, ok = scrapes.t_wall, scrapes.ok()
@@ -138,10 +139,18 @@ def _span(scrapes: Scrapes, turns: Turns, until: float | None) -> dict[str, Any]
             "turns_to": last}
 
 
+def _ascending(x: np.ndarray) -> bool:
+    """No element below the one before (NaN: not ascending): then a stable argsort is the identity."""
+    return bool(np.all(x[1:] >= x[:-1]))
+
+
 def _busy(t: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """Which times ``t`` fall while at least one of the turns [start, end] was in flight."""
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], np.maximum.accumulate(end[order])
+    if _ascending(start):  # turns come in start order: the stable sort would not move one
+        s, e = start, np.maximum.accumulate(end)
+    else:
+        order = np.argsort(start, kind="stable")
+        s, e = start[order], np.maximum.accumulate(end[order])
     i = np.searchsorted(s, t, side="right") - 1  # the last turn started at or before t
     return (i >= 0) & (e[np.maximum(i, 0)] >= t)
 
@@ -183,19 +192,24 @@ def _window(d, span: dict[str, Any], delivered: float | None, per_stream: float 
     }
 
 
+_UNSET: Any = object()
+
+
 def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Turns | None = None,
-                   until: float | None = None) -> dict[str, Any]:
+                   until: float | None = None, per_stream: float | None = _UNSET) -> dict[str, Any]:
     """Everything the server's counters add to a report over these turns' window.
 
     ``span``: all of the report's turns, failed ones included; when none of ``turns`` is there (every
     turn failed, e.g. the upstream never answered) the scrapes are counted over their window instead,
     so that the failed scrapes of that time are said, not "none recorded". ``until``: the report's
     --until: no scrape after it is read. ``scrapes`` and ``lone``: the window's, loaded by the store
-    (``store.source.Source.load`` with ``server=True``)."""
+    (``store.source.Source.load`` with ``server=True``). ``per_stream``: the median decode speed of
+    ``turns``' streamed turns when the caller has it already (the report's own figure): not found again."""
     window = turns if len(turns) or span is None else span
     if not len(window):
         return {"scrapes": 0}
-    bounds = _span(scrapes, window, until)
+    times = _turn_times(window)  # the turns' own when they are the window (the usual case): found once
+    bounds = _span(scrapes, times, until)
     ok = scrapes.ok()
     failures, last_error = _failures(scrapes, ok, bounds["from"], bounds["to"])
     s0, s1 = bounds["first_scrape"], bounds["last_scrape"]
@@ -216,16 +230,17 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
         return out
     out["server_kind"] = scrapes.server_kind[idx[-1]]
     out["span"] = {k: bounds[k] for k in ("first_scrape", "last_scrape", "turns_from", "turns_to")}
-    start, done = _turn_times(turns) if len(turns) else (np.empty(0), np.empty(0))
+    start, done = (times if window is turns else _turn_times(turns)) if len(turns) else (np.empty(0), np.empty(0))
     # the server's running requests at the scrapes taken while these turns were in flight: idle time
     # between and around them is not their operating point (not exposed: left out, never 0)
     t_idx = scrapes.t_wall[idx]
     busy = _busy(t_idx, start, done) if len(turns) else np.zeros(len(idx), bool)
     out["requests_running"] = _dist(scrapes.num["requests_running"][idx][busy], MIN_RUNNING_SCRAPES)
-    out["proxy_in_flight"] = _dist(turns.num["concurrency"][np.isfinite(turns.num["concurrency"])])
+    out["proxy_in_flight"] = later(_dist, turns.num["concurrency"])  # _dist drops the missing
     d = _counters(scrapes, idx)
     streamed = turns.num["streamed"] == 1  # per-stream speed and tokens per chunk are theirs alone
-    per_stream = summarize(turns.num["decode_tps"][streamed]).median
+    if per_stream is _UNSET:
+        per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
         w0, w1 = float(t_idx[0]), float(t_idx[-1])
         inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])
@@ -234,7 +249,9 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     # the join is over streamed turns: a non-streamed reply is one chunk of all its tokens, which says
     # nothing about steps, and it has no decode speed to divide by the MAL
     order = np.flatnonzero(streamed)
-    order = order[np.argsort(turns.num["rowid"][order], kind="stable")]
+    rowids = turns.num["rowid"][order]
+    if not _ascending(rowids):  # stored in start order, turns are in rowid order already: nothing to sort
+        order = order[np.argsort(rowids, kind="stable")]
     pos, mal = _turn_counters(lone, turns.num["rowid"][order])
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``
@@ -256,6 +273,8 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
             "forward_passes_per_s": summarize(fwd).to_dict(),
         }
     return out
+
+
 def _dist(values, least: int = 1) -> dict[str, Any]:
     """n, median, p95 and max; below ``least`` values, the values themselves instead of a median and p95."""
     # an array as it is (list() of 10M turns' concurrency made 10M Python floats first)
@@ -266,8 +285,8 @@ def _dist(values, least: int = 1) -> dict[str, Any]:
     if arr.size < least:
         return {"n": int(arr.size), "median": None, "p95": None, "max": float(arr.max()),
                 "values": [float(v) for v in arr]}
-    return {"n": int(arr.size), "median": float(np.median(arr)), "p95": float(np.percentile(arr, 95)),
-            "max": float(arr.max())}
+    median, p95, top = median_p95_max(arr)
+    return {"n": int(arr.size), "median": median, "p95": p95, "max": top}
 
 
 def _f(v: Any, fmt: str) -> str:

@@ -25,11 +25,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import check_level, clean, clean_labelled
+from specproxy.analyze.arrays import check_level, clean, clean_labelled, finite
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
-__all__ = ["Summary", "mean_ci", "median_ci", "summarize", "summarize_clustered"]
+__all__ = ["Summary", "mean_ci", "median_ci", "median_p95_max", "summarize", "summarize_clustered"]
 
 
 @dataclass(frozen=True)
@@ -59,23 +59,49 @@ def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
     return _median_ci(clean(values), level)
 
 
+# exp of a log pmf below this is 0.0 to the last bit (the least double is exp(-745.1)): the cdf's terms
+# before the first one above it add nothing, so they are neither computed nor added
+_EXP_ZERO = -800.0
+
+
 @functools.lru_cache(maxsize=512)
 def _median_ranks(n: int, level: float) -> tuple[int, float] | None:
     """(d, lambda) of ``median_ci`` at size n (None: no interval): the same for every figure of that size,
-    and O(n) to find, so found once."""
+    and O(n) to find, so found once.
+
+    P(B <= j), B ~ Bin(n, 1/2), from the log pmf (no underflow): the log pmf is a running sum from j = 0,
+    and the cdf a running sum of its exp. Only what is read is computed: the log pmf up to j = n//2 - 1
+    (the last cdf term a gamma reads), and exp and the cdf's sum only from the first term that is not 0.0
+    (the left tail of a large n underflows: adding 0.0 changes no bit). Every term that is computed is the
+    same operation on the same operands as over the whole range, so (d, lambda) are the same to the last
+    bit (``tests/unit/test_median_ranks.py`` holds this to the whole-range computation)."""
     if n < 2:
         return None
-    j = np.arange(n // 2 + 1)  # P(B <= j), B ~ Bin(n, 1/2), from the log pmf: no underflow
-    cdf = np.cumsum(np.exp(n * math.log(0.5) + np.concatenate(
-        ([0.0], np.cumsum(np.log((n - j) / (j + 1.0)))))))
-    d = np.arange(1, n // 2 + 1)
-    gamma = 1.0 - 2.0 * cdf[d - 1]
+    m = n // 2  # gamma_d for d = 1..m reads cdf[0..m - 1]
+    j = np.arange(m - 1, dtype=float)
+    ratio = n - j
+    ratio /= j + 1.0
+    log_pmf = np.empty(m)
+    log_pmf[0] = 0.0
+    np.cumsum(np.log(ratio, out=ratio), out=log_pmf[1:])
+    log_pmf += n * math.log(0.5)
+    first = int(np.searchsorted(log_pmf, _EXP_ZERO))  # non-decreasing: every term below j = m is >= 1
+    cdf = np.cumsum(np.exp(log_pmf[first:]))  # cdf[first:]; the cdf is 0.0 before
+    gamma = 1.0 - 2.0 * cdf  # gamma_d for d = first + 1..m; 1.0 before (> level)
     ok = np.nonzero(gamma >= level)[0]
-    if ok.size == 0:
+    if ok.size:
+        last = first + int(ok[-1])
+    elif first:
+        last = first - 1
+    else:
         return None
-    d_best = int(d[ok[-1]])
-    g_d = float(gamma[ok[-1]])
-    g_next = float(1.0 - 2.0 * cdf[d_best]) if d_best < n // 2 else 0.0
+    d_best = last + 1
+
+    def gamma_at(i: int) -> float:
+        return float(gamma[i - first]) if i >= first else 1.0
+
+    g_d = gamma_at(last)
+    g_next = gamma_at(d_best) if d_best < m else 0.0
     i = (g_d - level) / (g_d - g_next) if g_d > g_next else 0.0
     lam = (n - d_best) * i / (d_best + (n - 2 * d_best) * i) if i > 0 else 0.0
     return d_best, lam
@@ -141,7 +167,7 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
     statistics, found by one partition, never a sort (the mean is summed in the values' order).
     """
-    x = clean(values)
+    x = finite(values)  # read only: partitioned as a copy, summed where it is
     if x.size == 0:
         check_level(level)
         return Summary(0, None, None, None, None, None)
@@ -152,6 +178,14 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     part = np.partition(x, sorted(at))  # every order statistic below in one pass
     lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
     return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
+
+
+def median_p95_max(x: np.ndarray) -> tuple[float, float, float]:
+    """``numpy.median``, ``numpy.percentile(x, 95)`` and the max of clean values (at least one), to the last
+    bit, read off one partition: numpy partitions once for each, and the max is one more pass."""
+    n = x.size
+    part = np.partition(x, sorted({(n - 1) // 2, n // 2, *_p95_at(n)[1:], n - 1}))
+    return _median(part, n), _p95(part, n), float(part[n - 1])
 
 
 def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
