@@ -71,6 +71,7 @@ import numpy as np
 
 from specproxy.store import column_reader
 from specproxy.store.column_reader import Unsupported, read_native, read_reference
+from specproxy.store.turns import decode
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
 
@@ -428,7 +429,7 @@ def load_rows(conn: sqlite3.Connection, table: Table,
         arrays, dicts, status = _load_table(conn, db, cdir, table, ["rowid", *table.numeric, *table.text])
         idx = pick({n: arrays[n] for n in table.numeric})
         return ({n: arrays[n][idx] for n in table.numeric},
-                {n: _decode(arrays[n][idx], dicts[n]) for n in table.text}), status
+                {n: decode(*_coded(arrays[n][idx], dicts[n])) for n in table.text}), status
 
     got, last_rows_status = _serve(conn, read)
     return got

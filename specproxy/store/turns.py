@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NULL", "Turns", "factorize"]
+__all__ = ["NULL", "Turns", "decode", "factorize"]
 
 NULL = -1  # the code of NULL (None) in every text column
 
@@ -31,6 +31,11 @@ def factorize(objects: Iterable[Any]) -> tuple[np.ndarray, tuple]:
     table: dict[Any, int] = {}
     codes = np.fromiter((NULL if v is None else table.setdefault(v, len(table)) for v in objects), dtype=np.int32)
     return codes, tuple(table)
+
+
+def decode(codes: np.ndarray, values: Sequence[Any]) -> np.ndarray:
+    """Codes back into an object array of their values (``NULL`` is None)."""
+    return np.array([*values, None], dtype=object)[codes]  # code -1 (NULL) is the last entry
 
 
 class _Column:
@@ -162,7 +167,7 @@ class Turns:
                 got = col.objects if pos is None else col.objects[pos]
             else:
                 codes, values = self.codes(name)
-                got = np.array([*values, None], dtype=object)[codes]  # code -1 (NULL) is the last entry
+                got = decode(codes, values)
             self._made[1][name] = got
         return got
 
