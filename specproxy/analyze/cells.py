@@ -53,26 +53,41 @@ def concurrency_buckets(c: np.ndarray) -> np.ndarray:
     """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
     (-1 where the value is missing). Reports over a million turns cannot afford a Python loop."""
     c = np.asarray(c, dtype=float)
-    idx = np.searchsorted(np.asarray(_CONC_EDGES, dtype=float), c, side="left")
-    return np.where(np.isfinite(c), idx, -1)
+    return np.where(np.isfinite(c), _edges_below(c, _CONC_EDGES, inclusive=False), -1)
 
 
 def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
     """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing)."""
     t = np.asarray(tokens, dtype=float)
-    idx = np.searchsorted(np.asarray(_PROMPT_EDGES, dtype=float), t, side="right")
-    return np.where(np.isfinite(t), idx, -1)
+    return np.where(np.isfinite(t), _edges_below(t, _PROMPT_EDGES, inclusive=True), -1)
+
+
+def _edges_below(x: np.ndarray, edges: tuple[int, ...], *, inclusive: bool) -> np.ndarray:
+    """How many ``edges`` are below each value (``numpy.searchsorted`` side left; with ``inclusive``, at or
+    below: side right): one comparison pass per edge, where a binary search per value cost 30 ns of a
+    month's 10M values (0.3 s a column)."""
+    idx = np.zeros(len(x), dtype=np.int8)  # fewer than 128 edges
+    for e in edges:
+        idx += (x >= e) if inclusive else (x > e)
+    return idx.astype(np.int64)
+
+
+_FEW_CELLS = 16
 
 
 def groups(index: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Each cell of a table and its rows, from one pass: ``(cell, positions)`` for every cell ``>= 0`` in
     ``index``, cells ascending, each cell's positions in their order in ``index`` (as a mask selects
-    them). One stable sort of small integers (a radix sort), not one selection over every row per cell."""
+    them). A few cells: one comparison pass each; many (clients, sessions): one stable sort of the cells."""
     index = np.asarray(index)
     keep = np.flatnonzero(index >= 0)
     if not len(keep):
         return []
     cells = index[keep]
+    top = int(cells.max())
+    if top < _FEW_CELLS:  # a table's few cells (concurrency, prompt size): a pass per cell beats a sort
+        found = ((b, keep[cells == b]) for b in range(top + 1))
+        return [(b, at) for b, at in found if len(at)]
     small = np.int16 if cells.max() < 2**15 else np.int64  # int16: numpy's radix sort; more cells (clients, sessions)
     order = keep[np.argsort(cells.astype(small), kind="stable")]
     cells = index[order]

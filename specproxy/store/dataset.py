@@ -185,8 +185,10 @@ def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:
     ok = np.isfinite(starts) & np.isfinite(ends)
     if not ok.any():
         return 0.0
-    order = np.argsort(starts[ok], kind="stable")
-    s, e = starts[ok][order], ends[ok][order]
+    s, e = starts[ok], ends[ok]
+    if len(s) > 1 and not np.all(s[1:] >= s[:-1]):  # turns come in start order: a sort only when they are not
+        order = np.argsort(s, kind="stable")
+        s, e = s[order], e[order]
     run_end = np.maximum.accumulate(e)
     # a new busy period starts where a start comes after every earlier end
     new = np.empty(len(s), dtype=bool)

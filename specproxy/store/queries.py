@@ -21,9 +21,12 @@ def database_turns(conn: Connection) -> dict[str, Any]:
     turns carry (``labels``: so that a window naming a label no turn has can say which there are).
 
     Read when a window selects nothing (the live page of an idle proxy, every picture): the first and
-    last through the t_wall index, the labels by seeking the label index, both counts in one scan
-    (``measured`` has no index: the one cost that grows with the table)."""
-    n, other = conn.execute("SELECT total(measured IS NOT 0), total(measured = 0) FROM turns").fetchone()
+    last through the t_wall index, the labels by seeking the label index, the other rows by counting the
+    partial index that holds them alone (migration 016), the turns as the table's count less those.
+    On a database without that index (opened read-only before its upgrade) the same counts scan."""
+    (total,) = conn.execute("SELECT count(*) FROM turns").fetchone()
+    (other,) = conn.execute("SELECT count(*) FROM turns WHERE measured = 0").fetchone()
+    n = total - other
     ends = []
     for order in ("", " DESC"):
         row = conn.execute("SELECT t_wall FROM turns WHERE measured IS NOT 0 AND t_wall IS NOT NULL "

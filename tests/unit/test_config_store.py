@@ -237,6 +237,14 @@ RELEASED_MIGRATIONS = {
     "006_captures": "91025f279d1da1ef",
     "007_measure_capped": "441166bf0dc78090",
     "008_unmeasured_prefix_tools": "20f30dc388f03952",
+    "009_conn_id": "891a04132d7cd1a3",
+    "010_measure_capped_reason": "253f4e113eb5d570",
+    "011_fleet": "f2a96c8b284de9c4",
+    "012_tenant": "c18990472c627a7e",
+    "013_prefix_cache": "66dfd3337b2aaa51",
+    "014_prompt_block_digests": "2f81afa0ba32d252",
+    "015_table_edits": "fbb236bb460825ba",
+    "016_unmeasured_index": "fa8ad0e5a1b1c99a",
 }
 
 

@@ -368,3 +368,26 @@ def test_the_median_tail_and_order_statistic_interval_widen_with_the_level():
     x = np.random.default_rng(3).lognormal(0.0, SIG15, 50)
     (lo95, hi95), (lo99, hi99) = median_ci(x, 0.95), median_ci(x, 0.99)
     assert lo99 < lo95 < hi95 < hi99
+
+
+def test_buckets_and_groups_of_a_column_are_the_binary_search_and_the_sort():
+    """The comparison passes give numpy.searchsorted's buckets at every edge and between them, and the
+    per-cell passes give the stable sort's cells and positions."""
+    from specproxy.analyze import cells
+
+    rng = np.random.default_rng(5)
+    edges_c = np.asarray(cells._CONC_EDGES, dtype=float)
+    edges_p = np.asarray(cells._PROMPT_EDGES, dtype=float)
+    c = np.concatenate([edges_c, edges_c + 0.5, edges_c - 0.5, rng.integers(1, 600, 500), [np.nan, 1.0, 1e9]])
+    t = np.concatenate([edges_p, edges_p + 1, edges_p - 1, rng.integers(0, 100_000, 500), [np.nan, 0.0, 1e12]])
+    assert cells.concurrency_buckets(c).tolist() == np.where(
+        np.isfinite(c), np.searchsorted(edges_c, c, side="left"), -1).tolist()
+    assert cells.prompt_buckets(t).tolist() == np.where(
+        np.isfinite(t), np.searchsorted(edges_p, t, side="right"), -1).tolist()
+    for top in (3, cells._FEW_CELLS + 5):  # the per-cell passes, and the sort
+        index = rng.integers(-1, top, 2000)
+        index[index == 1] = -1  # an empty cell is left out
+        want = [(b, np.flatnonzero(index == b)) for b in range(top) if (index == b).any()]
+        got = cells.groups(index)
+        assert [b for b, _ in got] == [b for b, _ in want]
+        assert all(np.array_equal(g, w) for (_, g), (_, w) in zip(got, want))
