@@ -233,15 +233,20 @@ def run_once(db: Path, cache: bool = True) -> tuple[float, float, float, dict]:
 
 
 def baseline(db: Path) -> float:
-    """The report's columns SELECTed with sqlite3 into Python lists: what any reader of SQLite pays."""
-    names = [c for c in REPORT_COLUMNS]
-    t0 = time.perf_counter()
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    rows = conn.execute(f"SELECT rowid, {', '.join(names)} FROM turns ORDER BY t_wall, rowid").fetchall()
-    cols = [list(c) for c in zip(*rows)]
-    conn.close()
-    del rows, cols
-    return time.perf_counter() - t0
+    """The report's columns SELECTed with sqlite3 into Python lists: what any reader of SQLite pays.
+
+    Run in a child process: Linux gives a child the RSS of the parent it was forked from as its starting
+    peak (``ru_maxrss`` survives exec), so a parent that had held a month of rows as Python objects
+    would report gigabytes for every CLI run it starts afterwards."""
+    code = ("import sqlite3, sys, time\n"
+            "t0 = time.perf_counter()\n"
+            "conn = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True)\n"
+            "rows = conn.execute(sys.argv[2]).fetchall()\n"
+            "cols = [list(c) for c in zip(*rows)]\n"
+            "print(time.perf_counter() - t0)\n")
+    sql = f"SELECT rowid, {', '.join(REPORT_COLUMNS)} FROM turns ORDER BY t_wall, rowid"
+    out = subprocess.run([sys.executable, "-c", code, str(db), sql], capture_output=True, text=True, check=True)
+    return float(out.stdout)
 
 
 def _leaves(value, path=""):
