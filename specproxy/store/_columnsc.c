@@ -47,6 +47,15 @@ static int buf_reserve(Buf *b, size_t more) {
     return 0;
 }
 
+/* Append n bytes of v; -1 when out of memory. */
+static int buf_put(Buf *b, const void *v, size_t n) {
+    if (buf_reserve(b, n) < 0)
+        return -1;
+    memcpy(b->data + b->len, v, n);
+    b->len += n;
+    return 0;
+}
+
 /* --- a dictionary of strings: open addressing, FNV-1a ------------------------------------------ */
 
 typedef struct {
@@ -156,7 +165,7 @@ typedef struct {
     char message[512];
 } Job;
 
-static int bind_params(sqlite3_stmt *st, PyObject *params, char *message) {
+static int bind_params(sqlite3_stmt *st, PyObject *params) {
     /* called with the GIL held */
     Py_ssize_t n = PyTuple_GET_SIZE(params);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -201,10 +210,8 @@ static int run_rows(sqlite3 *db, sqlite3_stmt *st, Job *job) {
                     return E_TYPE;
                 }
                 int64_t v = sqlite3_column_int64(st, c);
-                if (buf_reserve(b, 8) < 0)
+                if (buf_put(b, &v, 8) < 0)
                     return E_MEMORY;
-                memcpy(b->data + b->len, &v, 8);
-                b->len += 8;
                 break;
             }
             case 'f': {
@@ -219,10 +226,8 @@ static int run_rows(sqlite3 *db, sqlite3_stmt *st, Job *job) {
                     job->bad_col = c;
                     return E_TYPE;
                 }
-                if (buf_reserve(b, 8) < 0)
+                if (buf_put(b, &v, 8) < 0)
                     return E_MEMORY;
-                memcpy(b->data + b->len, &v, 8);
-                b->len += 8;
                 break;
             }
             default: { /* 't' */
@@ -241,10 +246,8 @@ static int run_rows(sqlite3 *db, sqlite3_stmt *st, Job *job) {
                     job->bad_col = c;
                     return E_TYPE;
                 }
-                if (buf_reserve(b, 4) < 0)
+                if (buf_put(b, &code, 4) < 0)
                     return E_MEMORY;
-                memcpy(b->data + b->len, &code, 4);
-                b->len += 4;
             }
             }
         }
@@ -348,7 +351,7 @@ static PyObject *read_columns(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "kinds: one letter per result column");
         goto done;
     }
-    if (bind_params(st, params, job.message) < 0)
+    if (bind_params(st, params) < 0)
         goto done;
     Py_BEGIN_ALLOW_THREADS
     /* one read transaction: the guard and the rows see the same state of the file */

@@ -234,7 +234,7 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
     sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
     lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
     if lo is None:
-        return _columns(names, kinds, read_reference(conn, sql, (after, after), kinds), table)
+        return _columns(names, kinds, read_reference(conn, sql, (after, after), kinds))
     if column_reader.NATIVE:
         guard = f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
         parts = _ranges(lo - 1, hi, _workers() if hi - lo >= _SPLIT_ROWS else 1)
@@ -249,11 +249,10 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
         except (Unsupported, RuntimeError) as exc:
             log.info("column cache of %s: the C reader cannot read %s (%s); the sqlite3 module reads it",
                      db, table.name, exc)
-    return _columns(names, kinds, read_reference(conn, sql, (after, hi), kinds), table)
+    return _columns(names, kinds, read_reference(conn, sql, (after, hi), kinds))
 
 
-def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list], table: Table
-             ) -> tuple[dict[str, np.ndarray], dict]:
+def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list]) -> tuple[dict[str, np.ndarray], dict]:
     arrays, dicts = read
     return dict(zip(names, arrays)), {n: d for n, d, k in zip(names, dicts, kinds) if k == "t"}
 

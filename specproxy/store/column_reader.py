@@ -36,10 +36,10 @@ class Unsupported(Exception):
     them with ``read_reference``."""
 
 
-Columns = tuple[list[np.ndarray], list[list | None]]
+ReadColumns = tuple[list[np.ndarray], list[list | None]]  # arrays, and each text column's values
 
 
-def read_reference(conn: sqlite3.Connection, sql: str, params: Sequence, kinds: str) -> Columns:
+def read_reference(conn: sqlite3.Connection, sql: str, params: Sequence, kinds: str) -> ReadColumns:
     """The rows of ``sql`` through the sqlite3 module, ``_FETCH`` at a time."""
     cur = conn.execute(sql, tuple(params))
     parts: list[list[np.ndarray]] = [[] for _ in kinds]
@@ -56,7 +56,7 @@ def read_reference(conn: sqlite3.Connection, sql: str, params: Sequence, kinds: 
 
 
 def read_native(db: Path, sql: str, params: Sequence[int | float | None], kinds: str,
-                guard_sql: str | None = None) -> tuple[int | None, Columns]:
+                guard_sql: str | None = None) -> tuple[int | None, ReadColumns]:
     """The rows of ``sql`` read by the C reader on its own read-only connection to ``db``, in one read
     transaction that first runs ``guard_sql`` (its integer is returned first, None without one): the
     caller compares it with what it checked on its own connection, since the two may see different
