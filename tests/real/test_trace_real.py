@@ -45,6 +45,23 @@ def _lead(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _by_trace_line(timings: list[dict], lengths: list[int]) -> list[int]:
+    """For each trace line, the index of its replayed turn. Not the order sent: requests close together in
+    the schedule may cross the socket out of it (one waits to open a connection while the next takes one
+    that just came free), so each turn is known by its prompt's length instead (``cache_n + prompt_n``: the
+    line's tokens plus the template's, the same for every line), which the trace makes distinct."""
+    assert len(set(lengths)) == len(lengths), lengths
+    totals = [t["cache_n"] + t["prompt_n"] for t in timings]
+    lines = sorted(range(len(lengths)), key=lengths.__getitem__)
+    turns = sorted(range(len(totals)), key=totals.__getitem__)
+    out = [0] * len(lengths)
+    for line, turn in zip(lines, turns):
+        out[line] = turn
+    template = {totals[out[i]] - lengths[i] for i in range(len(lengths))}
+    assert len(template) == 1, (lengths, totals)  # the template's tokens alike for every turn: paired right
+    return out
+
+
 def test_replayed_trace_gives_the_cached_tokens_its_blocks_share(llama_server_bin, tiny_model_path, hf_tokenizer_dir,
                                                                  tmp_path):
     trace = tmp_path / "trace.jsonl"
@@ -58,13 +75,13 @@ def test_replayed_trace_gives_the_cached_tokens_its_blocks_share(llama_server_bi
                               capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     conn = sqlite3.connect(db)
-    rows = conn.execute("SELECT t_request, t_first_token, server_timings, outcome FROM turns WHERE measured = 1 "
-                        "ORDER BY t_request").fetchall()
+    rows = conn.execute("SELECT t_first_token, server_timings, outcome FROM turns WHERE measured = 1").fetchall()
     conn.close()
-    assert len(rows) == len(TRACE) and all(r[3] == "ok" for r in rows), rows
-    # sent in the trace's order (t_request); served one at a time by the one slot, in t_first_token's order
-    served = sorted(range(len(rows)), key=lambda i: rows[i][1])
-    timings = [json.loads(r[2]) for r in rows]
+    assert len(rows) == len(TRACE) and all(r[2] == "ok" for r in rows), rows
+    # row i is trace line i's turn; served one at a time by the one slot, in t_first_token's order
+    rows = [rows[k] for k in _by_trace_line([json.loads(r[1]) for r in rows], [n for _, n, _ in TRACE])]
+    served = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    timings = [json.loads(r[1]) for r in rows]
     extra = []
     for k, i in enumerate(served):
         prev = served[k - 1] if k else None
@@ -95,14 +112,16 @@ def test_real_traffic_exported_then_replayed_keeps_the_servers_reuse(llama_serve
     On the replay, plus the template's tokens before the message: never more than the ids allow, and at
     least a block where the turn served before shares blocks with it (not always all of them: under load a
     replayed request may be served after another, and the slot's cache then keeps less of the shared
-    prefix than the ids say; seen once in CI, 320 of 448 shared tokens)."""
+    prefix than the ids say). The replayed turns are matched to the trace's lines by their prompts' lengths,
+    not by the order they reached the server: two requests close in the schedule can cross over."""
     from real.clientkit import proxy, sdk
 
     block = 64
     with LlamaServer(llama_server_bin, tiny_model_path, parallel=1, n_ctx=8192) as srv:
         stack, _ = proxy(make_stack, srv, counter)
         client = sdk(stack.url)
-        for messages in (_session("Ann", 0), _session("Ann", 1), _session("Bob", 0), _session("Ann", 2)):
+        # Bob's name is longer than Ann's so that no two turns' prompts have the same length
+        for messages in (_session("Ann", 0), _session("Ann", 1), _session("Bob the builder", 0), _session("Ann", 2)):
             stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True)
             for _ in stream:
                 pass
@@ -135,8 +154,10 @@ def test_real_traffic_exported_then_replayed_keeps_the_servers_reuse(llama_serve
                               capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
     conn = sqlite3.connect(db)
-    rows = conn.execute("SELECT t_first_token, server_timings FROM turns WHERE measured = 1 ORDER BY t_request").fetchall()
+    rows = conn.execute("SELECT t_first_token, server_timings FROM turns WHERE measured = 1").fetchall()
     conn.close()
+    assert len(rows) == len(trace), rows
+    rows = [rows[k] for k in _by_trace_line([json.loads(r[1]) for r in rows], [t["input_length"] for t in trace])]
     served = sorted(range(len(rows)), key=lambda i: rows[i][0])
     replayed = [json.loads(r[1]) for r in rows]
     first = served[0]
