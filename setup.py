@@ -1,10 +1,11 @@
 """Only the C accelerators live here; everything else about the package is in pyproject.toml.
 
 ``specproxy.wire._relayc`` (the relay thread and the relay's per-read path),
-``specproxy.frames._scanc`` (the measuring's per-chunk scans) and ``specproxy.store._columnsc`` (SQLite rows into column
-buffers, for the columnar cache) are optional: without a C compiler the install still succeeds and the
-pure-Python paths run (``specproxy serve`` logs which). CI requires all three (``SPECPROXY_REQUIRE_RELAYC=1`` makes
-tests/unit/test_relayc.py, tests/unit/test_scanc.py and tests/unit/test_columnsc.py fail when one is missing).
+``specproxy.frames._scanc`` (the measuring's per-chunk scans), ``specproxy.store._columnsc`` (SQLite rows into column
+buffers, for the columnar cache) and ``specproxy.analyze._orderc`` (the summaries' order statistics) are optional:
+without a C compiler the install still succeeds and the pure-Python paths run (``specproxy serve`` logs which).
+CI requires all four (``SPECPROXY_REQUIRE_RELAYC=1`` makes tests/unit/test_relayc.py, test_scanc.py,
+test_columnsc.py and test_orderc.py fail when one is missing).
 """
 
 from setuptools import Extension, setup
@@ -24,4 +25,5 @@ setup(ext_modules=[
               optional=True, extra_compile_args=_FLAGS),
     Extension("specproxy.frames._scanc", ["specproxy/frames/_scanc.c"], depends=["specproxy/frames/_hex.h"],
               optional=True, extra_compile_args=_FLAGS),
+    Extension("specproxy.analyze._orderc", ["specproxy/analyze/_orderc.c"], optional=True, extra_compile_args=_FLAGS),
 ])

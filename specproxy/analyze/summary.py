@@ -6,7 +6,7 @@ comparisons of two arms are in ``stats`` (the A/B ratio), which this module know
 
 * CI of a median (``summarize``): the distribution-free order-statistic interval, interpolated
   between neighbouring order statistics (Hettmansperger & Sheather 1986). No distributional
-  assumption (latencies are skewed), no random numbers, one partition: O(n). Uninterpolated,
+  assumption (latencies are skewed), no random numbers, a few order statistics: O(n). Uninterpolated,
   the coverage jumps with n; interpolated it is close to the level at every n. Below 6 values
   no pair of order statistics covers 95%: the interval is then None, not a made-up one.
 * A figure of few replicates (``mean_ci``): Student's t interval of their mean.
@@ -21,11 +21,12 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from specproxy.analyze.arrays import check_level, clean, clean_labelled, finite
+from specproxy.analyze.order_stats import order_statistics
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
@@ -52,8 +53,8 @@ def median_ci(values, level: float = 0.95) -> tuple[float | None, float | None]:
     gamma_d = P(d <= B <= n-d), B ~ Bin(n, 1/2), is the exact coverage of [X(d), X(n-d+1)] for any
     continuous distribution. Take the largest d with gamma_d >= level and move each end towards
     the next order statistic by lambda = (n-d)I / (d + (n-2d)I), I = (gamma_d - level) /
-    (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986). Four order statistics: one
-    ``numpy.partition``, O(n), not a sort.
+    (gamma_d - gamma_{d+1}) (Hettmansperger & Sheather 1986). Four order statistics
+    (``order_stats``), O(n), not a sort.
     """
     check_level(level)
     return _median_ci(clean(values), level)
@@ -112,7 +113,7 @@ def _median_ci(x: np.ndarray, level: float) -> tuple[float | None, float | None]
     ranks = _median_ranks(x.size, level)
     if ranks is None:
         return None, None
-    return _ci_ends(np.partition(x, _ci_at(x.size, ranks)), x.size, ranks)
+    return _ci_ends(order_statistics(x, _ci_at(x.size, ranks)), x.size, ranks)
 
 
 def _ci_at(n: int, ranks: tuple[int, float]) -> list[int]:
@@ -120,8 +121,8 @@ def _ci_at(n: int, ranks: tuple[int, float]) -> list[int]:
     return [d - 1, d, n - d - 1, n - d]
 
 
-def _ci_ends(part: np.ndarray, n: int, ranks: tuple[int, float]) -> tuple[float, float]:
-    """The interval's ends from values partitioned at ``_ci_at``'s positions."""
+def _ci_ends(part: Mapping[int, Any], n: int, ranks: tuple[int, float]) -> tuple[float, float]:
+    """The interval's ends from the order statistics at ``_ci_at``'s ranks (``part[k]``: the k-th smallest)."""
     d, lam = ranks
     return float(_between(part[d - 1], part[d], lam)), float(_between(part[n - d], part[n - d - 1], lam))
 
@@ -135,8 +136,8 @@ def _p95_at(n: int) -> tuple[float, int, int]:
     return virtual, lo, lo + 1
 
 
-def _p95(part: np.ndarray, n: int) -> float:
-    """``numpy.percentile(x, 95)`` read off values partitioned at ``_p95_at``'s ranks: numpy's own
+def _p95(part: Mapping[int, Any], n: int) -> float:
+    """``numpy.percentile(x, 95)`` read off the order statistics at ``_p95_at``'s ranks: numpy's own
     interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
     virtual, i, j = _p95_at(n)
     a, b = part[i], part[j]
@@ -145,11 +146,11 @@ def _p95(part: np.ndarray, n: int) -> float:
     return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
 
 
-def _median(part: np.ndarray, n: int) -> float:
-    """``numpy.median`` read off values partitioned at ``(n - 1) // 2`` and ``n // 2``."""
+def _median(part: Mapping[int, Any], n: int) -> float:
+    """``numpy.median`` read off the order statistics at ``(n - 1) // 2`` and ``n // 2``."""
     if n % 2:
         return float(part[n // 2])
-    return float(np.mean(part[n // 2 - 1:n // 2 + 1]))
+    return float(np.mean(np.array([part[n // 2 - 1], part[n // 2]])))
 
 
 def _between(a: float, b: float, lam: float) -> float:
@@ -165,9 +166,9 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     ``seed`` is accepted for API stability and unused: the order-statistic interval is exact
     and deterministic. p95 is numpy's linear-interpolation percentile (descriptive only; at
     small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
-    statistics, found by one partition, never a sort (the mean is summed in the values' order).
+    statistics (``order_stats``), never a sort (the mean is summed in the values' order).
     """
-    x = finite(values)  # read only: partitioned as a copy, summed where it is
+    x = finite(values)  # read only: its order statistics read in place, summed where it is
     if x.size == 0:
         check_level(level)
         return Summary(0, None, None, None, None, None)
@@ -175,16 +176,16 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     n = x.size
     ranks = _median_ranks(n, level)
     at = {(n - 1) // 2, n // 2, *_p95_at(n)[1:], *(_ci_at(n, ranks) if ranks is not None else ())}
-    part = np.partition(x, sorted(at))  # every order statistic below in one pass
+    part = order_statistics(x, at)  # every order statistic below at once
     lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
     return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
 
 
 def median_p95_max(x: np.ndarray) -> tuple[float, float, float]:
     """``numpy.median``, ``numpy.percentile(x, 95)`` and the max of clean values (at least one), to the last
-    bit, read off one partition: numpy partitions once for each, and the max is one more pass."""
+    bit, read off one set of order statistics: numpy partitions once for each, and the max is one more pass."""
     n = x.size
-    part = np.partition(x, sorted({(n - 1) // 2, n // 2, *_p95_at(n)[1:], n - 1}))
+    part = order_statistics(x, {(n - 1) // 2, n // 2, *_p95_at(n)[1:], n - 1})
     return _median(part, n), _p95(part, n), float(part[n - 1])
 
 

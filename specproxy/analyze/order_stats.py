@@ -1,0 +1,47 @@
+"""The k-th smallest values of a column: what a summary's median, p95 and interval are read from.
+
+Why a module: every summary of a report reads four to eight order statistics of a column of up to a
+month's ten million values, and numpy's ``partition`` (a copy of the column, then a selection around
+each rank in turn) was most of a report's time. The C path (``_orderc.c``, radix selection: the column
+read a few times in place, nothing moved but the few values that share a rank's leading bits) gives the
+same values; ``order_statistics_reference`` is the plain path it is held to (``tests/unit/test_orderc.py``)
+and the one that runs when the extension was not built.
+
+Equal values are equal: where +0.0 and -0.0 both sit at a rank, either may be returned (numpy's
+partition does not say which either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+try:
+    from specproxy.analyze import _orderc
+except ImportError:  # no compiler at install: numpy's partition reads every order statistic
+    _orderc = None
+
+__all__ = ["NATIVE", "order_statistics", "order_statistics_reference"]
+
+NATIVE = _orderc is not None
+# below this many values numpy's partition is as quick (the C path's fixed cost is a 256 KB count table)
+_NATIVE_MIN = 4096
+_MAX_RANKS = 16
+
+
+def order_statistics(x: np.ndarray, ranks: Sequence[int]) -> dict[int, np.float64]:
+    """``{k: the k-th smallest of x}`` (0-based) for each k in ``ranks``; ``x``: finite float64 values, left
+    as they are."""
+    at = sorted(set(ranks))
+    if _orderc is None or x.size < _NATIVE_MIN or len(at) > _MAX_RANKS or x.dtype != np.float64:
+        return order_statistics_reference(x, at)
+    got = _orderc.select(np.ascontiguousarray(x), tuple(at))
+    return {k: np.float64(v) for k, v in zip(at, got)}
+
+
+def order_statistics_reference(x: np.ndarray, ranks: Sequence[int]) -> dict[int, np.float64]:
+    """``order_statistics`` by one ``numpy.partition`` (of a copy)."""
+    at = sorted(set(ranks))
+    part = np.partition(x, at)
+    return {k: part[k] for k in at}
