@@ -10,7 +10,7 @@ import numpy as np
 
 from specproxy.analyze.arrays import missing
 
-__all__ = ["CONCURRENCY_BUCKETS", "PER_STREAM_MAX_CONCURRENCY", "PROMPT_BUCKETS", "concurrency_bucket",
+__all__ = ["CONCURRENCY_BUCKETS", "PER_STREAM_MAX_CONCURRENCY", "PROMPT_BUCKETS", "bucket_side", "concurrency_bucket",
            "concurrency_buckets", "groups", "prompt_bucket", "prompt_buckets", "which_to_read"]
 
 
@@ -90,6 +90,17 @@ def groups(index: np.ndarray) -> list[tuple[int, np.ndarray]]:
     order = np.argsort(cells, kind="stable")
     bounds = np.searchsorted(cells[order], np.arange(top + 2, dtype=narrow if top + 1 < np.iinfo(narrow).max else np.int64))
     return [(b, order[bounds[b]:bounds[b + 1]]) for b in range(top + 1) if bounds[b + 1] > bounds[b]]
+
+
+def bucket_side(bucket: int) -> str:
+    """``which_to_read`` of any median of values in concurrency cell ``bucket`` (an index into
+    CONCURRENCY_BUCKETS). The threshold is one of the cells' edges, so each cell lies on one side of it,
+    and a median of values in ``(low, high]`` lies in it too (the mean of two of them, rounded, as well):
+    a cell's answer needs none of its values (``tests/unit/test_stats.py`` holds it to the medians)."""
+    high = _CONC_EDGES[bucket] if bucket < len(_CONC_EDGES) else np.inf
+    if high <= PER_STREAM_MAX_CONCURRENCY:
+        return "per-stream"
+    return "aggregate"
 
 
 def which_to_read(concurrency_median: float | None) -> str | None:

@@ -28,8 +28,8 @@ from specproxy.analyze.prefix_cache import PREFIX_CACHE_COLUMNS, prefix_cache_se
 from specproxy.analyze.server_report import server_section
 from specproxy.analyze.speedup import required_decode_speedup, window_speedups
 from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section
-from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, concurrency_buckets, groups, prompt_buckets,
-                                    which_to_read)
+from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, bucket_side, concurrency_buckets, groups,
+                                    prompt_buckets)
 from specproxy.analyze.slo import attainment, met_of_turns
 from specproxy.analyze.deferred import figures_in_parallel, later, resolved
 from specproxy.analyze.summary import summarize
@@ -158,7 +158,8 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
         "unmeasured": data.unmeasured,
     }
     is_streamed = streamed_mask(ok)
-    streamed = ok if is_streamed.all() else ok.select(is_streamed, columns=STREAM_COLUMNS)
+    every = bool(is_streamed.all())
+    streamed = ok if every else ok.select(is_streamed, columns=STREAM_COLUMNS)
     whole = ok.select(~is_streamed, columns=("t_wall", *(col for _, col, *_ in NON_STREAMED_FIGURES)))
     # completed turns of each kind: "user" is over the first, "non_streamed" over the second
     report["completed_turns"] = {"streamed": len(streamed), "non_streamed": len(whole)}
@@ -166,16 +167,16 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
     report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
     report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
     report["prompt"] = later(_prompt, ok)
-    report["by_concurrency"] = _by_concurrency(ok)
+    report["by_concurrency"] = _by_concurrency(ok, None if every else is_streamed)
     report["by_prompt_length"] = _by_prompt_length(streamed)
     report["by_content_class"] = _by_content_class(streamed)
     report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
-    report["whole_turn"] = later(_whole_turn, ok.num["ttft_s"], ok.num["decode_s"], streamed_mask(ok))
+    report["whole_turn"] = later(_whole_turn, ok.num["ttft_s"], ok.num["decode_s"], is_streamed)
     report["prefix_cache"] = later(prefix_cache_section, ok)
     report["cost"] = cost_section(turns, prices) if n_all else None
     report["by"] = by_group(turns, by, prices) if by and n_all else None
-    report["by_proxy"] = _by_name(ok, "proxy_name")
-    report["by_instance"] = _by_name(ok, "instance_id")
+    report["by_proxy"] = _by_name(ok, None if every else is_streamed, "proxy_name")
+    report["by_instance"] = _by_name(ok, None if every else is_streamed, "instance_id")
     if slo is not None:
         report["slo"] = _slo(turns, slo) if n_all else {"objective": slo.as_dict(), "overall": None,
                                                        "by_concurrency": []}
@@ -246,40 +247,38 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     return out
 
 
-def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra,
+def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra, is_streamed: np.ndarray | None,
            columns: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One row per non-empty cell: which cell it is, then n, TTFT and per-stream speed over the cell's
-    streamed turns, plus ``extra(cell)`` over all its turns (``cell`` has ``columns`` besides those)."""
+    streamed turns, plus ``extra(b, cell)`` over all its turns (``cell`` has ``columns`` besides those).
+
+    ``is_streamed``: which of ``turns`` were streamed (``streamed_mask``), None when all were: each cell
+    reads its streamed turns' two columns only, never a whole cell's first."""
     rows = []
     for b, at in groups(index):
-        cell = turns.select(at, columns=("t_wall", "streamed", "ttft_s", "decode_tps", *columns))
-        streamed = streamed_mask(cell)
-        n = int(np.count_nonzero(streamed))
-        mine = (lambda col: cell.num[col]) if n == len(cell) else (lambda col: cell.num[col][streamed])
-        rows.append({key: names[int(b)], "n": n, "ttft_s": _summary(mine("ttft_s")),
-                     "per_stream_tps": _summary(mine("decode_tps")), **extra(cell)})
+        cell = turns.select(at, columns=("t_wall", "total_s", "completion_tokens", *columns))
+        mine = at if is_streamed is None else at[is_streamed[at]]
+        figures = turns.select(mine, columns=("ttft_s", "decode_tps"))
+        rows.append({key: names[int(b)], "n": len(mine), "ttft_s": _summary(figures.num["ttft_s"]),
+                     "per_stream_tps": _summary(figures.num["decode_tps"]), **extra(int(b), cell)})
     return rows
 
 
-def _by_concurrency(ok: Turns) -> list[dict[str, Any]]:
-    """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) and which
-    figure to read over all its turns, as concurrency counts every turn in flight."""
+def _by_concurrency(ok: Turns, is_streamed: np.ndarray | None) -> list[dict[str, Any]]:
+    """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) over all its
+    turns, as concurrency counts every turn in flight; and which figure to read there (its median
+    concurrency's, which the cell's range decides: ``bucket_side``)."""
     return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
-                  lambda cell: {"aggregate": later(aggregate_throughput, cell),
-                                "read": later(_read, cell.num["concurrency"])},
-                  columns=("total_s", "completion_tokens", "concurrency"))
-
-
-def _read(concurrency: np.ndarray) -> str | None:
-    return which_to_read(float(np.median(concurrency)))
+                  lambda b, cell: {"aggregate": later(aggregate_throughput, cell), "read": bucket_side(b)},
+                  is_streamed, columns=("concurrency",))
 
 
 def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
     return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(streamed.num["prompt_tokens"]),
-                  lambda cell: {})
+                  lambda b, cell: {}, None)
 
 
-def _by_name(ok: Turns, column: str) -> list[dict[str, Any]]:
+def _by_name(ok: Turns, is_streamed: np.ndarray | None, column: str) -> list[dict[str, Any]]:
     """One row per proxy (``proxy_name``) or server instance (``instance_id``) when the completed turns
     come from more than one (else none): its turns, TTFT and per-stream speed over its streamed turns, and
     its aggregate throughput, so that one slow machine of a fleet shows beside the others. Rows by name;
@@ -294,9 +293,8 @@ def _by_name(ok: Turns, column: str) -> list[dict[str, Any]]:
     # None's row (and any value not equal to its name's text): after the named ones
     index = ok.lookup(column, {name: i for i, name in enumerate(known)}, default=len(known))
     key = "proxy" if column == "proxy_name" else "instance"
-    return _cells(ok, key, order, index,
-                  lambda cell: {"turns": len(cell), "aggregate": aggregate_throughput(cell)},
-                  columns=("total_s", "completion_tokens"))
+    return _cells(ok, key, order, index, lambda b, cell: {"turns": len(cell), "aggregate": aggregate_throughput(cell)},
+                  is_streamed)
 
 
 CONTENT_CLASSES = ("prose", "code", "tool_call")
@@ -307,7 +305,7 @@ def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
     Over streamed turns: a non-streamed reply is one chunk of all its tokens, not an acceptance length."""
     index = streamed.lookup("content_class", {name: i for i, name in enumerate(CONTENT_CLASSES)})
     return _cells(streamed, "content_class", CONTENT_CLASSES, index,
-                  lambda cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])},
+                  lambda b, cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])}, None,
                   columns=("tokens_per_chunk",))
 
 

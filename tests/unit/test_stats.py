@@ -391,3 +391,23 @@ def test_buckets_and_groups_of_a_column_are_the_binary_search_and_the_sort():
         got = cells.groups(index)
         assert [b for b, _ in got] == [b for b, _ in want]
         assert all(np.array_equal(g, w) for (_, g), (_, w) in zip(got, want))
+
+
+def test_a_concurrency_cell_on_one_side_of_the_threshold_reads_that_side_for_any_median():
+    """``bucket_side`` against ``which_to_read`` of the median of draws of each cell's values, at its edges
+    and inside: every cell lies on one side of the threshold, and its side is the answer for any median."""
+    from specproxy.analyze import cells
+
+    rng = np.random.default_rng(11)
+    c = np.concatenate([rng.integers(1, 200, 5000).astype(float), rng.uniform(0.5, 100, 5000),
+                        np.asarray(cells._CONC_EDGES, dtype=float), [0.5, 1e9]])
+    index = cells.concurrency_buckets(c)
+    for b in range(len(cells.CONCURRENCY_BUCKETS)):
+        values = c[index == b]
+        assert len(values)
+        medians = {cells.which_to_read(float(np.median(rng.choice(values, k)))) for k in (1, 2, 3, 10, 100)}
+        medians |= {cells.which_to_read(float(values.min())), cells.which_to_read(float(values.max()))}
+        side = cells.bucket_side(b)
+        assert medians == {side}, (b, side, medians)
+    assert [cells.bucket_side(b) for b in range(len(cells.CONCURRENCY_BUCKETS))] == \
+        ["per-stream", "per-stream", "per-stream", *["aggregate"] * 5]
