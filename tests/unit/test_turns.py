@@ -67,8 +67,12 @@ def test_select_copies_nothing_until_a_column_is_read() -> None:
     some = t.select(x >= 2)
     x[:] = -x  # the loaded column changes after the selection: the selection has not copied it yet
     assert some.num["x"].tolist() == [-2.0, -3.0, -4.0, -5.0]
-    x[:] = 7.0  # once read, the selection keeps its copy
-    assert some.num["x"].tolist() == [-2.0, -3.0, -4.0, -5.0]
+    held = some.num["x"]
+    x[:] = 7.0  # what was read is a copy: later edits of the loaded column do not reach it
+    assert held.tolist() == [-2.0, -3.0, -4.0, -5.0]
+    assert some.num["x"] is held  # read again while a reader holds it: the same copy, not another
+    del held
+    assert some.num["x"].tolist() == [7.0] * 4  # let go of by every reader, it is copied again when read
 
 
 def test_columns_assigned_to_a_selection_are_its_own_and_select_with_it() -> None:
