@@ -68,22 +68,32 @@ def ttft_fit(ttft: list[float] | np.ndarray, uncached: list[float] | np.ndarray,
     y = np.asarray(ttft, float)
     x = np.asarray(uncached, float)
     keep = np.isfinite(x) & np.isfinite(y)
-    x, y = x[keep], y[keep]
+    if not keep.all():
+        x, y = x[keep], y[keep]
     n = len(x)
     if n < MIN_FIT_TURNS or np.ptp(x) == 0:
         return None
+    # the operations of the textbook formulas, each into one of three buffers (a month's turns: 80 MB
+    # each, where a temporary per operation held ten at once); x and y are read, never written
     x_mean, y_mean = x.mean(), y.mean()  # each found once, used twice
     xc = x - x_mean
     sxx = float(xc @ xc)
-    slope = float(xc @ (y - y_mean)) / sxx
+    work = y - y_mean
+    slope = float(xc @ work) / sxx
     if slope <= 0:
         return None
     intercept = float(y_mean - slope * x_mean)
-    resid = y - intercept - slope * x
-    xc2 = xc * xc
-    lev = 1.0 / n + xc2 / sxx  # each turn's leverage
-    lev = np.minimum(lev, 1.0 - 1e-12)
-    var = float(np.sum(xc2 * (resid / (1.0 - lev)) ** 2)) / (sxx * sxx)  # HC3
+    resid = np.subtract(y, intercept, out=work)  # y - intercept - slope * x
+    lev = np.multiply(x, slope)
+    resid -= lev
+    xc2 = np.multiply(xc, xc, out=xc)
+    np.divide(xc2, sxx, out=lev)
+    np.add(1.0 / n, lev, out=lev)  # each turn's leverage
+    np.minimum(lev, 1.0 - 1e-12, out=lev)
+    np.subtract(1.0, lev, out=lev)
+    np.divide(resid, lev, out=resid)
+    np.square(resid, out=resid)
+    var = float(np.sum(np.multiply(xc2, resid, out=resid))) / (sxx * sxx)  # HC3
     half = _t_ppf(0.5 + level / 2, n - 2) * math.sqrt(var) if n > 2 else math.inf
     ms = 1e6  # seconds per token -> ms per 1k tokens
     return {"n": n, "ms_per_1k_uncached": slope * ms, "ms_per_1k_lo": (slope - half) * ms,
@@ -120,7 +130,10 @@ def cache_totals(predicted, reused, fit: dict[str, Any] | None = None) -> dict[s
 def fit_of(ttft: np.ndarray, streamed: np.ndarray, prompt: np.ndarray, cached: np.ndarray) -> dict[str, Any] | None:
     """The fit over the streamed turns (a non-streamed turn's TTFT is its whole response time) of columns."""
     timed = (streamed == 1) & np.isfinite(ttft) & np.isfinite(prompt)
-    unc = np.where(np.isfinite(cached), np.maximum(prompt - np.nan_to_num(cached), 0.0), prompt)
+    unc = np.nan_to_num(cached)
+    np.subtract(prompt, unc, out=unc)
+    np.maximum(unc, 0.0, out=unc)
+    np.copyto(unc, prompt, where=~np.isfinite(cached))  # the server said nothing: all of the prompt
     return ttft_fit(ttft[timed], unc[timed])
 
 
