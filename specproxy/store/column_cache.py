@@ -38,7 +38,7 @@ never written again, and the manifest is replaced atomically after them, so a fi
 to is never torn; a crashed writer leaves at most an unreferenced directory, cleaned up later. A
 truncated or extended file fails the size check, a rewritten header the header check. CRC-32 over every
 file cost a full read and a copy of every column (0.43 s and the columns' size again in memory at 1M
-turns); the files are now mapped read-only, and the pages the analysis touches are the only ones read.
+turns); the files are now mapped read-only (``pages.py``), and the pages the analysis touches are the only ones read.
 What is not caught is a byte changed in place inside a file (a disk fault, a hand edit) that no sampled
 row lands on: the cache trusts its own files as SQLite trusts the database's pages.
 
@@ -55,7 +55,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import mmap
 import os
 import shutil
 import sqlite3
@@ -71,6 +70,7 @@ import numpy as np
 
 from specproxy.store import column_reader
 from specproxy.store.column_reader import Unsupported, read_native, read_reference
+from specproxy.store.pages import map_column
 from specproxy.store.turns import decode
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
@@ -200,8 +200,7 @@ def _load(path: Path, size: int, rows: int, dtype: np.dtype) -> np.ndarray:
             raise _Invalid(f"{path.name}: shape")
         if not rows:
             return np.empty(0, dtype)
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(mapped, dtype=dtype, count=rows, offset=offset)
+        return map_column(f, rows, dtype, offset)
 
 
 def _read_manifest(cdir: Path) -> dict[str, dict]:

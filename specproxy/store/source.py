@@ -174,6 +174,7 @@ class Source(ABC):
         if server:
             data.scrapes = self._server_scrapes(turns, window.until)
             data.lone = self.lone_joins(window)
+        turns.release_pages()  # the passes above read whole columns the figures read again when they need them
         return data
 
     def _server_scrapes(self, turns: Turns, until: float | None) -> Scrapes:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.store.pages import release
+
 __all__ = ["NULL", "Turns", "decode", "factorize"]
 
 NULL = -1  # the code of NULL (None) in every text column
@@ -164,9 +166,21 @@ class Turns:
         got = None if made is None else made()
         if got is None:
             col, pos = self._num[name]
-            got = col.data if pos is None else col.data[pos]
-            self._made[0][name] = weakref.ref(got) if pos is not None else (lambda got=got: got)
+            if pos is None:
+                got = col.data
+                self._made[0][name] = lambda: got
+            else:
+                got = col.data[pos]
+                release(col.data)  # copied from: a mapped column's pages leave the process (pages.py)
+                self._made[0][name] = weakref.ref(got)
         return got
+
+    def release_pages(self) -> None:
+        """Give back the resident pages of every mapped column these turns read from (``pages.release``):
+        after the loader's passes over whole columns, which no figure reads in place."""
+        for col, _ in (*self._num.values(), *self._txt.values()):
+            if col.data is not None:
+                release(col.data)
 
     def _text(self, name: str) -> np.ndarray:
         got = self._made[1].get(name)
