@@ -141,17 +141,18 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     """The report's section over completed turns (``ok``, a ``Turns`` with ``PREFIX_CACHE_COLUMNS``): the
     totals over all of them at one fit, and per client, each at its own fit (clients differ in prompt
     shape and may go to different servers)."""
-    num = ok.num
-    fit = fit_of(num["ttft_s"], num["streamed"], num["prompt_tokens"], num["usage_cached_tokens"])
-    out = {"fit": fit, **cache_totals(num["prefix_reused_tokens"], num["usage_cached_tokens"], fit),
-           "predicted_turns": int(np.isfinite(num["prefix_reused_tokens"]).sum()),
-           "server_cached_turns": int(np.isfinite(num["usage_cached_tokens"]).sum())}
+    fit = fit_of(ok.num["ttft_s"], ok.num["streamed"], ok.num["prompt_tokens"], ok.num["usage_cached_tokens"])
+    predicted, cached = ok.num["prefix_reused_tokens"], ok.num["usage_cached_tokens"]
+    out = {"fit": fit, **cache_totals(predicted, cached, fit), "predicted_turns": int(np.isfinite(predicted).sum()),
+           "server_cached_turns": int(np.isfinite(cached).sum())}
+    del predicted, cached  # a month's columns: not held through the clients' tables
     names = sorted(c for c in ok.distinct("client") if c is not None)
     per_client = []
-    for i, m in groups(ok.lookup("client", {name: i for i, name in enumerate(names)})):  # a pass, not one per client
+    for i, at in groups(ok.lookup("client", {name: i for i, name in enumerate(names)})):  # a pass, not one per client
         name = names[i]
-        cfit = fit_of(num["ttft_s"][m], num["streamed"][m], num["prompt_tokens"][m], num["usage_cached_tokens"][m])
-        totals = cache_totals(num["prefix_reused_tokens"][m], num["usage_cached_tokens"][m], cfit)
+        mine = ok.select(at).num  # the client's rows only, read from the loaded columns
+        cfit = fit_of(mine["ttft_s"], mine["streamed"], mine["prompt_tokens"], mine["usage_cached_tokens"])
+        totals = cache_totals(mine["prefix_reused_tokens"], mine["usage_cached_tokens"], cfit)
         if totals["turns"]:
             per_client.append({"client": name, "fit": cfit, **totals})
     out["by_client"] = sorted(per_client, key=lambda c: -(c["lost_tokens"] or 0))

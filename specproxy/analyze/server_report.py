@@ -243,8 +243,9 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
         per_stream = summarize(turns.num["decode_tps"][streamed]).median
     if d is not None and d.seconds:
         w0, w1 = float(t_idx[0]), float(t_idx[-1])
-        inside = (done >= w0) & (done <= w1) & np.isfinite(turns.num["completion_tokens"])
-        delivered = float(np.sum(turns.num["completion_tokens"][inside])) if inside.any() else None
+        tokens = turns.num["completion_tokens"]
+        inside = (done >= w0) & (done <= w1) & np.isfinite(tokens)
+        delivered = float(np.sum(tokens[inside])) if inside.any() else None
         out["window"] = _window(d, bounds, delivered, per_stream, w0, w1)
     # the join is over streamed turns: a non-streamed reply is one chunk of all its tokens, which says
     # nothing about steps, and it has no decode speed to divide by the MAL
@@ -252,7 +253,8 @@ def server_section(scrapes: Scrapes, lone: LoneJoins, turns: Turns, *, span: Tur
     rowids = turns.num["rowid"][order]
     if not _ascending(rowids):  # stored in start order, turns are in rowid order already: nothing to sort
         order = order[np.argsort(rowids, kind="stable")]
-    pos, mal = _turn_counters(lone, turns.num["rowid"][order])
+        rowids = turns.num["rowid"][order]
+    pos, mal = _turn_counters(lone, rowids)
     if len(pos):
         at = order[pos]  # the joined turns' indices in ``turns``
         # in the turns' order (start time), not the order the deltas were stored: that order is one proxy's,

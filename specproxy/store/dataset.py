@@ -185,7 +185,7 @@ def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:
     ok = np.isfinite(starts) & np.isfinite(ends)
     if not ok.any():
         return 0.0
-    s, e = starts[ok], ends[ok]
+    s, e = (starts, ends) if ok.all() else (starts[ok], ends[ok])  # every turn (the common case): no copies
     if len(s) > 1 and not np.all(s[1:] >= s[:-1]):  # turns come in start order: a sort only when they are not
         order = np.argsort(s, kind="stable")
         s, e = s[order], e[order]
