@@ -7,7 +7,6 @@ passive proxy's. ``cli.py`` adds them to its group (``register``); what both nee
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -270,6 +269,8 @@ def register(group: click.Group) -> None:
         `report` and `compare` read them. With --restart-cmd, each arm runs on --instances server
         instances, so `compare` can give a verdict on a restart A/B. docs/bench.md says more.
         """
+        import asyncio
+
         from specproxy.analyze.bench import render_bench, summarize_bench
         from specproxy.app.bench import BenchError, BenchPlan, BenchRun, run_bench
         from specproxy.app.progress import make_progress

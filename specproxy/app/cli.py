@@ -5,7 +5,6 @@ The commands that read a database are here; ``serve`` and its option table are `
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import csv
 import logging
@@ -22,7 +21,7 @@ from specproxy.app.bench_cli import register as register_bench
 from specproxy.app.cli_common import (BY_CHOICES, db_path, echo, friendly, open_db, open_source, prices_of, prices_option,
                                       read_db_option, report_of, slo_option, sqlite_only)
 from specproxy.app.serve_cli import serve
-from specproxy.config import parse_slo
+from specproxy.config import is_pg_url, parse_slo
 from specproxy.errors import SpecproxyError
 
 log = logging.getLogger("specproxy")
@@ -148,7 +147,6 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
     --format replay, every captured request body; with --format mooncake, a trace (docs/bench.md)."""
     from specproxy.record import FIELD_NAMES
     from specproxy.store.dataset import parse_time, where_clause
-    from specproxy.store.pg_source import PgSource, is_url
     from specproxy.store.queries import turn_rows
     from specproxy.store.source import Window
 
@@ -174,7 +172,9 @@ def export(db: str | None, label: str | None, since: str | None, until: str | No
         return
     window = Window(label, parse_time(since), parse_time(until))
     try:
-        if is_url(db_path(db)):
+        if is_pg_url(db_path(db)):
+            from specproxy.store.pg_source import PgSource
+
             with PgSource(db_path(db)) as store:
                 _write_rows(FIELD_NAMES, store.rows(FIELD_NAMES, window), fmt, output)
             return
@@ -317,6 +317,8 @@ def demo(db: str | None, turns: int, as_json: bool, stay: bool) -> None:
     """Run a scripted inference server, the proxy and a chat-like client, then print the report."""
     from specproxy.app.demo import run_demo
     from specproxy.analyze.report import render_text
+    import asyncio
+
     from specproxy.serve.service import install_uvloop
 
     if turns < 1:

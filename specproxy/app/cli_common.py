@@ -15,7 +15,7 @@ from typing import Any
 import click
 import orjson
 
-from specproxy.config import Config, load_config
+from specproxy.config import Config, is_pg_url, load_config
 from specproxy.errors import SpecproxyError
 
 __all__ = ["BY_CHOICES", "DEFAULTS", "by_option", "db_option", "db_path", "echo", "friendly", "open_db", "open_source",
@@ -101,9 +101,7 @@ def open_db(db: str | None):
 def sqlite_only(db: str, why: str) -> str:
     """``db`` unless it is a PostgreSQL URL, which only the read commands take (report, compare, audit,
     export, roofline): a command that writes, or reads what is not shipped, says so in one line."""
-    from specproxy.store.pg_source import is_url
-
-    if is_url(db):
+    if is_pg_url(db):
         raise SpecproxyError(f"--db is a PostgreSQL URL, which report, compare, audit, export and roofline read; "
                              f"{why}: give an SQLite file")
     return db
@@ -113,11 +111,12 @@ def sqlite_only(db: str, why: str) -> str:
 def open_source(db: str | None, *, cache: bool = False):
     """The store the analysis reads (``store.source.Source``): an SQLite file, or a fleet's PostgreSQL
     database when ``db`` is a ``postgresql://`` URL (``store/pg_source.py``); closed on leaving."""
-    from specproxy.store.pg_source import PgSource, is_url
     from specproxy.store.sqlite_source import SQLiteSource
 
     path = db_path(db)
-    if is_url(path):
+    if is_pg_url(path):
+        from specproxy.store.pg_source import PgSource
+
         with PgSource(path) as store:
             yield store
         return

@@ -8,7 +8,6 @@ database share none of it. ``cli.main`` adds this command to the group.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import click
@@ -185,6 +184,8 @@ def serve(config_path: str | None, **flags: Any) -> None:
             f"point your client's base URL at {url}/v1{listening}; {pages_line(cfg, url)}; Ctrl-C to stop",
             err=True,
         )
+
+    import asyncio  # here: the commands that read the database never start an event loop
 
     try:
         asyncio.run(service.run_forever(ready))

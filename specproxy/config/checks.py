@@ -13,7 +13,7 @@ from specproxy.config.settings import CADENCE_POLL_MODES, RELAY_MODES, UPSTREAM_
 from specproxy.config.slo import parse_slo
 from specproxy.errors import ConfigError
 
-__all__ = ["MIN_TENANT_SECRET", "carries_credentials", "check_label", "check_otlp_endpoint", "check_sink_url",
+__all__ = ["MIN_TENANT_SECRET", "carries_credentials", "check_label", "check_otlp_endpoint", "check_sink_url", "is_pg_url",
            "validate"]
 
 # the shortest shared tenant secret taken: a short one could be guessed, and with it every key tested
@@ -44,6 +44,12 @@ def check_label(label: str, what: str = "--label") -> None:
 
 
 SINK_SCHEMES = ("postgresql", "postgres")
+
+
+def is_pg_url(db: str | None) -> bool:
+    """Whether a ``--db`` names a fleet's PostgreSQL database rather than an SQLite file (decided here, not
+    in ``store/pg_source.py``, so that a command on an SQLite file never imports the PostgreSQL driver)."""
+    return db is not None and str(db).startswith(tuple(f"{scheme}://" for scheme in SINK_SCHEMES))
 
 
 def check_otlp_endpoint(url: str) -> None:

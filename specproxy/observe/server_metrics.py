@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from specproxy.errors import UpstreamError
 
@@ -245,6 +244,9 @@ def parse_exposition(text: str) -> Snapshot:
     # sample name -> [(labels, value)] for the families we may normalize
     by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
     created: list[float] = []
+    # imported here: the analysis reads this module's types, and only a scrape parses (50 ms of imports)
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         for family in text_string_to_metric_families(text):
             types[family.name] = family.type

@@ -33,16 +33,10 @@ from specproxy.store.dataset import NUMERIC, TEXT, Turns
 from specproxy.store.sinks.postgres import CONNECT_TIMEOUT_S, one_line
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes, Source, Window
 
-__all__ = ["PgSource", "is_url"]
+__all__ = ["PgSource"]
 
-SCHEMES = ("postgresql://", "postgres://")
 # rows fetched per round trip of a server-side cursor (a million turns never sit in libpq's buffer at once)
 FETCH_ROWS = 50_000
-
-
-def is_url(db: str | None) -> bool:
-    """Whether a ``--db`` names a PostgreSQL database rather than an SQLite file."""
-    return db is not None and str(db).startswith(SCHEMES)
 
 
 def _where(window: Window, *, measured_only: bool = True, prefix: str = "") -> tuple[str, list]:
