@@ -223,8 +223,9 @@ class Turns:
     def distinct(self, name: str) -> set:
         """The values text column ``name`` holds in these turns (None when some turn's is NULL)."""
         codes, values = self.codes(name)
-        present = np.flatnonzero(np.bincount(codes + 1, minlength=1)) - 1
-        return {None if c == NULL else values[c] for c in present.tolist()}
+        present = np.zeros(len(values) + 1, dtype=bool)
+        present[codes] = True  # one scatter pass; NULL (-1) marks the last slot (a count per value: 2x the time)
+        return {values[c] for c in np.flatnonzero(present[:-1]).tolist()} | ({None} if present[-1] else set())
 
     def counts(self, name: str) -> dict[Any, int]:
         """How many turns hold each value of text column ``name``, in the order the values first occur
