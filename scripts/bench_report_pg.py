@@ -97,6 +97,20 @@ def load(url: str, n: int, proxies: int = 4) -> float:
     return time.perf_counter() - start
 
 
+def _database(server: PgServer, n: int) -> str:
+    """The database of ``n`` loaded turns: the one a kept server holds already, else a new one loaded now."""
+    name = f"bench_{n}"
+    if server.admin(f"SELECT 1 FROM pg_database WHERE datname = '{name}'"):
+        print(f"reusing the {n:,} turns loaded into {server.root} before", flush=True)
+        return name
+    server.admin(f"CREATE DATABASE {name}_loading")
+    took = load(server.url(f"{name}_loading"), n)
+    server.admin(f"ALTER DATABASE {name}_loading RENAME TO {name}")  # only a complete load is reused
+    print(f"loaded {n:,} turns of 4 proxies in {took:.1f} s ({n / took:,.0f} turns/s through "
+          f"PostgresSink.send)", flush=True)
+    return name
+
+
 def cli(url: str, *extra: str) -> tuple[float, float]:
     start = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "specproxy.app.cli", "report", "--json", "--db", url, *extra],
@@ -122,16 +136,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=1_000_000, help="turns to load [1,000,000]")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="keep the PostgreSQL server in DIR and reuse its data on the next run with the same -n "
+                         "(loading 10M turns takes a while); default: a temporary server, removed")
+    ap.add_argument("--load-only", action="store_true", help="load the turns (into --keep's server) and stop")
     args = ap.parse_args()
     bindir = pg_bin()
     if bindir is None:
         raise SystemExit("PostgreSQL is not installed (apt-get install postgresql)")
-    server = PgServer(bindir)
+    server = PgServer(bindir, root=args.keep)
     try:
-        url = server.url(server.new_database())
-        took = load(url, args.n)
-        print(f"loaded {args.n:,} turns of 4 proxies in {took:.1f} s ({args.n / took:,.0f} turns/s through "
-              f"PostgresSink.send)", flush=True)
+        url = server.url(_database(server, args.n))
+        if args.load_only:
+            return
         hour = Window(since=T0 + SPAN / 2, until=T0 + SPAN / 2 + 3600)
         windows = (("whole", Window(), ()),
                    ("one hour", hour, ("--since", str(hour.since), "--until", str(hour.until))))
