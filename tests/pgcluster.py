@@ -108,7 +108,7 @@ class PgServer:
 
     def close(self) -> None:
         try:
-            self.stop("immediate")
+            self.stop("fast" if self.kept else "immediate")  # fast: a checkpoint, so the last commits are kept
         except RuntimeError:
             pass
         if not self.kept:

@@ -118,7 +118,7 @@ def open_source(db: str | None, *, cache: bool = False):
 
     path = db_path(db)
     if is_url(path):
-        with PgSource(path) as store:
+        with PgSource(path, cache=cache) as store:
             yield store
         return
     with open_db(path) as conn:
