@@ -9,7 +9,8 @@ cache's (``column_segments.py``); what differs is where the cache lives, what ke
 found.
 
 Where: PostgreSQL has no file to put it beside, so in the user's cache directory,
-``$XDG_CACHE_HOME/specproxy/pg-<hash>/`` (``~/.cache/specproxy/...`` without XDG_CACHE_HOME), the hash
+``$XDG_CACHE_HOME/specproxy/pg-<hash>/`` (``~/.cache/specproxy/...`` without XDG_CACHE_HOME;
+``$SPECPROXY_CACHE_DIR/pg-<hash>/`` when that is set), the hash
 of the database's identity: the cluster's ``system_identifier`` (made by initdb, kept by a host rename
 or a new address, different in every other cluster, a restored dump included) and the database's oid
 (a second database of the cluster, a copy made from it as a template). Deleting the directory is always
@@ -69,7 +70,10 @@ last_status = "off"  # what the last load did: hit, build, update (N days read),
 
 
 def cache_root() -> Path:
-    """Where the caches of PostgreSQL databases go: ``$XDG_CACHE_HOME/specproxy`` or ``~/.cache/specproxy``."""
+    """Where the caches of PostgreSQL databases go: ``$SPECPROXY_CACHE_DIR`` when set (the tests' own
+    directory), else ``$XDG_CACHE_HOME/specproxy`` or ``~/.cache/specproxy``."""
+    if os.environ.get("SPECPROXY_CACHE_DIR"):
+        return Path(os.environ["SPECPROXY_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "specproxy"
 
