@@ -134,6 +134,9 @@ def test_a_dropped_day_loses_its_segment(fleet, tmp_path):
     assert_same(fleet, expect=f"update (1 of {DAYS - 1} days read)")
     assert len(segments(tmp_path)) == DAYS - 1
     assert_same(fleet, expect="hit")
+    assert prune_postgres(fleet, T0 + 2 * DAY_S, turns=True)["partitions"] == 1  # a day dropped, no row deleted
+    assert_same(fleet, expect="hit")
+    assert len(segments(tmp_path)) == DAYS - 2
 
 
 def test_a_window_reads_only_its_days(fleet):
@@ -143,7 +146,11 @@ def test_a_window_reads_only_its_days(fleet):
     for w in (Window(since=T0, until=T0 + DAY_S), Window("b", T0 + 3600, T0 + 7200),
               Window(since=T0 + 0.5 * DAY_S, until=T0 + 2.5 * DAY_S), Window(until=T0 + 2 * DAY_S)):
         assert_same(fleet, w, expect="hit")
-    assert_same(fleet, Window(since=T0 + 3 * DAY_S + 60), expect="update (1 of 1 days read)")
+    # part of the changed day: the window from PostgreSQL, the day left for a window that holds it whole
+    narrow = f"narrow: day {int(T0 // DAY_S) + 3} changed and the window holds part of it: read from PostgreSQL"
+    assert_same(fleet, Window(since=T0 + 3 * DAY_S + 60), expect=narrow)
+    assert_same(fleet, Window(since=T0 + 3 * DAY_S), expect="update (1 of 1 days read)")
+    assert_same(fleet, Window(since=T0 + 3 * DAY_S + 60), expect="hit")
     assert_same(fleet, Window(since=T0 + 9 * DAY_S), expect="hit")  # no day: nothing
 
 
