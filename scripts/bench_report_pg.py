@@ -154,6 +154,8 @@ def main() -> None:
                     help="keep the PostgreSQL server in DIR and reuse its data on the next run with the same -n "
                          "(loading 10M turns takes a while); default: a temporary server, removed")
     ap.add_argument("--load-only", action="store_true", help="load the turns (into --keep's server) and stop")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the baseline fetch into Python lists (10M turns of them need ~10 GB)")
     args = ap.parse_args()
     bindir = pg_bin()
     if bindir is None:
@@ -201,7 +203,7 @@ def main() -> None:
                         builds.append(time.perf_counter() - t)
                     n = len(data.turns)
                     del data
-                bases.append(baseline(url, window))
+                bases.append(float("nan") if args.no_baseline else baseline(url, window))
             rows.append((name, n, builds, bases))
         med = statistics.median
         print(f"\n{platform.node()}: {cpu_model()}, {os.cpu_count()} cores; PostgreSQL {bindir.parent.name}; "
