@@ -72,6 +72,7 @@ TABLE = Table("turns", NUMERIC, CACHED_TEXT)
 # what the last load did (tests, benchmarks): hit, build, update (N of M days read), narrow: why (the window read
 # from PostgreSQL), unusable: why
 last_status = "off"
+MAX_SEGMENTS = 8
 
 
 def cache_root() -> Path:
@@ -158,49 +159,91 @@ class _Narrow(Exception):
     """A day the window covers in part changed: reading the window from PostgreSQL is cheaper than the day."""
 
 
+def _write(cdir: Path, parts: list[tuple[_Day, dict[str, np.ndarray], dict]]) -> dict:
+    """Days' rows (every column, each day's text dictionaries) as one segment, in the order given; its
+    manifest entry, with each day's check and row range (``days``)."""
+    arrays, dicts = merge(TABLE.text, [{"dicts": p[2]} for p in parts], [p[1] for p in parts])
+    seg = write_segment(cdir, arrays, dicts)
+    bounds = np.cumsum([0, *(len(p[1]["rowid"]) for p in parts)]).tolist()
+    seg["days"] = [{"check": d.key(), "start": a, "stop": b} for (d, _, _), a, b in zip(parts, bounds, bounds[1:])]
+    return seg
+
+
 def _segments(conn: psycopg.Connection, cdir: Path, key: dict, days: list[_Day], wanted: list[_Day],
               names: set[str], whole: Callable[[int], bool]) -> tuple[list[dict], list[dict[str, np.ndarray]], str]:
-    """The segments of the ``wanted`` days, each checked and the stale ones read again (and saved when
-    the directory can be written), their loaded ``names`` columns, and what was done. ``_Narrow`` when a
-    stale day is one the window does not cover ``whole``: an hour of today is not worth reading today."""
+    """The ``names`` columns of the ``wanted`` days, as pieces to merge (text dictionaries, arrays), each
+    day checked and the stale ones read again (and saved when the directory can be written), and what
+    was done. ``_Narrow`` when a stale day is one the window does not cover ``whole``: an hour of today
+    is not worth reading today.
+
+    Why segments of several days: concatenating a week of day segments costs a copy of every column
+    (1.1 s at 10M turns, more than all the rest of a warm load), while the days of one segment, in
+    order, are a slice of its mapped files: no copy. So a build writes one segment of all its days,
+    a later change one segment for each day read again (the old segment keeps its other days), and past
+    ``MAX_SEGMENTS`` everything is written again as one."""
     entry = read_manifest(cdir).get("turns")
-    cached = {}
-    if entry is not None and entry.get("key") == key:
-        cached = {s.get("check", {}).get("day"): s for s in entry["segments"] if isinstance(s, dict)}
-    stale = [d for d in wanted if cached.get(d.day, {}).get("check") != d.key()]
-    for d in stale:
-        if not whole(d.day):
-            raise _Narrow(f"day {d.day} changed and the window holds part of it: read from PostgreSQL")
-    segs, loaded, fresh = [], [], []
+    old = [s for s in entry["segments"] if isinstance(s, dict)] if entry is not None and entry.get("key") == key else []
+    where = {part["check"]["day"]: (seg, part) for seg in old for part in seg.get("days", [])}
+    stale = {d.day for d in wanted if d.day not in where or where[d.day][1]["check"] != d.key()}
+    for day in sorted(stale):
+        if not whole(day):
+            raise _Narrow(f"day {day} changed and the window holds part of it: read from PostgreSQL")
+    files: dict[str, dict[str, np.ndarray]] = {}
+    pieces: list[tuple[dict, dict[str, np.ndarray], int, int]] = []  # (dictionaries, columns, start, stop)
+    fresh: list[tuple[_Day, dict[str, np.ndarray], dict]] = []
     for d in wanted:
-        if d not in stale:
-            seg = cached[d.day]
+        if d.day not in stale:
+            seg, part = where[d.day]
             try:
-                loaded.append(load_segment(cdir, TABLE, seg, names))
-                segs.append(seg)
+                if seg["dir"] not in files:
+                    files[seg["dir"]] = load_segment(cdir, TABLE, seg, names)
+                if pieces and pieces[-1][1] is files[seg["dir"]] and pieces[-1][3] == part["start"]:
+                    pieces[-1] = (*pieces[-1][:3], part["stop"])  # the next day of the same segment: one slice
+                else:
+                    pieces.append((seg["dicts"], files[seg["dir"]], part["start"], part["stop"]))
                 continue
             except (Invalid, OSError, KeyError, TypeError, ValueError) as exc:
                 log.info("column cache of PostgreSQL day %s read again: %s", d.day, exc)
+                stale.add(d.day)
         arrays, dicts = _read_day(conn, d.day)
-        seg = {"dicts": dicts, "check": d.key()}
-        fresh.append((d, arrays, seg))
-        segs.append(seg)
-        loaded.append({n: arrays[n] for n in names})
-    status = "hit" if not fresh else "build" if not cached else f"update ({len(fresh)} of {len(wanted)} days read)"
+        fresh.append((d, arrays, dicts))
+        pieces.append((dicts, arrays, 0, len(arrays["rowid"])))
+    status = "hit" if not fresh else "build" if not old else f"update ({len(fresh)} of {len(wanted)} days read)"
     present = {d.day for d in days}
-    if fresh or set(cached) - present:  # new segments, or a dropped day's to remove
+    if fresh or set(where) - present:  # new segments, or a dropped day's to remove
         try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            for d, arrays, seg in fresh:
-                seg.update(write_segment(cdir, arrays, seg["dicts"]))
-            keep = {day: s for day, s in cached.items() if day in present}
-            keep.update({d.day: seg for d, _, seg in fresh})
-            previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
-            write_manifest(cdir, "turns", {"key": key, "segments": [keep[k] for k in sorted(keep)]}, previous)
+            _save(cdir, entry, key, old, fresh, stale, present)
         except OSError as exc:  # read-only or full: no cache, no error
             log.debug("column cache of PostgreSQL not written: %s", exc)
             status += " (not saved)"
-    return segs, loaded, status
+    loaded = [{n: a[n][lo:hi] for n in names} for _, a, lo, hi in pieces]
+    return [{"dicts": p[0]} for p in pieces], loaded, status
+
+
+def _save(cdir: Path, entry: dict | None, key: dict, old: list[dict], fresh: list, stale: set[int],
+          present: set[int]) -> None:
+    """The manifest after a load: the old segments without their stale and dropped days (a segment left
+    with none goes), the fresh days as one segment when nothing old is left (a build) or one each, and
+    everything as one past MAX_SEGMENTS."""
+    cdir.mkdir(parents=True, exist_ok=True)
+    segs = []
+    for seg in old:
+        days = [p for p in seg.get("days", []) if p["check"]["day"] in present and p["check"]["day"] not in stale]
+        if days:
+            segs.append({**seg, "days": days})
+    if not segs and fresh:
+        segs = [_write(cdir, fresh)]
+    elif len(segs) + len(fresh) > MAX_SEGMENTS:
+        parts = list(fresh)
+        for seg in segs:
+            cols = load_segment(cdir, TABLE, seg, {"rowid", *TABLE.numeric, *TABLE.text})
+            parts += [(_Day(**p["check"]), {n: a[p["start"]:p["stop"]] for n, a in cols.items()}, seg["dicts"])
+                      for p in seg["days"]]
+        segs = [_write(cdir, sorted(parts, key=lambda p: p[0].day))]
+    else:
+        segs += [_write(cdir, [f]) for f in fresh]
+    previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
+    write_manifest(cdir, "turns", {"key": key, "segments": segs}, previous)
 
 
 def load_columns(conn: psycopg.Connection, want_num: tuple[str, ...], want_txt: tuple[str, ...],

@@ -100,10 +100,27 @@ def segments(tmp_path: Path) -> list[Path]:
     return [p for d in (tmp_path / "cache").iterdir() for p in d.iterdir() if p.name.startswith("seg-")]
 
 
+def cached_days(tmp_path: Path) -> list[list[int]]:
+    """The days each segment of the manifest holds."""
+    (cdir,) = (tmp_path / "cache").iterdir()
+    manifest = json.loads((cdir / "manifest.json").read_text())["tables"]["turns"]
+    return [[int(p["check"]["day"] - T0 // DAY_S) for p in s["days"]] for s in manifest["segments"]]
+
+
+def mapped(url: str) -> bool:
+    """Whether a whole load's columns are the segment files mapped read-only (no copy) rather than arrays
+    made by concatenating segments."""
+    with PgSource(url) as pg:
+        found = pg_cache.load_columns(pg.conn, ("t_wall", "total_s"), ("outcome",))
+    assert pg_cache.last_status == "hit"
+    return not any(a.flags.writeable for a in (found.rowid, *found.num.values(), found.codes["outcome"][0]))
+
+
 def test_cold_build_then_warm_hit(fleet, tmp_path):
     assert_same(fleet, expect="build")
-    assert len(segments(tmp_path)) == DAYS
+    assert cached_days(tmp_path) == [list(range(DAYS))] and len(segments(tmp_path)) == 1  # one segment of every day
     assert_same(fleet, expect="hit")
+    assert mapped(fleet)
     assert_same(fleet, Window("a"), expect="hit")
     assert_same(fleet, columns=("t_wall", "outcome", "session"), expect="hit")
     full = load(fleet, cache=True)[0]
@@ -132,11 +149,25 @@ def test_a_dropped_day_loses_its_segment(fleet, tmp_path):
     done = prune_postgres(fleet, T0 + DAY_S + 3600, turns=True)  # day 0 dropped whole, an hour of day 1 deleted
     assert done["partitions"] == 1 and done["turns"] > 300
     assert_same(fleet, expect=f"update (1 of {DAYS - 1} days read)")
-    assert len(segments(tmp_path)) == DAYS - 1
+    assert cached_days(tmp_path) == [[2, 3], [1]] and len(segments(tmp_path)) == 2
     assert_same(fleet, expect="hit")
     assert prune_postgres(fleet, T0 + 2 * DAY_S, turns=True)["partitions"] == 1  # a day dropped, no row deleted
     assert_same(fleet, expect="hit")
-    assert len(segments(tmp_path)) == DAYS - 2
+    assert cached_days(tmp_path) == [[2, 3]] and len(segments(tmp_path)) == 1
+
+
+def test_changed_days_get_segments_of_their_own_until_there_are_too_many(fleet, tmp_path, monkeypatch):
+    monkeypatch.setattr(pg_cache, "MAX_SEGMENTS", 2)
+    assert_same(fleet, expect="build")
+    send(fleet, turn_rows(random.Random(10), 2, 0, "edge-0"))
+    assert_same(fleet, expect=f"update (1 of {DAYS} days read)")
+    assert cached_days(tmp_path) == [[1, 2, 3], [0]]
+    assert not mapped(fleet)  # two segments: the columns are copied into one array each
+    send(fleet, turn_rows(random.Random(11), 2, 2, "edge-0"))
+    assert_same(fleet, expect=f"update (1 of {DAYS} days read)")
+    assert cached_days(tmp_path) == [list(range(DAYS))] and len(segments(tmp_path)) == 1  # three: one again
+    assert_same(fleet, expect="hit")
+    assert mapped(fleet)
 
 
 def test_a_window_reads_only_its_days(fleet):
@@ -178,7 +209,7 @@ def test_report_through_the_cache_is_the_report_without_it(fleet, tmp_path):
     direct = report("--db", fleet, "--no-cache")
     assert not (tmp_path / "cache").exists()  # --no-cache: nothing written
     assert report("--db", fleet) == direct and pg_cache.last_status == "build"
-    assert len(segments(tmp_path)) == DAYS
+    assert cached_days(tmp_path) == [list(range(DAYS))]
     assert report("--db", fleet) == direct and pg_cache.last_status == "hit"
     assert direct["turns"] > 500
     window = ("--since", str(T0 + 3600), "--until", str(T0 + 2 * DAY_S), "--label", "a")
