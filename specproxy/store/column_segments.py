@@ -2,7 +2,7 @@
 
 Why a module of its own: two caches keep the same files and differ only in what keys them and how new
 rows are found. The SQLite cache (``column_cache.py``: beside the file, checked by the database's edit
-counter, extended by rowid) and the PostgreSQL cache (``pg_cache.py``: one segment per day partition,
+counter, extended by rowid) and the PostgreSQL cache (``pg_cache.py``: day partitions as ranges of segments,
 checked per partition) both write and read segments, merge them and replace the manifest here, so a
 segment is the same thing, read the same way, in both.
 

@@ -1,4 +1,4 @@
-"""A columnar cache of a fleet's PostgreSQL ``turns``, one segment per day partition, checked against the
+"""A columnar cache of a fleet's PostgreSQL ``turns``, checked day partition by day partition against the
 database on every load.
 
 Why: reading every turn of a fleet from PostgreSQL costs seconds per million (7.1 s at 1M turns,
@@ -18,8 +18,10 @@ safe; ``specproxy report --no-cache`` bypasses it. A directory that cannot be ma
 cache, never an error.
 
 Why per day: ``turns`` is partitioned by UTC day (``sinks/pg_migrations.py``) and retention drops whole
-days, so a day is the unit that changes together: one segment per day partition, its rows in
-``(t_wall, seq)`` order, so the days in order are the whole table in the report's order. Why not "rows
+days, so a day is the unit that changes together: each day's rows are a range of one segment, in
+``(t_wall, seq)`` order, so the days in order are the whole table in the report's order. A build writes
+every day into one segment (a load of every day is then its mapped files, no copy), a day read again
+later gets a segment of its own (``_segments`` says why). Why not "rows
 above the cached ``seq``": four proxies ship concurrently, and a batch can commit after another that took
 higher ``seq`` values, so a row can appear below the cached maximum; late shipping adds rows to old days.
 
@@ -30,11 +32,12 @@ partition dropped and made again, a TRUNCATE, a restore) and the day's count of 
 ``turn_days.changes`` (migration ``006_turn_days``: statement-level triggers on ``turns`` for INSERT,
 DELETE and UPDATE add one to each day a statement touched, in the statement's transaction). A day whose
 four values equal the cached ones is served from its segment; any other day is read again whole; a day
-whose partition is gone (``prune``) loses its segment. A window reads only the days it touches, and
+whose partition is gone (``prune``) leaves the cache. A window reads only the days it touches, and
 when one of them changed and the window holds only part of it (the last hour, while proxies ship into
-today), the window is read from PostgreSQL instead: a day is ~24 times the rows of an hour. Why a counter and not ``count(*), sum(seq)`` per
-partition: that check scans every row, 0.5 s at 1M turns (5 s at 10M), most of the load it was to
-save; the counter is one row per day. A database without ``turn_days`` (no proxy of this version has
+today), the window is read from PostgreSQL instead: a day is ~24 times the rows of an hour. Why a
+counter and not ``count(*), sum(seq)`` per partition: that check scans every row, 0.5 s at 1M turns
+(5 s at 10M: five times the rest of a warm load); the counter is one row per day, read in milliseconds.
+What the triggers cost a shipper: one statement per batch (docs/performance.md). A database without ``turn_days`` (no proxy of this version has
 shipped to it yet) is read directly, and ``last_status`` says why; so is one with a partition that is
 not a day (``turns_YYYYMMDD``).
 

@@ -19,7 +19,7 @@ took them (``seq``, migration ``002_counters_seq``). A URL with a password is re
 has shipped to yet (no tables) reads as empty, as an SQLite file's missing table does.
 
 With ``cache``, the turns come from the columnar cache in the user's cache directory (``pg_cache.py``:
-one segment per day partition, checked against the database on every load, a changed day read again),
+checked day partition by day partition against the database on every load, a changed day read again),
 filtered as the SQLite cache's are (``dataset.select_columns``): the same columns, values and order as
 the SQL read here (tests/integration/test_pg_cache.py).
 """
