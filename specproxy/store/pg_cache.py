@@ -172,6 +172,14 @@ def _write(cdir: Path, parts: list[tuple[_Day, dict[str, np.ndarray], dict]]) ->
     return seg
 
 
+def _fits(seg: dict, part: dict) -> bool:
+    """Whether a day's entry is well formed: a check, and a range of the segment's rows."""
+    try:
+        return "day" in part["check"] and 0 <= part["start"] <= part["stop"] <= seg["rows"]
+    except (KeyError, TypeError):
+        return False
+
+
 def _segments(conn: psycopg.Connection, cdir: Path, key: dict, days: list[_Day], wanted: list[_Day],
               names: set[str], whole: Callable[[int], bool]) -> tuple[list[dict], list[dict[str, np.ndarray]], str]:
     """The ``names`` columns of the ``wanted`` days, as pieces to merge (text dictionaries, arrays), each
@@ -186,7 +194,7 @@ def _segments(conn: psycopg.Connection, cdir: Path, key: dict, days: list[_Day],
     ``MAX_SEGMENTS`` everything is written again as one."""
     entry = read_manifest(cdir).get("turns")
     old = [s for s in entry["segments"] if isinstance(s, dict)] if entry is not None and entry.get("key") == key else []
-    where = {part["check"]["day"]: (seg, part) for seg in old for part in seg.get("days", [])}
+    where = {part["check"]["day"]: (seg, part) for seg in old for part in seg.get("days", []) if _fits(seg, part)}
     stale = {d.day for d in wanted if d.day not in where or where[d.day][1]["check"] != d.key()}
     for day in sorted(stale):
         if not whole(day):
