@@ -175,7 +175,7 @@ def _write(cdir: Path, parts: list[tuple[_Day, dict[str, np.ndarray], dict]]) ->
 def _fits(seg: dict, part: dict) -> bool:
     """Whether a day's entry is well formed: a check, and a range of the segment's rows."""
     try:
-        return "day" in part["check"] and 0 <= part["start"] <= part["stop"] <= seg["rows"]
+        return isinstance(part["check"], dict) and "day" in part["check"] and 0 <= part["start"] <= part["stop"] <= seg["rows"]
     except (KeyError, TypeError):
         return False
 
