@@ -217,7 +217,8 @@ def main() -> None:
                       f"{med(got['load']):.2f} |")
         print()
         for name, n, builds, bases in rows:
-            print(f"{name}: build_report {med(builds):.2f} s; baseline fetch (psycopg, Python lists) {med(bases):.2f} s")
+            print(f"{name}: build_report {med(builds):.2f} s; baseline fetch (psycopg, Python lists) "
+                  f"{med(bases):.2f} s")
     finally:
         server.close()
         shutil.rmtree(cache, ignore_errors=True)
