@@ -2,6 +2,7 @@
 4 proxies in under 10 s, a one-hour window of it in under 1 s).
 
     python scripts/bench_report_pg.py -n 1000000          # a local PostgreSQL in a temporary directory
+    python scripts/bench_report_pg.py -n 10000000 --repeat 1 --keep /tmp/pg10m   # kept: loaded once
 
 Starts a PostgreSQL of Debian's packages the way the tests do (``tests/pgcluster.py``: ``initdb`` and
 ``pg_ctl`` on 127.0.0.1, fsync off), loads ``n`` synthetic turns of 4 proxies over a week through the
@@ -9,8 +10,12 @@ sink's own write path (``PostgresSink.send``: COPY into a staging table, then IN
 partitions), ``ANALYZE``s, and then times, ``--repeat`` times each:
 
 * the CLI as a user runs it (wall time with the interpreter's start, and its peak RSS):
-  ``specproxy report --json`` over the whole database and over one hour of it;
-* in process: ``PgSource.load`` (the SQL and the columns) and ``build_report`` apart, whole and hour;
+  ``specproxy report --json`` over the whole database and over one hour of it, each read three ways:
+  ``--no-cache`` (PostgreSQL only), a cold column cache (``store/pg_cache.py``; its directory removed
+  first, so the whole report builds it, and the hour, holding part of a day not cached, reads
+  PostgreSQL) and the warm cache (the one a whole report left);
+* in process: ``PgSource.load`` (the SQL or the cache, and the columns) the same three ways, and
+  ``build_report`` apart, whole and hour;
 * the baseline, in the same run: the report's columns fetched with psycopg into Python lists.
 """
 
@@ -19,9 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +46,7 @@ from pgcluster import PgServer, pg_bin  # noqa: E402
 from specproxy.analyze.report_data import REPORT_COLUMNS, build_report  # noqa: E402
 from specproxy.store.pg_source import PgSource  # noqa: E402
 from specproxy.store.sinks import Identity  # noqa: E402
-from specproxy.store.sinks.postgres import PostgresSink  # noqa: E402
+from specproxy.store.sinks.postgres import PostgresSink, migrate  # noqa: E402
 from specproxy.store.source import Window  # noqa: E402
 
 T0 = 1_800_000_000.0
@@ -97,6 +104,27 @@ def load(url: str, n: int, proxies: int = 4) -> float:
     return time.perf_counter() - start
 
 
+# how the CLI reads the turns: ``--no-cache`` (PostgreSQL only), through the column cache made anew (its
+# directory removed first: the first report after a long time), and through the cache the run before made
+READS = (("no cache", ("--no-cache",), False), ("cold cache", (), True), ("warm cache", (), False))
+
+
+def _database(server: PgServer, n: int) -> str:
+    """The database of ``n`` loaded turns: the one a kept server holds already, else a new one loaded now."""
+    name = f"bench_{n}"
+    if server.admin(f"SELECT 1 FROM pg_database WHERE datname = '{name}'"):
+        print(f"reusing the {n:,} turns loaded into {server.root} before", flush=True)
+        with psycopg.connect(server.url(name), autocommit=True) as conn:
+            migrate(conn)  # loaded by an older specproxy: its new schema steps (006_turn_days: the cache's check)
+        return name
+    server.admin(f"CREATE DATABASE {name}_loading")
+    took = load(server.url(f"{name}_loading"), n)
+    server.admin(f"ALTER DATABASE {name}_loading RENAME TO {name}")  # only a complete load is reused
+    print(f"loaded {n:,} turns of 4 proxies in {took:.1f} s ({n / took:,.0f} turns/s through "
+          f"PostgresSink.send)", flush=True)
+    return name
+
+
 def cli(url: str, *extra: str) -> tuple[float, float]:
     start = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "specproxy.app.cli", "report", "--json", "--db", url, *extra],
@@ -122,53 +150,78 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=1_000_000, help="turns to load [1,000,000]")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="keep the PostgreSQL server in DIR and reuse its data on the next run with the same -n "
+                         "(loading 10M turns takes a while); default: a temporary server, removed")
+    ap.add_argument("--load-only", action="store_true", help="load the turns (into --keep's server) and stop")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the baseline fetch into Python lists (10M turns of them need ~10 GB)")
     args = ap.parse_args()
     bindir = pg_bin()
     if bindir is None:
         raise SystemExit("PostgreSQL is not installed (apt-get install postgresql)")
-    server = PgServer(bindir)
+    server = PgServer(bindir, root=args.keep)
+    cache = Path(tempfile.mkdtemp(prefix="specproxy-bench-cache-"))
+    os.environ["SPECPROXY_CACHE_DIR"] = str(cache)  # this run's PostgreSQL column cache; its children's too
     try:
-        url = server.url(server.new_database())
-        took = load(url, args.n)
-        print(f"loaded {args.n:,} turns of 4 proxies in {took:.1f} s ({args.n / took:,.0f} turns/s through "
-              f"PostgresSink.send)", flush=True)
+        url = server.url(_database(server, args.n))
+        if args.load_only:
+            return
         hour = Window(since=T0 + SPAN / 2, until=T0 + SPAN / 2 + 3600)
         windows = (("whole", Window(), ()),
                    ("one hour", hour, ("--since", str(hour.since), "--until", str(hour.until))))
         # the CLI runs first: a child's peak RSS (wait4) starts from this process's at the fork, so it must
         # be small then (no columns loaded here yet)
-        walls = {name: [] for name, _, _ in windows}
-        rss = {name: [] for name, _, _ in windows}
+        runs: dict[tuple[str, str], dict[str, list]] = {}
         for _ in range(args.repeat):
-            for name, _, extra in windows:
-                w, r = cli(url, *extra)
-                walls[name].append(w)
-                rss[name].append(r)
+            for name, window, extra in windows:
+                for read, flags, cold in READS:
+                    if cold:
+                        shutil.rmtree(cache, ignore_errors=True)
+                    elif not flags and not cache.exists():  # warm: as a whole report left it (a window
+                        cli(url)  # holding part of a day not in the cache reads PostgreSQL: pg_cache.py)
+                    w, r = cli(url, *extra, *flags)
+                    got = runs.setdefault((name, read), {"wall": [], "rss": [], "load": []})
+                    got["wall"].append(w)
+                    got["rss"].append(r)
         rows = []
         for name, window, _ in windows:
-            loads, builds, bases = [], [], []
+            builds, bases = [], []
             for _ in range(args.repeat):
-                with PgSource(url) as store:
-                    t = time.perf_counter()
-                    data = store.load(window, REPORT_COLUMNS, server=True, context=True)
-                    loads.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                build_report(data, source=url)
-                builds.append(time.perf_counter() - t)
-                n = len(data.turns)
-                del data
-                bases.append(baseline(url, window))
-            rows.append((name, n, walls[name], rss[name], loads, builds, bases))
+                for read, flags, cold in READS:
+                    if cold:
+                        shutil.rmtree(cache, ignore_errors=True)
+                    elif not flags and not cache.exists():
+                        cli(url)
+                    with PgSource(url, cache=not flags) as store:
+                        t = time.perf_counter()
+                        data = store.load(window, REPORT_COLUMNS, server=True, context=True)
+                        runs[name, read]["load"].append(time.perf_counter() - t)
+                    if read == READS[-1][0]:  # the analysis is the same whatever read the columns
+                        t = time.perf_counter()
+                        build_report(data, source=url)
+                        builds.append(time.perf_counter() - t)
+                    n = len(data.turns)
+                    del data
+                bases.append(float("nan") if args.no_baseline else baseline(url, window))
+            rows.append((name, n, builds, bases))
         med = statistics.median
         print(f"\n{platform.node()}: {cpu_model()}, {os.cpu_count()} cores; PostgreSQL {bindir.parent.name}; "
               f"medians of {args.repeat}")
-        print("| window | turns | `report --json` s | peak RSS MiB | load s | build_report s | baseline fetch s |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for name, n, walls, rss, loads, builds, bases in rows:
-            print(f"| {name} | {n:,} | {med(walls):.2f} | {med(rss):.0f} | {med(loads):.2f} | {med(builds):.2f} | "
-                  f"{med(bases):.2f} |")
+        print("| window | turns | read | `report --json` s | peak RSS MiB | `PgSource.load` s |")
+        print("|---|---:|---|---:|---:|---:|")
+        for name, n, _, _ in rows:
+            for read, _, _ in READS:
+                got = runs[name, read]
+                print(f"| {name} | {n:,} | {read} | {med(got['wall']):.2f} | {med(got['rss']):.0f} | "
+                      f"{med(got['load']):.2f} |")
+        print()
+        for name, n, builds, bases in rows:
+            print(f"{name}: build_report {med(builds):.2f} s; baseline fetch (psycopg, Python lists) "
+                  f"{med(bases):.2f} s")
     finally:
         server.close()
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ loop fails the test) and with a tokenizer that fails if it is ever called on the
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import fcntl
 import json
@@ -36,6 +37,10 @@ sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the PostgreSQL column cache (store/pg_cache.py) of the tests' databases goes here, not into ~/.cache
+if "SPECPROXY_CACHE_DIR" not in os.environ:
+    os.environ["SPECPROXY_CACHE_DIR"] = tempfile.mkdtemp(prefix="specproxy-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPECPROXY_CACHE_DIR"], True)
 
 from specproxy.config import RELAY_MODES, load_config  # noqa: E402
 from specproxy.serve.service import Service  # noqa: E402

@@ -37,9 +37,15 @@ def _free_port() -> int:
 
 
 class PgServer:
-    def __init__(self, bindir: Path) -> None:
+    """``root``: a directory to keep the server in (a benchmark's data, reused by the next run: started
+    again when it holds one, made there when it does not); None: a temporary one, removed by ``close``."""
+
+    def __init__(self, bindir: Path, root: Path | None = None) -> None:
         self.bindir = bindir
-        self.root = Path(tempfile.mkdtemp(prefix="specproxy-pg-"))
+        self.kept = root is not None
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="specproxy-pg-")) if root is None else root
         self.data = self.root / "data"
         self.log = self.root / "server.log"
         self.port = _free_port()
@@ -48,6 +54,10 @@ class PgServer:
             nobody = pwd.getpwnam("nobody")
             os.chown(self.root, nobody.pw_uid, nobody.pw_gid)
             self._user = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+        if (self.data / "PG_VERSION").exists():  # a kept server: its roles are there already
+            (self.data / "postmaster.pid").unlink(missing_ok=True)  # left by a run that was killed
+            self.start()
+            return
         self._run("initdb", "-D", str(self.data), "-U", "fleet", "--auth=trust", "-E", "UTF8", "--no-sync")
         (self.data / "pg_hba.conf").write_text(
             "local all all trust\n"
@@ -98,7 +108,8 @@ class PgServer:
 
     def close(self) -> None:
         try:
-            self.stop("immediate")
+            self.stop("fast" if self.kept else "immediate")  # fast: a checkpoint, so the last commits are kept
         except RuntimeError:
             pass
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.kept:
+            shutil.rmtree(self.root, ignore_errors=True)

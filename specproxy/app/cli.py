@@ -47,8 +47,9 @@ window_options = [
 
 cache_option = click.option(
     "--cache/--no-cache", default=True, show_default=True,
-    help="Read the turns through the columnar cache beside the database (DB.cache/, checked against the "
-         "database on every run, rebuilt when it does not match); --no-cache reads SQLite only")
+    help="Read the turns through the columnar cache (beside an SQLite file: DB.cache/; of a PostgreSQL "
+         "database: ~/.cache/specproxy/pg-*/), checked against the database on every run, rebuilt where it "
+         "does not match; --no-cache reads the database only")
 
 
 def _window(fn):

@@ -117,7 +117,7 @@ def open_source(db: str | None, *, cache: bool = False):
     if is_pg_url(path):
         from specproxy.store.pg_source import PgSource
 
-        with PgSource(path) as store:
+        with PgSource(path, cache=cache) as store:
             yield store
         return
     with open_db(path) as conn:

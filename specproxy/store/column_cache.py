@@ -10,7 +10,8 @@ Where: ``<db>.cache/`` beside the database file (``specproxy.db`` -> ``specproxy
 ``manifest.json`` (one entry per table) and immutable segment directories ``seg-*/``, each with one
 ``.npy`` per column of one table (text columns as int32 codes into a dictionary kept in the manifest).
 Deleting the directory is always safe; ``specproxy report --no-cache`` bypasses it. One implementation
-serves both tables (``Table``): segments, manifest, checks and the incremental read.
+serves both tables (``Table``): segments and manifest (``column_segments.py``), checks and the incremental
+read.
 
 Why incremental: specproxy only ever inserts rows without naming their rowid, so SQLite gives each a
 rowid above every stored one, and the rows with a rowid above the cached maximum are the new ones: they
@@ -33,14 +34,9 @@ What keys it, checked on every load inside one read transaction (none of it scan
   database rows in every column loaded (a file copied over the database in place, rowids renumbered);
 * every file's size and ``.npy`` header (shape, dtype) equal the manifest's and the segment's row count.
 
-Why no checksum of the files: segments are written to a ``tmp-*`` directory, renamed into place and
-never written again, and the manifest is replaced atomically after them, so a file the manifest refers
-to is never torn; a crashed writer leaves at most an unreferenced directory, cleaned up later. A
-truncated or extended file fails the size check, a rewritten header the header check. CRC-32 over every
-file cost a full read and a copy of every column (0.43 s and the columns' size again in memory at 1M
-turns); the files are now mapped read-only (``pages.py``), and the pages the analysis touches are the only ones read.
-What is not caught is a byte changed in place inside a file (a disk fault, a hand edit) that no sampled
-row lands on: the cache trusts its own files as SQLite trusts the database's pages.
+Why no checksum of the files: ``column_segments.py`` (the files, shared with ``pg_cache.py``). CRC-32 over
+every file cost a full read and a copy of every column (0.43 s and the columns' size again in memory at
+1M turns); the files are mapped read-only, and the pages the analysis touches are the only ones read.
 
 A directory that cannot be written (read-only database directory) means no cache, never an error. What
 the counter cannot see: another program's ``INSERT OR REPLACE`` of an existing row on a connection
@@ -52,14 +48,9 @@ database restored in place with as many rows and the same counter: delete ``DB.c
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
-import shutil
 import sqlite3
-import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,14 +61,14 @@ import numpy as np
 
 from specproxy.store import column_reader
 from specproxy.store.column_reader import Unsupported, read_native, read_reference
-from specproxy.store.pages import map_column
+from specproxy.store.column_segments import (FORMAT, Invalid, Table, coded, load_segment, merge, read_manifest,
+                                             write_manifest, write_segment)
 from specproxy.store.turns import decode
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
 
 log = logging.getLogger("specproxy.cache")
 
-FORMAT = 2
 # text columns with few distinct values: stored as codes into a dictionary ("id" is not cached)
 CACHED_TEXT = ("outcome", "label", "instance_id", "tokenizer", "content_class", "path", "api", "client", "session",
                "prefix_break_part", "turn_diff", "tool_names", "model", "tenant", "proxy_name")
@@ -97,19 +88,6 @@ class Columns:
     codes: dict[str, tuple[np.ndarray, list]]
 
 
-@dataclass(frozen=True)
-class Table:
-    """One cached table: ``rowid`` (int64), ``numeric`` columns (float64, NULL as NaN) and ``text`` columns
-    (int32 codes into a dictionary per segment, -1 for NULL)."""
-
-    name: str
-    numeric: tuple[str, ...]
-    text: tuple[str, ...]
-
-    def dtype(self, column: str) -> np.dtype:
-        return np.dtype(np.int64 if column == "rowid" else np.int32 if column in self.text else np.float64)
-
-
 def _turns(numeric: tuple[str, ...]) -> Table:
     return Table("turns", numeric, CACHED_TEXT)
 
@@ -125,10 +103,6 @@ def db_file(conn: sqlite3.Connection) -> Path | None:
         if name == "main":
             return Path(path) if path else None
     return None
-
-
-class _Invalid(Exception):
-    """The cache cannot vouch for these rows: rebuild it (or read SQLite)."""
 
 
 class _NoCounter(Exception):
@@ -172,50 +146,6 @@ def _key(conn: sqlite3.Connection, db: Path, table: Table) -> dict:
     }
 
 
-# --- files ------------------------------------------------------------------------------------------
-
-
-def _save(path: Path, arr: np.ndarray) -> int:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    data = buf.getvalue()
-    with open(path, "wb") as f:
-        f.write(data)
-    return len(data)
-
-
-def _load(path: Path, size: int, rows: int, dtype: np.dtype) -> np.ndarray:
-    """One column file mapped read-only (no copy), its size and header checked against the manifest and
-    the segment's row count."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != size:
-            raise _Invalid(f"{path.name}: size changed")
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, got = np.lib.format.read_array_header_1_0(f)
-        else:
-            shape, fortran, got = np.lib.format.read_array_header_2_0(f)
-        offset = f.tell()
-        if shape != (rows,) or got != dtype or offset + rows * dtype.itemsize != size:
-            raise _Invalid(f"{path.name}: shape")
-        if not rows:
-            return np.empty(0, dtype)
-        return map_column(f, rows, dtype, offset)
-
-
-def _read_manifest(cdir: Path) -> dict[str, dict]:
-    """The manifest's entry per table ({} when there is none, or one of another format)."""
-    try:
-        with open(cdir / "manifest.json", "rb") as f:
-            m = json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tables"), dict):
-        return {}
-    return {name: t for name, t in m["tables"].items()
-            if isinstance(t, dict) and isinstance(t.get("segments"), list)}
-
-
 # --- reading rows from SQLite -------------------------------------------------------------------------
 
 
@@ -243,7 +173,7 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
             if all(g == edits for g, _ in got):
                 loaded = [dict(zip(names, arrays)) for _, (arrays, _) in got]
                 segs = [{"dicts": dict(zip(names, dicts))} for _, (_, dicts) in got]
-                return _merge(table.text, segs, loaded)
+                return merge(table.text, segs, loaded)
             log.info("column cache of %s: %s changed while read; read again on one connection", db, table.name)
         except (Unsupported, RuntimeError) as exc:
             log.info("column cache of %s: the C reader cannot read %s (%s); the sqlite3 module reads it",
@@ -266,60 +196,6 @@ def _workers() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-# --- segments ---------------------------------------------------------------------------------------
-
-
-def _write_segment(cdir: Path, arrays: dict[str, np.ndarray], dicts: dict) -> dict:
-    tmp = cdir / f"tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        files = {name: _save(tmp / f"{name}.npy", arr) for name, arr in arrays.items()}
-        final = cdir / f"seg-{uuid.uuid4().hex}"
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    rowid = arrays["rowid"]
-    return {"dir": final.name, "rows": len(rowid), "max_rowid": int(rowid[-1]) if len(rowid) else None,
-            "files": files, "dicts": dicts}
-
-
-def _load_segment(cdir: Path, table: Table, seg: dict, names: set[str]) -> dict[str, np.ndarray]:
-    d = cdir / seg["dir"]
-    if not seg["dir"].startswith("seg-") or "/" in seg["dir"]:
-        raise _Invalid("segment name")
-    return {name: _load(d / f"{name}.npy", seg["files"][name], seg["rows"], table.dtype(name)) for name in names}
-
-
-def _merge(text: tuple[str, ...], segs: list[dict],
-           loaded: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict]:
-    """Segments (all their files loaded) as one: arrays concatenated, text codes onto one dictionary."""
-    if len(loaded) == 1:  # one segment: its arrays and dictionaries as they are
-        return dict(loaded[0]), {n: list(segs[0]["dicts"][n]) for n in loaded[0] if n in text}
-    out: dict[str, np.ndarray] = {}
-    dicts: dict[str, list] = {}
-    for name in loaded[0]:
-        if name not in text:
-            out[name] = np.concatenate([a[name] for a in loaded])
-            continue
-        merged: dict = {}
-        parts = []
-        for seg, a in zip(segs, loaded):
-            remap = np.array([merged.setdefault(v, len(merged)) for v in seg["dicts"][name]], dtype=np.int32)
-            codes = a[name]
-            parts.append(np.where(codes < 0, -1, remap[np.maximum(codes, 0)] if len(remap) else -1).astype(np.int32))
-        out[name] = np.concatenate(parts)
-        dicts[name] = list(merged)
-    return out, dicts
-
-
-def _coded(codes: np.ndarray, values: list) -> tuple[np.ndarray, list]:
-    """A text column's codes and values, once every code is -1 (NULL) or an index of ``values``."""
-    if len(codes) and (codes.min() < -1 or codes.max() >= len(values)):
-        raise _Invalid("text code out of range")
-    return codes, values
-
-
 # --- the checks ----------------------------------------------------------------------------------
 
 
@@ -331,16 +207,16 @@ def _same(sql_value, cached: float) -> bool:
 
 def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray], dicts: dict,
            max_rowid: int) -> None:
-    """Raise _Invalid unless the database still holds the cached rows up to ``max_rowid`` (the edit
+    """Raise Invalid unless the database still holds the cached rows up to ``max_rowid`` (the edit
     counter in the key vouches for the rows not sampled here)."""
     rowid = arrays["rowid"]
     if len(rowid) > 1 and not np.all(rowid[1:] > rowid[:-1]):
-        raise _Invalid("rowids not ascending")
+        raise Invalid("rowids not ascending")
     if not len(rowid) or int(rowid[-1]) != max_rowid:
-        raise _Invalid("the last rowid is not the manifest's")
+        raise Invalid("the last rowid is not the manifest's")
     top = _one(conn, f"SELECT max(rowid) FROM {table.name}")
     if top is None or top < max_rowid:
-        raise _Invalid("rows above the database's last")
+        raise Invalid("rows above the database's last")
     # the first, the last and a few random rows, in every loaded column
     rng = np.random.default_rng()
     pos = sorted({0, len(rowid) - 1, *rng.integers(0, len(rowid), SAMPLED_ROWS).tolist()})
@@ -349,7 +225,7 @@ def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray]
         f"SELECT rowid, {', '.join(names)} FROM {table.name} WHERE rowid IN ({', '.join('?' * len(pos))})",
         [int(rowid[p]) for p in pos]).fetchall()
     if len(got) != len(pos):
-        raise _Invalid("a sampled row is missing")
+        raise Invalid("a sampled row is missing")
     at = {int(rowid[p]): int(p) for p in pos}
     for r in got:
         p = at[r[0]]
@@ -357,9 +233,9 @@ def _check(conn: sqlite3.Connection, table: Table, arrays: dict[str, np.ndarray]
             if name in table.text:
                 code = int(arrays[name][p])
                 if not -1 <= code < len(dicts[name]) or r[1 + i] != (None if code < 0 else dicts[name][code]):
-                    raise _Invalid(f"a sampled row differs in {name}")
+                    raise Invalid(f"a sampled row differs in {name}")
             elif not _same(r[1 + i], arrays[name][p]):
-                raise _Invalid(f"a sampled row differs in {name}")
+                raise Invalid(f"a sampled row differs in {name}")
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -411,7 +287,7 @@ def _load_columns(conn, db, cdir, numeric, want_num, want_txt) -> tuple[Columns,
     names = ["rowid", "t_wall", "label", *[n for n in want_num if n != "t_wall"], *[t for t in want_txt if t != "label"]]
     old, old_dicts, status = _load_table(conn, db, cdir, _turns(numeric), names)
     cols = Columns(rowid=old["rowid"], num={n: old[n] for n in names[1:] if n not in CACHED_TEXT},
-                   codes={n: _coded(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
+                   codes={n: coded(old[n], old_dicts[n]) for n in names[1:] if n in CACHED_TEXT})
     return cols, status
 
 
@@ -427,7 +303,7 @@ def load_rows(conn: sqlite3.Connection, table: Table,
         arrays, dicts, status = _load_table(conn, db, cdir, table, ["rowid", *table.numeric, *table.text])
         idx = pick({n: arrays[n] for n in table.numeric})
         return ({n: arrays[n][idx] for n in table.numeric},
-                {n: decode(*_coded(arrays[n][idx], dicts[n])) for n in table.text}), status
+                {n: decode(*coded(arrays[n][idx], dicts[n])) for n in table.text}), status
 
     got, last_rows_status = _serve(conn, read)
     return got
@@ -439,7 +315,7 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
     the cache checked and brought up to date (and saved when it can be), and what was done: hit, append,
     build."""
     key = _key(conn, db, table)
-    entry = _read_manifest(cdir).get(table.name)
+    entry = read_manifest(cdir).get(table.name)
     segs: list[dict] = []
     old: dict[str, np.ndarray] | None = None
     old_dicts: dict = {}
@@ -447,12 +323,12 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
     if entry is not None and entry.get("key") == key:
         try:
             segs = entry["segments"]
-            loaded = [_load_segment(cdir, table, s, set(names)) for s in segs]
+            loaded = [load_segment(cdir, table, s, set(names)) for s in segs]
             if segs:
-                old, old_dicts = _merge(table.text, segs, loaded)
+                old, old_dicts = merge(table.text, segs, loaded)
                 max_rowid = max(s["max_rowid"] for s in segs)
                 _check(conn, table, old, old_dicts, max_rowid)
-        except (_Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
+        except (Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
             log.info("column cache of %s (%s) rebuilt: %s", db, table.name, exc)
             segs, old, old_dicts, max_rowid = [], None, {}, None
     new, new_dicts = _fetch(conn, db, table, max_rowid if max_rowid is not None else -(2**63), key["edits"])
@@ -467,11 +343,11 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
             status += " (not saved)"
         part = {n: new[n] for n in names}
         if old is None:
-            old, old_dicts = _merge(table.text, [{"dicts": new_dicts}], [part])
+            old, old_dicts = merge(table.text, [{"dicts": new_dicts}], [part])
         else:
-            old, old_dicts = _merge(table.text, [{"dicts": old_dicts}, {"dicts": new_dicts}], [old, part])
+            old, old_dicts = merge(table.text, [{"dicts": old_dicts}, {"dicts": new_dicts}], [old, part])
     elif old is None:  # no rows at all
-        old, old_dicts = _merge(table.text, [{"dicts": new_dicts}], [{n: new[n] for n in names}])
+        old, old_dicts = merge(table.text, [{"dicts": new_dicts}], [{n: new[n] for n in names}])
     return old, old_dicts, status
 
 
@@ -481,29 +357,9 @@ def _persist(cdir: Path, table: Table, key: dict, segs: list[dict], new: dict[st
     the other tables' entries as the manifest holds them now."""
     cdir.mkdir(exist_ok=True)
     if len(segs) + 1 > MAX_SEGMENTS:
-        everything = [_load_segment(cdir, table, s, set(new)) for s in segs]
-        merged, dicts = _merge(table.text, [*segs, {"dicts": new_dicts}], [*everything, new])
-        segs = [_write_segment(cdir, merged, dicts)]
+        everything = [load_segment(cdir, table, s, set(new)) for s in segs]
+        merged, dicts = merge(table.text, [*segs, {"dicts": new_dicts}], [*everything, new])
+        segs = [write_segment(cdir, merged, dicts)]
     else:
-        segs = [*segs, _write_segment(cdir, new, new_dicts)]
-    tables = {**_read_manifest(cdir), table.name: {"key": key, "segments": segs}}
-    tmp = cdir / f"tmp-manifest-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.write_text(json.dumps({"format": FORMAT, "tables": tables}))
-    os.replace(tmp, cdir / "manifest.json")
-    keep = {s.get("dir") for t in tables.values() for s in t["segments"] if isinstance(s, dict)}
-    _clean(cdir, keep, previous)
-
-
-def _clean(cdir: Path, keep: set[str], previous: set) -> None:
-    """Remove the segments the manifest no longer refers to, other unreferenced segments unless they
-    are very new (another process may be about to refer to them), and what crashed writers left."""
-    now = time.time()
-    for p in cdir.iterdir():
-        try:
-            age = now - p.stat().st_mtime
-            if p.name.startswith("seg-") and p.name not in keep and (p.name in previous or age > 10):
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.name.startswith("tmp-") and age > 3600:
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
-        except OSError:
-            pass
+        segs = [*segs, write_segment(cdir, new, new_dicts)]
+    write_manifest(cdir, table.name, {"key": key, "segments": segs}, previous)

@@ -21,7 +21,7 @@ from specproxy.errors import ConfigError
 from specproxy.store.db import connect
 from specproxy.store.turns import Turns
 
-__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "where_clause"]
+__all__ = ["NUMERIC", "Turns", "busy_seconds", "load_turns", "parse_time", "select_columns", "where_clause"]
 
 NUMERIC = (
     "t_wall",
@@ -121,7 +121,7 @@ def load_turns(
             found = load_columns(conn, NUMERIC, tuple(dict.fromkeys((*want_num, "measured"))),
                                  tuple(dict.fromkeys(want_txt + filters)))
             if found is not None:
-                return _select(found, want_num, want_txt, label=label, since=since, until=until, path=path,
+                return select_columns(found, want_num, want_txt, label=label, since=since, until=until, path=path,
                                counts=counts)
         return _load_sql(conn, want_num, want_txt, label=label, since=since, until=until, path=path)
     finally:
@@ -145,9 +145,10 @@ def _load_sql(conn: sqlite3.Connection, want_num: tuple[str, ...], want_txt: tup
     return Turns(num, txt)
 
 
-def _select(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *, label: str | None,
+def select_columns(found: Any, want_num: tuple[str, ...], want_txt: tuple[str, ...], *, label: str | None,
             since: float | None, until: float | None, path: str | None, counts: dict[str, int] | None = None) -> Turns:
-    """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first).
+    """The SQL path's WHERE and ORDER BY t_wall, rowid, on columns in rowid order (NULL t_wall first): the
+    SQLite cache's columns, and the PostgreSQL cache's (already in ``(t_wall, seq)`` order: kept as is).
     The result holds the found columns and the selected positions: a column is copied only when read."""
     t = found.num["t_wall"]
     measured = found.num["measured"] != 0  # NULL (NaN) is a row from before unmeasured rows: measured

@@ -17,6 +17,11 @@ they load as the same 0/1 floats), ``scrapes`` of every proxy, ``turn_counters``
 took them (``seq``, migration ``002_counters_seq``). A URL with a password is refused by the sink's rule
 (``config.check_sink_url``); the password comes from ``PGPASSWORD`` or ``.pgpass``. A database no proxy
 has shipped to yet (no tables) reads as empty, as an SQLite file's missing table does.
+
+With ``cache``, the turns come from the columnar cache in the user's cache directory (``pg_cache.py``:
+checked day partition by day partition against the database on every load, a changed day read again),
+filtered as the SQLite cache's are (``dataset.select_columns``): the same columns, values and order as
+the SQL read here (tests/integration/test_pg_cache.py).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import psycopg
 
 from specproxy.config import check_sink_url
 from specproxy.errors import ConfigError
-from specproxy.store.dataset import NUMERIC, TEXT, Turns
+from specproxy.store import pg_cache
+from specproxy.store.dataset import NUMERIC, TEXT, Turns, select_columns
 from specproxy.store.sinks.postgres import CONNECT_TIMEOUT_S, one_line
 from specproxy.store.source import SCRAPE_FIELDS, LoneJoins, Scrapes, Source, Window
 
@@ -55,11 +61,14 @@ _OK_SCRAPE = "error IS NULL AND server_kind IS NOT NULL"
 
 
 class PgSource(Source):
-    """``url``: ``postgresql://USER@HOST[:PORT]/DB``; connects at once (one line if it cannot)."""
+    """``url``: ``postgresql://USER@HOST[:PORT]/DB``; connects at once (one line if it cannot). ``cache``:
+    read the turns through the columnar cache (``pg_cache.py``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, cache: bool = False) -> None:
         check_sink_url(url)
         self.url = url
+        self.cache = cache
+        self._unmeasured: dict[Window, int] = {}  # counted from the cached columns of a window loaded
         try:
             self.conn = psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True,
                                         application_name="specproxy-read")
@@ -103,6 +112,15 @@ class PgSource(Source):
             raise ValueError(f"unknown turn columns: {unknown}")
         want_num = tuple(c for c in NUMERIC if c in cols or c == "t_wall")
         want_txt = tuple(c for c in TEXT if c in cols)
+        if self.cache and "turns" in self.tables:
+            filters = ("label",) * (window.label is not None)
+            found = pg_cache.load_columns(self.conn, tuple(dict.fromkeys((*want_num, "measured"))),
+                                          tuple(dict.fromkeys(want_txt + filters)), window.since, window.until)
+            if found is not None:
+                counts: dict[str, int] = {}
+                turns = select_columns(found, want_num, want_txt, **window.as_dict(), path=None, counts=counts)
+                self._unmeasured[window] = counts["unmeasured"]
+                return turns
         if "turns" not in self.tables:
             rows: list[tuple] = []
         else:
@@ -148,6 +166,9 @@ class PgSource(Source):
         return LoneJoins(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
 
     def unmeasured(self, window: Window) -> int:
+        """From the cached columns when the window's turns came from them, else one count in SQL."""
+        if window in self._unmeasured:
+            return self._unmeasured[window]
         if "turns" not in self.tables:
             return 0
         where, params = _where(window, measured_only=False)

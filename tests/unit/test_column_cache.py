@@ -19,7 +19,7 @@ import pytest
 
 from specproxy.store.source import Window
 from specproxy.store.sqlite_source import SQLiteSource
-from specproxy.store import column_cache
+from specproxy.store import column_cache, column_segments
 from specproxy.analyze.compare import COMPARE_COLUMNS, Arm, compare, negative_control_report
 from specproxy.store.dataset import NUMERIC, TEXT, load_turns
 from specproxy.store import rows
@@ -338,7 +338,7 @@ def test_crashed_writer_leaves_nothing_that_counts(db, monkeypatch):
     assert_same(db, expect="build")
     write_turns(db, 50, seed=5)
     calls = {"n": 0}
-    real = column_cache._save
+    real = column_segments._save
 
     def dying(path, arr):
         calls["n"] += 1
@@ -346,7 +346,7 @@ def test_crashed_writer_leaves_nothing_that_counts(db, monkeypatch):
             raise KeyboardInterrupt  # the process is killed mid-write
         return real(path, arr)
 
-    monkeypatch.setattr(column_cache, "_save", dying)
+    monkeypatch.setattr(column_segments, "_save", dying)
     with pytest.raises(KeyboardInterrupt):
         report_json(db, True)
     monkeypatch.undo()
@@ -369,7 +369,7 @@ def test_read_only_directory_still_reports(db, monkeypatch):
 
     assert_same(db, expect="build")
     write_turns(db, 20, seed=6)
-    monkeypatch.setattr(column_cache, "_write_segment", refuse)
+    monkeypatch.setattr(column_cache, "write_segment", refuse)
     assert_same(db, expect="append (not saved)")
     monkeypatch.undo()
     assert_same(db, expect="append")

@@ -78,4 +78,31 @@ PG_MIGRATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("005_prompt_block_digests", (
         "ALTER TABLE turns ADD COLUMN prompt_block_digests TEXT",
     )),
+    # what the read side's column cache (store/pg_cache.py) is checked by: per UTC day (a partition), how
+    # many statements have changed its turns, counted in the same transaction as the change, so a day
+    # whose count is the cached one holds the cached rows (one statement-level trigger per batch shipped)
+    ("006_turn_days", (
+        "CREATE TABLE turn_days (day BIGINT PRIMARY KEY, changes BIGINT NOT NULL)",
+        """CREATE FUNCTION specproxy_turn_days() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE days BIGINT[];
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        days := ARRAY(SELECT DISTINCT floor(t_wall / 86400)::BIGINT FROM new_rows);
+    ELSIF TG_OP = 'DELETE' THEN
+        days := ARRAY(SELECT DISTINCT floor(t_wall / 86400)::BIGINT FROM old_rows);
+    ELSE
+        days := ARRAY(SELECT DISTINCT floor(t_wall / 86400)::BIGINT FROM
+                      (SELECT t_wall FROM old_rows UNION ALL SELECT t_wall FROM new_rows) x);
+    END IF;
+    INSERT INTO turn_days (day, changes) SELECT d, 1 FROM unnest(days) d ORDER BY d
+        ON CONFLICT (day) DO UPDATE SET changes = turn_days.changes + 1;
+    RETURN NULL;
+END $$""",
+        "CREATE TRIGGER turn_days_insert AFTER INSERT ON turns REFERENCING NEW TABLE AS new_rows "
+        "FOR EACH STATEMENT EXECUTE FUNCTION specproxy_turn_days()",
+        "CREATE TRIGGER turn_days_delete AFTER DELETE ON turns REFERENCING OLD TABLE AS old_rows "
+        "FOR EACH STATEMENT EXECUTE FUNCTION specproxy_turn_days()",
+        "CREATE TRIGGER turn_days_update AFTER UPDATE ON turns REFERENCING OLD TABLE AS old_rows NEW TABLE AS "
+        "new_rows FOR EACH STATEMENT EXECUTE FUNCTION specproxy_turn_days()",
+    )),
 ]

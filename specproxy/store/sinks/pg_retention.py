@@ -16,10 +16,10 @@ from psycopg import sql
 from specproxy.store.sinks import SinkError
 from specproxy.store.sinks.postgres import DAY_S, connect, one_line
 
-__all__ = ["prune_postgres"]
+__all__ = ["day_of", "prune_postgres"]
 
 
-def _day_of(partition: str) -> int | None:
+def day_of(partition: str) -> int | None:
     """The UTC day number of a ``turns_YYYYMMDD`` partition (None for another name)."""
     try:
         day = datetime.datetime.strptime(partition.removeprefix("turns_"), "%Y%m%d").replace(tzinfo=datetime.UTC)
@@ -41,7 +41,7 @@ def prune_postgres(url: str, before: float, *, turns: bool) -> dict[str, int]:
                 "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
                 "WHERE i.inhparent = 'turns'::regclass ORDER BY c.relname")]
             for name in names:
-                day = _day_of(name)
+                day = day_of(name)
                 if day is None or (day + 1) * DAY_S > before:
                     continue
                 part = sql.Identifier(name)
