@@ -87,6 +87,10 @@ def schema_md() -> str:
             "| `turn_counters` | the local `turn_counters` rows (a lone turn's counter deltas), keyed by `turn_id`; `seq` numbers "
             "them in the order the database took them (migration `002_counters_seq`) |",
             "| `proxies` | `proxy_name`, the `store_id` that ships under it, `first_seen`, `last_seen` |",
+            "| `turn_days` | per UTC day (`day`: `t_wall` // 86400), `changes`: how many INSERT, DELETE or UPDATE statements "
+            "on `turns` touched that day, counted by statement-level triggers in the statement's transaction (migration "
+            "`006_turn_days`); what the read side's column cache checks a day's segment by (`store/pg_cache.py`, report.md "
+            "\"Over a fleet's PostgreSQL\") |",
             "| `specproxy_migrations` | the PostgreSQL migrations applied (`name`, `applied_at`) |"]
     return "\n".join(out) + "\n"
 
