@@ -48,9 +48,12 @@ database restored in place with as many rows and the same counter: delete ``DB.c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
 import sqlite3
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,7 +65,7 @@ import numpy as np
 from specproxy.store import column_reader
 from specproxy.store.column_reader import Unsupported, read_native, read_reference
 from specproxy.store.column_segments import (FORMAT, Invalid, Table, coded, load_segment, merge, read_manifest,
-                                             write_manifest, write_segment)
+                                             write_manifest, write_merged, write_segment)
 from specproxy.store.turns import decode
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
@@ -76,6 +79,9 @@ MAX_SEGMENTS = 8
 SAMPLED_ROWS = 16
 # a cold build of at least this many rows is read on every CPU (two here), in consecutive rowid ranges
 _SPLIT_ROWS = 200_000
+# ... of rowid ranges of at most this many rowids each, every one written as a segment as soon as it is read
+# (then merged on disk a column at a time): a month's build holds two of them in memory, not the table
+_CHUNK_ROWS = 1_000_000
 
 
 @dataclass
@@ -179,6 +185,67 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
             log.info("column cache of %s: the C reader cannot read %s (%s); the sqlite3 module reads it",
                      db, table.name, exc)
     return _columns(names, kinds, read_reference(conn, sql, (after, hi), kinds))
+
+
+def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table, after: int, key: dict,
+                     segs: list[dict], previous: set) -> list[dict] | None:
+    """Many new rows (at least ``_SPLIT_ROWS``): read by the C reader in rowid ranges of ``_CHUNK_ROWS``, two
+    at once, each range written as a segment as soon as it is read and let go of; then, when the table's
+    segments are more than one for a build or more than ``MAX_SEGMENTS``, merged on disk into one a column
+    at a time; the manifest written. The table's segments now, or None when this does not apply (few rows,
+    no C reader, a directory that cannot be written) or a range saw another edit count than ``key``'s or
+    the reader refused a value: the caller then reads the rows in memory (``_fetch``), as for few rows.
+
+    Why: read whole, a month's build held every column of every turn at once, twice while the two CPUs'
+    halves were joined (5.8 GB at 10M turns); this holds two ranges, and then one column."""
+    if not column_reader.NATIVE:
+        return None
+    lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
+    if lo is None or hi - lo < _SPLIT_ROWS:
+        return None
+    try:
+        cdir.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    names = ("rowid", *table.numeric, *table.text)
+    kinds = "i" + "f" * len(table.numeric) + "t" * len(table.text)
+    sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
+    guard = f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
+    ranges = iter(_ranges(lo - 1, hi, -(-(hi - lo + 1) // _CHUNK_ROWS)))
+    written: list[dict] = []
+    try:
+        with ThreadPoolExecutor(_workers()) as pool:
+            reading = deque(pool.submit(read_native, db, sql, r, kinds, guard)
+                            for r in itertools.islice(ranges, _workers()))
+            while reading:
+                edits, (arrays, dicts) = reading.popleft().result()
+                if edits != key["edits"]:
+                    raise _Changed
+                nxt = next(ranges, None)
+                if nxt is not None:
+                    reading.append(pool.submit(read_native, db, sql, nxt, kinds, guard))
+                if len(arrays[0]):
+                    written.append(write_segment(cdir, dict(zip(names, arrays)),
+                                                 {n: d for n, d, k in zip(names, dicts, kinds) if k == "t"}))
+                del arrays, dicts
+        if not written:
+            return None
+        every = [*segs, *written]
+        if len(every) > MAX_SEGMENTS or (not segs and len(every) > 1):
+            every = [write_merged(cdir, table, every)]
+        write_manifest(cdir, table.name, {"key": key, "segments": every},
+                       previous | {s["dir"] for s in written})
+        return every
+    except (_Changed, Unsupported, RuntimeError, OSError) as exc:
+        log.info("column cache of %s: %s not built in ranges (%s); read whole", db, table.name,
+                 type(exc).__name__ if isinstance(exc, _Changed) else exc)
+        for s in written:
+            shutil.rmtree(cdir / s["dir"], ignore_errors=True)
+        return None
+
+
+class _Changed(Exception):
+    """A range was read in another state of the table than the key's: the rows are read again whole."""
 
 
 def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list]) -> tuple[dict[str, np.ndarray], dict]:
@@ -331,12 +398,19 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
         except (Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
             log.info("column cache of %s (%s) rebuilt: %s", db, table.name, exc)
             segs, old, old_dicts, max_rowid = [], None, {}, None
-    new, new_dicts = _fetch(conn, db, table, max_rowid if max_rowid is not None else -(2**63), key["edits"])
+    after = max_rowid if max_rowid is not None else -(2**63)
+    previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
+    built = _build_in_chunks(conn, db, cdir, table, after, key, segs, previous)
+    if built is not None:
+        segs = built
+        loaded = [load_segment(cdir, table, s, set(names)) for s in segs]
+        old, old_dicts = merge(table.text, segs, loaded)
+        return old, old_dicts, "append" if max_rowid is not None else "build"
+    new, new_dicts = _fetch(conn, db, table, after, key["edits"])
     status = "hit" if segs else "build"
     if len(new["rowid"]):
         status = "append" if segs else "build"
         try:
-            previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
             _persist(cdir, table, key, segs, new, new_dicts, previous)
         except OSError as exc:  # read-only directory, disk full: no cache, no error
             log.debug("column cache of %s not written: %s", db, exc)

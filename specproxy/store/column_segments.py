@@ -36,7 +36,7 @@ import numpy as np
 from specproxy.store.pages import map_column
 
 __all__ = ["FORMAT", "Invalid", "Table", "coded", "load_segment", "merge", "read_manifest", "write_manifest",
-           "write_segment"]
+           "write_merged", "write_segment"]
 
 FORMAT = 2
 
@@ -132,18 +132,50 @@ def merge(text: tuple[str, ...], segs: list[dict],
     out: dict[str, np.ndarray] = {}
     dicts: dict[str, list] = {}
     for name in loaded[0]:
-        if name not in text:
-            out[name] = np.concatenate([a[name] for a in loaded])
-            continue
-        merged: dict = {}
-        parts = []
-        for seg, a in zip(segs, loaded):
-            remap = np.array([merged.setdefault(v, len(merged)) for v in seg["dicts"][name]], dtype=np.int32)
-            codes = a[name]
-            parts.append(np.where(codes < 0, -1, remap[np.maximum(codes, 0)] if len(remap) else -1).astype(np.int32))
-        out[name] = np.concatenate(parts)
-        dicts[name] = list(merged)
+        out[name], values = _merge_column(name, text, segs, loaded)
+        if values is not None:
+            dicts[name] = values
     return out, dicts
+
+
+def _merge_column(name: str, text: tuple[str, ...], segs: list[dict],
+                  loaded: list[dict[str, np.ndarray]]) -> tuple[np.ndarray, list | None]:
+    """One column of several segments as one: concatenated; a text column's codes onto one dictionary
+    (its values in order of first appearance across the segments), returned beside it."""
+    if name not in text:
+        return np.concatenate([a[name] for a in loaded]), None
+    merged: dict = {}
+    parts = []
+    for seg, a in zip(segs, loaded):
+        remap = np.array([merged.setdefault(v, len(merged)) for v in seg["dicts"][name]], dtype=np.int32)
+        codes = a[name]
+        parts.append(np.where(codes < 0, -1, remap[np.maximum(codes, 0)] if len(remap) else -1).astype(np.int32))
+    return np.concatenate(parts), list(merged)
+
+
+def write_merged(cdir: Path, table: Table, segs: list[dict]) -> dict:
+    """``segs`` (in rowid order) as one new segment directory, written a column at a time, so that a
+    month's cold build holds one column in memory rather than the table; its manifest entry."""
+    tmp = cdir / f"tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    files: dict[str, int] = {}
+    dicts: dict[str, list] = {}
+    try:
+        for name in segs[0]["files"]:
+            loaded = [load_segment(cdir, table, seg, {name}) for seg in segs]
+            column, values = _merge_column(name, table.text, segs, loaded)
+            files[name] = _save(tmp / f"{name}.npy", column)
+            if values is not None:
+                dicts[name] = values
+            del loaded, column  # the mapped parts and the merged copy: one column at a time
+        final = cdir / f"seg-{uuid.uuid4().hex}"
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tops = [seg["max_rowid"] for seg in segs if seg["max_rowid"] is not None]
+    return {"dir": final.name, "rows": sum(seg["rows"] for seg in segs), "max_rowid": max(tops) if tops else None,
+            "files": files, "dicts": dicts}
 
 
 def coded(codes: np.ndarray, values: list) -> tuple[np.ndarray, list]:

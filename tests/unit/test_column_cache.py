@@ -417,3 +417,58 @@ def test_compare_from_the_cache_equals_sqlite(db):
         finally:
             conn.close()
         assert orjson.dumps(got, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@pytest.fixture
+def in_ranges(monkeypatch):
+    """A build or append of a few hundred rows read as a month's is: in ranges of 37 rowids, each written as
+    a segment as it is read, merged on disk a column at a time."""
+    if not column_cache.column_reader.NATIVE:
+        pytest.skip("the ranges are read by the C reader")
+    monkeypatch.setattr(column_cache, "_SPLIT_ROWS", 10)
+    monkeypatch.setattr(column_cache, "_CHUNK_ROWS", 37)
+
+
+def _segment_dirs(db: Path) -> set[str]:
+    return {p.name for p in column_cache.cache_dir(db).iterdir() if p.name.startswith("seg-")}
+
+
+def test_a_build_in_ranges_is_one_segment_and_the_same_turns(db, in_ranges, monkeypatch):
+    reads = []
+    native = column_cache.read_native
+    monkeypatch.setattr(column_cache, "read_native", lambda *a: reads.append(a[2]) or native(*a))
+    assert_same(db, expect="build")
+    assert len(reads) >= 10  # 400 rows in ranges of 37 rowids
+    segments = _manifest(db)["turns"]["segments"]
+    assert len(segments) == 1 and segments[0]["rows"] == 400
+    assert _segment_dirs(db) == {segments[0]["dir"]}  # the ranges' own segments are gone
+    assert_turns_equal(db)
+    write_turns(db, 150, seed=2, t0=1_790_000_500.0)  # an append of more than _SPLIT_ROWS: in ranges too
+    assert_same(db, expect="append")
+    assert 1 < len(_manifest(db)["turns"]["segments"]) <= column_cache.MAX_SEGMENTS
+    assert_turns_equal(db)
+    for seed in range(3, 6):  # past MAX_SEGMENTS: all merged on disk into one
+        write_turns(db, 150, seed=seed, t0=1_790_002_000.0 + seed)
+        assert_same(db, expect="append")
+    assert len(_manifest(db)["turns"]["segments"]) <= column_cache.MAX_SEGMENTS
+    assert_same(db, expect="hit")
+    assert_turns_equal(db)
+
+
+def test_a_range_read_in_another_state_is_read_again_whole(db, in_ranges, monkeypatch):
+    """The edit counter a range saw is not the key's (an edit between the reads): no segment of the ranges
+    is kept, and the rows are read whole on the checking connection, as for a small build."""
+    native = column_cache.read_native
+    calls = []
+
+    def edited_meanwhile(*a):
+        calls.append(1)
+        edits, got = native(*a)
+        return (edits + 1 if len(calls) == 3 else edits), got
+
+    monkeypatch.setattr(column_cache, "read_native", edited_meanwhile)
+    assert_same(db, expect="build")
+    assert len(calls) >= 3
+    segments = _manifest(db)["turns"]["segments"]
+    assert len(segments) == 1 and _segment_dirs(db) == {segments[0]["dir"]}
+    assert_turns_equal(db)
