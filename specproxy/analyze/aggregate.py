@@ -57,7 +57,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, take_last
 from specproxy.analyze.instances import instance_parts, unknown_instances_warning
 from specproxy.analyze.resample import boot_instance_ratio, log_var
 from specproxy.analyze.stats import MIN_REQUESTS, Ratio, combine, no_interval
@@ -245,9 +245,9 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
             "effective_a": eff_a, "effective_b": eff_b, "method_a": ca[2], "method_b": cb[2]}
 
 
-def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = None,
-                    clusters_b: Sequence[Any] | None = None, lanes_a: Sequence[Any] | None = None,
-                    lanes_b: Sequence[Any] | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
+def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | None = None,
+                    clusters_b: Sequence[Any] | Coded | None = None, lanes_a: Sequence[Any] | Coded | None = None,
+                    lanes_b: Sequence[Any] | Coded | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
                     seed: int = 0, level: float = 0.95) -> Ratio:
     """B/A of aggregate throughput; ``a`` and ``b`` are (tokens, starts, ends) of each arm's
     turns (rows with a missing field are dropped). ``lanes_*``: each turn's lane (any hashable,
@@ -260,7 +260,7 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
         keep = np.isfinite(t) & np.isfinite(s) & np.isfinite(e)
         if (e[keep] < s[keep]).any() or (t[keep] < 0).any():
             raise ValueError("a turn ends before it starts, or has negative tokens")
-        labels = None if clusters is None else np.asarray(list(clusters), dtype=object)[keep]
+        labels = None if clusters is None else coded(clusters)[keep]
         _, lab, uniq = clean_labelled(t[keep], labels)
         arms[name] = (t[keep], busy_shares(s[keep], e[keep]), lab, uniq)
         schedules[name] = (s[keep], e[keep], _lane_codes(lanes, keep))
@@ -311,15 +311,15 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
 
 
-def _lane_codes(lanes: Sequence[Any] | None, keep: np.ndarray) -> np.ndarray | None:
-    """Lane labels of the kept turns as codes 0..k-1; None when not given or unknown for a turn."""
+def _lane_codes(lanes: Sequence[Any] | Coded | None, keep: np.ndarray) -> np.ndarray | None:
+    """Lane labels of the kept turns as codes 0..k-1 in the order they first occur; None when not given or
+    unknown (None) for a kept turn."""
     if lanes is None:
         return None
-    labels = list(lanes)
-    if len(labels) != keep.size:
-        raise ValueError(f"{len(labels)} lane labels for {keep.size} turns")
-    kept = [lane for lane, k in zip(labels, keep) if k]
-    if any(lane is None for lane in kept):
+    lanes = coded(lanes)
+    if len(lanes) != keep.size:
+        raise ValueError(f"{len(lanes)} lane labels for {keep.size} turns")
+    kept = lanes[keep]
+    if None in kept.values and (kept.codes == kept.values.index(None)).any():
         return None
-    codes: dict[Any, int] = {}
-    return np.asarray([codes.setdefault(lane, len(codes)) for lane in kept], dtype=np.int64)
+    return clean_labelled(np.zeros(len(kept)), kept)[1]

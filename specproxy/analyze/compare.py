@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from specproxy.analyze import arrays
+from specproxy.analyze.arrays import Coded
 from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
 from specproxy.store.dataset import Turns, parse_time
+from specproxy.store.turns import NULL
 from specproxy.store.source import Window, WindowData
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
@@ -102,24 +104,33 @@ def _kinds(turns: Turns) -> tuple[Turns, Turns]:
     return turns.select(streamed), turns.select(~streamed)
 
 
-def _instances(clusters: np.ndarray | None) -> set | None:
-    return None if clusters is None else set(clusters)
+def _instances(clusters: Coded | None) -> set | None:
+    return None if clusters is None else clusters.distinct()
 
 
-def _clusters(turns: Turns) -> np.ndarray | None:
-    ids = turns.txt["instance_id"]
-    if not len(ids) or all(i is None for i in ids):
+def _clusters(turns: Turns) -> Coded | None:
+    """Each turn's server instance as a label (its ``instance_id`` as text, "unknown" where NULL), from the
+    column's codes: None when no turn's is known."""
+    codes, values = turns.codes("instance_id")
+    if not len(codes) or not (codes != NULL).any():
         return None
-    return np.array([str(i) if i is not None else "unknown" for i in ids], dtype=object)
+    table: dict[str, int] = {}
+    per_code = np.array([table.setdefault(str(v), len(table)) for v in values]
+                        + [table.setdefault("unknown", len(table))], dtype=np.int64)
+    return Coded(per_code[codes], tuple(table))  # NULL (-1) reads the last entry: "unknown"
 
 
-def _lanes(turns: Turns) -> list | None:
+def _lanes(turns: Turns) -> Coded | None:
     """Each turn's lane: the client connection it came on (``conn_id``), or None for the arm when a
     turn's is unknown (recorded before conn_id): the aggregate's interval then uses the jackknife."""
     ids = turns.num["conn_id"]
     if not len(ids) or np.isnan(ids).all():
         return None
-    return [None if math.isnan(i) else int(i) for i in ids.tolist()]
+    distinct, codes = np.unique(ids, return_inverse=True)  # NaN (unknown) last, once
+    table: dict[Any, int] = {}
+    per_code = np.array([table.setdefault(None if math.isnan(i) else int(i), len(table)) for i in distinct.tolist()],
+                        dtype=np.int64)
+    return Coded(per_code[codes.reshape(-1)], tuple(table))
 
 
 def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, Any]:
@@ -148,7 +159,12 @@ def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int, le
             "a_median": _median(a.num[col]), "b_median": _median(b.num[col]), **r.to_dict()}
 
 
-def _fit_instance_warning(warnings: list[str], ca: np.ndarray | None, cb: np.ndarray | None) -> list[str]:
+def _count(clusters: Coded | None) -> int | None:
+    """How many server instances an arm ran in (None: unknown)."""
+    return None if clusters is None else len(clusters.distinct())
+
+
+def _fit_instance_warning(warnings: list[str], ca: Coded | None, cb: Coded | None) -> list[str]:
     """A row's warnings with the confounding one that fits the arms' instances (the aggregate row
     says "inside one instance" whenever an arm ran in one), each once."""
     fitting = instance_warning(_instances(ca), _instances(cb))
@@ -216,8 +232,7 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
                  "ci_high": agg["ci_high"], "verdict": agg["verdict"], "method": agg["method"],
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
-                 "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
-                 "instances_b": None if cb is None else len(set(cb))})
+                 "n_a": len(ta), "n_b": len(tb), "instances_a": _count(ca), "instances_b": _count(cb)})
     if slo is not None:
         rows.append(_slo_row(slo, data_a, data_b, seed, level))
     arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb), "judged": (ta, tb)}
@@ -225,7 +240,7 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
         _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
             **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
-            "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
+            "instances_a": _count(ca), "instances_b": _count(cb),
             "rows": rows}
 
 
@@ -282,7 +297,7 @@ def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: f
     return {"a": a.name, "b": f"{a.name} (other half)", "level": level, "n_a": len(ta), "n_b": len(ta),
             "negative_control": True,
             **_kind_counts(streamed, whole, "a"),
-            "instances_a": None if ca is None else len(set(ca)), "instances_b": None, "rows": rows}
+            "instances_a": _count(ca), "instances_b": None, "rows": rows}
 
 
 def _median(x: np.ndarray) -> float | None:

@@ -253,7 +253,9 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     warnings += [f"no data in arm {name}" for name, x in (("a", xa), ("b", xb)) if not x.size]
     if warnings:
         return result(verdict=no_interval(warnings[0]))
-    sa, sb = _stat(np.sort(xa), stat), _stat(np.sort(xb), stat)
+    # a quantile is read off a selection (np.quantile partitions), the same values sorted or not; a mean is
+    # summed in sorted order, as the bootstrap over requests reads it
+    sa, sb = (_stat(np.sort(x) if STATS[stat] is None else x, stat) for x in (xa, xb))
     if sa <= 0 or sb <= 0:
         warnings.append(f"{stat} is 0 in an arm: the ratio is undefined")
         return result(verdict=no_interval(f"{stat} is 0 in an arm"))

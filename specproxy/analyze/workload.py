@@ -52,9 +52,16 @@ def _mean(x: np.ndarray) -> float | None:
     return float(x.mean()) if x.size else None
 
 
-def _shares(values: np.ndarray) -> dict[str, float]:
-    names, counts = np.unique(np.array([str(v) for v in values], dtype=object), return_counts=True)
-    return {str(k): float(c) / len(values) for k, c in zip(names, counts)} if len(values) else {}
+def _shares(turns: Turns, column: str) -> dict[str, float]:
+    """Each value's share of the turns (by its text: None is "None"), in the order of the texts: from the
+    column's counts per value, not a text object per turn sorted."""
+    n = len(turns)
+    if not n:
+        return {}
+    counts: dict[str, int] = {}
+    for value, count in turns.counts(column).items():
+        counts[str(value)] = counts.get(str(value), 0) + count
+    return {k: float(counts[k]) / n for k in sorted(counts)}
 
 
 def _token_means(a: Turns, b: Turns, features: tuple[str, ...]) -> list[tuple[str, float | None, float | None]]:
@@ -73,7 +80,7 @@ def differences(a: Turns, b: Turns, features: tuple[str, ...]) -> list[dict[str,
         if ma and mb and max(mb / ma, ma / mb) >= RATIO_LIMIT:
             out.append({"feature": col, "a": ma, "b": mb, "ratio": mb / ma})
     if "api" in features:
-        sa, sb = _shares(a.txt["api"]), _shares(b.txt["api"])
+        sa, sb = _shares(a, "api"), _shares(b, "api")
         diff = max(abs(sa.get(k, 0.0) - sb.get(k, 0.0)) for k in set(sa) | set(sb))
         if diff >= SHARE_LIMIT:
             out.append({"feature": "api", "a": sa, "b": sb, "difference": diff})
