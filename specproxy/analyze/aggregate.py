@@ -57,12 +57,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, stable_argsort, take_last
 from specproxy.analyze.instances import instance_parts, unknown_instances_warning
 from specproxy.analyze.resample import boot_instance_ratio, log_var
 from specproxy.analyze.stats import MIN_REQUESTS, Ratio, combine, no_interval
 
-__all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
+__all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_arms", "aggregate_ratio",
            "aggregate_batch", "effective_turns", "lumpy_reason", "N_REPLAY"]
 
 N_REPLAY = 400  # schedule replays per arm: the SD of a replay variance is ~7% of it
@@ -77,7 +77,7 @@ def busy_shares(starts, ends) -> np.ndarray:
     s, e = np.atleast_2d(np.asarray(starts, float)), np.atleast_2d(np.asarray(ends, float))
     m, n = s.shape
     times = np.concatenate([s, e], axis=1)
-    order = np.argsort(times, axis=1, kind="stable")  # at a tie a start sorts first: a
+    order = stable_argsort(times)  # at a tie a start sorts first: a
     step = np.where(order < n, 1, -1)                 # zero-length turn gets a zero share
     in_flight = np.cumsum(step, axis=1)[:, :-1]  # after each event, before the next
     seg = np.diff(np.take_along_axis(times, order, axis=1), axis=1)
@@ -250,9 +250,21 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | N
                     lanes_b: Sequence[Any] | Coded | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
                     seed: int = 0, level: float = 0.95) -> Ratio:
     """B/A of aggregate throughput; ``a`` and ``b`` are (tokens, starts, ends) of each arm's
-    turns (rows with a missing field are dropped). ``lanes_*``: each turn's lane (any hashable,
-    e.g. the client connection it came on; None where unknown, which leaves the arm's lanes
-    unknown). See the module docstring for the method."""
+    turns (rows with a missing field are dropped). ``clusters_*``: each turn's server instance;
+    ``lanes_*``: each turn's lane (any hashable, e.g. the client connection it came on; None where
+    unknown, which leaves the arm's lanes unknown), either as a sequence or ``Coded``. See the module
+    docstring for the method."""
+    return aggregate_arms(a, b, clusters_a=clusters_a, clusters_b=clusters_b, lanes_a=lanes_a, lanes_b=lanes_b,
+                          n_boot=n_boot, n_replay=n_replay, seed=seed, level=level)[0]
+
+
+def aggregate_arms(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | None = None,
+                   clusters_b: Sequence[Any] | Coded | None = None, lanes_a: Sequence[Any] | Coded | None = None,
+                   lanes_b: Sequence[Any] | Coded | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
+                   seed: int = 0, level: float = 0.95) -> tuple[Ratio, float | None, float | None]:
+    """``aggregate_ratio``, and each arm's aggregate throughput (``busy_throughput`` of its complete turns)
+    from the same busy shares: compare shows all three, and the shares are most of the cost (a sort of
+    every start and end)."""
     check_level(level)
     arms, schedules, warnings = {}, {}, []
     for name, (tokens, starts, ends), clusters, lanes in (("a", a, clusters_a, lanes_a), ("b", b, clusters_b, lanes_b)):
@@ -267,10 +279,11 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | N
     (ta, wa, la, ua), (tb, wb, lb, ub) = arms["a"], arms["b"]
     ka = None if la is None else len(ua)
     kb = None if lb is None else len(ub)
+    values = tuple(float(t.sum() / w.sum()) if t.size and w.sum() > 0 else None for t, w, _, _ in arms.values())
 
     def result(est=None, lo=None, hi=None, verdict="", method=""):
-        return Ratio(est, lo, hi, verdict, int(ta.size), int(tb.size), ka, kb, warnings,
-                     "aggregate", level, method)
+        return (Ratio(est, lo, hi, verdict, int(ta.size), int(tb.size), ka, kb, warnings, "aggregate", level, method),
+                *values)
 
     for name, (t, w, _, _) in arms.items():
         if t.size < MIN_REQUESTS:

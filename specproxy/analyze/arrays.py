@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["BOOT_CHUNK", "Coded", "check_level", "clean", "clean_labelled", "coded", "finite", "floats", "missing", "take_last"]
+__all__ = ["BOOT_CHUNK", "Coded", "check_level", "clean", "clean_labelled", "coded", "finite", "floats", "missing",
+           "stable_argsort", "take_last"]
 
 BOOT_CHUNK = 4_000_000  # array elements per chunk in O(n_boot * n) bootstraps: bounded memory
 
@@ -24,6 +25,29 @@ def take_last(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     lead = a.shape[:-1]
     offsets = (np.arange(math.prod(lead), dtype=np.int64) * a.shape[-1]).reshape(lead + (1,))
     return np.take(np.ascontiguousarray(a).reshape(-1), idx + offsets)
+
+
+def stable_argsort(x: np.ndarray) -> np.ndarray:
+    """``np.argsort(x, axis=-1, kind="stable")``, the same permutation, at the cost of the default sort:
+    numpy's stable sort of floats is a merge sort, three to four times slower than its vectorised
+    quicksort (0.33 s against 0.09 s for a million values here); the quicksort's order differs only
+    among equal values, which are put back in position order, a sort of those few alone."""
+    order = np.argsort(x, axis=-1)
+    xs = np.take_along_axis(x, order, axis=-1)
+    tie = xs[..., 1:] == xs[..., :-1]
+    if xs.dtype.kind == "f":
+        tie |= np.isnan(xs[..., 1:]) & np.isnan(xs[..., :-1])
+    if not tie.any():
+        return order
+    member = np.zeros(x.shape, dtype=bool)  # in a run of equal values
+    member[..., 1:] |= tie
+    member[..., :-1] |= tie
+    starts = member.copy()
+    starts[..., 1:] &= ~tie
+    run = np.cumsum(starts.reshape(-1))[member.reshape(-1)]  # runs numbered along the rows, in order
+    at = order[member]
+    order[member] = at[np.argsort(run * x.shape[-1] + at)]  # each run's positions ascending
+    return order
 
 
 def _as_floats(values: Iterable[Any] | None) -> np.ndarray:

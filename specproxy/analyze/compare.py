@@ -26,7 +26,7 @@ import numpy as np
 
 from specproxy.analyze import arrays
 from specproxy.analyze.arrays import Coded
-from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
+from specproxy.analyze.aggregate import aggregate_arms
 from specproxy.store.dataset import Turns, parse_time
 from specproxy.store.turns import NULL
 from specproxy.store.source import Window, WindowData
@@ -140,14 +140,9 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, A
         start = t.num["t_wall"]
         return t.num["completion_tokens"], start, start + t.num["total_s"]
 
-    def value(t: Turns) -> float | None:
-        tokens, start, end = arm(t)
-        known = np.isfinite(tokens) & np.isfinite(start) & np.isfinite(end)
-        return busy_throughput(tokens[known], start[known], end[known])
-
-    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), lanes_a=_lanes(a),
-                        lanes_b=_lanes(b), seed=seed, level=level)
-    return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
+    r, value_a, value_b = aggregate_arms(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b),
+                                         lanes_a=_lanes(a), lanes_b=_lanes(b), seed=seed, level=level)
+    return {"a": value_a, "b": value_b, "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
             "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, stable_argsort, take_last
 
 __all__ = ["STATS", "boot_instance_ratio", "boot_instances", "boot_requests", "finite_var", "log_var",
            "smoothed_log_medians"]
@@ -93,10 +93,12 @@ def boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) 
     # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
     # first i sorted values is sum_j copies_j * (values of instance j among them), found with
     # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
-    order = np.argsort(x, kind="stable")
+    order = stable_argsort(x)
     xs, n = x[order], x.size
-    by_inst = np.argsort(lab[order], kind="stable")  # positions grouped by instance, increasing
-    keys = lab[order][by_inst] * (n + 1) + by_inst
+    # positions grouped by instance, increasing (a stable sort of small codes is a radix sort)
+    lab_sorted = lab[order]
+    by_inst = np.argsort(lab_sorted.astype(np.int16) if k <= np.iinfo(np.int16).max else lab_sorted, kind="stable")
+    keys = lab_sorted[by_inst] * (n + 1) + by_inst
     first = np.searchsorted(keys, np.arange(k) * (n + 1))
     total = counts @ np.bincount(lab, minlength=k)
     h = (total - 1) * q
