@@ -57,7 +57,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, stable_argsort, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, take_last
 from specproxy.analyze.instances import instance_parts, unknown_instances_warning
 from specproxy.analyze.resample import boot_instance_ratio, log_var
 from specproxy.analyze.stats import MIN_REQUESTS, Ratio, combine, no_interval
@@ -77,7 +77,7 @@ def busy_shares(starts, ends) -> np.ndarray:
     s, e = np.atleast_2d(np.asarray(starts, float)), np.atleast_2d(np.asarray(ends, float))
     m, n = s.shape
     times = np.concatenate([s, e], axis=1)
-    order = stable_argsort(times)  # at a tie a start sorts first: a
+    order = np.argsort(times, axis=1, kind="stable")  # at a tie a start sorts first: a
     step = np.where(order < n, 1, -1)                 # zero-length turn gets a zero share
     in_flight = np.cumsum(step, axis=1)[:, :-1]  # after each event, before the next
     seg = np.diff(np.take_along_axis(times, order, axis=1), axis=1)

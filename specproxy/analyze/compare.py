@@ -34,7 +34,7 @@ from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
 from specproxy.analyze.slo import met_of_turns
 from specproxy.config import Slo
-from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
+from specproxy.analyze.workload import ROW_NEEDS, Workload, describe, differences, notes
 from specproxy.analyze.instances import CONFOUNDED_WARNING, instance_warning
 from specproxy.analyze.stats import bootstrap_ratio
 from specproxy.analyze.wording import plural
@@ -148,10 +148,11 @@ def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, A
 
 def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
     key, col, label, higher = metric
-    r = bootstrap_ratio(a.num[col], b.num[col], higher_is_better=higher, clusters_a=_clusters(a),
-                        clusters_b=_clusters(b), seed=seed, level=level)
+    xa, xb = a.num[col], b.num[col]  # read once: a selection's column is copied on each read no one holds
+    r = bootstrap_ratio(xa, xb, higher_is_better=higher, clusters_a=_clusters(a), clusters_b=_clusters(b), seed=seed,
+                        level=level)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
-            "a_median": _median(a.num[col]), "b_median": _median(b.num[col]), **r.to_dict()}
+            "a_median": _median(xa), "b_median": _median(xb), **r.to_dict()}
 
 
 def _count(clusters: Coded | None) -> int | None:
@@ -230,7 +231,9 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
                  "n_a": len(ta), "n_b": len(tb), "instances_a": _count(ca), "instances_b": _count(cb)})
     if slo is not None:
         rows.append(_slo_row(slo, data_a, data_b, seed, level))
-    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb), "judged": (ta, tb)}
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    arms = {k: (Workload(x), Workload(y)) for k, (x, y) in arms.items()}  # each feature computed once per arm
+    arms["judged"] = arms["all"]
     for row in rows:
         _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
@@ -239,7 +242,7 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
             "rows": rows}
 
 
-def _workload_guard(row: dict[str, Any], a: Turns, b: Turns) -> None:
+def _workload_guard(row: dict[str, Any], a: Workload, b: Workload) -> None:
     """A row whose figure depends on the workload (workload.py) gives no verdict where the arms'
     workloads differ materially: it says how (``workload_differs`` in JSON, a warning in the text)."""
     needs = ROW_NEEDS.get(row["metric"], ())

@@ -12,7 +12,7 @@ import pytest
 from specproxy.analyze import resample, tdist
 from specproxy.analyze.arrays import Coded, clean_labelled, stable_argsort
 from specproxy.analyze.compare import _clusters, _lanes
-from specproxy.analyze.workload import _shares
+from specproxy.analyze.workload import Workload
 from specproxy.store.dataset import Turns
 
 
@@ -83,5 +83,6 @@ def test_api_shares_from_the_counts():
     api = np.array(["chat", None, "messages", "chat", "responses"], dtype=object)
     turns = Turns({"t_wall": np.arange(5.0)}, {"api": api})
     names, counts = np.unique(np.array([str(v) for v in api], dtype=object), return_counts=True)
-    assert _shares(turns, "api") == {str(k): float(c) / 5 for k, c in zip(names, counts)}
-    assert list(_shares(turns, "api")) == [str(k) for k in names]  # in the order of the texts, as the JSON has them
+    shares = Workload(turns).shares("api")
+    assert shares == {str(k): float(c) / 5 for k, c in zip(names, counts)}
+    assert list(shares) == [str(k) for k in names]  # in the order of the texts, as the JSON has them
