@@ -78,14 +78,22 @@ def busy_shares(starts, ends) -> np.ndarray:
     m, n = s.shape
     times = np.concatenate([s, e], axis=1)
     order = np.argsort(times, axis=1, kind="stable")  # at a tie a start sorts first: a
-    step = np.where(order < n, 1, -1)                 # zero-length turn gets a zero share
-    in_flight = np.cumsum(step, axis=1)[:, :-1]  # after each event, before the next
-    seg = np.diff(np.take_along_axis(times, order, axis=1), axis=1)
-    per_turn = np.where(in_flight > 0, seg / np.maximum(in_flight, 1), 0.0)
-    g = np.concatenate([np.zeros((m, 1)), np.cumsum(per_turn, axis=1)], axis=1)
+    # zero-length turn gets a zero share. Each temporary goes once read, and the arithmetic is done in
+    # place: a month's arm is 10M events, 76 MB an array, and a dozen of them at once was compare's peak.
+    seg = np.diff(take_last(times, order), axis=1)
+    del times
+    in_flight = np.cumsum(np.where(order < n, np.int8(1), np.int8(-1)), axis=1, dtype=np.int32)[:, :-1]  # after
+    np.divide(seg, np.maximum(in_flight, 1), out=seg)  # each event, before the next: its segment's share per turn
+    seg[in_flight <= 0] = 0.0
+    del in_flight
+    g = np.zeros((m, 2 * n))
+    np.cumsum(seg, axis=1, out=g[:, 1:])
+    del seg
     pos = np.empty_like(order)
     np.put_along_axis(pos, order, np.broadcast_to(np.arange(2 * n), order.shape), axis=1)
-    out = np.take_along_axis(g, pos[:, n:], axis=1) - np.take_along_axis(g, pos[:, :n], axis=1)
+    del order
+    out = take_last(g, pos[:, n:])
+    out -= take_last(g, pos[:, :n])
     return out.reshape(np.shape(starts))
 
 
@@ -270,12 +278,14 @@ def aggregate_arms(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | No
     for name, (tokens, starts, ends), clusters, lanes in (("a", a, clusters_a, lanes_a), ("b", b, clusters_b, lanes_b)):
         t, s, e = (np.asarray(v, float) for v in (tokens, starts, ends))
         keep = np.isfinite(t) & np.isfinite(s) & np.isfinite(e)
-        if (e[keep] < s[keep]).any() or (t[keep] < 0).any():
+        if not keep.all():  # (each column copied once, and only then)
+            t, s, e = t[keep], s[keep], e[keep]
+        if (e < s).any() or (t < 0).any():
             raise ValueError("a turn ends before it starts, or has negative tokens")
         labels = None if clusters is None else coded(clusters)[keep]
-        _, lab, uniq = clean_labelled(t[keep], labels)
-        arms[name] = (t[keep], busy_shares(s[keep], e[keep]), lab, uniq)
-        schedules[name] = (s[keep], e[keep], _lane_codes(lanes, keep))
+        _, lab, uniq = clean_labelled(t, labels)
+        arms[name] = (t, busy_shares(s, e), lab, uniq)
+        schedules[name] = (s, e, _lane_codes(lanes, keep))
     (ta, wa, la, ua), (tb, wb, lb, ub) = arms["a"], arms["b"]
     ka = None if la is None else len(ua)
     kb = None if lb is None else len(ub)

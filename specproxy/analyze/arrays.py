@@ -23,6 +23,8 @@ def take_last(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     and schedule replays gather millions of elements, and take_along_axis's per-axis fancy index costs
     about three times as much."""
     lead = a.shape[:-1]
+    if math.prod(lead) == 1:  # one row: no offsets to add (a copy of the indexes)
+        return np.take(a.reshape(-1), idx)
     offsets = (np.arange(math.prod(lead), dtype=np.int64) * a.shape[-1]).reshape(lead + (1,))
     return np.take(np.ascontiguousarray(a).reshape(-1), idx + offsets)
 
