@@ -37,6 +37,7 @@ from specproxy.config import Slo
 from specproxy.analyze.workload import ROW_NEEDS, Workload, describe, differences, notes
 from specproxy.analyze.instances import CONFOUNDED_WARNING, instance_warning
 from specproxy.analyze.stats import bootstrap_ratio
+from specproxy.analyze.summary import median_p95_max
 from specproxy.analyze.wording import plural
 
 __all__ = ["Arm", "check_level", "compare", "negative_control_report", "parse_arm", "render_compare"]
@@ -133,24 +134,25 @@ def _lanes(turns: Turns) -> Coded | None:
     return Coded(per_code[codes.reshape(-1)], tuple(table))
 
 
-def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, Any]:
+def _aggregate_ratio(a: Turns, b: Turns, ca: Coded | None, cb: Coded | None, seed: int, level: float) -> dict[str, Any]:
     """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
     their start and end (aggregate.py says why and how); instances as in every other row."""
     def arm(t: Turns):
         start = t.num["t_wall"]
         return t.num["completion_tokens"], start, start + t.num["total_s"]
 
-    r, value_a, value_b = aggregate_arms(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b),
+    r, value_a, value_b = aggregate_arms(arm(a), arm(b), clusters_a=ca, clusters_b=cb,
                                          lanes_a=_lanes(a), lanes_b=_lanes(b), seed=seed, level=level)
     return {"a": value_a, "b": value_b, "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
             "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 
-def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
+def _ratio_row(metric: tuple, a: Turns, b: Turns, ca: Coded | None, cb: Coded | None, population: str, seed: int,
+               level: float) -> dict[str, Any]:
+    """B/A of one figure over two populations of turns (``ca``, ``cb``: their instances, ``_clusters``)."""
     key, col, label, higher = metric
     xa, xb = a.num[col], b.num[col]  # read once: a selection's column is copied on each read no one holds
-    r = bootstrap_ratio(xa, xb, higher_is_better=higher, clusters_a=_clusters(a), clusters_b=_clusters(b), seed=seed,
-                        level=level)
+    r = bootstrap_ratio(xa, xb, higher_is_better=higher, clusters_a=ca, clusters_b=cb, seed=seed, level=level)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
             "a_median": _median(xa), "b_median": _median(xb), **r.to_dict()}
 
@@ -219,10 +221,11 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
             raise ConfigError(_no_turns(data, arm))
     ca, cb = _clusters(ta), _clusters(tb)
     (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
-    rows = [_ratio_row(metric, sa, sb, "streamed", seed, level) for metric in METRICS]
+    streamed = (sa, sb, _clusters(sa), _clusters(sb))  # each arm's instances made once for its rows
+    rows = [_ratio_row(metric, *streamed, "streamed", seed, level) for metric in METRICS]
     if len(na) and len(nb):
-        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, "non_streamed", seed, level))
-    agg = _aggregate_ratio(ta, tb, seed, level)
+        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, _clusters(na), _clusters(nb), "non_streamed", seed, level))
+    agg = _aggregate_ratio(ta, tb, ca, cb, seed, level)
     rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
                  "higher_is_better": True,
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
@@ -299,8 +302,9 @@ def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: f
 
 
 def _median(x: np.ndarray) -> float | None:
+    """``numpy.median`` of the finite values, from order statistics (``median_p95_max``: the same bits)."""
     x = x[np.isfinite(x)]
-    return float(np.median(x)) if x.size else None
+    return median_p95_max(x)[0] if x.size else None
 
 
 def _f(v: Any, fmt: str = "{:.3f}") -> str:

@@ -1,6 +1,6 @@
 """compare's columnar paths (issue 36) give the numbers of the paths they replaced: the stable order of a
 sort, labels as codes, a pooled quantile's replicates read from a band of the values, the t grid filled
-where it is read, the API shares from a column's counts. Each is held to the plain computation here."""
+where it is read, the API shares from a column's counts, numpy's quantile from two order statistics. Each is held to the plain computation here."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from specproxy.analyze import resample, tdist
 from specproxy.analyze.arrays import Coded, clean_labelled, stable_argsort
 from specproxy.analyze.compare import _clusters, _lanes
+from specproxy.analyze.order_stats import quantile
 from specproxy.analyze.workload import Workload
 from specproxy.store.dataset import Turns
 
@@ -86,3 +87,13 @@ def test_api_shares_from_the_counts():
     shares = Workload(turns).shares("api")
     assert shares == {str(k): float(c) / 5 for k, c in zip(names, counts)}
     assert list(shares) == [str(k) for k in names]  # in the order of the texts, as the JSON has them
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 19, 20, 100, 4095, 4096, 4097, 50_001])
+@pytest.mark.parametrize("q", [0.5, 0.95])
+def test_quantile_from_order_statistics_is_numpys(n, q):
+    rng = np.random.default_rng([n, int(q * 100)])
+    for x in (rng.lognormal(size=n), np.round(rng.lognormal(size=n), 1), rng.random(n) * 1e-300):
+        before = x.copy()
+        assert quantile(x, q) == float(np.quantile(x, q))
+        assert np.array_equal(x, before)  # left as it was
