@@ -27,8 +27,8 @@ import numpy as np
 
 from specproxy.store.dataset import Turns
 
-__all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "Workload", "differences", "describe", "notes",
-           "ROW_NEEDS"]
+__all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "Workload", "differences", "describe",
+           "notes", "ROW_NEEDS"]
 
 RATIO_LIMIT = 1.5
 NOTE_RATIO = 1.2

@@ -1,6 +1,7 @@
 """compare's columnar paths (issue 36) give the numbers of the paths they replaced: the stable order of a
 sort, labels as codes, a pooled quantile's replicates read from a band of the values, the t grid filled
-where it is read, the API shares from a column's counts, numpy's quantile from two order statistics. Each is held to the plain computation here."""
+where it is read, the API shares from a column's counts, numpy's quantile from two order statistics. Each
+is held to the plain computation here."""
 
 from __future__ import annotations
 
