@@ -101,7 +101,8 @@ def boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) 
     return v1 + (h - r) * (at_rank(r_next) - v1)
 
 
-_BAND_MARGIN = 16  # order statistics either side of each instance's quantile that the band holds
+_BAND_MARGIN = 16  # order statistics either side of each instance's quantile that the band holds, beyond
+_SAMPLE = 65536  # about how many values the band's bounds are estimated from (every s-th value)
 
 
 def _band(x: np.ndarray, lab: np.ndarray, k: int, q: float, sizes: np.ndarray, counts: np.ndarray,
@@ -111,31 +112,35 @@ def _band(x: np.ndarray, lab: np.ndarray, k: int, q: float, sizes: np.ndarray, c
 
     Why: a quantile of a mix of instances lies between the instances' own quantiles, so the pooled
     ranks need only the values from the lowest instance's quantile to the highest one's (a few percent
-    of a month's turns), not a sort of all of them. The band is checked for every replicate (the pooled
-    count below it at most the rank, below its top above the next rank); where the check fails, or the
-    band would be most of the values, it is all the values."""
+    of a month's turns), not a sort of all of them. The instances' quantiles are estimated from every
+    s-th value (about ``_SAMPLE``), widened by four standard errors of a sample quantile's rank and
+    ``_BAND_MARGIN``; the band is then checked against every replicate (the pooled count below it at
+    most the rank, below its top above the next rank). Where the check fails, or the band would be most
+    of the values, it is all the values: the replicates never depend on the estimate, only the time."""
     everything = (x, lab, np.zeros(k, dtype=np.int64))
     if k > 64 or x.size < 4 * k * (2 * _BAND_MARGIN + 2):
         return everything
-    grouped = x[np.argsort(lab.astype(np.int16), kind="stable")]  # by instance (a radix sort of small codes)
-    ends = np.cumsum(sizes)
+    step = max(1, x.size // _SAMPLE)
+    xs, ls = x[::step], lab[::step]
+    grouped = xs[np.argsort(ls, kind="stable")]
+    ends = np.cumsum(np.bincount(ls, minlength=k))
     lows, highs = [], []
     for j in range(k):
-        n_j = int(sizes[j])
+        n_j = int(ends[j] - (ends[j - 1] if j else 0))
         if not n_j:
             continue
-        at = int((n_j - 1) * q)
-        lo, hi = max(0, at - _BAND_MARGIN), min(n_j - 1, at + 1 + _BAND_MARGIN)
+        at, wide = int((n_j - 1) * q), _BAND_MARGIN + (0 if step == 1 else int(4 * math.sqrt(n_j)))
+        lo, hi = max(0, at - wide), min(n_j - 1, at + 1 + wide)
         got = order_statistics(grouped[ends[j] - n_j:ends[j]], (lo, hi))
         lows.append(got[lo])
         highs.append(got[hi])
     low, high = min(lows), max(highs)
-    under = x < low
-    inside = (x <= high) & ~under
-    below = np.bincount(lab[under], minlength=k)
-    band = np.bincount(lab[inside], minlength=k)
+    where = (x >= low).view(np.int8) + (x > high).view(np.int8)  # 0 below the band, 1 in it, 2 above
+    per = np.bincount(lab * 3 + where, minlength=3 * k).reshape(k, 3)
+    below, band = per[:, 0], per[:, 1]
     if 2 * int(band.sum()) > x.size or not ((counts @ below <= r).all() and (counts @ (below + band) > r_next).all()):
         return everything
+    inside = where == 1
     return x[inside], lab[inside], below
 
 

@@ -71,6 +71,20 @@ def test_pooled_quantile_replicates_from_the_band_are_those_from_every_value(mon
     assert np.array_equal(got, resample.boot_instances(x, lab, stat, 500, np.random.default_rng(1)))
 
 
+@pytest.mark.parametrize("spread", [1.0, 1.3])
+def test_the_band_estimated_from_a_sample_gives_the_same_replicates(monkeypatch, spread):
+    """Past ``_SAMPLE`` values the band's bounds come from every s-th value; the replicates do not change."""
+    rng = np.random.default_rng(int(spread * 10))
+    lab = np.repeat([0, 1, 2], 100_000)  # instances one after another, as restarts are in time
+    x = np.round(rng.lognormal(size=lab.size) * spread ** lab, 3)
+    assert x.size > 2 * resample._SAMPLE
+    for stat in ("median", "p95"):
+        got = resample.boot_instances(x, lab, stat, 300, np.random.default_rng(2))
+        with monkeypatch.context() as m:
+            m.setattr(resample, "_band", lambda x, lab, k, *_: (x, lab, np.zeros(k, np.int64)))
+            assert np.array_equal(got, resample.boot_instances(x, lab, stat, 300, np.random.default_rng(2)))
+
+
 @pytest.mark.parametrize("df", [4.0, 4.7, 9.3, 40.0, 1e6, math.inf])
 def test_t_quantiles_read_the_grid_points_they_need(df):
     p = 0.975
