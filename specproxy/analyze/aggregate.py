@@ -57,12 +57,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, check_level, clean_labelled, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, Coded, check_level, clean_labelled, coded, take_last
 from specproxy.analyze.instances import instance_parts, unknown_instances_warning
 from specproxy.analyze.resample import boot_instance_ratio, log_var
 from specproxy.analyze.stats import MIN_REQUESTS, Ratio, combine, no_interval
 
-__all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_ratio",
+__all__ = ["busy_shares", "busy_throughput", "union_length", "lanes_usable", "aggregate_arms", "aggregate_ratio",
            "aggregate_batch", "effective_turns", "lumpy_reason", "N_REPLAY"]
 
 N_REPLAY = 400  # schedule replays per arm: the SD of a replay variance is ~7% of it
@@ -78,14 +78,22 @@ def busy_shares(starts, ends) -> np.ndarray:
     m, n = s.shape
     times = np.concatenate([s, e], axis=1)
     order = np.argsort(times, axis=1, kind="stable")  # at a tie a start sorts first: a
-    step = np.where(order < n, 1, -1)                 # zero-length turn gets a zero share
-    in_flight = np.cumsum(step, axis=1)[:, :-1]  # after each event, before the next
-    seg = np.diff(np.take_along_axis(times, order, axis=1), axis=1)
-    per_turn = np.where(in_flight > 0, seg / np.maximum(in_flight, 1), 0.0)
-    g = np.concatenate([np.zeros((m, 1)), np.cumsum(per_turn, axis=1)], axis=1)
+    # zero-length turn gets a zero share. Each temporary goes once read, and the arithmetic is done in
+    # place: a month's arm is 10M events, 76 MB an array, and a dozen of them at once was compare's peak.
+    seg = np.diff(take_last(times, order), axis=1)
+    del times
+    in_flight = np.cumsum(np.where(order < n, np.int8(1), np.int8(-1)), axis=1, dtype=np.int32)[:, :-1]  # after
+    np.divide(seg, np.maximum(in_flight, 1), out=seg)  # each event, before the next: its segment's share per turn
+    seg[in_flight <= 0] = 0.0
+    del in_flight
+    g = np.zeros((m, 2 * n))
+    np.cumsum(seg, axis=1, out=g[:, 1:])
+    del seg
     pos = np.empty_like(order)
     np.put_along_axis(pos, order, np.broadcast_to(np.arange(2 * n), order.shape), axis=1)
-    out = np.take_along_axis(g, pos[:, n:], axis=1) - np.take_along_axis(g, pos[:, :n], axis=1)
+    del order
+    out = take_last(g, pos[:, n:])
+    out -= take_last(g, pos[:, :n])
     return out.reshape(np.shape(starts))
 
 
@@ -245,32 +253,47 @@ def aggregate_batch(tokens_a, starts_a, ends_a, tokens_b, starts_b, ends_b, *, l
             "effective_a": eff_a, "effective_b": eff_b, "method_a": ca[2], "method_b": cb[2]}
 
 
-def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = None,
-                    clusters_b: Sequence[Any] | None = None, lanes_a: Sequence[Any] | None = None,
-                    lanes_b: Sequence[Any] | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
+def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | None = None,
+                    clusters_b: Sequence[Any] | Coded | None = None, lanes_a: Sequence[Any] | Coded | None = None,
+                    lanes_b: Sequence[Any] | Coded | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
                     seed: int = 0, level: float = 0.95) -> Ratio:
     """B/A of aggregate throughput; ``a`` and ``b`` are (tokens, starts, ends) of each arm's
-    turns (rows with a missing field are dropped). ``lanes_*``: each turn's lane (any hashable,
-    e.g. the client connection it came on; None where unknown, which leaves the arm's lanes
-    unknown). See the module docstring for the method."""
+    turns (rows with a missing field are dropped). ``clusters_*``: each turn's server instance;
+    ``lanes_*``: each turn's lane (any hashable, e.g. the client connection it came on; None where
+    unknown, which leaves the arm's lanes unknown), either as a sequence or ``Coded``. See the module
+    docstring for the method."""
+    return aggregate_arms(a, b, clusters_a=clusters_a, clusters_b=clusters_b, lanes_a=lanes_a, lanes_b=lanes_b,
+                          n_boot=n_boot, n_replay=n_replay, seed=seed, level=level)[0]
+
+
+def aggregate_arms(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | Coded | None = None,
+                   clusters_b: Sequence[Any] | Coded | None = None, lanes_a: Sequence[Any] | Coded | None = None,
+                   lanes_b: Sequence[Any] | Coded | None = None, n_boot: int = 2000, n_replay: int = N_REPLAY,
+                   seed: int = 0, level: float = 0.95) -> tuple[Ratio, float | None, float | None]:
+    """``aggregate_ratio``, and each arm's aggregate throughput (``busy_throughput`` of its complete turns)
+    from the same busy shares: compare shows all three, and the shares are most of the cost (a sort of
+    every start and end)."""
     check_level(level)
     arms, schedules, warnings = {}, {}, []
     for name, (tokens, starts, ends), clusters, lanes in (("a", a, clusters_a, lanes_a), ("b", b, clusters_b, lanes_b)):
         t, s, e = (np.asarray(v, float) for v in (tokens, starts, ends))
         keep = np.isfinite(t) & np.isfinite(s) & np.isfinite(e)
-        if (e[keep] < s[keep]).any() or (t[keep] < 0).any():
+        if not keep.all():  # (each column copied once, and only then)
+            t, s, e = t[keep], s[keep], e[keep]
+        if (e < s).any() or (t < 0).any():
             raise ValueError("a turn ends before it starts, or has negative tokens")
-        labels = None if clusters is None else np.asarray(list(clusters), dtype=object)[keep]
-        _, lab, uniq = clean_labelled(t[keep], labels)
-        arms[name] = (t[keep], busy_shares(s[keep], e[keep]), lab, uniq)
-        schedules[name] = (s[keep], e[keep], _lane_codes(lanes, keep))
+        labels = None if clusters is None else coded(clusters)[keep]
+        _, lab, uniq = clean_labelled(t, labels)
+        arms[name] = (t, busy_shares(s, e), lab, uniq)
+        schedules[name] = (s, e, _lane_codes(lanes, keep))
     (ta, wa, la, ua), (tb, wb, lb, ub) = arms["a"], arms["b"]
     ka = None if la is None else len(ua)
     kb = None if lb is None else len(ub)
+    values = tuple(float(t.sum() / w.sum()) if t.size and w.sum() > 0 else None for t, w, _, _ in arms.values())
 
     def result(est=None, lo=None, hi=None, verdict="", method=""):
-        return Ratio(est, lo, hi, verdict, int(ta.size), int(tb.size), ka, kb, warnings,
-                     "aggregate", level, method)
+        return (Ratio(est, lo, hi, verdict, int(ta.size), int(tb.size), ka, kb, warnings, "aggregate", level, method),
+                *values)
 
     for name, (t, w, _, _) in arms.items():
         if t.size < MIN_REQUESTS:
@@ -311,15 +334,15 @@ def aggregate_ratio(a: tuple, b: tuple, *, clusters_a: Sequence[Any] | None = No
     return result(est, float(lo[0]), float(hi[0]), str(verdict[0]), method)
 
 
-def _lane_codes(lanes: Sequence[Any] | None, keep: np.ndarray) -> np.ndarray | None:
-    """Lane labels of the kept turns as codes 0..k-1; None when not given or unknown for a turn."""
+def _lane_codes(lanes: Sequence[Any] | Coded | None, keep: np.ndarray) -> np.ndarray | None:
+    """Lane labels of the kept turns as codes 0..k-1 in the order they first occur; None when not given or
+    unknown (None) for a kept turn."""
     if lanes is None:
         return None
-    labels = list(lanes)
-    if len(labels) != keep.size:
-        raise ValueError(f"{len(labels)} lane labels for {keep.size} turns")
-    kept = [lane for lane, k in zip(labels, keep) if k]
-    if any(lane is None for lane in kept):
+    lanes = coded(lanes)
+    if len(lanes) != keep.size:
+        raise ValueError(f"{len(lanes)} lane labels for {keep.size} turns")
+    kept = lanes[keep]
+    if None in kept.values and (kept.codes == kept.values.index(None)).any():
         return None
-    codes: dict[Any, int] = {}
-    return np.asarray([codes.setdefault(lane, len(codes)) for lane in kept], dtype=np.int64)
+    return clean_labelled(np.zeros(len(kept)), kept)[1]

@@ -25,16 +25,19 @@ from typing import Any
 import numpy as np
 
 from specproxy.analyze import arrays
-from specproxy.analyze.aggregate import aggregate_ratio, busy_throughput
+from specproxy.analyze.arrays import Coded
+from specproxy.analyze.aggregate import aggregate_arms
 from specproxy.store.dataset import Turns, parse_time
+from specproxy.store.turns import NULL
 from specproxy.store.source import Window, WindowData
 from specproxy.errors import ConfigError
 from specproxy.analyze.control import negative_control
 from specproxy.analyze.slo import met_of_turns
 from specproxy.config import Slo
-from specproxy.analyze.workload import ROW_NEEDS, describe, differences, notes
+from specproxy.analyze.workload import ROW_NEEDS, Workload, describe, differences, notes
 from specproxy.analyze.instances import CONFOUNDED_WARNING, instance_warning
 from specproxy.analyze.stats import bootstrap_ratio
+from specproxy.analyze.summary import median_p95_max
 from specproxy.analyze.wording import plural
 
 __all__ = ["Arm", "check_level", "compare", "negative_control_report", "parse_arm", "render_compare"]
@@ -102,53 +105,64 @@ def _kinds(turns: Turns) -> tuple[Turns, Turns]:
     return turns.select(streamed), turns.select(~streamed)
 
 
-def _instances(clusters: np.ndarray | None) -> set | None:
-    return None if clusters is None else set(clusters)
+def _instances(clusters: Coded | None) -> set | None:
+    return None if clusters is None else clusters.distinct()
 
 
-def _clusters(turns: Turns) -> np.ndarray | None:
-    ids = turns.txt["instance_id"]
-    if not len(ids) or all(i is None for i in ids):
+def _clusters(turns: Turns) -> Coded | None:
+    """Each turn's server instance as a label (its ``instance_id`` as text, "unknown" where NULL), from the
+    column's codes: None when no turn's is known."""
+    codes, values = turns.codes("instance_id")
+    if not len(codes) or not (codes != NULL).any():
         return None
-    return np.array([str(i) if i is not None else "unknown" for i in ids], dtype=object)
+    table: dict[str, int] = {}
+    per_code = np.array([table.setdefault(str(v), len(table)) for v in values]
+                        + [table.setdefault("unknown", len(table))], dtype=np.int64)
+    return Coded(per_code[codes], tuple(table))  # NULL (-1) reads the last entry: "unknown"
 
 
-def _lanes(turns: Turns) -> list | None:
+def _lanes(turns: Turns) -> Coded | None:
     """Each turn's lane: the client connection it came on (``conn_id``), or None for the arm when a
     turn's is unknown (recorded before conn_id): the aggregate's interval then uses the jackknife."""
     ids = turns.num["conn_id"]
     if not len(ids) or np.isnan(ids).all():
         return None
-    return [None if math.isnan(i) else int(i) for i in ids.tolist()]
+    distinct, codes = np.unique(ids, return_inverse=True)  # NaN (unknown) last, once
+    table: dict[Any, int] = {}
+    per_code = np.array([table.setdefault(None if math.isnan(i) else int(i), len(table)) for i in distinct.tolist()],
+                        dtype=np.int64)
+    return Coded(per_code[codes.reshape(-1)], tuple(table))
 
 
-def _aggregate_ratio(a: Turns, b: Turns, seed: int, level: float) -> dict[str, Any]:
+def _aggregate_ratio(a: Turns, b: Turns, ca: Coded | None, cb: Coded | None, seed: int, level: float) -> dict[str, Any]:
     """B/A of aggregate throughput (delivered tokens / busy time) over whole turns, tokens with
     their start and end (aggregate.py says why and how); instances as in every other row."""
     def arm(t: Turns):
         start = t.num["t_wall"]
         return t.num["completion_tokens"], start, start + t.num["total_s"]
 
-    def value(t: Turns) -> float | None:
-        tokens, start, end = arm(t)
-        known = np.isfinite(tokens) & np.isfinite(start) & np.isfinite(end)
-        return busy_throughput(tokens[known], start[known], end[known])
-
-    r = aggregate_ratio(arm(a), arm(b), clusters_a=_clusters(a), clusters_b=_clusters(b), lanes_a=_lanes(a),
-                        lanes_b=_lanes(b), seed=seed, level=level)
-    return {"a": value(a), "b": value(b), "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
+    r, value_a, value_b = aggregate_arms(arm(a), arm(b), clusters_a=ca, clusters_b=cb,
+                                         lanes_a=_lanes(a), lanes_b=_lanes(b), seed=seed, level=level)
+    return {"a": value_a, "b": value_b, "estimate": r.estimate, "ci_low": r.ci_low, "ci_high": r.ci_high,
             "verdict": r.verdict, "warnings": r.warnings, "method": r.method}
 
 
-def _ratio_row(metric: tuple, a: Turns, b: Turns, population: str, seed: int, level: float) -> dict[str, Any]:
+def _ratio_row(metric: tuple, a: Turns, b: Turns, ca: Coded | None, cb: Coded | None, population: str, seed: int,
+               level: float) -> dict[str, Any]:
+    """B/A of one figure over two populations of turns (``ca``, ``cb``: their instances, ``_clusters``)."""
     key, col, label, higher = metric
-    r = bootstrap_ratio(a.num[col], b.num[col], higher_is_better=higher, clusters_a=_clusters(a),
-                        clusters_b=_clusters(b), seed=seed, level=level)
+    xa, xb = a.num[col], b.num[col]  # read once: a selection's column is copied on each read no one holds
+    r = bootstrap_ratio(xa, xb, higher_is_better=higher, clusters_a=ca, clusters_b=cb, seed=seed, level=level)
     return {"metric": key, "label": label, "population": population, "higher_is_better": higher,
-            "a_median": _median(a.num[col]), "b_median": _median(b.num[col]), **r.to_dict()}
+            "a_median": _median(xa), "b_median": _median(xb), **r.to_dict()}
 
 
-def _fit_instance_warning(warnings: list[str], ca: np.ndarray | None, cb: np.ndarray | None) -> list[str]:
+def _count(clusters: Coded | None) -> int | None:
+    """How many server instances an arm ran in (None: unknown)."""
+    return None if clusters is None else len(clusters.distinct())
+
+
+def _fit_instance_warning(warnings: list[str], ca: Coded | None, cb: Coded | None) -> list[str]:
     """A row's warnings with the confounding one that fits the arms' instances (the aggregate row
     says "inside one instance" whenever an arm ran in one), each once."""
     fitting = instance_warning(_instances(ca), _instances(cb))
@@ -207,29 +221,31 @@ def compare(a: Arm, b: Arm, data_a: WindowData, data_b: WindowData, *, seed: int
             raise ConfigError(_no_turns(data, arm))
     ca, cb = _clusters(ta), _clusters(tb)
     (sa, na), (sb, nb) = _kinds(ta), _kinds(tb)
-    rows = [_ratio_row(metric, sa, sb, "streamed", seed, level) for metric in METRICS]
+    streamed = (sa, sb, _clusters(sa), _clusters(sb))  # each arm's instances made once for its rows
+    rows = [_ratio_row(metric, *streamed, "streamed", seed, level) for metric in METRICS]
     if len(na) and len(nb):
-        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, "non_streamed", seed, level))
-    agg = _aggregate_ratio(ta, tb, seed, level)
+        rows.append(_ratio_row(NON_STREAMED_METRIC, na, nb, _clusters(na), _clusters(nb), "non_streamed", seed, level))
+    agg = _aggregate_ratio(ta, tb, ca, cb, seed, level)
     rows.append({"metric": "aggregate_tps", "label": "aggregate throughput (tok/s)", "population": "all",
                  "higher_is_better": True,
                  "a_median": agg["a"], "b_median": agg["b"], "estimate": agg["estimate"], "ci_low": agg["ci_low"],
                  "ci_high": agg["ci_high"], "verdict": agg["verdict"], "method": agg["method"],
                  "warnings": _fit_instance_warning(agg["warnings"], ca, cb), "level": level,
-                 "n_a": len(ta), "n_b": len(tb), "instances_a": None if ca is None else len(set(ca)),
-                 "instances_b": None if cb is None else len(set(cb))})
+                 "n_a": len(ta), "n_b": len(tb), "instances_a": _count(ca), "instances_b": _count(cb)})
     if slo is not None:
         rows.append(_slo_row(slo, data_a, data_b, seed, level))
-    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb), "judged": (ta, tb)}
+    arms = {"streamed": (sa, sb), "non_streamed": (na, nb), "all": (ta, tb)}
+    arms = {k: (Workload(x), Workload(y)) for k, (x, y) in arms.items()}  # each feature computed once per arm
+    arms["judged"] = arms["all"]
     for row in rows:
         _workload_guard(row, *arms[row["population"]])
     return {"a": a.name, "b": b.name, "level": level, "n_a": len(ta), "n_b": len(tb),
             **_kind_counts(sa, na, "a"), **_kind_counts(sb, nb, "b"),
-            "instances_a": None if ca is None else len(set(ca)), "instances_b": None if cb is None else len(set(cb)),
+            "instances_a": _count(ca), "instances_b": _count(cb),
             "rows": rows}
 
 
-def _workload_guard(row: dict[str, Any], a: Turns, b: Turns) -> None:
+def _workload_guard(row: dict[str, Any], a: Workload, b: Workload) -> None:
     """A row whose figure depends on the workload (workload.py) gives no verdict where the arms'
     workloads differ materially: it says how (``workload_differs`` in JSON, a warning in the text)."""
     needs = ROW_NEEDS.get(row["metric"], ())
@@ -282,12 +298,13 @@ def negative_control_report(a: Arm, data: WindowData, *, seed: int = 0, level: f
     return {"a": a.name, "b": f"{a.name} (other half)", "level": level, "n_a": len(ta), "n_b": len(ta),
             "negative_control": True,
             **_kind_counts(streamed, whole, "a"),
-            "instances_a": None if ca is None else len(set(ca)), "instances_b": None, "rows": rows}
+            "instances_a": _count(ca), "instances_b": None, "rows": rows}
 
 
 def _median(x: np.ndarray) -> float | None:
+    """``numpy.median`` of the finite values, from order statistics (``median_p95_max``: the same bits)."""
     x = x[np.isfinite(x)]
-    return float(np.median(x)) if x.size else None
+    return median_p95_max(x)[0] if x.size else None
 
 
 def _f(v: Any, fmt: str = "{:.3f}") -> str:

@@ -22,7 +22,7 @@ try:
 except ImportError:  # no compiler at install: numpy's partition reads every order statistic
     _orderc = None
 
-__all__ = ["NATIVE", "order_statistics", "order_statistics_reference"]
+__all__ = ["NATIVE", "order_statistics", "order_statistics_reference", "quantile"]
 
 NATIVE = _orderc is not None
 # below this many values numpy's partition is as quick (the C path's fixed cost is a 256 KB count table)
@@ -45,3 +45,23 @@ def order_statistics_reference(x: np.ndarray, ranks: Sequence[int]) -> dict[int,
     at = sorted(set(ranks))
     part = np.partition(x, at)
     return {k: part[k] for k in at}
+
+
+def quantile(x: np.ndarray, q: float) -> float:
+    """``numpy.quantile(x, q)`` (its linear default) of finite float64 values (at least one), read off the two
+    order statistics it interpolates: numpy's virtual index, neighbours (the last value past the end) and
+    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit; numpy
+    partitions a copy of the column instead."""
+    n = x.size
+    virtual = (n - 1) * np.float64(q)
+    if virtual >= n - 1:  # numpy reads the last value, with its index -1 in the weight
+        i = j = n - 1
+        below = -1
+    else:
+        i = below = int(np.floor(virtual))
+        j = i + 1
+    part = order_statistics(x, (i, j))
+    a, b = part[i], part[j]
+    t = virtual - below
+    diff = b - a
+    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)

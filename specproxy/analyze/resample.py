@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from specproxy.analyze.arrays import BOOT_CHUNK, take_last
+from specproxy.analyze.arrays import BOOT_CHUNK, stable_argsort, take_last
+from specproxy.analyze.order_stats import order_statistics
 
 __all__ = ["STATS", "boot_instance_ratio", "boot_instances", "boot_requests", "finite_var", "log_var",
            "smoothed_log_medians"]
@@ -90,29 +91,84 @@ def boot_instances(x: np.ndarray, lab: np.ndarray, stat: str, n_boot: int, rng) 
         return boot_instance_ratio(x, np.ones_like(x), lab, n_boot, rng)
     k = int(lab.max()) + 1
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot)  # copies of each instance
-    # Pooled order statistics by bisection on the global sorted order: the pooled rank of the
-    # first i sorted values is sum_j copies_j * (values of instance j among them), found with
-    # one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
-    order = np.argsort(x, kind="stable")
-    xs, n = x[order], x.size
-    by_inst = np.argsort(lab[order], kind="stable")  # positions grouped by instance, increasing
-    keys = lab[order][by_inst] * (n + 1) + by_inst
-    first = np.searchsorted(keys, np.arange(k) * (n + 1))
-    total = counts @ np.bincount(lab, minlength=k)
+    sizes = np.bincount(lab, minlength=k)
+    total = counts @ sizes
     h = (total - 1) * q
     r = np.floor(h).astype(np.int64)
+    r_next = np.minimum(r + 1, total - 1)
+    at_rank = _pooled(*_band(x, lab, k, q, sizes, counts, r, r_next), k, counts)
+    v1 = at_rank(r)
+    return v1 + (h - r) * (at_rank(r_next) - v1)
+
+
+_BAND_MARGIN = 16  # order statistics either side of each instance's quantile that the band holds, beyond
+_SAMPLE = 65536  # about how many values the band's bounds are estimated from (every s-th value)
+
+
+def _band(x: np.ndarray, lab: np.ndarray, k: int, q: float, sizes: np.ndarray, counts: np.ndarray,
+          r: np.ndarray, r_next: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The values every replicate's pooled order statistics at ranks ``r`` and ``r_next`` lie among, with
+    their instances and how many of each instance's values lie below them.
+
+    Why: a quantile of a mix of instances lies between the instances' own quantiles, so the pooled
+    ranks need only the values from the lowest instance's quantile to the highest one's (a few percent
+    of a month's turns), not a sort of all of them. The instances' quantiles are estimated from every
+    s-th value (about ``_SAMPLE``), widened by four standard errors of a sample quantile's rank and
+    ``_BAND_MARGIN``; the band is then checked against every replicate (the pooled count below it at
+    most the rank, below its top above the next rank). Where the check fails, or the band would be most
+    of the values, it is all the values: the replicates never depend on the estimate, only the time."""
+    everything = (x, lab, np.zeros(k, dtype=np.int64))
+    if k > 64 or x.size < 4 * k * (2 * _BAND_MARGIN + 2):
+        return everything
+    step = max(1, x.size // _SAMPLE)
+    xs, ls = x[::step], lab[::step]
+    grouped = xs[np.argsort(ls, kind="stable")]
+    ends = np.cumsum(np.bincount(ls, minlength=k))
+    lows, highs = [], []
+    for j in range(k):
+        n_j = int(ends[j] - (ends[j - 1] if j else 0))
+        if not n_j:
+            continue
+        at, wide = int((n_j - 1) * q), _BAND_MARGIN + (0 if step == 1 else int(4 * math.sqrt(n_j)))
+        lo, hi = max(0, at - wide), min(n_j - 1, at + 1 + wide)
+        got = order_statistics(grouped[ends[j] - n_j:ends[j]], (lo, hi))
+        lows.append(got[lo])
+        highs.append(got[hi])
+    low, high = min(lows), max(highs)
+    where = (x >= low).view(np.int8) + (x > high).view(np.int8)  # 0 below the band, 1 in it, 2 above
+    per = np.bincount(lab * 3 + where, minlength=3 * k).reshape(k, 3)
+    below, band = per[:, 0], per[:, 1]
+    if 2 * int(band.sum()) > x.size or not ((counts @ below <= r).all() and (counts @ (below + band) > r_next).all()):
+        return everything
+    inside = where == 1
+    return x[inside], lab[inside], below
+
+
+def _pooled(x: np.ndarray, lab: np.ndarray, below: np.ndarray, k: int, counts: np.ndarray):
+    """``at_rank(rank)``: each replicate's pooled order statistic at ``rank``, from values ``x`` (instances
+    ``lab``) above which ``below[j]`` of instance j's lie, by bisection on their sorted order. The pooled
+    rank of the first i sorted values is sum_j copies_j * (values of instance j among them, and below),
+    found with one searchsorted over (instance, position) keys. O(n_boot * k * log n), memory O(n).
+    Equal values give one value whichever of them sorts first."""
+    n, n_boot = x.size, counts.shape[0]
+    order = stable_argsort(x)
+    xs, lab_sorted = x[order], lab[order]
+    # positions grouped by instance, increasing (a stable sort of small codes is a radix sort)
+    by_inst = np.argsort(lab_sorted.astype(np.int16) if k <= np.iinfo(np.int16).max else lab_sorted, kind="stable")
+    keys = lab_sorted[by_inst] * (n + 1) + by_inst
+    first = np.searchsorted(keys, np.arange(k) * (n + 1))
+    base = counts @ below
 
     def at_rank(rank: np.ndarray) -> np.ndarray:  # smallest i with pooled count of xs[:i] > rank
         lo, hi = np.ones(n_boot, np.int64), np.full(n_boot, n, np.int64)
         while (lo < hi).any():
             mid = (lo + hi) // 2
-            below = np.searchsorted(keys, np.arange(k) * (n + 1) + mid[:, None]) - first
-            above = (below * counts).sum(1) > rank
+            inside = np.searchsorted(keys, np.arange(k) * (n + 1) + mid[:, None]) - first
+            above = base + (inside * counts).sum(1) > rank
             lo, hi = np.where(above, lo, mid + 1), np.where(above, mid, hi)
         return xs[lo - 1]
 
-    v1 = at_rank(r)
-    return v1 + (h - r) * (at_rank(np.minimum(r + 1, total - 1)) - v1)
+    return at_rank
 
 
 def boot_instance_ratio(num: np.ndarray, den: np.ndarray, lab: np.ndarray, n_boot: int,

@@ -51,6 +51,7 @@ import numpy as np
 
 from specproxy.analyze.arrays import check_level, clean_labelled
 from specproxy.analyze.instances import instance_parts, unknown_instances_warning
+from specproxy.analyze.order_stats import quantile
 from specproxy.analyze.resample import STATS, boot_instances, boot_requests, finite_var, log_var, smoothed_log_medians
 from specproxy.analyze.tdist import t_ppf, t_quantiles
 
@@ -67,7 +68,7 @@ ND = "not distinguishable"
 
 def _stat(x: np.ndarray, stat: str) -> float:
     q = STATS[stat]
-    return float(x.mean()) if q is None else float(np.quantile(x, q))
+    return float(x.mean()) if q is None else quantile(x, q)  # numpy's quantile, from a selection
 
 
 def _request_log_reps(x_sorted: np.ndarray, stat: str, n_boot: int, rng) -> np.ndarray:
@@ -253,7 +254,8 @@ def bootstrap_ratio(a, b, *, higher_is_better: bool, stat: str = "median",
     warnings += [f"no data in arm {name}" for name, x in (("a", xa), ("b", xb)) if not x.size]
     if warnings:
         return result(verdict=no_interval(warnings[0]))
-    sa, sb = _stat(np.sort(xa), stat), _stat(np.sort(xb), stat)
+    # a quantile is read off a selection, the same sorted or not; a mean is summed in sorted order, as it was
+    sa, sb = (_stat(np.sort(x) if STATS[stat] is None else x, stat) for x in (xa, xb))
     if sa <= 0 or sb <= 0:
         warnings.append(f"{stat} is 0 in an arm: the ratio is undefined")
         return result(verdict=no_interval(f"{stat} is 0 in an arm"))

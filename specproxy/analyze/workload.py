@@ -27,8 +27,8 @@ import numpy as np
 
 from specproxy.store.dataset import Turns
 
-__all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "differences", "describe", "notes",
-           "ROW_NEEDS"]
+__all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "Workload", "differences", "describe",
+           "notes", "ROW_NEEDS"]
 
 RATIO_LIMIT = 1.5
 NOTE_RATIO = 1.2
@@ -47,38 +47,78 @@ ROW_NEEDS: dict[str, tuple[str, ...]] = {
 _NAMES = {"prompt_tokens": "prompt tokens per turn", "completion_tokens": "completion tokens per turn"}
 
 
-def _mean(x: np.ndarray) -> float | None:
-    x = x[np.isfinite(x)]
-    return float(x.mean()) if x.size else None
+class Workload:
+    """An arm's workload features (token means, API shares, streamed share), each computed on first use and
+    kept: compare asks for the same arm's features once per row, and each is a pass over a column copied
+    from a month's turns."""
+
+    __slots__ = ("turns", "_got")
+
+    def __init__(self, turns: Turns):
+        self.turns, self._got = turns, {}
+
+    def __len__(self) -> int:
+        return len(self.turns)
+
+    def _once(self, key: str, make):
+        if key not in self._got:
+            self._got[key] = make()
+        return self._got[key]
+
+    def mean(self, column: str) -> float | None:
+        """The mean of a token column over the turns that have it."""
+        def make():
+            x = self.turns.num[column]
+            x = x[np.isfinite(x)]
+            return float(x.mean()) if x.size else None
+        return self._once(f"mean {column}", make)
+
+    def shares(self, column: str) -> dict[str, float]:
+        """Each value's share of the turns (by its text: None is "None"), in the order of the texts: from the
+        column's codes counted, not a text object per turn sorted."""
+        def make():
+            n = len(self.turns)
+            if not n:
+                return {}
+            codes, values = self.turns.codes(column)
+            tally = np.bincount(codes + 1, minlength=1)  # NULL (-1) first
+            counts: dict[str, int] = {}
+            for c in np.flatnonzero(tally).tolist():
+                name = str(None if c == 0 else values[c - 1])
+                counts[name] = counts.get(name, 0) + int(tally[c])
+            return {k: float(counts[k]) / n for k in sorted(counts)}
+        return self._once(f"shares {column}", make)
+
+    def streamed(self) -> float:
+        return self._once("streamed", lambda: float(np.mean(self.turns.num["streamed"] == 1)))
 
 
-def _shares(values: np.ndarray) -> dict[str, float]:
-    names, counts = np.unique(np.array([str(v) for v in values], dtype=object), return_counts=True)
-    return {str(k): float(c) / len(values) for k, c in zip(names, counts)} if len(values) else {}
+def _workload(arm: Turns | Workload) -> Workload:
+    return arm if isinstance(arm, Workload) else Workload(arm)
 
 
-def _token_means(a: Turns, b: Turns, features: tuple[str, ...]) -> list[tuple[str, float | None, float | None]]:
+def _token_means(a: Workload, b: Workload, features: tuple[str, ...]) -> list[tuple[str, float | None, float | None]]:
     """(column, A's mean, B's mean) of each token count among ``features``: what both rules compare."""
-    return [(col, _mean(a.num[col]), _mean(b.num[col])) for col in ("prompt_tokens", "completion_tokens")
-            if col in features]
+    return [(col, a.mean(col), b.mean(col)) for col in ("prompt_tokens", "completion_tokens") if col in features]
 
 
-def differences(a: Turns, b: Turns, features: tuple[str, ...]) -> list[dict[str, Any]]:
+def differences(a: Turns | Workload, b: Turns | Workload, features: tuple[str, ...]) -> list[dict[str, Any]]:
     """The material differences between the arms' workloads in ``features`` (ROW_NEEDS), each as a dict:
     ``feature``, ``a``, ``b`` and ``ratio`` (means) or ``difference`` (largest share difference)."""
     out: list[dict[str, Any]] = []
     if not len(a) or not len(b):
         return out
+    a, b = _workload(a), _workload(b)
     for col, ma, mb in _token_means(a, b, features):
         if ma and mb and max(mb / ma, ma / mb) >= RATIO_LIMIT:
             out.append({"feature": col, "a": ma, "b": mb, "ratio": mb / ma})
     if "api" in features:
-        sa, sb = _shares(a.txt["api"]), _shares(b.txt["api"])
+        sa, sb = a.shares("api"), b.shares("api")
         diff = max(abs(sa.get(k, 0.0) - sb.get(k, 0.0)) for k in set(sa) | set(sb))
         if diff >= SHARE_LIMIT:
             out.append({"feature": "api", "a": sa, "b": sb, "difference": diff})
     if "streamed" in features:
-        sa, sb = float(np.mean(a.num["streamed"] == 1)), float(np.mean(b.num["streamed"] == 1))
+        sa, sb = a.streamed(), b.streamed()
         if abs(sa - sb) >= SHARE_LIMIT:
             out.append({"feature": "streamed", "a": sa, "b": sb, "difference": abs(sa - sb)})
     return out
@@ -98,12 +138,13 @@ def describe(diff: dict[str, Any]) -> str:
     return f"streamed turns: {diff['a'] * 100:.0f}% of A's, {diff['b'] * 100:.0f}% of B's"
 
 
-def notes(a: Turns, b: Turns, features: tuple[str, ...]) -> list[str]:
+def notes(a: Turns | Workload, b: Turns | Workload, features: tuple[str, ...]) -> list[str]:
     """What a reader of the row should know of the workloads short of a material difference: token means
     ``NOTE_RATIO`` or more apart, or an arm whose turns have no token counts."""
     out: list[str] = []
     if not len(a) or not len(b):
         return out
+    a, b = _workload(a), _workload(b)
     for col, ma, mb in _token_means(a, b, features):
         if ma is None or mb is None:
             missing = " and ".join(name for name, m in (("A", ma), ("B", mb)) if m is None)
