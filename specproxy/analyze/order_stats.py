@@ -13,7 +13,8 @@ partition does not say which either).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ try:
 except ImportError:  # no compiler at install: numpy's partition reads every order statistic
     _orderc = None
 
-__all__ = ["NATIVE", "order_statistics", "order_statistics_reference", "quantile"]
+__all__ = ["NATIVE", "order_statistics", "order_statistics_reference", "quantile", "quantile_at", "quantile_from"]
 
 NATIVE = _orderc is not None
 # below this many values numpy's partition is as quick (the C path's fixed cost is a 256 KB count table)
@@ -47,21 +48,29 @@ def order_statistics_reference(x: np.ndarray, ranks: Sequence[int]) -> dict[int,
     return {k: part[k] for k in at}
 
 
-def quantile(x: np.ndarray, q: float) -> float:
-    """``numpy.quantile(x, q)`` (its linear default) of finite float64 values (at least one), read off the two
-    order statistics it interpolates: numpy's virtual index, neighbours (the last value past the end) and
-    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit; numpy
-    partitions a copy of the column instead."""
-    n = x.size
+def quantile_at(n: int, q: float) -> tuple[int, int]:
+    """The two ranks ``numpy.quantile`` (its linear default) interpolates between over n values."""
     virtual = (n - 1) * np.float64(q)
-    if virtual >= n - 1:  # numpy reads the last value, with its index -1 in the weight
-        i = j = n - 1
-        below = -1
-    else:
-        i = below = int(np.floor(virtual))
-        j = i + 1
-    part = order_statistics(x, (i, j))
+    if virtual >= n - 1:
+        return n - 1, n - 1
+    i = int(np.floor(virtual))
+    return i, i + 1
+
+
+def quantile_from(part: Mapping[int, Any], n: int, q: float) -> float:
+    """``numpy.quantile(x, q)`` read off x's order statistics at ``quantile_at(n, q)`` (``part[k]``: the k-th
+    smallest): numpy's virtual index, neighbours (the last value past the end, with its index -1 in the
+    weight) and interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
+    virtual = (n - 1) * np.float64(q)
+    i, j = quantile_at(n, q)
+    below = -1 if virtual >= n - 1 else i
     a, b = part[i], part[j]
     t = virtual - below
     diff = b - a
     return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
+
+
+def quantile(x: np.ndarray, q: float) -> float:
+    """``numpy.quantile(x, q)`` of finite float64 values (at least one), from two order statistics where
+    numpy partitions a copy of the column."""
+    return quantile_from(order_statistics(x, quantile_at(x.size, q)), x.size, q)

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from specproxy.analyze.arrays import check_level, clean, clean_labelled, finite
-from specproxy.analyze.order_stats import order_statistics
+from specproxy.analyze.order_stats import order_statistics, quantile_at, quantile_from
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
@@ -127,25 +127,6 @@ def _ci_ends(part: Mapping[int, Any], n: int, ranks: tuple[int, float]) -> tuple
     return float(_between(part[d - 1], part[d], lam)), float(_between(part[n - d], part[n - d - 1], lam))
 
 
-def _p95_at(n: int) -> tuple[float, int, int]:
-    """numpy's linear percentile 95 of n values: its virtual index and the two ranks it reads."""
-    virtual = (n - 1) * np.true_divide(95, 100)
-    if virtual >= n - 1:
-        return virtual, n - 1, n - 1
-    lo = int(np.floor(virtual))
-    return virtual, lo, lo + 1
-
-
-def _p95(part: Mapping[int, Any], n: int) -> float:
-    """``numpy.percentile(x, 95)`` read off the order statistics at ``_p95_at``'s ranks: numpy's own
-    interpolation (its ``_lerp``), step for step, so the figure is the same to the last bit."""
-    virtual, i, j = _p95_at(n)
-    a, b = part[i], part[j]
-    t = virtual - (-1 if i == n - 1 else i)  # numpy's gamma (its index -1 past the end)
-    diff = b - a
-    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
-
-
 def _median(part: Mapping[int, Any], n: int) -> float:
     """``numpy.median`` read off the order statistics at ``(n - 1) // 2`` and ``n // 2``."""
     if n % 2:
@@ -175,18 +156,18 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     check_level(level)
     n = x.size
     ranks = _median_ranks(n, level)
-    at = {(n - 1) // 2, n // 2, *_p95_at(n)[1:], *(_ci_at(n, ranks) if ranks is not None else ())}
+    at = {(n - 1) // 2, n // 2, *quantile_at(n, 0.95), *(_ci_at(n, ranks) if ranks is not None else ())}
     part = order_statistics(x, at)  # every order statistic below at once
     lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
-    return Summary(int(n), _median(part, n), float(x.mean()), _p95(part, n), lo, hi)
+    return Summary(int(n), _median(part, n), float(x.mean()), quantile_from(part, n, 0.95), lo, hi)
 
 
 def median_p95_max(x: np.ndarray) -> tuple[float, float, float]:
     """``numpy.median``, ``numpy.percentile(x, 95)`` and the max of clean values (at least one), to the last
     bit, read off one set of order statistics: numpy partitions once for each, and the max is one more pass."""
     n = x.size
-    part = order_statistics(x, {(n - 1) // 2, n // 2, *_p95_at(n)[1:], n - 1})
-    return _median(part, n), _p95(part, n), float(part[n - 1])
+    part = order_statistics(x, {(n - 1) // 2, n // 2, *quantile_at(n, 0.95), n - 1})
+    return _median(part, n), quantile_from(part, n, 0.95), float(part[n - 1])
 
 
 def mean_ci(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
