@@ -44,7 +44,9 @@ import orjson
 from specproxy.analyze.cells import groups
 from specproxy.analyze.cost import COST_COLUMNS, cost_summary, group_index, render_cost_lines, turn_costs, usd
 from specproxy.prices import Price
+from specproxy.analyze.order_stats import order_statistics
 from specproxy.analyze.prefix_cache import cache_totals, fit_of, lost_tokens, lost_ttft, render_lines
+from specproxy.analyze.summary import median
 from specproxy.analyze.turn_diff import readable_diff, render_diff
 from specproxy.store.dataset import Turns
 
@@ -66,7 +68,12 @@ def audit_columns(by: str = "client") -> tuple[str, ...]:
 
 
 def _median(values: list[float] | np.ndarray) -> float | None:
-    return float(np.median(values)) if len(values) else None
+    """``numpy.median``, None of nothing; of an array of finite values from its order statistics (the same
+    value: a count's median over float64 is the one over its ints)."""
+    if not len(values):
+        return None
+    x = np.asarray(values, dtype=float)
+    return median(x) if np.isfinite(x).all() else float(np.median(values))
 
 
 FIRST_SEEN = "first turn seen of this session"
@@ -134,14 +141,12 @@ def _json_or_none(value: Any) -> Any:
     return orjson.loads(value) if isinstance(value, str) and value else None
 
 
-def _counts(values: np.ndarray) -> np.ndarray:
-    """A count column of completed turns as int64 (the record's INTEGER columns, as ``int()`` reads them):
-    exact sums, and medians of the same values the per-turn lists of Python ints gave. A turn with a
-    prompt count has its parts counted too (one split makes both); a NULL among them is an error, as it
-    was."""
+def _counted(values: np.ndarray) -> np.ndarray:
+    """A prompt part's counts of completed turns with a prompt count: a turn counted has its parts counted
+    too (one split makes both), so a NULL among them is an error, as ``int()`` of it was."""
     if np.isnan(values).any():
         raise ValueError("cannot convert float NaN to integer: a completed turn's prompt part was not counted")
-    return values.astype(np.int64)
+    return values
 
 
 def _ints(values: np.ndarray) -> list[int | None]:
@@ -182,7 +187,7 @@ def _median_turn(prompt: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, 
     puts there, found without sorting: the k-th smallest prompt, and of the turns with that prompt, in
     their order, the one k falls on past the smaller ones."""
     k = (len(prompt) - 1) // 2
-    v = np.partition(prompt, k)[k]
+    v = order_statistics(prompt, [k])[k]
     at = int(np.flatnonzero(prompt == v)[k - int(np.count_nonzero(prompt < v))])
     return {"prompt_tokens": int(v), **{p: int(parts[p][at]) for p in PARTS}}
 
@@ -211,23 +216,25 @@ def _session_rows(s: Turns, usd: np.ndarray | None) -> dict[str, list[dict]]:
 
 def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
     """One group's figures from its turns' columns (``mine``: the group's completed turns with a prompt
-    count, in the order loaded; ``usd`` their costs). Each count as int64: sums exact, medians of the
-    values the per-turn lists held."""
+    count, in the order loaded; ``usd`` their costs). The counts are the record's INTEGER columns: their
+    float64 values are the ints the per-turn lists held, so medians are the same, and sums are taken
+    as int64 (exact, as Python's were); each list's values, where order matters (the fit's means), in
+    the same order."""
     num = mine.num
-    prompt = _counts(num["prompt_tokens"])
-    parts = {p: _counts(num[f"prompt_{p}_tokens"]) for p in PARTS}
+    prompt = num["prompt_tokens"]
+    parts = {p: _counted(num[f"prompt_{p}_tokens"]) for p in PARTS}
     medians = {p: _median(parts[p]) for p in PARTS}
     medians["prompt_tokens"] = _median(prompt)
     new = parts["new"]
     counted = prompt != 0
     typed = _median(new[counted] / prompt[counted])
-    overall = int(new.sum()) / max(int(prompt.sum()), 1)
+    overall = int(new.astype(np.int64).sum()) / max(int(prompt.astype(np.int64).sum()), 1)
     median_turn = _median_turn(prompt, parts)
     del parts, new, counted
-    ttft, cached = num["ttft_s"], num["usage_cached_tokens"]
-    fit = fit_of(ttft, num["streamed"], prompt.astype(float), cached)
-    median_ttft = _median(ttft[(num["streamed"] == 1) & ~np.isnan(ttft)])
-    del prompt
+    ttft, streamed, cached = num["ttft_s"], num["streamed"], num["usage_cached_tokens"]
+    fit = fit_of(ttft, streamed, prompt, cached)
+    median_ttft = _median(ttft[(streamed == 1) & ~np.isnan(ttft)])
+    del prompt, streamed
     with_session = np.flatnonzero(~mine.is_("session", None))
     rows = _session_rows(mine.select(with_session), None if usd is None else usd[with_session])
     per_session = {sid: _session(rs, fit) for sid, rs in rows.items()}
@@ -236,10 +243,9 @@ def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
         "client": name, "group": name, "turns": len(mine), "apis": sorted(a for a in mine.distinct("api") if a),
         "sessions": len(per_session), "median_tokens": medians, "median_turn": median_turn,
         "typed_share": {"median": typed, "overall": overall},
-        "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))),
-                                 "median": _median(cached[~np.isnan(cached)].astype(np.int64))},
+        "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))), "median": _median(cached[~np.isnan(cached)])},
         "median_ttft_s": median_ttft,
-        "median_tools_defined": _median(tools[~np.isnan(tools)].astype(np.int64)),
+        "median_tools_defined": _median(tools[~np.isnan(tools)]),
         "prefill_fit": fit,
         "prefix_cache": cache_totals(num["prefix_reused_tokens"], cached, fit),
         "session_detail": per_session,
