@@ -1,8 +1,8 @@
 """A varied window of turns for the audit's tests, the same on every run (a seeded generator): several
 clients (one of them NULL, one named as the NULL group reads), sessions whose rowids run against the
-load order, turns that failed or have no prompt count, NULL cached / predicted / TTFT counts, prompts
-that tie (the median turn is picked among equal prompts), empty prompts, recorded diffs and tool names
-(some rows without them), and models with and without a price."""
+load order (start time), turns that failed or have no prompt count, NULL cached / predicted / TTFT
+counts, prompts that tie (the median turn is picked among equal prompts), empty prompts, recorded diffs
+and tool names (some rows without them), and models with and without a price."""
 
 from __future__ import annotations
 
@@ -30,14 +30,13 @@ def varied_turns(n: int = 160, seed: int = 36) -> Turns:
 
     parts = {p: rng.integers(lo, hi, n).astype(float) for p, lo, hi in
              (("system", 0, 4), ("tools", 0, 3), ("history", 0, 5), ("new", 0, 3))}
-    parts = {p: v * 100 for p, v in parts.items()}  # few distinct sums: prompts tie, and some are 0
+    empty = rng.random(n) < 0.08  # a prompt of 0 tokens: no share of it is new input
+    parts = {p: np.where(empty, 0.0, v * 100) for p, v in parts.items()}  # few distinct sums: prompts tie
     prompt = sum(parts.values())
     counted = rng.random(n) > 0.1
     num = {f"prompt_{p}_tokens": np.where(counted, v, np.nan) for p, v in parts.items()}
     num["prompt_tokens"] = np.where(counted, prompt, np.nan)
-    rowid = np.arange(1, n + 1, dtype=np.int64)
-    swap = rng.choice(n - 1, size=n // 8, replace=False)  # measured out of start order
-    rowid[swap], rowid[swap + 1] = rowid[swap + 1].copy(), rowid[swap].copy()
+    rowid = rng.permutation(n).astype(np.int64) + 1  # measured in another order than they started
     num.update(rowid=rowid, t_wall=1e9 + np.arange(n, dtype=float),
                ttft_s=maybe(0.05 + prompt * 2e-4 + rng.random(n) * 0.05, 0.1),
                streamed=maybe(rng.integers(0, 2, n).astype(float), 0.05),
