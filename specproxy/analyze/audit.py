@@ -200,8 +200,8 @@ def _session_rows(s: Turns, usd: np.ndarray | None) -> dict[str, list[dict]]:
     open alike) could swap, and the first-seen one would read as a restart."""
     num, txt = s.num, s.txt
     cols = {p: num[f"prompt_{p}_tokens"].astype(np.int64).tolist() for p in PARTS}
-    cols.update(prompt_tokens=num["prompt_tokens"].astype(np.int64).tolist(), rowid=num["rowid"].astype(np.int64).tolist(),
-                ttft_s=num["ttft_s"].astype(float).tolist(), cached=_ints(num["usage_cached_tokens"]),
+    cols.update(prompt_tokens=num["prompt_tokens"].astype(np.int64).tolist(),
+                rowid=num["rowid"].astype(np.int64).tolist(), ttft_s=num["ttft_s"].astype(float).tolist(), cached=_ints(num["usage_cached_tokens"]),
                 reused=_ints(num["prefix_reused_tokens"]), break_part=txt["prefix_break_part"].tolist(),
                 diff=[_json_or_none(v) for v in txt["turn_diff"].tolist()], tools_defined=_ints(num["tools_defined"]),
                 tools_called=_ints(num["tools_called"]),
@@ -243,7 +243,8 @@ def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
         "client": name, "group": name, "turns": len(mine), "apis": sorted(a for a in mine.distinct("api") if a),
         "sessions": len(per_session), "median_tokens": medians, "median_turn": median_turn,
         "typed_share": {"median": typed, "overall": overall},
-        "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))), "median": _median(cached[~np.isnan(cached)])},
+        "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))),
+                                 "median": _median(cached[~np.isnan(cached)])},
         "median_ttft_s": median_ttft,
         "median_tools_defined": _median(tools[~np.isnan(tools)]),
         "prefill_fit": fit,

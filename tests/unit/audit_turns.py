@@ -44,7 +44,8 @@ def varied_turns(n: int = 160, seed: int = 36) -> Turns:
                prefix_reused_tokens=maybe(np.floor(prompt * rng.random(n)), 0.3),
                tools_defined=maybe(rng.integers(0, 5, n).astype(float), 0.3),
                tools_called=maybe(rng.integers(0, 3, n).astype(float), 0.4),
-               usage_prompt_tokens=maybe(prompt + 7, 0.2), completion_tokens=maybe(rng.integers(1, 300, n).astype(float), 0.1),
+               usage_prompt_tokens=maybe(prompt + 7, 0.2),
+               completion_tokens=maybe(rng.integers(1, 300, n).astype(float), 0.1),
                usage_completion_tokens=maybe(rng.integers(1, 300, n).astype(float), 0.2),
                reasoning_tokens=maybe(rng.integers(0, 50, n).astype(float), 0.5),
                usage_cache_write_tokens=maybe(rng.integers(0, 100, n).astype(float), 0.5))

@@ -74,7 +74,8 @@ def test_audit_reads_through_the_column_cache(tmp_path):
     conn = open_store(db)
     try:
         conn.execute("INSERT INTO turns (t_wall, outcome, prompt_tokens, prompt_system_tokens, prompt_tools_tokens, "
-                     "prompt_history_tokens, prompt_new_tokens, client, measured) VALUES (1e9, 'ok', 10, 4, 3, 2, 1, 'a', 1)")
+                     "prompt_history_tokens, prompt_new_tokens, client, measured) "
+                     "VALUES (1e9, 'ok', 10, 4, 3, 2, 1, 'a', 1)")
         conn.commit()
     finally:
         conn.close()
