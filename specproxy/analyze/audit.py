@@ -201,10 +201,10 @@ def _session_rows(s: Turns, usd: np.ndarray | None) -> dict[str, list[dict]]:
     num, txt = s.num, s.txt
     cols = {p: num[f"prompt_{p}_tokens"].astype(np.int64).tolist() for p in PARTS}
     cols.update(prompt_tokens=num["prompt_tokens"].astype(np.int64).tolist(),
-                rowid=num["rowid"].astype(np.int64).tolist(), ttft_s=num["ttft_s"].astype(float).tolist(), cached=_ints(num["usage_cached_tokens"]),
-                reused=_ints(num["prefix_reused_tokens"]), break_part=txt["prefix_break_part"].tolist(),
-                diff=[_json_or_none(v) for v in txt["turn_diff"].tolist()], tools_defined=_ints(num["tools_defined"]),
-                tools_called=_ints(num["tools_called"]),
+                rowid=num["rowid"].astype(np.int64).tolist(), ttft_s=num["ttft_s"].astype(float).tolist(),
+                cached=_ints(num["usage_cached_tokens"]), reused=_ints(num["prefix_reused_tokens"]),
+                break_part=txt["prefix_break_part"].tolist(), diff=[_json_or_none(v) for v in txt["turn_diff"].tolist()],
+                tools_defined=_ints(num["tools_defined"]), tools_called=_ints(num["tools_called"]),
                 tool_names=[_json_or_none(v) for v in txt["tool_names"].tolist()],
                 cost_usd=[None] * len(s) if usd is None else [None if u != u else u for u in usd.tolist()])
     keys = list(cols)
