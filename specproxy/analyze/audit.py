@@ -44,6 +44,7 @@ import orjson
 from specproxy.analyze.cells import groups
 from specproxy.analyze.cost import COST_COLUMNS, cost_summary, group_index, render_cost_lines, turn_costs, usd
 from specproxy.prices import Price
+from specproxy.analyze.deferred import figures_in_parallel, later, resolved
 from specproxy.analyze.order_stats import order_statistics
 from specproxy.analyze.prefix_cache import cache_totals, fit_of, lost_tokens, lost_ttft, render_lines
 from specproxy.analyze.summary import median
@@ -173,10 +174,12 @@ def build_audit(turns: Turns, *, source: str = "", by: str = "client",
     everyone = dict(groups(index)) if costs is not None else {}
     del index, done
     clients = []
-    for g, rows in found:
-        group = _client(names[g], turns.select(rows), None if costs is None else costs.usd[rows])
-        group["cost"] = cost_summary(costs.select(everyone[g])) if costs is not None else None
-        clients.append(group)
+    with figures_in_parallel():  # the medians on the other core while the next columns are gathered
+        for g, rows in found:
+            group = _client(names[g], turns.select(rows), None if costs is None else costs.usd[rows])
+            group["cost"] = cost_summary(costs.select(everyone[g])) if costs is not None else None
+            clients.append(group)
+        clients = resolved(clients)
     return {"source": source, "by": by, "priced": prices is not None,
             "turns": sum(c["turns"] for c in clients), "clients": clients, "groups": clients}
 
@@ -223,17 +226,17 @@ def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
     num = mine.num
     prompt = num["prompt_tokens"]
     parts = {p: _counted(num[f"prompt_{p}_tokens"]) for p in PARTS}
-    medians = {p: _median(parts[p]) for p in PARTS}
-    medians["prompt_tokens"] = _median(prompt)
+    medians = {p: later(_median, parts[p]) for p in PARTS}
+    medians["prompt_tokens"] = later(_median, prompt)
     new = parts["new"]
     counted = prompt != 0
-    typed = _median(new[counted] / prompt[counted])
+    typed = later(_median, new[counted] / prompt[counted])
     overall = int(new.astype(np.int64).sum()) / max(int(prompt.astype(np.int64).sum()), 1)
-    median_turn = _median_turn(prompt, parts)
+    median_turn = later(_median_turn, prompt, parts)
     del parts, new, counted
     ttft, streamed, cached = num["ttft_s"], num["streamed"], num["usage_cached_tokens"]
     fit = fit_of(ttft, streamed, prompt, cached)
-    median_ttft = _median(ttft[(streamed == 1) & ~np.isnan(ttft)])
+    median_ttft = later(_median, ttft[(streamed == 1) & ~np.isnan(ttft)])
     del prompt, streamed
     with_session = np.flatnonzero(~mine.is_("session", None))
     rows = _session_rows(mine.select(with_session), None if usd is None else usd[with_session])
@@ -244,16 +247,23 @@ def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
         "sessions": len(per_session), "median_tokens": medians, "median_turn": median_turn,
         "typed_share": {"median": typed, "overall": overall},
         "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))),
-                                 "median": _median(cached[~np.isnan(cached)])},
+                                 "median": later(_median, cached[~np.isnan(cached)])},
         "median_ttft_s": median_ttft,
-        "median_tools_defined": _median(tools[~np.isnan(tools)]),
+        "median_tools_defined": later(_median, tools[~np.isnan(tools)]),
         "prefill_fit": fit,
         "prefix_cache": cache_totals(num["prefix_reused_tokens"], cached, fit),
         "session_detail": per_session,
     }
     if fit is not None:
-        out["part_cost_s"] = {p: (medians[p] or 0) * fit["seconds_per_token"] for p in PARTS}
+        out["part_cost_s"] = later(_part_cost_s, medians, fit)
     return out
+
+
+def _part_cost_s(medians: dict[str, Any], fit: dict[str, Any]) -> dict[str, float]:
+    """What each part's median costs at the fitted rate (``medians``: figures asked for before this one,
+    so running or done, never queued behind it)."""
+    medians = resolved(medians)
+    return {p: (medians[p] or 0) * fit["seconds_per_token"] for p in PARTS}
 
 
 def _plural(n: int, word: str) -> str:
