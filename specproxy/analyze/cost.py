@@ -157,7 +157,7 @@ def cost_summary(costs: TurnCosts) -> dict[str, Any]:
         "parts": {"turns": int(split.sum()), "usd": part_usd if split.any() else None,
                   "of_every_dollar": ({**{p: u / split_usd for p, u in part_usd.items()},
                                        "output": output_usd / split_usd} if split_usd > 0 else None)},
-        "unpriced": dict(Counter(str(w) for w in costs.why[~priced]).most_common()),
+        "unpriced": dict(Counter(costs.why[~priced].tolist()).most_common()),  # reasons: str, counted in C
     }
 
 
