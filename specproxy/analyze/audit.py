@@ -35,7 +35,7 @@ not what.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -164,24 +164,39 @@ def build_audit(turns: Turns, *, source: str = "", by: str = "client",
 
     From columns, a group at a time: the completed turns with a prompt count are grouped in one pass
     (``cells.groups`` of the group index), each group's figures read from its rows' columns; only the
-    turns of a session become per-turn rows (a month of turns as Python dicts took minutes and ~11 GB).
-    Groups are ordered by their turns, most first, a tie by which came first."""
+    turns of a session become per-turn rows, all in one pass (a month of turns as Python dicts took
+    minutes and ~11 GB). Groups are ordered by their turns, most first, a tie by which came first."""
     costs = turn_costs(turns, prices) if prices is not None else None
     index, names = group_index(turns, by, NO_CLIENT if by == "client" else NO_GROUP)
     done = np.flatnonzero(turns.is_("outcome", "ok") & ~np.isnan(turns.num["prompt_tokens"]))
     found = sorted(((g, done[at]) for g, at in groups(index[done])), key=lambda ga: (-len(ga[1]), ga[1][0]))
     # the group's cost is over all its turns in the window (aborted ones too), as the rule prices them
     everyone = dict(groups(index)) if costs is not None else {}
+    sessions_of = _session_rows(turns, done, None if costs is None else costs.usd)
     del index, done
     clients = []
-    with figures_in_parallel():  # the medians on the other core while the next columns are gathered
+    with figures_in_parallel():  # a large group's medians on the other core while its next columns are gathered
         for g, rows in found:
-            group = _client(names[g], turns.select(rows), None if costs is None else costs.usd[rows])
+            group = _client(names[g], turns.select(rows), sessions_of(rows))
             group["cost"] = cost_summary(costs.select(everyone[g])) if costs is not None else None
             clients.append(group)
-        clients = resolved(clients)
+        for c in clients:  # the figures that may be on the pool, not every session's per-turn detail
+            for k in DEFERRED:
+                if k in c:
+                    c[k] = resolved(c[k])
     return {"source": source, "by": by, "priced": prices is not None,
             "turns": sum(c["turns"] for c in clients), "clients": clients, "groups": clients}
+
+
+# a group's medians go to the figures pool from this many turns; below, the hand-off costs more than the
+# median (``--by session``: thousands of groups of a few turns)
+PARALLEL_MIN = 1 << 16
+DEFERRED = ("median_tokens", "median_turn", "typed_share", "server_cached_tokens", "median_ttft_s",
+            "median_tools_defined", "part_cost_s")
+
+
+def _now(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def _median_turn(prompt: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, int]:
@@ -195,12 +210,18 @@ def _median_turn(prompt: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, 
     return {"prompt_tokens": int(v), **{p: int(parts[p][at]) for p in PARTS}}
 
 
-def _session_rows(s: Turns, usd: np.ndarray | None) -> dict[str, list[dict]]:
-    """The turns of ``s`` (each with a session) as rows per session, sessions in the order they first
-    come, each's turns in the order the proxy measured them (rowid: the writer stores records in that
-    order), which is the order its prefix comparison ran in, so each turn's diff is against the turn
-    before it here; by start time, two turns of one session in flight at once (two conversations that
-    open alike) could swap, and the first-seen one would read as a restart."""
+def _session_rows(turns: Turns, done: np.ndarray,
+                  usd: np.ndarray | None) -> Callable[[np.ndarray], dict[str, list[dict]]]:
+    """The completed turns of ``done`` (positions) that have a session, as per-turn rows, made in one pass
+    over their columns; returns, for a group's positions, its rows per session: sessions in the order
+    they first come, each's turns in the order the proxy measured them (rowid: the writer stores records
+    in that order), which is the order its prefix comparison ran in, so each turn's diff is against the
+    turn before it here; by start time, two turns of one session in flight at once (two conversations
+    that open alike) could swap, and the first-seen one would read as a restart."""
+    at = done[~turns.is_("session", None)[done]]
+    if not len(at):
+        return lambda rows: {}
+    s = turns.select(at)
     num, txt = s.num, s.txt
     cols = {p: num[f"prompt_{p}_tokens"].astype(np.int64).tolist() for p in PARTS}
     cols.update(prompt_tokens=num["prompt_tokens"].astype(np.int64).tolist(),
@@ -209,53 +230,62 @@ def _session_rows(s: Turns, usd: np.ndarray | None) -> dict[str, list[dict]]:
                 break_part=txt["prefix_break_part"].tolist(), diff=[_json_or_none(v) for v in txt["turn_diff"].tolist()],
                 tools_defined=_ints(num["tools_defined"]), tools_called=_ints(num["tools_called"]),
                 tool_names=[_json_or_none(v) for v in txt["tool_names"].tolist()],
-                cost_usd=[None] * len(s) if usd is None else [None if u != u else u for u in usd.tolist()])
+                cost_usd=[None] * len(s) if usd is None else [None if u != u else u for u in usd[at].tolist()])
     keys = list(cols)
-    sessions: dict[str, list[dict]] = defaultdict(list)
-    for sid, values in zip(txt["session"].tolist(), zip(*cols.values())):
-        sessions[sid].append(dict(zip(keys, values)))
-    return {sid: sorted(rs, key=lambda r: r["rowid"]) for sid, rs in sessions.items()}
+    rows_of = [dict(zip(keys, values)) for values in zip(*cols.values())]
+    session_of = txt["session"].tolist()
+    del cols, s, num, txt
+    slot = np.full(len(turns), -1, dtype=np.int64)  # a turn's row, -1: none
+    slot[at] = np.arange(len(at))
+
+    def of(rows: np.ndarray) -> dict[str, list[dict]]:
+        sessions: dict[str, list[dict]] = defaultdict(list)
+        mine = slot[rows]
+        for i in mine[mine >= 0].tolist():
+            sessions[session_of[i]].append(rows_of[i])
+        return {sid: sorted(rs, key=lambda r: r["rowid"]) for sid, rs in sessions.items()}
+
+    return of
 
 
-def _client(name: str, mine: Turns, usd: np.ndarray | None) -> dict[str, Any]:
+def _client(name: str, mine: Turns, sessions: dict[str, list[dict]]) -> dict[str, Any]:
     """One group's figures from its turns' columns (``mine``: the group's completed turns with a prompt
-    count, in the order loaded; ``usd`` their costs). The counts are the record's INTEGER columns: their
-    float64 values are the ints the per-turn lists held, so medians are the same, and sums are taken
-    as int64 (exact, as Python's were); each list's values, where order matters (the fit's means), in
-    the same order."""
+    count, in the order loaded; ``sessions``: those of them in a session, as rows per session). The
+    counts are the record's INTEGER columns: their float64 values are the ints the per-turn lists held,
+    so medians are the same, and sums are taken as int64 (exact, as Python's were); each list's values,
+    where order matters (the fit's means), in the same order."""
+    soon = later if len(mine) >= PARALLEL_MIN else _now
     num = mine.num
     prompt = num["prompt_tokens"]
     parts = {p: _counted(num[f"prompt_{p}_tokens"]) for p in PARTS}
-    medians = {p: later(_median, parts[p]) for p in PARTS}
-    medians["prompt_tokens"] = later(_median, prompt)
+    medians = {p: soon(_median, parts[p]) for p in PARTS}
+    medians["prompt_tokens"] = soon(_median, prompt)
     new = parts["new"]
     counted = prompt != 0
-    typed = later(_median, new[counted] / prompt[counted])
+    typed = soon(_median, new[counted] / prompt[counted])
     overall = int(new.astype(np.int64).sum()) / max(int(prompt.astype(np.int64).sum()), 1)
-    median_turn = later(_median_turn, prompt, parts)
+    median_turn = soon(_median_turn, prompt, parts)
     del parts, new, counted
     ttft, streamed, cached = num["ttft_s"], num["streamed"], num["usage_cached_tokens"]
     fit = fit_of(ttft, streamed, prompt, cached)
-    median_ttft = later(_median, ttft[(streamed == 1) & ~np.isnan(ttft)])
+    median_ttft = soon(_median, ttft[(streamed == 1) & ~np.isnan(ttft)])
     del prompt, streamed
-    with_session = np.flatnonzero(~mine.is_("session", None))
-    rows = _session_rows(mine.select(with_session), None if usd is None else usd[with_session])
-    per_session = {sid: _session(rs, fit) for sid, rs in rows.items()}
+    per_session = {sid: _session(rs, fit) for sid, rs in sessions.items()}
     tools = num["tools_defined"]
     out: dict[str, Any] = {
         "client": name, "group": name, "turns": len(mine), "apis": sorted(a for a in mine.distinct("api") if a),
         "sessions": len(per_session), "median_tokens": medians, "median_turn": median_turn,
         "typed_share": {"median": typed, "overall": overall},
         "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))),
-                                 "median": later(_median, cached[~np.isnan(cached)])},
+                                 "median": soon(_median, cached[~np.isnan(cached)])},
         "median_ttft_s": median_ttft,
-        "median_tools_defined": later(_median, tools[~np.isnan(tools)]),
+        "median_tools_defined": soon(_median, tools[~np.isnan(tools)]),
         "prefill_fit": fit,
         "prefix_cache": cache_totals(num["prefix_reused_tokens"], cached, fit),
         "session_detail": per_session,
     }
     if fit is not None:
-        out["part_cost_s"] = later(_part_cost_s, medians, fit)
+        out["part_cost_s"] = soon(_part_cost_s, medians, fit)
     return out
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # audit_turns, run as a script t
 
 from audit_turns import PRICES, varied_turns  # noqa: E402
 
+from specproxy.analyze import audit  # noqa: E402
 from specproxy.analyze.audit import build_audit  # noqa: E402
 
 EXPECTED = Path(__file__).with_name("audit_expected.json")
@@ -48,8 +49,11 @@ def computed() -> dict:
             for name, (by, priced) in CASES.items()}
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["in place", "medians on the pool"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_audit_is_the_per_turn_audit_to_the_last_bit(case):
+def test_the_audit_is_the_per_turn_audit_to_the_last_bit(case, pool, monkeypatch):
+    if pool:  # every group's medians on the figures pool, as a month's large groups have them
+        monkeypatch.setattr(audit, "PARALLEL_MIN", 1)
     want = orjson.loads(EXPECTED.read_bytes())[case]
     got = computed()[case]
     assert got["audit"] == want["audit"]
