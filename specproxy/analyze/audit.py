@@ -35,16 +35,19 @@ not what.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 
-from specproxy.analyze.cost import COST_COLUMNS, cost_summary, render_cost_lines, turn_costs, usd
+from specproxy.analyze.cells import groups
+from specproxy.analyze.cost import COST_COLUMNS, cost_summary, group_index, render_cost_lines, turn_costs, usd
 from specproxy.prices import Price
-from specproxy.analyze.prefix_cache import (cache_totals, lost_tokens, lost_ttft, render_lines, ttft_fit,
-                                            uncached_tokens)
+from specproxy.analyze.deferred import figures_in_parallel, later, resolved
+from specproxy.analyze.order_stats import order_statistics
+from specproxy.analyze.prefix_cache import cache_totals, fit_of, lost_tokens, lost_ttft, render_lines
+from specproxy.analyze.summary import median
 from specproxy.analyze.turn_diff import readable_diff, render_diff
 from specproxy.store.dataset import Turns
 
@@ -65,8 +68,13 @@ def audit_columns(by: str = "client") -> tuple[str, ...]:
     return tuple(dict.fromkeys((*AUDIT_COLUMNS, *COST_COLUMNS, by)))
 
 
-def _median(values: list[float]) -> float | None:
-    return float(np.median(values)) if values else None
+def _median(values: list[float] | np.ndarray) -> float | None:
+    """``numpy.median``, None of nothing; of an array of finite values from its order statistics (the same
+    value: a count's median over float64 is the one over its ints)."""
+    if not len(values):
+        return None
+    x = np.asarray(values, dtype=float)
+    return median(x) if np.isfinite(x).all() else float(np.median(values))
 
 
 FIRST_SEEN = "first turn seen of this session"
@@ -134,80 +142,158 @@ def _json_or_none(value: Any) -> Any:
     return orjson.loads(value) if isinstance(value, str) and value else None
 
 
-def _int_or_none(value: float) -> int | None:
-    return None if np.isnan(value) else int(value)
+def _counted(values: np.ndarray) -> np.ndarray:
+    """A prompt part's counts of completed turns with a prompt count: a turn counted has its parts counted
+    too (one split makes both), so a NULL among them is an error, as ``int()`` of it was."""
+    if np.isnan(values).any():
+        raise ValueError("cannot convert float NaN to integer: a completed turn's prompt part was not counted")
+    return values
+
+
+def _ints(values: np.ndarray) -> list[int | None]:
+    """A count column as Python ints, None where NULL: the per-turn rows of sessions."""
+    missing = np.isnan(values)
+    ints = np.where(missing, 0, values).astype(np.int64).tolist()
+    return [None if m else v for v, m in zip(ints, missing.tolist())]
 
 
 def build_audit(turns: Turns, *, source: str = "", by: str = "client",
                 prices: Mapping[str, Price] | None = None) -> dict[str, Any]:
     """The audit of ``turns`` (``audit_columns(by)``), per client (or per ``by``); with ``prices``, in
-    dollars too."""
-    num, txt = turns.num, turns.txt
-    by_client: dict[str, list[dict]] = defaultdict(list)
+    dollars too.
+
+    From columns, a group at a time: the completed turns with a prompt count are grouped in one pass
+    (``cells.groups`` of the group index), each group's figures read from its rows' columns; only the
+    turns of a session become per-turn rows, all in one pass (a month of turns as Python dicts took
+    minutes and ~11 GB). Groups are ordered by their turns, most first, a tie by which came first."""
     costs = turn_costs(turns, prices) if prices is not None else None
-    none = NO_CLIENT if by == "client" else NO_GROUP
-    names = np.array([none if v is None else v for v in txt[by]], dtype=object)
-    for i in range(len(turns)):
-        if txt["outcome"][i] != "ok" or np.isnan(num["prompt_tokens"][i]):
-            continue
-        row = {p: int(num[f"prompt_{p}_tokens"][i]) for p in PARTS}
-        row.update(prompt_tokens=int(num["prompt_tokens"][i]), t_wall=float(num["t_wall"][i]),
-                   rowid=int(num["rowid"][i]),
-                   ttft_s=float(num["ttft_s"][i]), streamed=bool(num["streamed"][i] == 1),
-                   cached=_int_or_none(num["usage_cached_tokens"][i]),
-                   session=txt["session"][i], api=txt["api"][i],
-                   reused=_int_or_none(num["prefix_reused_tokens"][i]), break_part=txt["prefix_break_part"][i],
-                   diff=_json_or_none(txt["turn_diff"][i]), tools_defined=_int_or_none(num["tools_defined"][i]),
-                   tools_called=_int_or_none(num["tools_called"][i]), tool_names=_json_or_none(txt["tool_names"][i]),
-                   cost_usd=None if costs is None or np.isnan(costs.usd[i]) else float(costs.usd[i]))
-        by_client[names[i]].append(row)
+    index, names = group_index(turns, by, NO_CLIENT if by == "client" else NO_GROUP)
+    done = np.flatnonzero(turns.is_("outcome", "ok") & ~np.isnan(turns.num["prompt_tokens"]))
+    found = sorted(((g, done[at]) for g, at in groups(index[done])), key=lambda ga: (-len(ga[1]), ga[1][0]))
+    # the group's cost is over all its turns in the window (aborted ones too), as the rule prices them
+    everyone = dict(groups(index)) if costs is not None else {}
+    sessions_of = _session_rows(turns, done, None if costs is None else costs.usd)
+    del index, done
     clients = []
-    for name, rows in sorted(by_client.items(), key=lambda kv: -len(kv[1])):
-        group = _client(name, rows)
-        # the group's cost is over all its turns in the window (aborted ones too), as the rule prices them
-        group["cost"] = cost_summary(costs.select(names == name)) if costs is not None else None
-        clients.append(group)
+    with figures_in_parallel():  # a large group's medians on the other core while its next columns are gathered
+        for g, rows in found:
+            group = _client(names[g], turns.select(rows), sessions_of(rows))
+            group["cost"] = cost_summary(costs.select(everyone[g])) if costs is not None else None
+            clients.append(group)
+        for c in clients:  # the figures that may be on the pool, not every session's per-turn detail
+            for k in DEFERRED:
+                if k in c:
+                    c[k] = resolved(c[k])
     return {"source": source, "by": by, "priced": prices is not None,
             "turns": sum(c["turns"] for c in clients), "clients": clients, "groups": clients}
 
 
-def _median_turn(rows: list[dict]) -> dict[str, int]:
+# a group's medians go to the figures pool from this many turns; below, the hand-off costs more than the
+# median (``--by session``: thousands of groups of a few turns)
+PARALLEL_MIN = 1 << 16
+DEFERRED = ("median_tokens", "median_turn", "typed_share", "server_cached_tokens", "median_ttft_s",
+            "median_tools_defined", "part_cost_s")
+
+
+def _now(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _median_turn(prompt: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, int]:
     """The parts of the turn whose prompt is the median (the lower of the middle two): one turn's parts,
-    which add up to its prompt, where the parts' own medians need not."""
-    mid = sorted(rows, key=lambda r: r["prompt_tokens"])[(len(rows) - 1) // 2]
-    return {"prompt_tokens": mid["prompt_tokens"], **{p: mid[p] for p in PARTS}}
+    which add up to its prompt, where the parts' own medians need not. The turn a stable sort by prompt
+    puts there, found without sorting: the k-th smallest prompt, and of the turns with that prompt, in
+    their order, the one k falls on past the smaller ones."""
+    k = (len(prompt) - 1) // 2
+    v = order_statistics(prompt, [k])[k]
+    at = int(np.flatnonzero(prompt == v)[k - int(np.count_nonzero(prompt < v))])
+    return {"prompt_tokens": int(v), **{p: int(parts[p][at]) for p in PARTS}}
 
 
-def _client(name: str, rows: list[dict]) -> dict[str, Any]:
-    medians = {p: _median([r[p] for r in rows]) for p in (*PARTS, "prompt_tokens")}
-    typed = [r["new"] / r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
-    sessions: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["session"] is not None:
-            sessions[r["session"]].append(r)
-    # a session's turns in the order the proxy measured them (rowid: the writer stores records in that order),
-    # which is the order its prefix comparison ran in, so each turn's diff is against the turn before it here;
-    # by start time, two turns of one session in flight at once (two conversations that open alike) could
-    # swap, and the first-seen one would read as a restart
-    timed = [r for r in rows if r["streamed"] and not np.isnan(r["ttft_s"])]
-    fit = ttft_fit([r["ttft_s"] for r in timed], [uncached_tokens(r["prompt_tokens"], r["cached"]) for r in timed])
-    per_session = {s: _session(sorted(rs, key=lambda r: r["rowid"]), fit) for s, rs in sessions.items()}
-    cached = [r["cached"] for r in rows if r["cached"] is not None]
+def _session_rows(turns: Turns, done: np.ndarray,
+                  usd: np.ndarray | None) -> Callable[[np.ndarray], dict[str, list[dict]]]:
+    """The completed turns of ``done`` (positions) that have a session, as per-turn rows, made in one pass
+    over their columns; returns, for a group's positions, its rows per session: sessions in the order
+    they first come, each's turns in the order the proxy measured them (rowid: the writer stores records
+    in that order), which is the order its prefix comparison ran in, so each turn's diff is against the
+    turn before it here; by start time, two turns of one session in flight at once (two conversations
+    that open alike) could swap, and the first-seen one would read as a restart."""
+    at = done[~turns.is_("session", None)[done]]
+    if not len(at):
+        return lambda rows: {}
+    s = turns.select(at)
+    num, txt = s.num, s.txt
+    cols = {p: num[f"prompt_{p}_tokens"].astype(np.int64).tolist() for p in PARTS}
+    cols.update(prompt_tokens=num["prompt_tokens"].astype(np.int64).tolist(),
+                rowid=num["rowid"].astype(np.int64).tolist(), ttft_s=num["ttft_s"].astype(float).tolist(),
+                cached=_ints(num["usage_cached_tokens"]), reused=_ints(num["prefix_reused_tokens"]),
+                break_part=txt["prefix_break_part"].tolist(), diff=[_json_or_none(v) for v in txt["turn_diff"].tolist()],
+                tools_defined=_ints(num["tools_defined"]), tools_called=_ints(num["tools_called"]),
+                tool_names=[_json_or_none(v) for v in txt["tool_names"].tolist()],
+                cost_usd=[None] * len(s) if usd is None else [None if u != u else u for u in usd[at].tolist()])
+    keys = list(cols)
+    rows_of = [dict(zip(keys, values)) for values in zip(*cols.values())]
+    session_of = txt["session"].tolist()
+    del cols, s, num, txt
+    slot = np.full(len(turns), -1, dtype=np.int64)  # a turn's row, -1: none
+    slot[at] = np.arange(len(at))
+
+    def of(rows: np.ndarray) -> dict[str, list[dict]]:
+        sessions: dict[str, list[dict]] = defaultdict(list)
+        mine = slot[rows]
+        for i in mine[mine >= 0].tolist():
+            sessions[session_of[i]].append(rows_of[i])
+        return {sid: sorted(rs, key=lambda r: r["rowid"]) for sid, rs in sessions.items()}
+
+    return of
+
+
+def _client(name: str, mine: Turns, sessions: dict[str, list[dict]]) -> dict[str, Any]:
+    """One group's figures from its turns' columns (``mine``: the group's completed turns with a prompt
+    count, in the order loaded; ``sessions``: those of them in a session, as rows per session). The
+    counts are the record's INTEGER columns: their float64 values are the ints the per-turn lists held,
+    so medians are the same, and sums are taken as int64 (exact, as Python's were); each list's values,
+    where order matters (the fit's means), in the same order."""
+    soon = later if len(mine) >= PARALLEL_MIN else _now
+    num = mine.num
+    prompt = num["prompt_tokens"]
+    parts = {p: _counted(num[f"prompt_{p}_tokens"]) for p in PARTS}
+    medians = {p: soon(_median, parts[p]) for p in PARTS}
+    medians["prompt_tokens"] = soon(_median, prompt)
+    new = parts["new"]
+    counted = prompt != 0
+    typed = soon(_median, new[counted] / prompt[counted])
+    overall = int(new.astype(np.int64).sum()) / max(int(prompt.astype(np.int64).sum()), 1)
+    median_turn = soon(_median_turn, prompt, parts)
+    del parts, new, counted
+    ttft, streamed, cached = num["ttft_s"], num["streamed"], num["usage_cached_tokens"]
+    fit = fit_of(ttft, streamed, prompt, cached)
+    median_ttft = soon(_median, ttft[(streamed == 1) & ~np.isnan(ttft)])
+    del prompt, streamed
+    per_session = {sid: _session(rs, fit) for sid, rs in sessions.items()}
+    tools = num["tools_defined"]
     out: dict[str, Any] = {
-        "client": name, "group": name, "turns": len(rows), "apis": sorted({r["api"] for r in rows if r["api"]}),
-        "sessions": len(sessions), "median_tokens": medians, "median_turn": _median_turn(rows),
-        "typed_share": {"median": _median(typed),
-                        "overall": sum(r["new"] for r in rows) / max(sum(r["prompt_tokens"] for r in rows), 1)},
-        "server_cached_tokens": {"n": len(cached), "median": _median(cached)},
-        "median_ttft_s": _median([r["ttft_s"] for r in timed]),
-        "median_tools_defined": _median([r["tools_defined"] for r in rows if r["tools_defined"] is not None]),
+        "client": name, "group": name, "turns": len(mine), "apis": sorted(a for a in mine.distinct("api") if a),
+        "sessions": len(per_session), "median_tokens": medians, "median_turn": median_turn,
+        "typed_share": {"median": typed, "overall": overall},
+        "server_cached_tokens": {"n": int(np.count_nonzero(~np.isnan(cached))),
+                                 "median": soon(_median, cached[~np.isnan(cached)])},
+        "median_ttft_s": median_ttft,
+        "median_tools_defined": soon(_median, tools[~np.isnan(tools)]),
         "prefill_fit": fit,
-        "prefix_cache": cache_totals([r["reused"] for r in rows], [r["cached"] for r in rows], fit),
+        "prefix_cache": cache_totals(num["prefix_reused_tokens"], cached, fit),
         "session_detail": per_session,
     }
     if fit is not None:
-        out["part_cost_s"] = {p: (medians[p] or 0) * fit["seconds_per_token"] for p in PARTS}
+        out["part_cost_s"] = soon(_part_cost_s, medians, fit)
     return out
+
+
+def _part_cost_s(medians: dict[str, Any], fit: dict[str, Any]) -> dict[str, float]:
+    """What each part's median costs at the fitted rate (``medians``: figures asked for before this one,
+    so running or done, never queued behind it)."""
+    medians = resolved(medians)
+    return {p: (medians[p] or 0) * fit["seconds_per_token"] for p in PARTS}
 
 
 def _plural(n: int, word: str) -> str:

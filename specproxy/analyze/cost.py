@@ -157,17 +157,17 @@ def cost_summary(costs: TurnCosts) -> dict[str, Any]:
         "parts": {"turns": int(split.sum()), "usd": part_usd if split.any() else None,
                   "of_every_dollar": ({**{p: u / split_usd for p, u in part_usd.items()},
                                        "output": output_usd / split_usd} if split_usd > 0 else None)},
-        "unpriced": dict(Counter(str(w) for w in costs.why[~priced]).most_common()),
+        "unpriced": dict(Counter(costs.why[~priced].tolist()).most_common()),  # reasons: str, counted in C
     }
 
 
-def group_index(turns: Turns, key: str) -> tuple[np.ndarray, list]:
-    """Each turn's group by ``key`` as an index into the returned names: its value, ``(none)`` where the
+def group_index(turns: Turns, key: str, none: str = NO_GROUP) -> tuple[np.ndarray, list]:
+    """Each turn's group by ``key`` as an index into the returned names: its value, ``none`` where the
     record has none (one group with a value that reads so). From the column's codes: no pass over objects,
     and ``cells.groups`` of the index gives every group's turns at once."""
     codes, values = turns.codes(key)
     names: dict[Any, int] = {}
-    per_code = np.array([names.setdefault(v, len(names)) for v in (*values, NO_GROUP)], dtype=np.int64)
+    per_code = np.array([names.setdefault(v, len(names)) for v in (*values, none)], dtype=np.int64)
     return per_code[codes], list(names)  # code -1 (NULL) is the last entry
 
 

@@ -30,7 +30,7 @@ from specproxy.analyze.order_stats import order_statistics, quantile_at, quantil
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
-__all__ = ["Summary", "mean_ci", "median_ci", "median_p95_max", "summarize", "summarize_clustered"]
+__all__ = ["Summary", "mean_ci", "median", "median_ci", "median_p95_max", "summarize", "summarize_clustered"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,13 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     part = order_statistics(x, at)  # every order statistic below at once
     lo, hi = _ci_ends(part, n, ranks) if ranks is not None else (None, None)
     return Summary(int(n), _median(part, n), float(x.mean()), quantile_from(part, n, 0.95), lo, hi)
+
+
+def median(x: np.ndarray) -> float:
+    """``numpy.median`` of clean float64 values (at least one), to the last bit, from the two middle order
+    statistics: no partitioned copy of a month's column."""
+    n = x.size
+    return _median(order_statistics(x, {(n - 1) // 2, n // 2}), n)
 
 
 def median_p95_max(x: np.ndarray) -> tuple[float, float, float]:

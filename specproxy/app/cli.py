@@ -68,9 +68,10 @@ def _window(fn):
 @click.option("--by", "by", type=click.Choice(BY_CHOICES), default="client", show_default=True,
               help="Group the audit by the client (User-Agent), session, label, tenant or model")
 @prices_option
+@cache_option
 @friendly
 def audit(db: str | None, label: str | None, since: str | None, until: str | None, as_json: bool,
-          session: str | None, by: str, prices_file: str | None) -> None:
+          session: str | None, by: str, prices_file: str | None, cache: bool) -> None:
     """What each client costs: prompt make-up per turn, sessions, what changed turn to turn, prefill; with
     --prices, in dollars too."""
     from specproxy.analyze.audit import audit_columns, build_audit, find_session, render_audit, render_session
@@ -78,7 +79,7 @@ def audit(db: str | None, label: str | None, since: str | None, until: str | Non
     from specproxy.store.source import Window
 
     prices = prices_of(prices_file)
-    with open_source(db) as store:
+    with open_source(db, cache=cache) as store:
         turns = store.turns(Window(label, parse_time(since), parse_time(until)), audit_columns(by))
     a = build_audit(turns, source=db_path(db), by=by, prices=prices)
     if session is None:

@@ -157,8 +157,10 @@ def test_report_cache_and_no_cache_agree(demo_db, tmp_path):
         assert (cache / "manifest.json").exists()
     text = run("report", "--db", str(db), "--label", "demo")
     assert text.stdout == run("report", "--db", str(db), "--label", "demo", "--no-cache").stdout
-    for cmd in (["report"], ["compare", "x"]):
+    for cmd in (["report"], ["compare", "x"], ["audit"]):
         assert "--no-cache" in run(*cmd, "--help").stdout
+    audit = run("audit", "--db", str(db), "--json")
+    assert audit.returncode == 0 and audit.stdout == run("audit", "--db", str(db), "--json", "--no-cache").stdout
     a = run("compare", "demo", "--negative-control", "--db", str(db), "--json")
     b = run("compare", "demo", "--negative-control", "--db", str(db), "--json", "--no-cache")
     assert a.returncode == 0 and a.stdout == b.stdout

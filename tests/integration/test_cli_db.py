@@ -23,6 +23,8 @@ COMMANDS = {
     "export csv": ["export", "--format", "csv"],
     "compare": ["compare", "a", "b"],
     "compare --negative-control": ["compare", "a", "--negative-control"],
+    "audit": ["audit"],
+    "audit --no-cache": ["audit", "--no-cache"],
     "prune --turns": ["prune", "--before", "2025-01-01", "--turns"],  # after every turn: reads them all
 }
 

@@ -49,3 +49,18 @@ def test_a_large_sample_too():
         want = by_sorting(arr)
         s = summarize(arr)
         assert (s.n, s.median, s.p95, s.ci_low, s.ci_high) == want[:5]
+
+
+def test_median_is_numpys_of_the_ints_to_the_bit():
+    """``median`` (the audit's, of counts held as float64) against ``numpy.median`` of the same counts as
+    Python ints, as the audit's per-turn lists held them: odd and even sizes, ties, both paths (the C
+    selection from 4,096 values)."""
+    from specproxy.analyze.summary import median
+
+    rng = np.random.default_rng(36)
+    for n in (1, 2, 3, 4, 4095, 4096, 4097, 50_000, 50_001):
+        for high in (3, 1 << 20):  # ties everywhere, and few
+            ints = rng.integers(0, high, n)
+            assert median(ints.astype(float)) == float(np.median(ints.tolist()))
+            shares = ints / np.maximum(ints[::-1], 1)  # the new input's share: fractions
+            assert median(shares) == float(np.median(shares.tolist()))
