@@ -11,6 +11,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from specproxy.store.turns import first_seen
+
 __all__ = ["BOOT_CHUNK", "Coded", "check_level", "clean", "clean_labelled", "coded", "finite", "floats", "missing",
            "stable_argsort", "take_last"]
 
@@ -123,12 +125,7 @@ def coded(labels: Iterable[Any] | Coded) -> Coded:
 
 def _first_seen(codes: np.ndarray, k: int) -> np.ndarray:
     """The codes present in ``codes`` (each below ``k``), in the order they first occur."""
-    present = np.flatnonzero(np.bincount(codes, minlength=k))
-    if len(present) <= 64:  # a pass per value: a few instances
-        first = np.array([int(np.argmax(codes == c)) for c in present.tolist()], dtype=np.int64)
-    else:
-        _, first = np.unique(codes, return_index=True)
-    return present[np.argsort(first, kind="stable")]
+    return first_seen(codes, np.flatnonzero(np.bincount(codes, minlength=k)))
 
 
 def clean_labelled(values, labels) -> tuple[np.ndarray, np.ndarray | None, list]:

@@ -165,14 +165,11 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
     connection in its own read transaction, guarded by the edit counter: when a part saw another count
     than ``edits`` (this connection's), or the reader refuses a value, the rows are read here instead.
     Rows added after this connection's snapshot (above its max rowid) are left for the next load."""
-    names = ("rowid", *table.numeric, *table.text)
-    kinds = "i" + "f" * len(table.numeric) + "t" * len(table.text)
-    sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
-    lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
+    names, kinds, sql, guard = _reading(table)
+    lo, hi = _new_rowids(conn, table, after)
     if lo is None:
         return _columns(names, kinds, read_reference(conn, sql, (after, after), kinds))
     if column_reader.NATIVE:
-        guard = f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
         parts = _ranges(lo - 1, hi, _workers() if hi - lo >= _SPLIT_ROWS else 1)
         try:
             with ThreadPoolExecutor(len(parts)) as pool:
@@ -201,17 +198,14 @@ def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Tabl
     halves were joined (5.8 GB at 10M turns); this holds two ranges, and then one column."""
     if not column_reader.NATIVE:
         return None
-    lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
+    lo, hi = _new_rowids(conn, table, after)
     if lo is None or hi - lo < _SPLIT_ROWS:
         return None
     try:
         cdir.mkdir(exist_ok=True)
     except OSError:
         return None
-    names = ("rowid", *table.numeric, *table.text)
-    kinds = "i" + "f" * len(table.numeric) + "t" * len(table.text)
-    sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
-    guard = f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
+    names, kinds, sql, guard = _reading(table)
     ranges = iter(_ranges(lo - 1, hi, -(-(hi - lo + 1) // _CHUNK_ROWS)))
     written: list[dict] = []
     try:
@@ -247,6 +241,20 @@ def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Tabl
 
 class _Changed(Exception):
     """A range was read in another state of the table than the key's: the rows are read again whole."""
+
+
+def _reading(table: Table) -> tuple[tuple[str, ...], str, str, str]:
+    """How a range of the table's rows is read: its columns (rowid first), their kinds for the readers,
+    the query over ``(a, b]`` of rowids, and the edit counter's query that guards a read."""
+    names = ("rowid", *table.numeric, *table.text)
+    kinds = "i" + "f" * len(table.numeric) + "t" * len(table.text)
+    sql = f"SELECT {', '.join(names)} FROM {table.name} WHERE rowid > ? AND rowid <= ? ORDER BY rowid"
+    return names, kinds, sql, f"SELECT edits FROM table_edits WHERE name = '{table.name}'"
+
+
+def _new_rowids(conn: sqlite3.Connection, table: Table, after: int) -> tuple[int | None, int | None]:
+    """The least and greatest rowid above ``after`` (None, None when there is none)."""
+    return conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
 
 
 def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list]) -> tuple[dict[str, np.ndarray], dict]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from specproxy.store.pages import release
 
-__all__ = ["NULL", "Turns", "decode", "factorize"]
+__all__ = ["NULL", "Turns", "decode", "factorize", "first_seen"]
 
 NULL = -1  # the code of NULL (None) in every text column
 
@@ -35,6 +35,16 @@ def factorize(objects: Iterable[Any]) -> tuple[np.ndarray, tuple]:
     table: dict[Any, int] = {}
     codes = np.fromiter((NULL if v is None else table.setdefault(v, len(table)) for v in objects), dtype=np.int32)
     return codes, tuple(table)
+
+
+def first_seen(codes: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """``present`` (the distinct values of ``codes``, ascending) in the order they first occur in ``codes``:
+    a pass per value when there are few (outcomes, labels, instances), one ``numpy.unique`` when many."""
+    if len(present) <= 64:
+        first = np.array([int(np.argmax(codes == c)) for c in present.tolist()], dtype=np.int64)
+    else:
+        _, first = np.unique(codes, return_index=True)
+    return present[np.argsort(first, kind="stable")]
 
 
 def decode(codes: np.ndarray, values: Sequence[Any]) -> np.ndarray:
@@ -231,14 +241,9 @@ class Turns:
         """How many turns hold each value of text column ``name``, in the order the values first occur
         (``collections.Counter`` over the objects, from the codes)."""
         codes, values = self.codes(name)
-        tally = np.bincount(codes + 1, minlength=1)
-        present = np.flatnonzero(tally)
-        if len(present) <= 64:  # a pass per value: outcomes, labels
-            first = [int(np.argmax(codes == c - 1)) for c in present.tolist()]
-        else:
-            _, first_of = np.unique(codes, return_index=True)
-            first = first_of.tolist()
-        return {(None if c == 0 else values[c - 1]): int(tally[c]) for _, c in sorted(zip(first, present.tolist()))}
+        tally = np.bincount(codes + 1, minlength=1)  # NULL (-1) counted first
+        order = first_seen(codes, np.flatnonzero(tally) - 1)
+        return {(None if c == NULL else values[c]): int(tally[c + 1]) for c in order.tolist()}
 
     @property
     def ok(self) -> np.ndarray:
