@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+# parse_exposition imports its parser where it is used (the analysis never parses): imported here, with the
+# scraper, so that a page parsed inline on the event loop never waits for that import
+import prometheus_client.parser  # noqa: F401
 
 from specproxy.observe.counters import (
     CounterDelta,
