@@ -64,8 +64,8 @@ import numpy as np
 
 from specproxy.store import column_reader
 from specproxy.store.column_reader import Unsupported, read_native, read_reference
-from specproxy.store.column_segments import (FORMAT, Invalid, Table, coded, load_segment, merge, read_manifest,
-                                             write_manifest, write_merged, write_segment)
+from specproxy.store.column_segments import (FORMAT, Invalid, SegmentWriter, Table, coded, load_segment, merge,
+                                             read_manifest, write_manifest, write_merged, write_segment)
 from specproxy.store.turns import decode
 
 __all__ = ["CACHED_TEXT", "Columns", "Table", "cache_dir", "db_file", "load_columns", "load_rows"]
@@ -79,8 +79,8 @@ MAX_SEGMENTS = 8
 SAMPLED_ROWS = 16
 # a cold build of at least this many rows is read on every CPU (two here), in consecutive rowid ranges
 _SPLIT_ROWS = 200_000
-# ... in rowid ranges of at most this many rowids, each written as a segment as soon as it is read (then
-# merged on disk a column at a time): a month's build holds two ranges in memory (with the C reader's buffers,
+# ... in rowid ranges of at most this many rowids, each appended to the new segment's files as soon as it is
+# read: a month's build holds two ranges in memory (with the C reader's buffers,
 # which double as they fill), not the table: 1.8 GB peak at 10M turns, 2.2 GB with ranges of 1M
 _CHUNK_ROWS = 500_000
 
@@ -188,14 +188,14 @@ def _fetch(conn: sqlite3.Connection, db: Path, table: Table, after: int,
 def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table, after: int, key: dict,
                      segs: list[dict], previous: set) -> list[dict] | None:
     """Many new rows (at least ``_SPLIT_ROWS``): read by the C reader in rowid ranges of ``_CHUNK_ROWS``, two
-    at once, each range written as a segment as soon as it is read and let go of; then, when the table's
-    segments are more than one for a build or more than ``MAX_SEGMENTS``, merged on disk into one a column
-    at a time; the manifest written. The table's segments now, or None when this does not apply (few rows,
-    no C reader, a directory that cannot be written) or a range saw another edit count than ``key``'s or
-    the reader refused a value: the caller then reads the rows in memory (``_fetch``), as for few rows.
+    at once, each range's columns appended to one new segment as soon as it is read and let go of (past
+    ``MAX_SEGMENTS``, every segment merged into one); the manifest written. The table's segments now, or
+    None when this does not apply (few rows, no C reader, a directory that cannot be written) or a range
+    saw another edit count than ``key``'s or the reader refused a value: the caller then reads the rows in
+    memory (``_fetch``), as for few rows.
 
     Why: read whole, a month's build held every column of every turn at once, twice while the two CPUs'
-    halves were joined (5.8 GB at 10M turns); this holds two ranges, and then one column."""
+    halves were joined (5.8 GB at 10M turns); this holds two ranges."""
     if not column_reader.NATIVE:
         return None
     lo, hi = _new_rowids(conn, table, after)
@@ -207,8 +207,9 @@ def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Tabl
         return None
     names, kinds, sql, guard = _reading(table)
     ranges = iter(_ranges(lo - 1, hi, -(-(hi - lo + 1) // _CHUNK_ROWS)))
-    written: list[dict] = []
+    writer: SegmentWriter | None = None
     try:
+        writer = SegmentWriter(cdir, table, names)
         with ThreadPoolExecutor(_workers()) as pool:
             reading = deque(pool.submit(read_native, db, sql, r, kinds, guard)
                             for r in itertools.islice(ranges, _workers()))
@@ -219,23 +220,22 @@ def _build_in_chunks(conn: sqlite3.Connection, db: Path, cdir: Path, table: Tabl
                 nxt = next(ranges, None)
                 if nxt is not None:
                     reading.append(pool.submit(read_native, db, sql, nxt, kinds, guard))
-                if len(arrays[0]):
-                    written.append(write_segment(cdir, dict(zip(names, arrays)),
-                                                 {n: d for n, d, k in zip(names, dicts, kinds) if k == "t"}))
+                writer.add(dict(zip(names, arrays)), dict(zip(names, dicts)))
                 del arrays, dicts
-        if not written:
+        built, writer = writer.close(), None
+        if not built["rows"]:
+            shutil.rmtree(cdir / built["dir"], ignore_errors=True)
             return None
-        every = [*segs, *written]
-        if len(every) > MAX_SEGMENTS or (not segs and len(every) > 1):
+        every = [*segs, built]
+        if len(every) > MAX_SEGMENTS:
             every = [write_merged(cdir, table, every)]
-        write_manifest(cdir, table.name, {"key": key, "segments": every},
-                       previous | {s["dir"] for s in written})
+        write_manifest(cdir, table.name, {"key": key, "segments": every}, previous | {built["dir"]})
         return every
     except (_Changed, Unsupported, RuntimeError, OSError) as exc:
         log.info("column cache of %s: %s not built in ranges (%s); read whole", db, table.name,
                  type(exc).__name__ if isinstance(exc, _Changed) else exc)
-        for s in written:
-            shutil.rmtree(cdir / s["dir"], ignore_errors=True)
+        if writer is not None:
+            writer.abort()
         return None
 
 
@@ -254,7 +254,12 @@ def _reading(table: Table) -> tuple[tuple[str, ...], str, str, str]:
 
 def _new_rowids(conn: sqlite3.Connection, table: Table, after: int) -> tuple[int | None, int | None]:
     """The least and greatest rowid above ``after`` (None, None when there is none)."""
-    return conn.execute(f"SELECT min(rowid), max(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()
+    # apart: each is one seek of the rowid b-tree, where asked together SQLite scans every row above ``after``
+    # (2 s of a month's cold build)
+    lo = conn.execute(f"SELECT min(rowid) FROM {table.name} WHERE rowid > ?", (after,)).fetchone()[0]
+    if lo is None:
+        return None, None
+    return lo, conn.execute(f"SELECT max(rowid) FROM {table.name}").fetchone()[0]
 
 
 def _columns(names: tuple[str, ...], kinds: str, read: tuple[list, list]) -> tuple[dict[str, np.ndarray], dict]:
@@ -442,7 +447,7 @@ def _persist(cdir: Path, table: Table, key: dict, segs: list[dict], new: dict[st
     if len(segs) + 1 > MAX_SEGMENTS:
         everything = [load_segment(cdir, table, s, set(new)) for s in segs]
         merged, dicts = merge(table.text, [*segs, {"dicts": new_dicts}], [*everything, new])
-        segs = [write_segment(cdir, merged, dicts)]
+        segs = [write_segment(cdir, table, merged, dicts)]
     else:
-        segs = [*segs, write_segment(cdir, new, new_dicts)]
+        segs = [*segs, write_segment(cdir, table, new, new_dicts)]
     write_manifest(cdir, table.name, {"key": key, "segments": segs}, previous)

@@ -30,12 +30,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from specproxy.store.pages import map_column
 
-__all__ = ["FORMAT", "Invalid", "Table", "coded", "load_segment", "merge", "read_manifest", "write_manifest",
+__all__ = ["FORMAT", "Invalid", "SegmentWriter", "Table", "coded", "load_segment", "merge", "read_manifest", "write_manifest",
            "write_merged", "write_segment"]
 
 FORMAT = 2
@@ -58,13 +59,74 @@ class Table:
         return np.dtype(np.int64 if column == "rowid" else np.int32 if column in self.text else np.float64)
 
 
-def _save(path: Path, arr: np.ndarray) -> int:
+def _header(dtype: np.dtype, rows: int) -> bytes:
+    """The ``.npy`` header of a column of ``rows`` values: the same length for every ``rows`` (numpy pads
+    the shape for growth), so a file's header can be rewritten once its rows are counted."""
     buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    data = buf.getvalue()
-    with open(path, "wb") as f:
-        f.write(data)
-    return len(data)
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                              "shape": (rows,)})
+    return buf.getvalue()
+
+
+class SegmentWriter:
+    """A new segment written a part at a time, parts in rowid order: each column's file grows by each
+    part's values as they come (a text column's codes moved onto one dictionary of its values in order of
+    first appearance across the parts, as ``merge`` does), its header written last with the rows counted.
+
+    Why: a month's cold build arrives in rowid ranges; written as a segment each and then merged, every
+    byte was written twice and copied three times more (the merge's concatenation, ``np.save`` into a
+    buffer, the buffer's copy); here each byte is written once, straight from the reader's arrays."""
+
+    def __init__(self, cdir: Path, table: Table, names: list[str] | tuple[str, ...]):
+        self._cdir, self._table, self._names = cdir, table, tuple(names)
+        self._tmp = cdir / f"tmp-{os.getpid()}-{uuid.uuid4().hex}"
+        self._tmp.mkdir()
+        self._files: dict[str, Any] = {}
+        self._dicts: dict[str, dict] = {n: {} for n in self._names if n in table.text}
+        self._rows = 0
+        self._max_rowid: int | None = None
+        try:
+            for name in self._names:
+                f = self._files[name] = open(self._tmp / f"{name}.npy", "wb")
+                f.write(_header(table.dtype(name), 0))
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, arrays: Mapping[str, np.ndarray], dicts: Mapping[str, Sequence]) -> None:
+        """One part's columns (every name, the same length) and its text columns' dictionaries."""
+        for name in self._names:
+            arr = np.ascontiguousarray(arrays[name], dtype=self._table.dtype(name))
+            if name in self._dicts:
+                arr = _onto(arr, dicts[name], self._dicts[name])
+            self._files[name].write(memoryview(arr).cast("B"))
+        rowid = arrays["rowid"]
+        self._rows += len(rowid)
+        if len(rowid):
+            self._max_rowid = int(rowid[-1])
+
+    def close(self) -> dict:
+        """The headers written, the directory renamed into place: the segment's manifest entry."""
+        files: dict[str, int] = {}
+        try:
+            for name, f in self._files.items():
+                files[name] = f.tell()
+                f.seek(0)
+                f.write(_header(self._table.dtype(name), self._rows))
+                f.close()
+            final = self._cdir / f"seg-{uuid.uuid4().hex}"
+            self._tmp.rename(final)
+        except BaseException:
+            self.abort()
+            raise
+        return {"dir": final.name, "rows": self._rows, "max_rowid": self._max_rowid, "files": files,
+                "dicts": {n: list(d) for n, d in self._dicts.items()}}
+
+    def abort(self) -> None:
+        """Nothing kept: the files closed, the directory removed."""
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def _load(path: Path, size: int, rows: int, dtype: np.dtype) -> np.ndarray:
@@ -99,20 +161,11 @@ def read_manifest(cdir: Path) -> dict[str, dict]:
             if isinstance(t, dict) and isinstance(t.get("segments"), list)}
 
 
-def write_segment(cdir: Path, arrays: dict[str, np.ndarray], dicts: dict) -> dict:
+def write_segment(cdir: Path, table: Table, arrays: dict[str, np.ndarray], dicts: dict) -> dict:
     """``arrays`` (``rowid`` among them) as a new segment directory; its manifest entry."""
-    tmp = cdir / f"tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        files = {name: _save(tmp / f"{name}.npy", arr) for name, arr in arrays.items()}
-        final = cdir / f"seg-{uuid.uuid4().hex}"
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    rowid = arrays["rowid"]
-    return {"dir": final.name, "rows": len(rowid), "max_rowid": int(rowid[-1]) if len(rowid) else None,
-            "files": files, "dicts": dicts}
+    writer = SegmentWriter(cdir, table, list(arrays))
+    writer.add(arrays, dicts)
+    return writer.close()
 
 
 def load_segment(cdir: Path, table: Table, seg: dict, names: set[str]) -> dict[str, np.ndarray]:
@@ -145,37 +198,31 @@ def _merge_column(name: str, text: tuple[str, ...], segs: list[dict],
     if name not in text:
         return np.concatenate([a[name] for a in loaded]), None
     merged: dict = {}
-    parts = []
-    for seg, a in zip(segs, loaded):
-        remap = np.array([merged.setdefault(v, len(merged)) for v in seg["dicts"][name]], dtype=np.int32)
-        codes = a[name]
-        parts.append(np.where(codes < 0, -1, remap[np.maximum(codes, 0)] if len(remap) else -1).astype(np.int32))
+    parts = [_onto(a[name], seg["dicts"][name], merged) for seg, a in zip(segs, loaded)]
     return np.concatenate(parts), list(merged)
 
 
+def _onto(codes: np.ndarray, values: Sequence, merged: dict) -> np.ndarray:
+    """A part's text codes (into its ``values``) as codes into ``merged`` (value -> code), which gains the
+    part's new values in their order: one dictionary in order of first appearance across the parts."""
+    remap = np.array([merged.setdefault(v, len(merged)) for v in values], dtype=np.int32)
+    if np.array_equal(remap, np.arange(len(remap), dtype=np.int32)):
+        return codes  # the part's dictionary starts the merged one: its codes as they are
+    return np.where(codes < 0, -1, remap[np.maximum(codes, 0)] if len(remap) else -1).astype(np.int32)
+
+
 def write_merged(cdir: Path, table: Table, segs: list[dict]) -> dict:
-    """``segs`` (in rowid order) as one new segment directory, written a column at a time, so that a
-    month's cold build holds one column in memory rather than the table; its manifest entry."""
-    tmp = cdir / f"tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    files: dict[str, int] = {}
-    dicts: dict[str, list] = {}
+    """``segs`` (in rowid order) as one new segment directory, a segment's mapped files at a time (a
+    month's cache is never in memory whole); its manifest entry."""
+    names = list(segs[0]["files"])
+    writer = SegmentWriter(cdir, table, names)
     try:
-        for name in segs[0]["files"]:
-            loaded = [load_segment(cdir, table, seg, {name}) for seg in segs]
-            column, values = _merge_column(name, table.text, segs, loaded)
-            files[name] = _save(tmp / f"{name}.npy", column)
-            if values is not None:
-                dicts[name] = values
-            del loaded, column  # the mapped parts and the merged copy: one column at a time
-        final = cdir / f"seg-{uuid.uuid4().hex}"
-        tmp.rename(final)
+        for seg in segs:
+            writer.add(load_segment(cdir, table, seg, set(names)), seg["dicts"])
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        writer.abort()
         raise
-    tops = [seg["max_rowid"] for seg in segs if seg["max_rowid"] is not None]
-    return {"dir": final.name, "rows": sum(seg["rows"] for seg in segs), "max_rowid": max(tops) if tops else None,
-            "files": files, "dicts": dicts}
+    return writer.close()
 
 
 def coded(codes: np.ndarray, values: list) -> tuple[np.ndarray, list]:

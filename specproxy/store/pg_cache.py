@@ -166,7 +166,7 @@ def _write(cdir: Path, parts: list[tuple[_Day, dict[str, np.ndarray], dict]]) ->
     """Days' rows (every column, each day's text dictionaries) as one segment, in the order given; its
     manifest entry, with each day's check and row range (``days``)."""
     arrays, dicts = merge(TABLE.text, [{"dicts": p[2]} for p in parts], [p[1] for p in parts])
-    seg = write_segment(cdir, arrays, dicts)
+    seg = write_segment(cdir, TABLE, arrays, dicts)
     bounds = np.cumsum([0, *(len(p[1]["rowid"]) for p in parts)]).tolist()
     seg["days"] = [{"check": d.key(), "start": a, "stop": b} for (d, _, _), a, b in zip(parts, bounds, bounds[1:])]
     return seg

@@ -333,20 +333,20 @@ def test_a_warm_load_maps_the_files_instead_of_copying_them(db):
 
 
 def test_crashed_writer_leaves_nothing_that_counts(db, monkeypatch):
-    """A writer that dies half-way (here: while saving a column) leaves a tmp- directory and the
-    old manifest; readers go on as if it had never started."""
+    """A writer that dies half-way (here: while writing a column file's header) leaves a tmp- directory and
+    the old manifest; readers go on as if it had never started."""
     assert_same(db, expect="build")
     write_turns(db, 50, seed=5)
     calls = {"n": 0}
-    real = column_segments._save
+    real = column_segments._header
 
-    def dying(path, arr):
+    def dying(dtype, rows):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt  # the process is killed mid-write
-        return real(path, arr)
+        return real(dtype, rows)
 
-    monkeypatch.setattr(column_segments, "_save", dying)
+    monkeypatch.setattr(column_segments, "_header", dying)
     with pytest.raises(KeyboardInterrupt):
         report_json(db, True)
     monkeypatch.undo()
@@ -421,8 +421,8 @@ def test_compare_from_the_cache_equals_sqlite(db):
 
 @pytest.fixture
 def in_ranges(monkeypatch):
-    """A build or append of a few hundred rows read as a month's is: in ranges of 37 rowids, each written as
-    a segment as it is read, merged on disk a column at a time."""
+    """A build or append of a few hundred rows read as a month's is: in ranges of 37 rowids, each appended to
+    the new segment's files as it is read."""
     if not column_cache.column_reader.NATIVE:
         pytest.skip("the ranges are read by the C reader")
     monkeypatch.setattr(column_cache, "_SPLIT_ROWS", 10)
@@ -441,16 +441,19 @@ def test_a_build_in_ranges_is_one_segment_and_the_same_turns(db, in_ranges, monk
     assert len(reads) >= 10  # 400 rows in ranges of 37 rowids
     segments = _manifest(db)["turns"]["segments"]
     assert len(segments) == 1 and segments[0]["rows"] == 400
-    assert _segment_dirs(db) == {segments[0]["dir"]}  # the ranges' own segments are gone
+    assert _segment_dirs(db) == {segments[0]["dir"]}  # one directory: the ranges were never segments of their own
     assert_turns_equal(db)
     write_turns(db, 150, seed=2, t0=1_790_000_500.0)  # an append of more than _SPLIT_ROWS: in ranges too
     assert_same(db, expect="append")
     assert 1 < len(_manifest(db)["turns"]["segments"]) <= column_cache.MAX_SEGMENTS
     assert_turns_equal(db)
-    for seed in range(3, 6):  # past MAX_SEGMENTS: all merged on disk into one
+    counts = []
+    for seed in range(3, 3 + column_cache.MAX_SEGMENTS):  # past MAX_SEGMENTS: all merged on disk into one
         write_turns(db, 150, seed=seed, t0=1_790_002_000.0 + seed)
         assert_same(db, expect="append")
-    assert len(_manifest(db)["turns"]["segments"]) <= column_cache.MAX_SEGMENTS
+        counts.append(len(_manifest(db)["turns"]["segments"]))
+    assert max(counts) == column_cache.MAX_SEGMENTS and 1 in counts
+    assert len(_segment_dirs(db)) == counts[-1]
     assert_same(db, expect="hit")
     assert_turns_equal(db)
 
