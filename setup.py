@@ -2,10 +2,11 @@
 
 ``specproxy.wire._relayc`` (the relay thread and the relay's per-read path),
 ``specproxy.frames._scanc`` (the measuring's per-chunk scans), ``specproxy.store._columnsc`` (SQLite rows into column
-buffers, for the columnar cache) and ``specproxy.analyze._orderc`` (the summaries' order statistics) are optional:
+buffers, for the columnar cache), ``specproxy.analyze._orderc`` (the summaries' order statistics) and
+``specproxy.analyze._cellsc`` (a report table's cells in one pass per column) are optional:
 without a C compiler the install still succeeds and the pure-Python paths run (``specproxy serve`` logs which).
-CI requires all four (``SPECPROXY_REQUIRE_RELAYC=1`` makes tests/unit/test_relayc.py, test_scanc.py,
-test_columnsc.py and test_orderc.py fail when one is missing).
+CI requires all five (``SPECPROXY_REQUIRE_RELAYC=1`` makes tests/unit/test_relayc.py, test_scanc.py,
+test_columnsc.py, test_orderc.py and test_cellsc.py fail when one is missing).
 """
 
 from setuptools import Extension, setup
@@ -26,4 +27,5 @@ setup(ext_modules=[
     Extension("specproxy.frames._scanc", ["specproxy/frames/_scanc.c"], depends=["specproxy/frames/_hex.h"],
               optional=True, extra_compile_args=_FLAGS),
     Extension("specproxy.analyze._orderc", ["specproxy/analyze/_orderc.c"], optional=True, extra_compile_args=_FLAGS),
+    Extension("specproxy.analyze._cellsc", ["specproxy/analyze/_cellsc.c"], optional=True, extra_compile_args=_FLAGS),
 ])

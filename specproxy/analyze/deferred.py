@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-__all__ = ["MAX_PENDING", "MAX_WORKERS", "figures_in_parallel", "later", "resolved", "workers"]
+__all__ = ["MAX_PENDING", "MAX_WORKERS", "figures_in_parallel", "later", "part", "resolved", "workers"]
 
 MAX_WORKERS = 2
 MAX_PENDING = 8
@@ -86,10 +86,28 @@ def later(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args) if pool is None else pool.submit(fn, *args)
 
 
+class _Part:
+    """``whole[key]`` of a figure still on the pool: a place in the report for one item of it."""
+
+    __slots__ = ("whole", "key")
+
+    def __init__(self, whole: Future, key: Any):
+        self.whole, self.key = whole, key
+
+
+def part(whole: Any, key: Any) -> Any:
+    """``whole[key]``, where ``whole`` is what ``later`` returned: when it is still on the pool, a place that
+    ``resolved`` fills with that item (several places may share one figure: one table's cells, computed
+    in one pass)."""
+    return _Part(whole, key) if isinstance(whole, Future) else whole[key]
+
+
 def resolved(tree: Any) -> Any:
     """``tree`` (dicts, lists and tuples) with every Future replaced by its result, keys in their order."""
     if isinstance(tree, Future):
         return resolved(tree.result())
+    if isinstance(tree, _Part):
+        return resolved(tree.whole.result()[tree.key])
     if isinstance(tree, dict):
         return {k: resolved(v) for k, v in tree.items()}
     if isinstance(tree, list):

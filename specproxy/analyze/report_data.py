@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from specproxy.store.dataset import Turns, busy_seconds
+from specproxy.store.dataset import Turns
 from specproxy.store.source import WindowData
 from specproxy.analyze.prefix_cache import PREFIX_CACHE_COLUMNS, prefix_cache_section
 from specproxy.analyze.server_report import server_section
@@ -31,7 +31,8 @@ from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, bucket_side, concurrency_buckets, groups,
                                     prompt_buckets)
 from specproxy.analyze.slo import attainment, met_of_turns
-from specproxy.analyze.deferred import figures_in_parallel, later, resolved
+from specproxy.analyze.by_cell import finite_by_cell, throughput_by_cell, throughput_of
+from specproxy.analyze.deferred import figures_in_parallel, later, part, resolved
 from specproxy.analyze.summary import summarize
 from specproxy.config import Slo
 
@@ -84,30 +85,29 @@ def _summary(values: np.ndarray, scale: float = 1.0, extra: dict[str, Any] | Non
     return later(_summary_now, values, scale, extra)
 
 
+def _column_summary(turns: Turns, col: str, scale: float) -> dict[str, Any]:
+    """``_summary_now`` of column ``col`` of ``turns``: its finite values read through the turns' positions in
+    one pass (``by_cell``), not a selected copy filtered into another (the same values, in the same order;
+    a finite value scaled past the largest float is dropped by the summary as it was)."""
+    values, positions = turns.source(col)
+    (finite,) = finite_by_cell(values, positions, None, 1)
+    turns.release(col)
+    return _summary_now(finite, scale, None)
+
+
 def _summary_now(values: np.ndarray, scale: float, extra: dict[str, Any] | None) -> dict[str, Any]:
     # x * 1.0 is x to the last bit (NaN stays NaN): no copy of a whole column for it
     return {**summarize(values if scale == 1.0 else values * scale).to_dict(), **(extra or {})}
 
 
 def aggregate_throughput(turns: Turns) -> dict[str, Any]:
-    """Delivered tokens / the time at least one of these turns was in flight (wall clock).
+    """Delivered tokens / the time at least one of these turns was in flight (wall clock: ``throughput_of``).
 
     Over streamed and non-streamed turns alike: a non-streamed turn keeps the server busy and its
     tokens are delivered as surely as a streamed one's, only at once. Leaving it out would drop its
     tokens but not the time it overlapped streamed turns, and understate what the card put out.
     """
-    start = turns.num["t_wall"]
-    end = start + turns.num["total_s"]
-    tokens = turns.num["completion_tokens"]
-    known = np.isfinite(tokens)
-    n = int(np.count_nonzero(known))
-    if n < len(known):  # else every turn counts: no selected copies (the same values, the same sums)
-        start, end, tokens = start[known], end[known], tokens[known]
-    busy = busy_seconds(start, end)
-    if not n or busy <= 0:
-        return {"n": n, "tokens": None, "busy_s": None, "tps": None}
-    total = float(np.sum(tokens))
-    return {"n": n, "tokens": total, "busy_s": busy, "tps": total / busy}
+    return throughput_of(turns.num["t_wall"], turns.num["total_s"], turns.num["completion_tokens"])
 
 
 def streamed_mask(turns: Turns) -> np.ndarray:
@@ -163,8 +163,9 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
     whole = ok.select(~is_streamed, columns=("t_wall", *(col for _, col, *_ in NON_STREAMED_FIGURES)))
     # completed turns of each kind: "user" is over the first, "non_streamed" over the second
     report["completed_turns"] = {"streamed": len(streamed), "non_streamed": len(whole)}
-    report["user"] = {key: _summary(streamed.num[col], scale) for key, col, _, scale, _ in USER_FIGURES}
-    report["non_streamed"] = {key: _summary(whole.num[col], scale) for key, col, _, scale, _ in NON_STREAMED_FIGURES}
+    report["user"] = {key: later(_column_summary, streamed, col, scale) for key, col, _, scale, _ in USER_FIGURES}
+    report["non_streamed"] = {key: later(_column_summary, whole, col, scale)
+                              for key, col, _, scale, _ in NON_STREAMED_FIGURES}
     report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
     report["prompt"] = later(_prompt, ok)
     report["by_concurrency"] = _by_concurrency(ok, None if every else is_streamed)
@@ -248,20 +249,46 @@ def _prompt(ok: Turns) -> dict[str, Any]:
 
 
 def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra, is_streamed: np.ndarray | None,
-           columns: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """One row per non-empty cell: which cell it is, then n, TTFT and per-stream speed over the cell's
-    streamed turns, plus ``extra(b, cell)`` over all its turns (``cell`` has ``columns`` besides those).
+           throughput: bool = False, summaries: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One row per non-empty cell of ``index`` (each turn's cell, -1: none): which cell it is, then n, TTFT
+    and per-stream speed over the cell's streamed turns (``is_streamed``, None when all were), plus
+    ``extra(b, turns_in_cell, aggregate)`` (``aggregate``: its aggregate throughput over all its turns, with
+    ``throughput``, else None) and the summary of each of ``summaries``' columns over all its turns.
 
-    ``is_streamed``: which of ``turns`` were streamed (``streamed_mask``), None when all were: each cell
-    reads its streamed turns' two columns only, never a whole cell's first."""
+    Each column is read once for the whole table, through the turns' positions (``by_cell``), on the
+    report's pool: a cell's values are the ones a selection of its turns held, in the same order."""
+    ncell = len(names)
+    counted = index >= 0
+    whole = np.bincount(index[counted], minlength=ncell)
+    mine = whole if is_streamed is None else np.bincount(index[counted & is_streamed], minlength=ncell)
+    stream = {col: later(_cell_summaries, turns, col, index, ncell, is_streamed) for col in ("ttft_s", "decode_tps")}
+    over_all = {col: later(_cell_summaries, turns, col, index, ncell, None) for col in summaries}
+    agg = later(_cell_throughputs, turns, index, ncell) if throughput else None
     rows = []
-    for b, at in groups(index):
-        cell = turns.select(at, columns=("t_wall", "total_s", "completion_tokens", *columns))
-        mine = at if is_streamed is None else at[is_streamed[at]]
-        figures = turns.select(mine, columns=("ttft_s", "decode_tps"))
-        rows.append({key: names[int(b)], "n": len(mine), "ttft_s": _summary(figures.num["ttft_s"]),
-                     "per_stream_tps": _summary(figures.num["decode_tps"]), **extra(int(b), cell)})
+    for b in np.flatnonzero(whole).tolist():
+        row = {key: names[b], "n": int(mine[b]), "ttft_s": part(stream["ttft_s"], b),
+               "per_stream_tps": part(stream["decode_tps"], b),
+               **extra(b, int(whole[b]), None if agg is None else part(agg, b))}
+        row.update({col: part(figures, b) for col, figures in over_all.items()})
+        rows.append(row)
     return rows
+
+
+def _cell_summaries(turns: Turns, col: str, index: np.ndarray, ncell: int, mask: np.ndarray | None) -> list[dict]:
+    """Each cell's summary of ``col`` over its turns that ``mask`` keeps (None: all)."""
+    values, positions = turns.source(col)
+    cells = finite_by_cell(values, positions, index, ncell, mask)
+    turns.release(col)
+    return [_summary_now(v, 1.0, None) for v in cells]
+
+
+def _cell_throughputs(turns: Turns, index: np.ndarray, ncell: int) -> list[dict[str, Any]]:
+    """Each cell's aggregate throughput over all its turns (``aggregate_throughput`` of each)."""
+    (t_wall, positions), (total_s, _), (tokens, _) = (turns.source(c) for c in ("t_wall", "total_s", "completion_tokens"))
+    got = throughput_by_cell(t_wall, total_s, tokens, positions, index, ncell)
+    for c in ("t_wall", "total_s", "completion_tokens"):
+        turns.release(c)
+    return got
 
 
 def _by_concurrency(ok: Turns, is_streamed: np.ndarray | None) -> list[dict[str, Any]]:
@@ -269,13 +296,12 @@ def _by_concurrency(ok: Turns, is_streamed: np.ndarray | None) -> list[dict[str,
     turns, as concurrency counts every turn in flight; and which figure to read there (its median
     concurrency's, which the cell's range decides: ``bucket_side``)."""
     return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
-                  lambda b, cell: {"aggregate": later(aggregate_throughput, cell), "read": bucket_side(b)},
-                  is_streamed, columns=("concurrency",))
+                  lambda b, n, agg: {"aggregate": agg, "read": bucket_side(b)}, is_streamed, throughput=True)
 
 
 def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
     return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(streamed.num["prompt_tokens"]),
-                  lambda b, cell: {}, None)
+                  lambda b, n, agg: {}, None)
 
 
 def _by_name(ok: Turns, is_streamed: np.ndarray | None, column: str) -> list[dict[str, Any]]:
@@ -293,8 +319,8 @@ def _by_name(ok: Turns, is_streamed: np.ndarray | None, column: str) -> list[dic
     # None's row (and any value not equal to its name's text): after the named ones
     index = ok.lookup(column, {name: i for i, name in enumerate(known)}, default=len(known))
     key = "proxy" if column == "proxy_name" else "instance"
-    return _cells(ok, key, order, index, lambda b, cell: {"turns": len(cell), "aggregate": aggregate_throughput(cell)},
-                  is_streamed)
+    return _cells(ok, key, order, index, lambda b, n, agg: {"turns": n, "aggregate": agg}, is_streamed,
+                  throughput=True)
 
 
 CONTENT_CLASSES = ("prose", "code", "tool_call")
@@ -304,9 +330,8 @@ def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
     """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class.
     Over streamed turns: a non-streamed reply is one chunk of all its tokens, not an acceptance length."""
     index = streamed.lookup("content_class", {name: i for i, name in enumerate(CONTENT_CLASSES)})
-    return _cells(streamed, "content_class", CONTENT_CLASSES, index,
-                  lambda b, cell: {"tokens_per_chunk": _summary(cell.num["tokens_per_chunk"])}, None,
-                  columns=("tokens_per_chunk",))
+    return _cells(streamed, "content_class", CONTENT_CLASSES, index, lambda b, n, agg: {}, None,
+                  summaries=("tokens_per_chunk",))
 
 
 def _whole_turn(ttft_s: np.ndarray, decode_s: np.ndarray, streamed: np.ndarray) -> dict[str, Any]:

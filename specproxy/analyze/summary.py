@@ -79,9 +79,10 @@ def _median_ranks(n: int, level: float) -> tuple[int, float] | None:
     if n < 2:
         return None
     m = n // 2  # gamma_d for d = 1..m reads cdf[0..m - 1]
-    j = np.arange(m - 1, dtype=float)
-    ratio = n - j
-    ratio /= j + 1.0
+    # (n - j) / (j + 1) for j = 0..m - 2: both ends whole numbers, exact as floats (as n - j and j + 1.0 of a
+    # float j are), each made by one arange into the buffer it is read from
+    ratio = np.arange(n, n - m + 1, -1, dtype=float)
+    ratio /= np.arange(1.0, m, dtype=float)
     log_pmf = np.empty(m)
     log_pmf[0] = 0.0
     np.cumsum(np.log(ratio, out=ratio), out=log_pmf[1:])

@@ -185,6 +185,16 @@ class Turns:
                 self._made[0][name] = weakref.ref(got)
         return got
 
+    def source(self, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """Numeric column ``name`` as loaded and these turns' positions into it (None: every row), for a pass
+        that reads through the positions rather than a copy (``analyze/by_cell``); ``release(name)`` after."""
+        col, pos = self._num[name]
+        return col.data, pos
+
+    def release(self, name: str) -> None:
+        """Give back the resident pages of the mapped column ``name`` was read from (``pages.release``)."""
+        release(self._num[name][0].data)
+
     def release_pages(self) -> None:
         """Give back the resident pages of every mapped column these turns read from (``pages.release``):
         after the loader's passes over whole columns, which no figure reads in place."""
@@ -228,6 +238,10 @@ class Turns:
         where the table has none: how a text column becomes row indexes of a table, in one pass."""
         codes, values = self.codes(name)
         per_code = np.array([*(table.get(v, default) for v in values), table.get(None, default)])
+        if per_code.dtype.kind == "i":  # row indexes: the narrowest integers that hold them
+            lo, hi = int(per_code.min()), int(per_code.max())
+            per_code = per_code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64)
+                                            if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max))
         return per_code[codes]
 
     def distinct(self, name: str) -> set:

@@ -42,6 +42,16 @@ def test_a_figure_on_the_pool_computes_its_own_figures_in_place(monkeypatch):
     assert name.startswith("figures")  # a value, not a Future: no worker waits for another
 
 
+def test_parts_of_one_figure_land_in_their_places(monkeypatch):
+    """One table's cells are computed in one pass (a list): each row's place holds its own item of it."""
+    for cores in (2, 1):
+        _cores(monkeypatch, cores)
+        with deferred.figures_in_parallel():
+            whole = deferred.later(lambda: [{"cell": i} for i in range(5)])
+            tree = [{"row": b, "figure": deferred.part(whole, b)} for b in (4, 0, 2)]
+            assert deferred.resolved(tree) == [{"row": b, "figure": {"cell": b}} for b in (4, 0, 2)]
+
+
 def test_one_core_computes_in_place(monkeypatch):
     _cores(monkeypatch, 1)
     with deferred.figures_in_parallel():
@@ -72,7 +82,7 @@ def test_the_report_on_two_cores_is_the_report_on_one(monkeypatch, data):
     real = deferred._Pool.submit
     monkeypatch.setattr(deferred._Pool, "submit", lambda self, fn, *a: calls.append(fn) or real(self, fn, *a))
     two = orjson.dumps(build_report(data, source="db"))
-    assert len(calls) > 40  # the summaries went to the pool
+    assert len(calls) > 20  # the summaries and the tables' columns went to the pool
     _cores(monkeypatch, 1)
     one = orjson.dumps(build_report(data, source="db"))
     assert two == one  # keys in the same order too: no OPT_SORT_KEYS

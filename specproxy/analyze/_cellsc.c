@@ -1,0 +1,451 @@
+/* A report table's cells read in one pass per column: specproxy.analyze.by_cell's native path.
+ *
+ * Why: a table (by concurrency, prompt length, content class, proxy, server instance) has up to a few
+ * dozen cells over a month's ten million turns. Cell by cell, each cell's rows were found, their positions
+ * composed with the selection's, and each column gathered and then filtered: every column copied twice per
+ * table and the positions once more. Here each column is read once, through the selection's positions, and
+ * each value lands in its cell's part of one buffer (finite_by_cell), or feeds its cell's running busy time
+ * (throughput_by_cell). by_cell's reference functions (numpy, cell by cell) are what these are held to,
+ * bit for bit: a cell's values keep the order of its rows, so its mean and order statistics are the same.
+ *
+ * The GIL is released during the passes: the report's figures run on two threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the cells' column: one signed integer per row, of any width numpy narrows it to (-1: in no cell) */
+typedef struct {
+    const char *p;
+    int width;
+} Cells;
+
+static inline int64_t cell_at(const Cells *c, Py_ssize_t i) {
+    switch (c->width) {
+    case 1: return ((const int8_t *)c->p)[i];
+    case 2: return ((const int16_t *)c->p)[i];
+    case 4: return ((const int32_t *)c->p)[i];
+    default: return ((const int64_t *)c->p)[i];
+    }
+}
+
+/* the inputs every pass shares: the rows (a selection's positions into the columns, or every row), their
+ * cells (or one cell of every row), and which rows count (or all) */
+typedef struct {
+    Py_buffer pos, cells, mask;
+    int has_pos, has_cells, has_mask;
+    Py_ssize_t rows;   /* rows read: len(positions), else the columns' length */
+    Py_ssize_t n;      /* the columns' length: every position must be below it */
+    Py_ssize_t ncell;
+    Cells c;
+} Rows;
+
+static void rows_release(Rows *r) {
+    if (r->has_pos) PyBuffer_Release(&r->pos);
+    if (r->has_cells) PyBuffer_Release(&r->cells);
+    if (r->has_mask) PyBuffer_Release(&r->mask);
+}
+
+static int optional_buffer(PyObject *obj, Py_buffer *view, int *has) {
+    *has = 0;
+    if (obj == Py_None) return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    *has = 1;
+    return 0;
+}
+
+/* the rows of columns of ``n`` values; -1 with an exception set */
+static int rows_open(Rows *r, PyObject *pos, PyObject *cells, PyObject *mask, Py_ssize_t ncell, Py_ssize_t n) {
+    memset(r, 0, sizeof *r);
+    r->ncell = ncell;
+    if (ncell < 1) {
+        PyErr_SetString(PyExc_ValueError, "at least one cell");
+        return -1;
+    }
+    if (optional_buffer(pos, &r->pos, &r->has_pos) < 0 || optional_buffer(cells, &r->cells, &r->has_cells) < 0 ||
+        optional_buffer(mask, &r->mask, &r->has_mask) < 0) {
+        rows_release(r);
+        return -1;
+    }
+    r->rows = n;
+    if (r->has_pos) {
+        if (r->pos.itemsize != 8 || (strcmp(r->pos.format, "q") && strcmp(r->pos.format, "l"))) {
+            PyErr_SetString(PyExc_TypeError, "positions must be int64");
+            goto fail;
+        }
+        r->rows = r->pos.len / 8;
+    }
+    r->n = n;
+    if (r->has_cells) {
+        int w = (int)r->cells.itemsize;
+        const char *f = r->cells.format;
+        int is_signed = f[0] == 'b' || f[0] == 'h' || f[0] == 'i' || f[0] == 'l' || f[0] == 'q';
+        if (!is_signed || (w != 1 && w != 2 && w != 4 && w != 8) || r->cells.len / w != r->rows) {
+            PyErr_SetString(PyExc_TypeError, "cells must be signed integers, one per row");
+            goto fail;
+        }
+        r->c.p = r->cells.buf;
+        r->c.width = w;
+    }
+    if (r->has_mask && (r->mask.itemsize != 1 || r->mask.len != r->rows)) {
+        PyErr_SetString(PyExc_TypeError, "mask must be bool, one per row");
+        goto fail;
+    }
+    return 0;
+fail:
+    rows_release(r);
+    return -1;
+}
+
+/* the cell of row i, or -1 when the row does not count */
+static inline int64_t cell_of(const Rows *r, Py_ssize_t i) {
+    if (r->has_mask && !((const uint8_t *)r->mask.buf)[i]) return -1;
+    return r->has_cells ? cell_at(&r->c, i) : 0;
+}
+
+static inline Py_ssize_t row_at(const Rows *r, Py_ssize_t i) {
+    return r->has_pos ? (Py_ssize_t)((const int64_t *)r->pos.buf)[i] : i;
+}
+
+static int double_column(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 8 || strcmp(view->format, "d")) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be float64", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* per cell, the rows that count, as each cell's start in a buffer of them all (ncell + 1 entries, the last
+ * the total); *bad set when a cell number is past ncell */
+static Py_ssize_t *capacities(const Rows *r, int *bad) {
+    Py_ssize_t *cap = calloc((size_t)r->ncell + 1, sizeof *cap);
+    if (!cap) return NULL;
+    const uint8_t *mask = r->has_mask ? r->mask.buf : NULL;
+    if (!r->has_cells) {
+        Py_ssize_t n = r->rows;
+        if (mask) {
+            n = 0;
+            for (Py_ssize_t i = 0; i < r->rows; i++) n += mask[i] != 0;
+        }
+        cap[1] = n;
+    } else if (r->c.width == 1) {
+        const int8_t *cells = (const int8_t *)r->c.p;
+        Py_ssize_t counts[256] = {0}; /* by cell + 128: every int8, the negative ones in no cell */
+        if (mask) {
+            for (Py_ssize_t i = 0; i < r->rows; i++) counts[mask[i] ? cells[i] + 128 : 0]++;
+        } else {
+            for (Py_ssize_t i = 0; i < r->rows; i++) counts[cells[i] + 128]++;
+        }
+        for (Py_ssize_t c = 0; c < 128; c++) {
+            if (c < r->ncell) cap[c + 1] = counts[c + 128];
+            else if (counts[c + 128]) *bad = 1;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < r->rows; i++) {
+            int64_t c = cell_of(r, i);
+            if (c >= r->ncell) *bad = 1;
+            else if (c >= 0) cap[c + 1]++;
+        }
+    }
+    for (Py_ssize_t c = 0; c < r->ncell; c++) cap[c + 1] += cap[c]; /* now each cell's start */
+    return cap;
+}
+
+/* the finite values of x at the rows, each to its cell's write pointer (dst); 0, or -1 for a position
+ * outside the columns. One loop per kind of rows, the common ones without a branch per value. */
+#define FINITE_LOOP(CELL, ROW)                                                       \
+    for (Py_ssize_t i = 0; i < r->rows; i++) {                                     \
+        int64_t c = (CELL);                                                          \
+        if (c < 0) continue;                                                         \
+        Py_ssize_t row = (ROW);                                                      \
+        if ((size_t)row >= (size_t)r->n) return -1;                                 \
+        double v = x[row];                                                           \
+        *dst[c] = v;                                                                 \
+        dst[c] += isfinite(v);                                                       \
+    }
+
+static int finite_pass(const Rows *r, const double *x, double **dst) {
+    const int64_t *pos = r->has_pos ? r->pos.buf : NULL;
+    const uint8_t *mask = r->has_mask ? r->mask.buf : NULL;
+    if (!r->has_cells && !mask) {
+        double *out = dst[0];
+        if (pos) {
+            for (Py_ssize_t i = 0; i < r->rows; i++) {
+                int64_t row = pos[i];
+                if ((uint64_t)row >= (uint64_t)r->n) return -1;
+                double v = x[row];
+                *out = v;
+                out += isfinite(v);
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < r->rows; i++) {
+                double v = x[i];
+                *out = v;
+                out += isfinite(v);
+            }
+        }
+        dst[0] = out;
+        return 0;
+    }
+    if (r->has_cells && r->c.width == 1 && pos) {
+        const int8_t *cells = (const int8_t *)r->c.p;
+        if (mask) {
+            FINITE_LOOP(mask[i] ? cells[i] : -1, pos[i])
+        } else {
+            FINITE_LOOP(cells[i], pos[i])
+        }
+        return 0;
+    }
+    FINITE_LOOP(cell_of(r, i), row_at(r, i))
+    return 0;
+}
+
+static PyObject *ssize_list(const Py_ssize_t *v, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *x = PyLong_FromSsize_t(v[i]);
+        if (!x) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+/* alloc(count): a new writable float64 buffer of count values (numpy's np.empty: its large arrays are
+ * advised into huge pages, where 4 KB page faults were half of a pass's time); NULL with an exception set */
+static PyObject *allocated(PyObject *alloc, Py_ssize_t count, Py_buffer *view) {
+    PyObject *obj = PyObject_CallFunction(alloc, "n", count);
+    if (!obj) return NULL;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    if (view->itemsize != 8 || strcmp(view->format, "d") || view->len != count * 8) {
+        PyBuffer_Release(view);
+        Py_DECREF(obj);
+        PyErr_SetString(PyExc_TypeError, "alloc must return count float64 values");
+        return NULL;
+    }
+    return obj;
+}
+
+PyDoc_STRVAR(finite_by_cell_doc,
+"finite_by_cell(values, positions, cells, ncell, mask, alloc) -> (buffer, starts, counts)\n\n"
+"Each cell's finite values of ``values`` (float64) at the rows ``positions`` (int64, or None: every row), in\n"
+"row order, in one buffer of float64 from alloc(count): cell c's are ``counts[c]`` values from ``starts[c]``.\n"
+"``cells``: the\n"
+"cell of each row (signed integers, -1: none; None: all in cell 0); ``mask``: which rows count (bool, or None).");
+
+static PyObject *finite_by_cell(PyObject *self, PyObject *args) {
+    PyObject *values_obj, *pos_obj, *cells_obj, *mask_obj, *alloc;
+    Py_ssize_t ncell;
+    if (!PyArg_ParseTuple(args, "OOOnOO", &values_obj, &pos_obj, &cells_obj, &ncell, &mask_obj, &alloc)) return NULL;
+    Py_buffer values;
+    if (double_column(values_obj, &values, "values") < 0) return NULL;
+    Rows r;
+    if (rows_open(&r, pos_obj, cells_obj, mask_obj, ncell, values.len / 8) < 0) {
+        PyBuffer_Release(&values);
+        return NULL;
+    }
+    PyObject *result = NULL, *buf = NULL;
+    Py_ssize_t *start = NULL, *count = calloc((size_t)ncell, sizeof *count);
+    double **dst = calloc((size_t)ncell, sizeof *dst);
+    int bad = 0, outside = 0;
+    if (!count || !dst) goto nomem;
+    Py_BEGIN_ALLOW_THREADS
+    start = capacities(&r, &bad);
+    Py_END_ALLOW_THREADS
+    if (!start) goto nomem;
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "a cell number past ncell");
+        goto done;
+    }
+    Py_buffer view;
+    buf = allocated(alloc, start[ncell], &view);
+    if (!buf) goto done;
+    double *out = view.buf;
+    for (Py_ssize_t c = 0; c < ncell; c++) dst[c] = out + start[c];
+    const double *x = values.buf;
+    Py_BEGIN_ALLOW_THREADS
+    outside = finite_pass(&r, x, dst);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (outside) {
+        PyErr_SetString(PyExc_IndexError, "a position outside the columns");
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < ncell; c++) count[c] = dst[c] - (out + start[c]);
+    {
+        PyObject *s = ssize_list(start, ncell), *n = ssize_list(count, ncell);
+        if (s && n) result = PyTuple_Pack(3, buf, s, n);
+        Py_XDECREF(s);
+        Py_XDECREF(n);
+    }
+    goto done;
+nomem:
+    PyErr_NoMemory();
+done:
+    Py_XDECREF(buf);
+    free(start);
+    free(count);
+    free(dst);
+    rows_release(&r);
+    PyBuffer_Release(&values);
+    return result;
+}
+
+PyDoc_STRVAR(throughput_by_cell_doc,
+"throughput_by_cell(t_wall, total_s, tokens, positions, cells, ncell, alloc)\n"
+"    -> (n, tokens, exact, in_order, periods, starts, counts)\n\n"
+"Per cell, over its rows with a finite token count: how many (n), their tokens added in row order, whether\n"
+"that sum is exact (every count a whole number >= 0, the sum within 2**53: any order adds to it), whether\n"
+"the rows that have a finite start and end (start + total_s) start in order, and the lengths of their busy\n"
+"periods (the union of [start, end] as numpy's running maximum finds it) in one buffer from alloc(count): cell\n"
+"c's are counts[c] from starts[c]. A cell not in order, or not exact, is left to the caller.");
+
+typedef struct {
+    Py_ssize_t n, periods;
+    double tokens, first, run_end, last;
+    int exact, in_order, started;
+} CellBusy;
+
+static PyObject *throughput_by_cell(PyObject *self, PyObject *args) {
+    PyObject *t_obj, *d_obj, *k_obj, *pos_obj, *cells_obj, *alloc;
+    Py_ssize_t ncell;
+    if (!PyArg_ParseTuple(args, "OOOOOnO", &t_obj, &d_obj, &k_obj, &pos_obj, &cells_obj, &ncell, &alloc)) return NULL;
+    Py_buffer tv, dv, kv;
+    if (double_column(t_obj, &tv, "t_wall") < 0) return NULL;
+    if (double_column(d_obj, &dv, "total_s") < 0) {
+        PyBuffer_Release(&tv);
+        return NULL;
+    }
+    if (double_column(k_obj, &kv, "tokens") < 0) {
+        PyBuffer_Release(&tv);
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    PyObject *result = NULL, *buf = NULL;
+    Py_ssize_t *start = NULL, *count = NULL;
+    CellBusy *cb = NULL;
+    Rows r;
+    if (dv.len != tv.len || kv.len != tv.len) {
+        PyErr_SetString(PyExc_ValueError, "the three columns must be as long");
+        goto release_columns;
+    }
+    if (rows_open(&r, pos_obj, cells_obj, Py_None, ncell, tv.len / 8) < 0) goto release_columns;
+    cb = calloc((size_t)ncell, sizeof *cb);
+    count = calloc((size_t)ncell, sizeof *count);
+    if (!cb || !count) goto nomem;
+    for (Py_ssize_t c = 0; c < ncell; c++) cb[c].exact = cb[c].in_order = 1;
+    int bad = 0, outside = 0;
+    Py_BEGIN_ALLOW_THREADS
+    start = capacities(&r, &bad);
+    Py_END_ALLOW_THREADS
+    if (!start) goto nomem;
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "a cell number past ncell");
+        goto done;
+    }
+    Py_buffer view;
+    buf = allocated(alloc, start[ncell], &view); /* pages never written are never touched */
+    if (!buf) goto done;
+    double *periods = view.buf;
+    const double *t = tv.buf, *d = dv.buf, *k = kv.buf;
+    const double exact_limit = 9007199254740992.0; /* 2**53 */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < r.rows; i++) {
+        int64_t c = cell_of(&r, i);
+        if (c < 0) continue;
+        Py_ssize_t row = row_at(&r, i);
+        if ((size_t)row >= (size_t)r.n) {
+            outside = 1;
+            break;
+        }
+        double tok = k[row];
+        if (!isfinite(tok)) continue;
+        CellBusy *b = &cb[c];
+        b->n++;
+        b->tokens += tok;
+        if (tok < 0 || tok != floor(tok) || b->tokens > exact_limit) b->exact = 0;
+        double s = t[row], e = s + d[row];
+        if (!(isfinite(s) && isfinite(e))) continue;
+        if (!b->started) {
+            b->started = 1;
+            b->first = s;
+            b->run_end = e;
+        } else {
+            if (s < b->last) b->in_order = 0;
+            if (s > b->run_end) { /* a new period: the last one ends at the running maximum before it */
+                periods[start[c] + count[c]++] = b->run_end - b->first;
+                b->first = s;
+            }
+            b->run_end = e > b->run_end ? e : b->run_end; /* numpy.maximum (no NaN here) */
+        }
+        b->last = s;
+    }
+    for (Py_ssize_t c = 0; c < ncell; c++)
+        if (cb[c].started) periods[start[c] + count[c]++] = cb[c].run_end - cb[c].first;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (outside) {
+        PyErr_SetString(PyExc_IndexError, "a position outside the columns");
+        goto done;
+    }
+    {
+        PyObject *n = PyList_New(ncell), *tok = PyList_New(ncell), *ex = PyList_New(ncell), *ord = PyList_New(ncell);
+        PyObject *s = ssize_list(start, ncell), *cnt = ssize_list(count, ncell);
+        int ok = n && tok && ex && ord && s && cnt;
+        for (Py_ssize_t c = 0; ok && c < ncell; c++) {
+            PyObject *a = PyLong_FromSsize_t(cb[c].n), *b = PyFloat_FromDouble(cb[c].tokens);
+            if (!a || !b) {
+                Py_XDECREF(a);
+                Py_XDECREF(b);
+                ok = 0;
+                break;
+            }
+            PyList_SET_ITEM(n, c, a);
+            PyList_SET_ITEM(tok, c, b);
+            PyList_SET_ITEM(ex, c, PyBool_FromLong(cb[c].exact));
+            PyList_SET_ITEM(ord, c, PyBool_FromLong(cb[c].in_order));
+        }
+        if (ok) result = PyTuple_Pack(7, n, tok, ex, ord, buf, s, cnt);
+        Py_XDECREF(n);
+        Py_XDECREF(tok);
+        Py_XDECREF(ex);
+        Py_XDECREF(ord);
+        Py_XDECREF(s);
+        Py_XDECREF(cnt);
+    }
+    goto done;
+nomem:
+    PyErr_NoMemory();
+done:
+    Py_XDECREF(buf);
+    free(start);
+    free(count);
+    free(cb);
+    rows_release(&r);
+release_columns:
+    PyBuffer_Release(&tv);
+    PyBuffer_Release(&dv);
+    PyBuffer_Release(&kv);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"finite_by_cell", finite_by_cell, METH_VARARGS, finite_by_cell_doc},
+    {"throughput_by_cell", throughput_by_cell, METH_VARARGS, throughput_by_cell_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cellsc", "A report table's cells in one pass per column.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__cellsc(void) { return PyModule_Create(&module); }
