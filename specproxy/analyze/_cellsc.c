@@ -156,8 +156,9 @@ static Py_ssize_t *capacities(const Rows *r, int *bad) {
     return cap;
 }
 
-/* the finite values of x at the rows, each to its cell's write pointer (dst); 0, or -1 for a position
- * outside the columns. One loop per kind of rows, the common ones without a branch per value. */
+/* the values of x at the rows but NaN, each to its cell's write pointer (dst), *inf set when one is
+ * infinite; 0, or -1 for a position outside the columns. One loop per kind of rows, the common ones without
+ * a branch per value. */
 #define FINITE_LOOP(CELL, ROW)                                                       \
     for (Py_ssize_t i = 0; i < r->rows; i++) {                                     \
         int64_t c = (CELL);                                                          \
@@ -166,10 +167,11 @@ static Py_ssize_t *capacities(const Rows *r, int *bad) {
         if ((size_t)row >= (size_t)r->n) return -1;                                 \
         double v = x[row];                                                           \
         *dst[c] = v;                                                                 \
-        dst[c] += isfinite(v);                                                       \
+        dst[c] += !isnan(v);                                                         \
+        *inf |= isinf(v);                                                            \
     }
 
-static int finite_pass(const Rows *r, const double *x, double **dst) {
+static int finite_pass(const Rows *r, const double *x, double **dst, int *inf) {
     const int64_t *pos = r->has_pos ? r->pos.buf : NULL;
     const uint8_t *mask = r->has_mask ? r->mask.buf : NULL;
     if (!r->has_cells && !mask) {
@@ -180,13 +182,15 @@ static int finite_pass(const Rows *r, const double *x, double **dst) {
                 if ((uint64_t)row >= (uint64_t)r->n) return -1;
                 double v = x[row];
                 *out = v;
-                out += isfinite(v);
+                out += !isnan(v);
+                *inf |= isinf(v);
             }
         } else {
             for (Py_ssize_t i = 0; i < r->rows; i++) {
                 double v = x[i];
                 *out = v;
-                out += isfinite(v);
+                out += !isnan(v);
+                *inf |= isinf(v);
             }
         }
         dst[0] = out;
@@ -237,9 +241,10 @@ static PyObject *allocated(PyObject *alloc, Py_ssize_t count, Py_buffer *view) {
 }
 
 PyDoc_STRVAR(finite_by_cell_doc,
-"finite_by_cell(values, positions, cells, ncell, mask, alloc) -> (buffer, starts, counts)\n\n"
-"Each cell's finite values of ``values`` (float64) at the rows ``positions`` (int64, or None: every row), in\n"
-"row order, in one buffer of float64 from alloc(count): cell c's are ``counts[c]`` values from ``starts[c]``.\n"
+"finite_by_cell(values, positions, cells, ncell, mask, alloc) -> (buffer, starts, counts, infinite)\n\n"
+"Each cell's values of ``values`` (float64) but NaN at the rows ``positions`` (int64, or None: every row), in\n"
+"row order, in one buffer of float64 from alloc(count): cell c's are ``counts[c]`` values from ``starts[c]``;\n"
+"``infinite``: whether one of them is infinite (a figure is a number or missing, never inf).\n"
 "``cells``: the\n"
 "cell of each row (signed integers, -1: none; None: all in cell 0); ``mask``: which rows count (bool, or None).");
 
@@ -257,7 +262,7 @@ static PyObject *finite_by_cell(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *buf = NULL;
     Py_ssize_t *start = NULL, *count = calloc((size_t)ncell, sizeof *count);
     double **dst = calloc((size_t)ncell, sizeof *dst);
-    int bad = 0, outside = 0;
+    int bad = 0, outside = 0, inf = 0;
     if (!count || !dst) goto nomem;
     Py_BEGIN_ALLOW_THREADS
     start = capacities(&r, &bad);
@@ -274,7 +279,7 @@ static PyObject *finite_by_cell(PyObject *self, PyObject *args) {
     for (Py_ssize_t c = 0; c < ncell; c++) dst[c] = out + start[c];
     const double *x = values.buf;
     Py_BEGIN_ALLOW_THREADS
-    outside = finite_pass(&r, x, dst);
+    outside = finite_pass(&r, x, dst, &inf);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (outside) {
@@ -284,7 +289,7 @@ static PyObject *finite_by_cell(PyObject *self, PyObject *args) {
     for (Py_ssize_t c = 0; c < ncell; c++) count[c] = dst[c] - (out + start[c]);
     {
         PyObject *s = ssize_list(start, ncell), *n = ssize_list(count, ncell);
-        if (s && n) result = PyTuple_Pack(3, buf, s, n);
+        if (s && n) result = Py_BuildValue("OOOO", buf, s, n, inf ? Py_True : Py_False);
         Py_XDECREF(s);
         Py_XDECREF(n);
     }
@@ -439,9 +444,248 @@ release_columns:
     return result;
 }
 
+/* out: a writable int8 buffer of one value per row; -1 with an exception set */
+static int int8_out(PyObject *obj, Py_buffer *view, Py_ssize_t rows) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 1 || strcmp(view->format, "b") || view->len != rows) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "out must be int8, one per row");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(buckets_doc,
+"buckets(values, positions, edges, inclusive, out)\n\n"
+"Each row's bucket into out (int8): how many of ``edges`` (ascending, at most 127) its value of ``values``\n"
+"(float64) at ``positions`` (int64, or None: every row) is above (with ``inclusive``: at or above); -1\n"
+"where the value is not a finite number.");
+
+static PyObject *buckets(PyObject *self, PyObject *args) {
+    PyObject *values_obj, *pos_obj, *edges_obj, *out_obj;
+    int inclusive;
+    if (!PyArg_ParseTuple(args, "OOO!pO", &values_obj, &pos_obj, &PyTuple_Type, &edges_obj, &inclusive, &out_obj))
+        return NULL;
+    Py_ssize_t nedge = PyTuple_GET_SIZE(edges_obj);
+    if (nedge > 127) {
+        PyErr_SetString(PyExc_ValueError, "at most 127 edges");
+        return NULL;
+    }
+    /* padded to a multiple of 8 with +inf (no finite value is above it, or at it), and one more +inf: the
+     * search over eight reads one past its last edge */
+    double edges[129];
+    Py_ssize_t padded = (nedge + 7) / 8 * 8;
+    if (!padded) padded = 8;
+    for (Py_ssize_t e = 0; e <= padded; e++) {
+        edges[e] = INFINITY;
+        if (e < nedge) {
+            edges[e] = PyFloat_AsDouble(PyTuple_GET_ITEM(edges_obj, e));
+            if (edges[e] == -1.0 && PyErr_Occurred()) return NULL;
+        }
+    }
+    Py_buffer values, out;
+    if (double_column(values_obj, &values, "values") < 0) return NULL;
+    Rows r;
+    if (rows_open(&r, pos_obj, Py_None, Py_None, 1, values.len / 8) < 0) {
+        PyBuffer_Release(&values);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (int8_out(out_obj, &out, r.rows) == 0) {
+        const double *x = values.buf, *ed8 = edges;
+        int8_t *o = out.buf;
+        int outside = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < r.rows; i++) {
+            Py_ssize_t row = row_at(&r, i);
+            if ((size_t)row >= (size_t)r.n) {
+                outside = 1;
+                break;
+            }
+            double v = x[row];
+            int k = 0;
+            if (padded == 8) { /* the count of edges below v by a search of four steps, without a branch */
+                if (inclusive) {
+                    k += (ed8[k + 3] <= v) * 4;
+                    k += (ed8[k + 1] <= v) * 2;
+                    k += (ed8[k] <= v);
+                    k += (ed8[k] <= v);
+                } else {
+                    k += (ed8[k + 3] < v) * 4;
+                    k += (ed8[k + 1] < v) * 2;
+                    k += (ed8[k] < v);
+                    k += (ed8[k] < v);
+                }
+            } else {
+                for (Py_ssize_t e = 0; e < padded; e++) k += inclusive ? v >= edges[e] : v > edges[e];
+            }
+            o[i] = isfinite(v) ? (int8_t)k : -1;
+        }
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&out);
+        if (outside) PyErr_SetString(PyExc_IndexError, "a position outside the columns");
+        else result = Py_NewRef(Py_None);
+    }
+    rows_release(&r);
+    PyBuffer_Release(&values);
+    return result;
+}
+
+static int int32_codes(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 4 || (strcmp(view->format, "i") && strcmp(view->format, "l"))) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "codes must be int32");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(code_cells_doc,
+"code_cells(codes, positions, per_code, out)\n\n"
+"Each row's cell into out (int8): per_code[code] of its text code in ``codes`` (int32, -1 for NULL) at\n"
+"``positions`` (int64, or None: every row); per_code (int8) holds one cell per value, then NULL's.");
+
+static PyObject *code_cells(PyObject *self, PyObject *args) {
+    PyObject *codes_obj, *pos_obj, *per_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &codes_obj, &pos_obj, &per_obj, &out_obj)) return NULL;
+    Py_buffer codes, per, out;
+    if (int32_codes(codes_obj, &codes) < 0) return NULL;
+    if (PyObject_GetBuffer(per_obj, &per, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&codes);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Rows r;
+    if (per.itemsize != 1 || strcmp(per.format, "b") || per.len < 1) {
+        PyErr_SetString(PyExc_TypeError, "per_code must be int8, one per value and NULL's last");
+        goto release;
+    }
+    if (rows_open(&r, pos_obj, Py_None, Py_None, 1, codes.len / 4) < 0) goto release;
+    if (int8_out(out_obj, &out, r.rows) == 0) {
+        const int32_t *c = codes.buf;
+        const int8_t *table = per.buf;
+        int64_t nvalues = per.len - 1;
+        int8_t *o = out.buf;
+        int outside = 0, unknown = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < r.rows; i++) {
+            Py_ssize_t row = row_at(&r, i);
+            if ((size_t)row >= (size_t)r.n) {
+                outside = 1;
+                break;
+            }
+            int64_t code = c[row];
+            if (code < -1 || code >= nvalues) {
+                unknown = 1;
+                break;
+            }
+            o[i] = table[code < 0 ? nvalues : code];
+        }
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&out);
+        if (outside) PyErr_SetString(PyExc_IndexError, "a position outside the columns");
+        else if (unknown) PyErr_SetString(PyExc_IndexError, "a code past the values");
+        else result = Py_NewRef(Py_None);
+    }
+    rows_release(&r);
+release:
+    PyBuffer_Release(&per);
+    PyBuffer_Release(&codes);
+    return result;
+}
+
+PyDoc_STRVAR(codes_present_doc,
+"codes_present(codes, positions, nvalues) -> bytes\n\n"
+"Which of ``nvalues`` text codes the rows hold (``codes`` int32 at ``positions``, int64 or None: every\n"
+"row): one byte per value, 1 where some row holds it, then one for NULL (-1).");
+
+static PyObject *codes_present(PyObject *self, PyObject *args) {
+    PyObject *codes_obj, *pos_obj;
+    Py_ssize_t nvalues;
+    if (!PyArg_ParseTuple(args, "OOn", &codes_obj, &pos_obj, &nvalues)) return NULL;
+    if (nvalues < 0) {
+        PyErr_SetString(PyExc_ValueError, "nvalues must be >= 0");
+        return NULL;
+    }
+    Py_buffer codes;
+    if (int32_codes(codes_obj, &codes) < 0) return NULL;
+    Rows r;
+    if (rows_open(&r, pos_obj, Py_None, Py_None, 1, codes.len / 4) < 0) {
+        PyBuffer_Release(&codes);
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, nvalues + 1);
+    if (result) {
+        char *seen = PyBytes_AS_STRING(result);
+        memset(seen, 0, (size_t)nvalues + 1);
+        const int32_t *c = codes.buf;
+        int outside = 0, unknown = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < r.rows; i++) {
+            Py_ssize_t row = row_at(&r, i);
+            if ((size_t)row >= (size_t)r.n) {
+                outside = 1;
+                break;
+            }
+            int64_t code = c[row];
+            if (code < -1 || code >= nvalues) {
+                unknown = 1;
+                break;
+            }
+            seen[code < 0 ? nvalues : code] = 1;
+        }
+        Py_END_ALLOW_THREADS
+        if (outside || unknown) {
+            Py_CLEAR(result);
+            PyErr_SetString(PyExc_IndexError, outside ? "a position outside the columns" : "a code past the values");
+        }
+    }
+    rows_release(&r);
+    PyBuffer_Release(&codes);
+    return result;
+}
+
+PyDoc_STRVAR(cell_counts_doc,
+"cell_counts(cells, ncell, mask) -> list\n\n"
+"How many rows each cell 0..ncell-1 holds: ``cells`` one signed integer per row (-1: none), ``mask`` which\n"
+"rows count (bool, or None: all).");
+
+static PyObject *cell_counts(PyObject *self, PyObject *args) {
+    PyObject *cells_obj, *mask_obj;
+    Py_ssize_t ncell;
+    if (!PyArg_ParseTuple(args, "OnO", &cells_obj, &ncell, &mask_obj)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(cells_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    Py_ssize_t rows = view.itemsize ? view.len / view.itemsize : 0;
+    PyBuffer_Release(&view);
+    Rows r;
+    if (rows_open(&r, Py_None, cells_obj, mask_obj, ncell, rows) < 0) return NULL;
+    int bad = 0;
+    Py_ssize_t *start;
+    Py_BEGIN_ALLOW_THREADS
+    start = capacities(&r, &bad);
+    Py_END_ALLOW_THREADS
+    rows_release(&r);
+    if (!start) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "a cell number past ncell");
+    } else {
+        for (Py_ssize_t c = ncell; c > 0; c--) start[c] -= start[c - 1];
+        result = ssize_list(start + 1, ncell);
+    }
+    free(start);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"cell_counts", cell_counts, METH_VARARGS, cell_counts_doc},
     {"finite_by_cell", finite_by_cell, METH_VARARGS, finite_by_cell_doc},
     {"throughput_by_cell", throughput_by_cell, METH_VARARGS, throughput_by_cell_doc},
+    {"buckets", buckets, METH_VARARGS, buckets_doc},
+    {"code_cells", code_cells, METH_VARARGS, code_cells_doc},
+    {"codes_present", codes_present, METH_VARARGS, codes_present_doc},
     {NULL, NULL, 0, NULL},
 };
 

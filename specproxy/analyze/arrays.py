@@ -60,9 +60,12 @@ def _as_floats(values: Iterable[Any] | None) -> np.ndarray:
     return np.asarray(values if isinstance(values, np.ndarray) else list(values or []), dtype=float).reshape(-1)
 
 
+INFINITE = "infinite value: a missing figure must be None/NaN, not inf"
+
+
 def _refuse_inf(arr: np.ndarray) -> None:
     if np.isinf(arr).any():
-        raise ValueError("infinite value: a missing figure must be None/NaN, not inf")
+        raise ValueError(INFINITE)
 
 
 def floats(values: Iterable[Any] | None) -> np.ndarray:

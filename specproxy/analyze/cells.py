@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from specproxy.analyze.arrays import missing
+from specproxy.analyze.by_cell import buckets
 
 __all__ = ["CONCURRENCY_BUCKETS", "PER_STREAM_MAX_CONCURRENCY", "PROMPT_BUCKETS", "bucket_side", "concurrency_bucket",
            "concurrency_buckets", "groups", "prompt_bucket", "prompt_buckets", "which_to_read"]
@@ -49,27 +50,17 @@ def prompt_bucket(tokens: float | None) -> str | None:
     return PROMPT_BUCKETS[-1]
 
 
-def concurrency_buckets(c: np.ndarray) -> np.ndarray:
-    """``concurrency_bucket`` for a whole column at once: indexes into CONCURRENCY_BUCKETS
-    (-1 where the value is missing), int8. Reports over a million turns cannot afford a Python loop."""
-    c = np.asarray(c, dtype=float)
-    return np.where(np.isfinite(c), _edges_below(c, _CONC_EDGES, inclusive=False), np.int8(-1))
+def concurrency_buckets(c: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """``concurrency_bucket`` for a whole column at once (at ``positions`` when given): indexes into
+    CONCURRENCY_BUCKETS (-1 where the value is missing), int8. Reports over a million turns cannot afford a
+    Python loop (``by_cell.buckets``)."""
+    return buckets(c, positions, _CONC_EDGES, inclusive=False)
 
 
-def prompt_buckets(tokens: np.ndarray) -> np.ndarray:
-    """``prompt_bucket`` for a whole column: indexes into PROMPT_BUCKETS (-1 where missing), int8."""
-    t = np.asarray(tokens, dtype=float)
-    return np.where(np.isfinite(t), _edges_below(t, _PROMPT_EDGES, inclusive=True), np.int8(-1))
-
-
-def _edges_below(x: np.ndarray, edges: tuple[int, ...], *, inclusive: bool) -> np.ndarray:
-    """How many ``edges`` are below each value (``numpy.searchsorted`` side left; with ``inclusive``, at or
-    below: side right), int8: one comparison pass per edge, where a binary search per value cost 30 ns of a
-    month's 10M values (0.3 s a column)."""
-    idx = np.zeros(len(x), dtype=np.int8)  # fewer than 128 edges
-    for e in edges:
-        idx += (x >= e) if inclusive else (x > e)
-    return idx
+def prompt_buckets(tokens: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """``prompt_bucket`` for a whole column (at ``positions`` when given): indexes into PROMPT_BUCKETS (-1 where
+    missing), int8."""
+    return buckets(tokens, positions, _PROMPT_EDGES, inclusive=True)
 
 
 def groups(index: np.ndarray) -> list[tuple[int, np.ndarray]]:

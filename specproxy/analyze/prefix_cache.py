@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze.by_cell import text_cells, text_values
 from specproxy.analyze.cells import groups
 from specproxy.analyze.tdist import t_ppf
 
@@ -146,9 +147,9 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     out = {"fit": fit, **cache_totals(predicted, cached, fit), "predicted_turns": int(np.isfinite(predicted).sum()),
            "server_cached_turns": int(np.isfinite(cached).sum())}
     del predicted, cached  # a month's columns: not held through the clients' tables
-    names = sorted(c for c in ok.distinct("client") if c is not None)
+    names = sorted(c for c in text_values(ok, "client") if c is not None)
     per_client = []
-    for i, at in groups(ok.lookup("client", {name: i for i, name in enumerate(names)})):  # a pass, not one per client
+    for i, at in groups(text_cells(ok, "client", {name: i for i, name in enumerate(names)})):  # a pass, not one per client
         name = names[i]
         mine = ok.select(at).num  # the client's rows only, read from the loaded columns
         cfit = fit_of(mine["ttft_s"], mine["streamed"], mine["prompt_tokens"], mine["usage_cached_tokens"])

@@ -31,9 +31,9 @@ from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, bucket_side, concurrency_buckets, groups,
                                     prompt_buckets)
 from specproxy.analyze.slo import attainment, met_of_turns
-from specproxy.analyze.by_cell import finite_by_cell, throughput_by_cell, throughput_of
+from specproxy.analyze.by_cell import cell_counts, finite_by_cell, text_cells, text_values, throughput_by_cell, throughput_of
 from specproxy.analyze.deferred import figures_in_parallel, later, part, resolved
-from specproxy.analyze.summary import summarize
+from specproxy.analyze.summary import summarize, summarize_finite
 from specproxy.config import Slo
 
 __all__ = ["ENGINE_SPEEDUPS", "NON_STREAMED_FIGURES", "PROMPT_PARTS", "REPORT_COLUMNS", "USER_FIGURES",
@@ -87,12 +87,11 @@ def _summary(values: np.ndarray, scale: float = 1.0, extra: dict[str, Any] | Non
 
 def _column_summary(turns: Turns, col: str, scale: float) -> dict[str, Any]:
     """``_summary_now`` of column ``col`` of ``turns``: its finite values read through the turns' positions in
-    one pass (``by_cell``), not a selected copy filtered into another (the same values, in the same order;
-    a finite value scaled past the largest float is dropped by the summary as it was)."""
+    one pass (``by_cell``), not a selected copy filtered into another (the same values, in the same order)."""
     values, positions = turns.source(col)
     (finite,) = finite_by_cell(values, positions, None, 1)
     turns.release(col)
-    return _summary_now(finite, scale, None)
+    return (summarize_finite(finite) if scale == 1.0 else summarize(finite * scale)).to_dict()
 
 
 def _summary_now(values: np.ndarray, scale: float, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -166,13 +165,13 @@ def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str |
     report["user"] = {key: later(_column_summary, streamed, col, scale) for key, col, _, scale, _ in USER_FIGURES}
     report["non_streamed"] = {key: later(_column_summary, whole, col, scale)
                               for key, col, _, scale, _ in NON_STREAMED_FIGURES}
-    report["usage_vs_delivered"] = later(_usage_gap, ok.num["completion_tokens"], ok.num["usage_completion_tokens"])
+    report["usage_vs_delivered"] = later(_usage_gap, ok)
     report["prompt"] = later(_prompt, ok)
     report["by_concurrency"] = _by_concurrency(ok, None if every else is_streamed)
     report["by_prompt_length"] = _by_prompt_length(streamed)
     report["by_content_class"] = _by_content_class(streamed)
-    report["operating_point"] = {"concurrency": _summary(ok.num["concurrency"])}
-    report["whole_turn"] = later(_whole_turn, ok.num["ttft_s"], ok.num["decode_s"], is_streamed)
+    report["operating_point"] = {"concurrency": later(_column_summary, ok, "concurrency", 1.0)}
+    report["whole_turn"] = later(_whole_turn, ok, is_streamed)
     report["prefix_cache"] = later(prefix_cache_section, ok)
     report["cost"] = cost_section(turns, prices) if n_all else None
     report["by"] = by_group(turns, by, prices) if by and n_all else None
@@ -207,9 +206,10 @@ def _slo(turns: Turns, slo: Slo) -> dict[str, Any]:
     return {"objective": slo.as_dict(), "overall": cell(None), "by_concurrency": rows}
 
 
-def _usage_gap(ours: np.ndarray, theirs: np.ndarray) -> dict[str, Any]:
+def _usage_gap(ok: Turns) -> dict[str, Any]:
     """Our delivered count beside the server's own usage count, where both exist (the completed turns'
     ``completion_tokens`` and ``usage_completion_tokens``)."""
+    ours, theirs = ok.num["completion_tokens"], ok.num["usage_completion_tokens"]
     both = np.isfinite(ours) & np.isfinite(theirs)
     ours, theirs = ours[both], theirs[both]  # each selected once: the sums and the difference read them
     diff = theirs - ours
@@ -258,9 +258,8 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra, is_stre
     Each column is read once for the whole table, through the turns' positions (``by_cell``), on the
     report's pool: a cell's values are the ones a selection of its turns held, in the same order."""
     ncell = len(names)
-    counted = index >= 0
-    whole = np.bincount(index[counted], minlength=ncell)
-    mine = whole if is_streamed is None else np.bincount(index[counted & is_streamed], minlength=ncell)
+    whole = cell_counts(index, ncell)
+    mine = whole if is_streamed is None else cell_counts(index, ncell, is_streamed)
     stream = {col: later(_cell_summaries, turns, col, index, ncell, is_streamed) for col in ("ttft_s", "decode_tps")}
     over_all = {col: later(_cell_summaries, turns, col, index, ncell, None) for col in summaries}
     agg = later(_cell_throughputs, turns, index, ncell) if throughput else None
@@ -279,7 +278,7 @@ def _cell_summaries(turns: Turns, col: str, index: np.ndarray, ncell: int, mask:
     values, positions = turns.source(col)
     cells = finite_by_cell(values, positions, index, ncell, mask)
     turns.release(col)
-    return [_summary_now(v, 1.0, None) for v in cells]
+    return [summarize_finite(v).to_dict() for v in cells]
 
 
 def _cell_throughputs(turns: Turns, index: np.ndarray, ncell: int) -> list[dict[str, Any]]:
@@ -295,12 +294,21 @@ def _by_concurrency(ok: Turns, is_streamed: np.ndarray | None) -> list[dict[str,
     """Stream figures over each cell's streamed turns; aggregate throughput (with its own n) over all its
     turns, as concurrency counts every turn in flight; and which figure to read there (its median
     concurrency's, which the cell's range decides: ``bucket_side``)."""
-    return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, concurrency_buckets(ok.num["concurrency"]),
+    return _cells(ok, "concurrency", CONCURRENCY_BUCKETS, _buckets_of(ok, "concurrency", concurrency_buckets),
                   lambda b, n, agg: {"aggregate": agg, "read": bucket_side(b)}, is_streamed, throughput=True)
 
 
+def _buckets_of(turns: Turns, col: str, bucketing) -> np.ndarray:
+    """``bucketing`` (``concurrency_buckets``, ``prompt_buckets``) of column ``col`` of ``turns``, read through
+    their positions."""
+    values, positions = turns.source(col)
+    index = bucketing(values, positions)
+    turns.release(col)
+    return index
+
+
 def _by_prompt_length(streamed: Turns) -> list[dict[str, Any]]:
-    return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, prompt_buckets(streamed.num["prompt_tokens"]),
+    return _cells(streamed, "prompt_tokens", PROMPT_BUCKETS, _buckets_of(streamed, "prompt_tokens", prompt_buckets),
                   lambda b, n, agg: {}, None)
 
 
@@ -311,13 +319,13 @@ def _by_name(ok: Turns, is_streamed: np.ndarray | None, column: str) -> list[dic
     turns without a name (recorded before it was, or by a proxy that could not tell) are one row, None."""
     if column not in ok.txt or not len(ok):
         return []
-    present = ok.distinct(column)
+    present = text_values(ok, column)
     known = sorted({str(v) for v in present if v is not None})
     order = [*known, None] if None in present else known
     if len(order) < 2:
         return []
     # None's row (and any value not equal to its name's text): after the named ones
-    index = ok.lookup(column, {name: i for i, name in enumerate(known)}, default=len(known))
+    index = text_cells(ok, column, {name: i for i, name in enumerate(known)}, default=len(known))
     key = "proxy" if column == "proxy_name" else "instance"
     return _cells(ok, key, order, index, lambda b, n, agg: {"turns": n, "aggregate": agg}, is_streamed,
                   throughput=True)
@@ -329,19 +337,19 @@ CONTENT_CLASSES = ("prose", "code", "tool_call")
 def _by_content_class(streamed: Turns) -> list[dict[str, Any]]:
     """Code, prose and tool calls apart: acceptance (tokens per chunk, decode speed) differs by class.
     Over streamed turns: a non-streamed reply is one chunk of all its tokens, not an acceptance length."""
-    index = streamed.lookup("content_class", {name: i for i, name in enumerate(CONTENT_CLASSES)})
+    index = text_cells(streamed, "content_class", {name: i for i, name in enumerate(CONTENT_CLASSES)})
     return _cells(streamed, "content_class", CONTENT_CLASSES, index, lambda b, n, agg: {}, None,
                   summaries=("tokens_per_chunk",))
 
 
-def _whole_turn(ttft_s: np.ndarray, decode_s: np.ndarray, streamed: np.ndarray) -> dict[str, Any]:
-    """The speedup a user would feel for engine decode speedups, from this traffic (streamed turns: the
-    completed turns' columns, and which of them were streamed).
+def _whole_turn(ok: Turns, streamed: np.ndarray) -> dict[str, Any]:
+    """The speedup a user would feel for engine decode speedups, from this traffic (the streamed ones of the
+    completed turns).
 
     TTFT held (prefill does not get faster when decoding does), in the before-a-change form, over the
     window's summed TTFT and decode time: the exact ratio of all users' turn time before and after.
     """
-    w = window_speedups(ttft_s[streamed], decode_s[streamed], speedups=ENGINE_SPEEDUPS)
+    w = window_speedups(ok.num["ttft_s"][streamed], ok.num["decode_s"][streamed], speedups=ENGINE_SPEEDUPS)
     n = w.n
     return {
         "n": n,

@@ -30,7 +30,8 @@ from specproxy.analyze.order_stats import order_statistics, quantile_at, quantil
 from specproxy.analyze.resample import boot_instances, log_var
 from specproxy.analyze.tdist import t_ppf
 
-__all__ = ["Summary", "mean_ci", "median", "median_ci", "median_p95_max", "summarize", "summarize_clustered"]
+__all__ = ["Summary", "mean_ci", "median", "median_ci", "median_p95_max", "summarize", "summarize_clustered",
+           "summarize_finite"]
 
 
 @dataclass(frozen=True)
@@ -150,11 +151,15 @@ def summarize(values: Iterable[Any] | None, *, seed: int = 0, level: float = 0.9
     small n it is close to the maximum). O(n): the median, p95 and the interval's ends are order
     statistics (``order_stats``), never a sort (the mean is summed in the values' order).
     """
-    x = finite(values)  # read only: its order statistics read in place, summed where it is
-    if x.size == 0:
-        check_level(level)
-        return Summary(0, None, None, None, None, None)
+    return summarize_finite(finite(values), level=level)  # read only: order statistics in place, summed where it is
+
+
+def summarize_finite(x: np.ndarray, *, level: float = 0.95) -> Summary:
+    """``summarize`` of float64 values already known to be numbers (none missing, none infinite: what
+    ``arrays.finite`` or ``by_cell.finite_by_cell`` returns), without looking at each again."""
     check_level(level)
+    if x.size == 0:
+        return Summary(0, None, None, None, None, None)
     n = x.size
     ranks = _median_ranks(n, level)
     at = {(n - 1) // 2, n // 2, *quantile_at(n, 0.95), *(_ci_at(n, ranks) if ranks is not None else ())}

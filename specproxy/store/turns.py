@@ -191,6 +191,13 @@ class Turns:
         col, pos = self._num[name]
         return col.data, pos
 
+    def code_source(self, name: str) -> tuple[np.ndarray, np.ndarray | None, tuple]:
+        """Text column ``name`` as loaded (int32 codes, NULL -1), these turns' positions into it (None: every
+        row) and its values, for a pass that reads the codes through the positions (``analyze/by_cell``)."""
+        col, pos = self._txt[name]
+        data, values = col.codes()
+        return data, pos, values
+
     def release(self, name: str) -> None:
         """Give back the resident pages of the mapped column ``name`` was read from (``pages.release``)."""
         release(self._num[name][0].data)

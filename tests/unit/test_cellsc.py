@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specproxy.analyze import by_cell
-from specproxy.analyze.by_cell import (finite_by_cell, finite_by_cell_reference, throughput_by_cell,
-                                       throughput_by_cell_reference)
+from specproxy.analyze.by_cell import (buckets, buckets_reference, cell_counts, finite_by_cell, finite_by_cell_reference,
+                                       text_cells, text_values, throughput_by_cell, throughput_by_cell_reference)
+from specproxy.store.turns import Turns
 from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
 from specproxy.store.source import Window
 from specproxy.store.sqlite_source import SQLiteSource
@@ -49,8 +50,10 @@ def _same_throughputs(got: list[dict], want: list[dict]) -> None:
             assert (g[k] is None and w[k] is None) or (float(g[k]).hex() == float(w[k]).hex()), (k, g, w)
 
 
-values_st = st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(0, 5).map(float)),
-                     min_size=0, max_size=300)
+# a column's values: numbers, repeated ones and missing ones; now and then an infinite one (refused)
+values_st = (st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=False), st.integers(0, 5).map(float)),
+                      min_size=0, max_size=300)
+             | st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=0, max_size=20))
 
 
 @st.composite
@@ -77,10 +80,16 @@ def rows(draw, n: int):
 @settings(max_examples=400, deadline=None)
 @given(values_st, st.data())
 def test_finite_by_cell_is_the_reference(values, data):
+    """The same values cell by cell, or the same refusal of an infinite one (a figure is a number or missing)."""
     x = np.array(values, dtype=np.float64)
     positions, cells, ncell, mask = data.draw(rows(len(x)))
-    _same_cells(finite_by_cell(x, positions, cells, ncell, mask),
-                finite_by_cell_reference(x, positions, cells, ncell, mask))
+    try:
+        want = finite_by_cell_reference(x, positions, cells, ncell, mask)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=str(exc)):
+            finite_by_cell(x, positions, cells, ncell, mask)
+        return
+    _same_cells(finite_by_cell(x, positions, cells, ncell, mask), want)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -132,6 +141,42 @@ def test_throughput_by_cell_over_many_rows():
     assert all(g["tps"] is not None for g in got)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_cell_counts_are_numpys(data):
+    _, cells, ncell, mask = data.draw(rows(data.draw(st.integers(0, 200))))
+    if cells is None:
+        return
+    keep = (cells >= 0) if mask is None else (cells >= 0) & mask
+    want = np.bincount(cells[keep].astype(np.intp), minlength=ncell)[:ncell].tolist()
+    assert cell_counts(cells, ncell, mask).tolist() == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(values_st, st.lists(st.integers(-5, 70000), max_size=8).map(lambda e: tuple(sorted(e))), st.booleans(),
+       st.data())
+def test_buckets_are_the_reference(values, edges, inclusive, data):
+    x = np.array(values, dtype=np.float64)
+    positions, *_ = data.draw(rows(len(x)))
+    assert buckets(x, positions, edges, inclusive=inclusive).tolist() == \
+        buckets_reference(x, positions, edges, inclusive=inclusive).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", None, "d"]), max_size=200), st.data())
+def test_text_cells_and_values_are_the_lookup_and_distinct(texts, data):
+    """From the codes read through the positions: the cells ``Turns.lookup`` gives and the values
+    ``Turns.distinct`` gives (values no turn holds left out, NULL as None)."""
+    codes = np.array([-1 if t is None else "abcd".index(t) for t in texts], dtype=np.int32)
+    turns = Turns({"t_wall": np.arange(len(texts), dtype=float)}, codes={"label": (codes, ("a", "b", "c", "d", "e"))})
+    positions, *_ = data.draw(rows(len(texts)))
+    view = turns if positions is None else turns.select(positions)
+    table = data.draw(st.dictionaries(st.sampled_from(["a", "b", "c", "e", None]), st.integers(-1, 120)))
+    default = data.draw(st.integers(-1, 5))
+    assert text_cells(view, "label", table, default).tolist() == view.lookup("label", table, default).tolist()
+    assert text_values(view, "label") == view.distinct("label")
+
+
 def test_bad_input_is_refused():
     from specproxy.analyze import _cellsc
     x = np.arange(10, dtype=float)
@@ -149,6 +194,13 @@ def test_bad_input_is_refused():
         _cellsc.throughput_by_cell(x, x, x, np.array([-1], dtype=np.int64), None, 1, np.empty)
     with pytest.raises(ValueError, match="as long"):
         _cellsc.throughput_by_cell(x, x[:5], x, None, None, 1, np.empty)
+    codes = np.array([0, 1, -1, 5], dtype=np.int32)
+    with pytest.raises(IndexError, match="past the values"):
+        _cellsc.codes_present(codes, None, 3)
+    with pytest.raises(IndexError, match="past the values"):
+        _cellsc.code_cells(codes, None, np.zeros(4, dtype=np.int8), np.empty(4, dtype=np.int8))
+    with pytest.raises(TypeError, match="int8"):
+        _cellsc.buckets(x, None, (1.0,), False, np.empty(10, dtype=np.int16))
 
 
 @pytest.fixture(scope="module")
