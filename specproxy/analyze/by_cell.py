@@ -16,7 +16,8 @@ turns not in start order, a token count that is not a whole number) is computed 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,9 @@ try:
 except ImportError:  # no compiler at install: cell by cell, in numpy
     _cellsc = None
 
-__all__ = ["NATIVE", "buckets", "cell_counts", "buckets_reference", "finite_by_cell", "finite_by_cell_reference", "text_cells",
-           "text_values", "throughput_by_cell", "throughput_by_cell_reference", "throughput_of"]
+__all__ = ["NATIVE", "buckets", "buckets_reference", "cell_counts", "finite_by_cell", "finite_by_cell_reference",
+           "release_scratch", "scratch", "text_cells", "text_values", "throughput_by_cell", "throughput_by_cell_reference",
+           "throughput_of"]
 
 NATIVE = _cellsc is not None
 
@@ -54,15 +56,34 @@ def cell_counts(cells: np.ndarray, ncell: int, mask: np.ndarray | None = None) -
     return np.array(_cellsc.cell_counts(cells, ncell, mask), dtype=np.int64)
 
 
+_scratch = threading.local()
+
+
+def scratch(count: int) -> np.ndarray:
+    """``count`` float64 values of this thread's scratch buffer (grown when too small, never shrunk), for
+    ``finite_by_cell``'s ``alloc`` when its cells are read and let go of before the next call on the thread:
+    a month's column read into fresh memory each time cost as much in page faults as the read itself."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < count:
+        buf = _scratch.buf = np.empty(count)
+    return buf[:count]
+
+
+def release_scratch() -> None:
+    """Let go of this thread's scratch buffer (a pool's threads let go of theirs when they end)."""
+    _scratch.__dict__.pop("buf", None)
+
+
 def finite_by_cell(values: np.ndarray, positions: np.ndarray | None, cells: np.ndarray | None, ncell: int,
-                   mask: np.ndarray | None = None) -> list[np.ndarray]:
+                   mask: np.ndarray | None = None, alloc: Callable[[int], np.ndarray] = np.empty) -> list[np.ndarray]:
     """Per cell ``0..ncell-1``, the ``values`` at its rows but the missing (NaN), in row order: the rows are
     ``positions`` into ``values`` (None: every one), ``cells`` says each row's cell (-1: none; None: every
     row in cell 0), ``mask`` which rows count (None: all). An infinite value is an error, as for ``arrays.finite``
-    (a figure is a number or missing). The C path returns views into one buffer."""
+    (a figure is a number or missing). The C path returns views into one buffer from ``alloc(count)``
+    (``scratch``: this thread's, valid until its next use)."""
     if _cellsc is None or values.dtype != np.float64:
         return finite_by_cell_reference(values, positions, cells, ncell, mask)
-    x, starts, counts, infinite = _cellsc.finite_by_cell(values, positions, cells, ncell, mask, np.empty)
+    x, starts, counts, infinite = _cellsc.finite_by_cell(values, positions, cells, ncell, mask, alloc)
     if infinite:
         raise ValueError(INFINITE)
     return [x[s:s + n] for s, n in zip(starts, counts)]

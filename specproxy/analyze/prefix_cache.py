@@ -142,8 +142,9 @@ def prefix_cache_section(ok) -> dict[str, Any]:
     """The report's section over completed turns (``ok``, a ``Turns`` with ``PREFIX_CACHE_COLUMNS``): the
     totals over all of them at one fit, and per client, each at its own fit (clients differ in prompt
     shape and may go to different servers)."""
-    fit = fit_of(ok.num["ttft_s"], ok.num["streamed"], ok.num["prompt_tokens"], ok.num["usage_cached_tokens"])
-    predicted, cached = ok.num["prefix_reused_tokens"], ok.num["usage_cached_tokens"]
+    cached = ok.num["usage_cached_tokens"]  # read once for the fit and the totals (a month's column is a copy)
+    fit = fit_of(ok.num["ttft_s"], ok.num["streamed"], ok.num["prompt_tokens"], cached)
+    predicted = ok.num["prefix_reused_tokens"]
     out = {"fit": fit, **cache_totals(predicted, cached, fit), "predicted_turns": int(np.isfinite(predicted).sum()),
            "server_cached_turns": int(np.isfinite(cached).sum())}
     del predicted, cached  # a month's columns: not held through the clients' tables

@@ -31,7 +31,8 @@ from specproxy.analyze.groups import GROUP_COLUMNS, by_group, cost_section
 from specproxy.analyze.cells import (CONCURRENCY_BUCKETS, PROMPT_BUCKETS, bucket_side, concurrency_buckets, groups,
                                     prompt_buckets)
 from specproxy.analyze.slo import attainment, met_of_turns
-from specproxy.analyze.by_cell import cell_counts, finite_by_cell, text_cells, text_values, throughput_by_cell, throughput_of
+from specproxy.analyze.by_cell import (cell_counts, finite_by_cell, release_scratch, scratch, text_cells, text_values,
+                                      throughput_by_cell, throughput_of)
 from specproxy.analyze.deferred import figures_in_parallel, later, part, resolved
 from specproxy.analyze.summary import summarize, summarize_finite
 from specproxy.config import Slo
@@ -89,7 +90,7 @@ def _column_summary(turns: Turns, col: str, scale: float) -> dict[str, Any]:
     """``_summary_now`` of column ``col`` of ``turns``: its finite values read through the turns' positions in
     one pass (``by_cell``), not a selected copy filtered into another (the same values, in the same order)."""
     values, positions = turns.source(col)
-    (finite,) = finite_by_cell(values, positions, None, 1)
+    (finite,) = finite_by_cell(values, positions, None, 1, alloc=scratch)  # read before the next use
     turns.release(col)
     return (summarize_finite(finite) if scale == 1.0 else summarize(finite * scale)).to_dict()
 
@@ -129,8 +130,11 @@ def build_report(data: WindowData, *, source: str = "", prices: Mapping | None =
     The figures that depend only on their own columns are computed on a small thread pool meanwhile
     (``deferred``): the same figures, in the same order.
     """
-    with figures_in_parallel():
-        return resolved(_figures(data, source=source, prices=prices, by=by, slo=slo))
+    try:
+        with figures_in_parallel():
+            return resolved(_figures(data, source=source, prices=prices, by=by, slo=slo))
+    finally:
+        release_scratch()  # this thread's (on one core the figures ran here); the pool's went with its threads
 
 
 def _figures(data: WindowData, *, source: str, prices: Mapping | None, by: str | None,
@@ -226,25 +230,28 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     turns that have every part, over those turns' prompt tokens. The parts of a turn add up to its
     prompt, so the shares add up to 1 (the medians need not add up to the median prompt, and shares of
     it did not: ~70%)."""
-    total = ok.num["prompt_tokens"]
-    out: dict[str, Any] = {"prompt_tokens": _summary(total)}
-    whole = np.isfinite(total)
-    for part in PROMPT_PARTS:
-        whole &= np.isfinite(ok.num[part])
+    # each column read once (a month's column is a copy): its summary, its sum and whether it is whole, then
+    # let go of before the next; the sums over the split turns are the sums when every turn is split (the
+    # common case), else read again over those turns
+    summaries: dict[str, dict[str, Any]] = {}
+    sums: dict[str, float] = {}
+    whole: np.ndarray | None = None
+    for col in ("prompt_tokens", *PROMPT_PARTS):
+        values = ok.num[col]
+        summaries[col] = _summary_now(values, 1.0, None)
+        sums[col] = float(np.sum(values))
+        whole = np.isfinite(values) if whole is None else whole & np.isfinite(values)
+        del values
     split = int(np.count_nonzero(whole))
-    every = split == len(whole)  # then a part's sum over the split turns is its sum (no selected copy)
-
-    def over_split(values: np.ndarray) -> float:
-        return float(np.sum(values if every else values[whole]))
-
-    tokens = over_split(total)
-    out["split_turns"] = split
-    out["split_tokens"] = tokens if split else None
+    if split != len(whole):
+        sums = {col: float(np.sum(ok.num[col][whole])) for col in sums}
+    tokens = sums["prompt_tokens"]
+    out: dict[str, Any] = {"prompt_tokens": summaries["prompt_tokens"], "split_turns": split,
+                           "split_tokens": tokens if split else None}
     for part in PROMPT_PARTS:
-        values = ok.num[part]
-        part_tokens = over_split(values) if split else None
-        out[part] = _summary(values, extra={
-            "tokens": part_tokens, "share_of_prompt_tokens": part_tokens / tokens if split and tokens > 0 else None})
+        part_tokens = sums[part] if split else None
+        out[part] = {**summaries[part], "tokens": part_tokens,
+                     "share_of_prompt_tokens": part_tokens / tokens if split and tokens > 0 else None}
     return out
 
 
@@ -276,7 +283,7 @@ def _cells(turns: Turns, key: str, names: Any, index: np.ndarray, extra, is_stre
 def _cell_summaries(turns: Turns, col: str, index: np.ndarray, ncell: int, mask: np.ndarray | None) -> list[dict]:
     """Each cell's summary of ``col`` over its turns that ``mask`` keeps (None: all)."""
     values, positions = turns.source(col)
-    cells = finite_by_cell(values, positions, index, ncell, mask)
+    cells = finite_by_cell(values, positions, index, ncell, mask, alloc=scratch)  # read before the next use
     turns.release(col)
     return [summarize_finite(v).to_dict() for v in cells]
 
