@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from specproxy.analyze.by_cell import finite_by_cell
 from specproxy.store.dataset import Turns
 
 __all__ = ["NOTE_RATIO", "RATIO_LIMIT", "SHARE_LIMIT", "WORKLOAD_COLUMNS", "Workload", "differences", "describe",
@@ -68,8 +69,9 @@ class Workload:
     def mean(self, column: str) -> float | None:
         """The mean of a token column over the turns that have it."""
         def make():
-            x = self.turns.num[column]
-            x = x[np.isfinite(x)]
+            values, positions = self.turns.source(column)
+            (x,) = finite_by_cell(values, positions, None, 1)  # one pass through the positions, no gathered copy
+            self.turns.release(column)
             return float(x.mean()) if x.size else None
         return self._once(f"mean {column}", make)
 
