@@ -549,6 +549,26 @@ static int int32_codes(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
+/* the slot of row i's text code among nvalues + 1 (its code, or nvalues for NULL); -1 with *why set to 1
+ * for a position outside the columns, 2 for a code past the values */
+static inline int64_t code_slot(const Rows *r, const int32_t *c, int64_t nvalues, Py_ssize_t i, int *why) {
+    Py_ssize_t row = row_at(r, i);
+    if ((size_t)row >= (size_t)r->n) {
+        *why = 1;
+        return -1;
+    }
+    int64_t code = c[row];
+    if (code < -1 || code >= nvalues) {
+        *why = 2;
+        return -1;
+    }
+    return code < 0 ? nvalues : code;
+}
+
+static void code_error(int why) {
+    PyErr_SetString(PyExc_IndexError, why == 1 ? "a position outside the columns" : "a code past the values");
+}
+
 PyDoc_STRVAR(code_cells_doc,
 "code_cells(codes, positions, per_code, out)\n\n"
 "Each row's cell into out (int8): per_code[code] of its text code in ``codes`` (int32, -1 for NULL) at\n"
@@ -575,25 +595,16 @@ static PyObject *code_cells(PyObject *self, PyObject *args) {
         const int8_t *table = per.buf;
         int64_t nvalues = per.len - 1;
         int8_t *o = out.buf;
-        int outside = 0, unknown = 0;
+        int why = 0;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < r.rows; i++) {
-            Py_ssize_t row = row_at(&r, i);
-            if ((size_t)row >= (size_t)r.n) {
-                outside = 1;
-                break;
-            }
-            int64_t code = c[row];
-            if (code < -1 || code >= nvalues) {
-                unknown = 1;
-                break;
-            }
-            o[i] = table[code < 0 ? nvalues : code];
+            int64_t slot = code_slot(&r, c, nvalues, i, &why);
+            if (slot < 0) break;
+            o[i] = table[slot];
         }
         Py_END_ALLOW_THREADS
         PyBuffer_Release(&out);
-        if (outside) PyErr_SetString(PyExc_IndexError, "a position outside the columns");
-        else if (unknown) PyErr_SetString(PyExc_IndexError, "a code past the values");
+        if (why) code_error(why);
         else result = Py_NewRef(Py_None);
     }
     rows_release(&r);
@@ -628,25 +639,17 @@ static PyObject *codes_present(PyObject *self, PyObject *args) {
         char *seen = PyBytes_AS_STRING(result);
         memset(seen, 0, (size_t)nvalues + 1);
         const int32_t *c = codes.buf;
-        int outside = 0, unknown = 0;
+        int why = 0;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < r.rows; i++) {
-            Py_ssize_t row = row_at(&r, i);
-            if ((size_t)row >= (size_t)r.n) {
-                outside = 1;
-                break;
-            }
-            int64_t code = c[row];
-            if (code < -1 || code >= nvalues) {
-                unknown = 1;
-                break;
-            }
-            seen[code < 0 ? nvalues : code] = 1;
+            int64_t slot = code_slot(&r, c, nvalues, i, &why);
+            if (slot < 0) break;
+            seen[slot] = 1;
         }
         Py_END_ALLOW_THREADS
-        if (outside || unknown) {
+        if (why) {
             Py_CLEAR(result);
-            PyErr_SetString(PyExc_IndexError, outside ? "a position outside the columns" : "a code past the values");
+            code_error(why);
         }
     }
     rows_release(&r);

@@ -17,10 +17,8 @@ from specproxy.analyze import by_cell
 from specproxy.analyze.by_cell import (buckets, buckets_reference, cell_counts, finite_by_cell, finite_by_cell_reference,
                                        text_cells, text_values, throughput_by_cell, throughput_by_cell_reference)
 from specproxy.store.turns import Turns
-from specproxy.analyze.report_data import REPORT_COLUMNS, build_report
-from specproxy.store.source import Window
-from specproxy.store.sqlite_source import SQLiteSource
-from test_report_fast_path import bench_report_module
+from specproxy.analyze.report_data import build_report
+from test_report_parallel import data  # noqa: F401 (the fixture: a generated window as the report loads it)
 
 pytestmark = pytest.mark.skipif(not by_cell.NATIVE, reason="specproxy.analyze._cellsc is not built")
 
@@ -201,16 +199,6 @@ def test_bad_input_is_refused():
         _cellsc.code_cells(codes, None, np.zeros(4, dtype=np.int8), np.empty(4, dtype=np.int8))
     with pytest.raises(TypeError, match="int8"):
         _cellsc.buckets(x, None, (1.0,), False, np.empty(10, dtype=np.int16))
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    gen = bench_report_module()
-    gen.SPAN = 6 * 3600.0
-    path = tmp_path_factory.mktemp("cells") / "turns.db"
-    gen.generate(path, 8000)
-    with SQLiteSource(path, cache=False) as store:
-        return store.load(Window(), REPORT_COLUMNS, server=True, context=True)
 
 
 def test_the_report_is_the_references_report(monkeypatch, data):
