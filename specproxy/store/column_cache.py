@@ -48,13 +48,15 @@ database restored in place with as many rows and the same counter: delete ``DB.c
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import logging
 import os
 import shutil
 import sqlite3
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,13 +396,46 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
                 names: list[str]) -> tuple[dict[str, np.ndarray], dict, str]:
     """The table's ``names`` columns (rowid first) and text dictionaries, every row in rowid order, from
     the cache checked and brought up to date (and saved when it can be), and what was done: hit, append,
-    build."""
+    build.
+
+    A cache that is current is read as it is; one that needs work is brought up to date by one process at a
+    time (``_one_builder``): another that asks meanwhile waits, then finds it current. Two builds at once did
+    the work twice, and one could remove the segments the other was about to name."""
+    got = _load_table_now(conn, db, cdir, table, names, build=False)
+    if got is not None:
+        return got
+    with _one_builder(cdir):
+        return _load_table_now(conn, db, cdir, table, names, build=True)
+
+
+@contextlib.contextmanager
+def _one_builder(cdir: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the cache directory's ``build.lock`` for the block; none where the directory
+    cannot be made or written (there is no cache to share there)."""
+    try:
+        cdir.mkdir(exist_ok=True)
+        fd = os.open(cdir / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
+
+
+def _load_table_now(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table, names: list[str], *,
+                    build: bool) -> tuple[dict[str, np.ndarray], dict, str] | None:
+    """``_load_table``'s work; without ``build``, None unless the cache is current (a hit)."""
     key = _key(conn, db, table)
     entry = read_manifest(cdir).get(table.name)
     segs: list[dict] = []
     old: dict[str, np.ndarray] | None = None
     old_dicts: dict = {}
     max_rowid = None
+    valid = False  # the manifest's entry is this table's now (maybe of no rows)
     if entry is not None and entry.get("key") == key:
         try:
             segs = entry["segments"]
@@ -409,10 +444,18 @@ def _load_table(conn: sqlite3.Connection, db: Path, cdir: Path, table: Table,
                 old, old_dicts = merge(table.text, segs, loaded)
                 max_rowid = max(s["max_rowid"] for s in segs)
                 _check(conn, table, old, old_dicts, max_rowid)
+            valid = True
         except (Invalid, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
             log.info("column cache of %s (%s) rebuilt: %s", db, table.name, exc)
             segs, old, old_dicts, max_rowid = [], None, {}, None
     after = max_rowid if max_rowid is not None else -(2**63)
+    if not build:  # rows to read are read under the lock; else nothing is written: the answer is here
+        if _new_rowids(conn, table, after)[0] is not None:
+            return None
+        if old is None:  # no rows: cached as such, or a table that has none (nothing written either way)
+            old, old_dicts = merge(table.text, [{"dicts": {n: [] for n in table.text}}],
+                                   [{n: np.empty(0, table.dtype(n)) for n in names}])
+        return old, old_dicts, "hit" if valid and segs else "build"
     previous = {s.get("dir") for s in entry["segments"] if isinstance(s, dict)} if entry else set()
     built = _build_in_chunks(conn, db, cdir, table, after, key, segs, previous)
     if built is not None:

@@ -4,6 +4,7 @@ or half-written cache files and cache locations that cannot be written."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -11,6 +12,7 @@ import random
 import shutil
 import sqlite3
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -475,3 +477,46 @@ def test_a_range_read_in_another_state_is_read_again_whole(db, in_ranges, monkey
     segments = _manifest(db)["turns"]["segments"]
     assert len(segments) == 1 and _segment_dirs(db) == {segments[0]["dir"]}
     assert_turns_equal(db)
+
+
+def _lock_is_held(db: Path) -> bool:
+    fd = os.open(column_cache.cache_dir(db) / "build.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_build_holds_the_cache_directorys_lock(db, in_ranges, monkeypatch):
+    """While a build reads its ranges another process cannot take the build lock (it waits, then finds the
+    cache current): one builder at a time, where two did the work twice and one could remove the segments
+    the other was about to name."""
+    native = column_cache.read_native
+    held = []
+    monkeypatch.setattr(column_cache, "read_native", lambda *a: held.append(_lock_is_held(db)) or native(*a))
+    assert_same(db, expect="build")
+    assert len(held) >= 10 and all(held)
+    assert not _lock_is_held(db)  # let go with the build
+    monkeypatch.undo()
+    write_turns(db, 20, seed=8)
+    assert_same(db, expect="append")
+    assert_same(db, expect="hit")
+
+
+def test_a_current_cache_is_read_while_another_holds_the_lock(db):
+    """Readers of a current cache never wait for the lock: a report is served while it is held."""
+    assert_same(db, expect="build")
+    fd = os.open(column_cache.cache_dir(db) / "build.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.append(report_json(db, True)) or got.append(column_cache.last_status))
+        reader.start()
+        reader.join(timeout=60)  # a reader that waited for the lock would still be waiting here
+        assert not reader.is_alive() and got[1] == "hit"
+    finally:
+        os.close(fd)
+        reader.join()
