@@ -80,24 +80,14 @@ def report_columns(prices: Mapping | None = None, by: str | None = None) -> tupl
     return (*REPORT_COLUMNS, *(c for c in dict.fromkeys(extra) if c not in REPORT_COLUMNS))
 
 
-def _summary(values: np.ndarray, scale: float = 1.0, extra: dict[str, Any] | None = None) -> Any:
-    """``summarize(values * scale)`` as a dict, then ``extra``'s keys: on the report's pool when it has one
-    (``deferred``: a Future in its place until the report is ``resolved``)."""
-    return later(_summary_now, values, scale, extra)
-
-
 def _column_summary(turns: Turns, col: str, scale: float) -> dict[str, Any]:
-    """``_summary_now`` of column ``col`` of ``turns``: its finite values read through the turns' positions in
-    one pass (``by_cell``), not a selected copy filtered into another (the same values, in the same order)."""
+    """``summarize`` of column ``col`` of ``turns`` times ``scale``, as a dict: its finite values read through
+    the turns' positions in one pass (``by_cell``), not a selected copy filtered into another (the same
+    values, in the same order)."""
     values, positions = turns.source(col)
     (finite,) = finite_by_cell(values, positions, None, 1, alloc=scratch)  # read before the next use
     turns.release(col)
     return (summarize_finite(finite) if scale == 1.0 else summarize(finite * scale)).to_dict()
-
-
-def _summary_now(values: np.ndarray, scale: float, extra: dict[str, Any] | None) -> dict[str, Any]:
-    # x * 1.0 is x to the last bit (NaN stays NaN): no copy of a whole column for it
-    return {**summarize(values if scale == 1.0 else values * scale).to_dict(), **(extra or {})}
 
 
 def aggregate_throughput(turns: Turns) -> dict[str, Any]:
@@ -238,7 +228,7 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     whole: np.ndarray | None = None
     for col in ("prompt_tokens", *PROMPT_PARTS):
         values = ok.num[col]
-        summaries[col] = _summary_now(values, 1.0, None)
+        summaries[col] = summarize(values).to_dict()
         sums[col] = float(np.sum(values))
         whole = np.isfinite(values) if whole is None else whole & np.isfinite(values)
         del values
@@ -248,9 +238,9 @@ def _prompt(ok: Turns) -> dict[str, Any]:
     tokens = sums["prompt_tokens"]
     out: dict[str, Any] = {"prompt_tokens": summaries["prompt_tokens"], "split_turns": split,
                            "split_tokens": tokens if split else None}
-    for part in PROMPT_PARTS:
-        part_tokens = sums[part] if split else None
-        out[part] = {**summaries[part], "tokens": part_tokens,
+    for name in PROMPT_PARTS:
+        part_tokens = sums[name] if split else None
+        out[name] = {**summaries[name], "tokens": part_tokens,
                      "share_of_prompt_tokens": part_tokens / tokens if split and tokens > 0 else None}
     return out
 

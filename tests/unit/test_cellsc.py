@@ -77,10 +77,10 @@ def rows(draw, n: int):
 
 @settings(max_examples=400, deadline=None)
 @given(values_st, st.data())
-def test_finite_by_cell_is_the_reference(values, data):
+def test_finite_by_cell_is_the_reference(values, drawn):
     """The same values cell by cell, or the same refusal of an infinite one (a figure is a number or missing)."""
     x = np.array(values, dtype=np.float64)
-    positions, cells, ncell, mask = data.draw(rows(len(x)))
+    positions, cells, ncell, mask = drawn.draw(rows(len(x)))
     try:
         want = finite_by_cell_reference(x, positions, cells, ncell, mask)
     except ValueError as exc:
@@ -106,21 +106,21 @@ def test_finite_by_cell_over_many_rows(seed):
         _same_cells(finite_by_cell(x, p, c, ncell, m), finite_by_cell_reference(x, p, c, ncell, m))
 
 
-def _column(data, n: int, elements) -> np.ndarray:
-    return np.array(data.draw(st.lists(elements, min_size=n, max_size=n)), dtype=np.float64)
+def _column(drawn, n: int, elements) -> np.ndarray:
+    return np.array(drawn.draw(st.lists(elements, min_size=n, max_size=n)), dtype=np.float64)
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.integers(0, 120), st.booleans(), st.data())
-def test_throughput_by_cell_is_the_reference(n, in_order, data):
+def test_throughput_by_cell_is_the_reference(n, in_order, drawn):
     """Starts in order or not, ends before their starts or NaN, token counts whole or not, missing or not:
     the C pass and the reference agree (a cell it cannot vouch for is the reference's own)."""
-    starts = _column(data, n, st.floats(0, 100, allow_nan=False) | st.just(float("nan")))
+    starts = _column(drawn, n, st.floats(0, 100, allow_nan=False) | st.just(float("nan")))
     if in_order:
         starts = np.sort(starts)
-    total = _column(data, n, st.floats(-1, 30) | st.just(float("nan")) | st.integers(0, 5).map(float))
-    tokens = _column(data, n, st.integers(0, 500).map(float) | st.floats(0, 10) | st.just(float("nan")))
-    positions, cells, ncell, _ = data.draw(rows(n))
+    total = _column(drawn, n, st.floats(-1, 30) | st.just(float("nan")) | st.integers(0, 5).map(float))
+    tokens = _column(drawn, n, st.integers(0, 500).map(float) | st.floats(0, 10) | st.just(float("nan")))
+    positions, cells, ncell, _ = drawn.draw(rows(n))
     _same_throughputs(throughput_by_cell(starts, total, tokens, positions, cells, ncell),
                       throughput_by_cell_reference(starts, total, tokens, positions, cells, ncell))
 
@@ -141,8 +141,8 @@ def test_throughput_by_cell_over_many_rows():
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_cell_counts_are_numpys(data):
-    _, cells, ncell, mask = data.draw(rows(data.draw(st.integers(0, 200))))
+def test_cell_counts_are_numpys(drawn):
+    _, cells, ncell, mask = drawn.draw(rows(drawn.draw(st.integers(0, 200))))
     if cells is None:
         return
     keep = (cells >= 0) if mask is None else (cells >= 0) & mask
@@ -153,24 +153,24 @@ def test_cell_counts_are_numpys(data):
 @settings(max_examples=300, deadline=None)
 @given(values_st, st.lists(st.integers(-5, 70000), max_size=8).map(lambda e: tuple(sorted(e))), st.booleans(),
        st.data())
-def test_buckets_are_the_reference(values, edges, inclusive, data):
+def test_buckets_are_the_reference(values, edges, inclusive, drawn):
     x = np.array(values, dtype=np.float64)
-    positions, *_ = data.draw(rows(len(x)))
+    positions, *_ = drawn.draw(rows(len(x)))
     assert buckets(x, positions, edges, inclusive=inclusive).tolist() == \
         buckets_reference(x, positions, edges, inclusive=inclusive).tolist()
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", "c", None, "d"]), max_size=200), st.data())
-def test_text_cells_and_values_are_the_lookup_and_distinct(texts, data):
+def test_text_cells_and_values_are_the_lookup_and_distinct(texts, drawn):
     """From the codes read through the positions: the cells ``Turns.lookup`` gives and the values
     ``Turns.distinct`` gives (values no turn holds left out, NULL as None)."""
     codes = np.array([-1 if t is None else "abcd".index(t) for t in texts], dtype=np.int32)
     turns = Turns({"t_wall": np.arange(len(texts), dtype=float)}, codes={"label": (codes, ("a", "b", "c", "d", "e"))})
-    positions, *_ = data.draw(rows(len(texts)))
+    positions, *_ = drawn.draw(rows(len(texts)))
     view = turns if positions is None else turns.select(positions)
-    table = data.draw(st.dictionaries(st.sampled_from(["a", "b", "c", "e", None]), st.integers(-1, 120)))
-    default = data.draw(st.integers(-1, 5))
+    table = drawn.draw(st.dictionaries(st.sampled_from(["a", "b", "c", "e", None]), st.integers(-1, 120)))
+    default = drawn.draw(st.integers(-1, 5))
     assert text_cells(view, "label", table, default).tolist() == view.lookup("label", table, default).tolist()
     assert text_values(view, "label") == view.distinct("label")
 
