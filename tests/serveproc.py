@@ -98,11 +98,16 @@ class ServeProcess:
         self.wait(10)
 
     def state(self, timeout: float = 10) -> dict[str, int | float]:
-        """Ask for a state line (SIGUSR1) and parse the newest one."""
-        before = self.stderr().count(" state ")
+        """Ask for a state line (SIGUSR1) and parse the newest one, once its end is written (read while the
+        process was still writing it, a line's last field came cut off)."""
+        def whole() -> list[str]:
+            text = self.stderr()
+            return [ln for ln in text[:text.rfind("\n") + 1].splitlines() if " state " in ln]
+
+        before = len(whole())
         self.proc.send_signal(signal.SIGUSR1)
-        wait_until(lambda: self.stderr().count(" state ") > before, timeout, 0.02, "a state line")
-        line = [ln for ln in self.stderr().splitlines() if " state " in ln][-1]
+        wait_until(lambda: len(whole()) > before, timeout, 0.02, "a state line")
+        line = whole()[-1]
         return {k: _number(v) for k, v in (kv.split("=") for kv in line.split(" state ", 1)[1].split())}
 
 
