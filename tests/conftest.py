@@ -47,6 +47,7 @@ from specproxy.serve.service import Service  # noqa: E402
 from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE, FakeUpstream, Script  # noqa: E402
 from specproxy.measure.tokens import count_with_first, load_tokenizer  # noqa: E402
 from serveproc import cancel_leftovers  # noqa: E402
+from faultkit import refused_port  # noqa: E402
 
 # the real llama.cpp tier's fixtures (llama_server_bin, tiny models, hf_tokenizer_dir, llama_server)
 pytest_plugins = ["real.fixtures", "pgserver"]  # and the fleet's PostgreSQL (pg_server)
@@ -117,6 +118,13 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+@pytest.fixture
+def refused() -> Iterator[int]:
+    """A port that refuses connections for the test's duration (held bound: see ``faultkit.refused_port``)."""
+    with refused_port() as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

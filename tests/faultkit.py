@@ -393,6 +393,20 @@ def db_rows(db: Path, sql: str = "SELECT id FROM turns", params: tuple = ()) -> 
         conn.close()
 
 
+# --- a port that refuses ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A port on 127.0.0.1 held bound but never listening for the ``with`` block: connections to it are
+    refused, and no other process can take it meanwhile. (A port bound and closed at once is free for the
+    kernel to hand to the next ``--port 0``: a test's exporter or sink, retrying to reach it, then talks
+    to another test's proxy and adds turns there.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 # --- a small file system ----------------------------------------------------------------------------
 
 

@@ -258,12 +258,12 @@ def test_two_proxies_under_one_name_are_refused_never_merged(tmp_path, pg_server
     assert len(remote_turns(pg_server, pgdb)) == 20
 
 
-def test_sink_errors_are_one_line(pg_server, pgdb, monkeypatch):
+def test_sink_errors_are_one_line(pg_server, pgdb, monkeypatch, refused):
     monkeypatch.setenv("PGPASSWORD", "wrong-" + LOCKED_PASSWORD)
     cases = {
         pg_server.url(pgdb, user="locked"): "password authentication failed",
         pg_server.url(pgdb, user="reader"): "permission denied",
-        f"postgresql://fleet@127.0.0.1:{_closed_port()}/x": "cannot connect",
+        f"postgresql://fleet@127.0.0.1:{refused}/x": "cannot connect",
     }
     for url, why in cases.items():
         sink = PostgresSink(url)
@@ -278,14 +278,6 @@ def test_sink_errors_are_one_line(pg_server, pgdb, monkeypatch):
     sink.close()
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def upstream():
     lt = LoopThread()
@@ -297,8 +289,8 @@ def upstream():
 
 
 @pytest.mark.parametrize("who", ["locked", "reader", "unreachable"])
-def test_serve_with_a_failing_sink_forwards_records_and_says_why(tmp_path, pg_server, pgdb, upstream, who):
-    url = (f"postgresql://fleet@127.0.0.1:{_closed_port()}/x" if who == "unreachable"
+def test_serve_with_a_failing_sink_forwards_records_and_says_why(tmp_path, pg_server, pgdb, upstream, who, refused):
+    url = (f"postgresql://fleet@127.0.0.1:{refused}/x" if who == "unreachable"
            else pg_server.url(pgdb, user=who))
     canary = "canary-pw-" + new_turn_id()
     db = tmp_path / "s.db"

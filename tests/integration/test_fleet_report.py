@@ -232,10 +232,10 @@ def test_report_text_and_html_over_postgresql(fleet, tmp_path):
     assert "<svg" in b.read_text()
 
 
-def test_a_password_in_the_url_or_a_server_not_there_is_one_line(pg_server):
+def test_a_password_in_the_url_or_a_server_not_there_is_one_line(pg_server, refused):
     cases = {
         "postgresql://fleet:secret-pw@127.0.0.1:1/x": "holds a password",
-        f"postgresql://fleet@127.0.0.1:{_closed_port()}/x": "cannot connect to",
+        f"postgresql://fleet@127.0.0.1:{refused}/x": "cannot connect to",
     }
     for url, why in cases.items():
         for command in (("report",), ("audit",), ("compare", "a", "b"), ("export",)):
@@ -272,14 +272,6 @@ def test_commands_that_write_or_read_local_tables_refuse_a_url(pg_server, tmp_pa
         out = CliRunner().invoke(main, args)
         assert out.exit_code == 2 and "give an SQLite file" in out.output, out.output
         assert out.output.count("\n") == 1
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- four proxies, two upstreams, one PostgreSQL ----------------------------------------------------------

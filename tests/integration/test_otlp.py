@@ -169,16 +169,9 @@ def test_the_turns_figures_arrive_under_the_genai_names(tmp_path, lt, upstream):
     assert "specproxy.sink.rows_behind" not in got  # no sink: no figures that would read as keeping up
 
 
-def closed_port() -> int:
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_an_endpoint_that_takes_nothing_is_one_line_and_counted(tmp_path, upstream):
-    url = f"http://127.0.0.1:{closed_port()}/v1/metrics"
+def test_an_endpoint_that_takes_nothing_is_one_line_and_counted(tmp_path, upstream, refused):
+    url = f"http://127.0.0.1:{refused}/v1/metrics"
     db = tmp_path / "s.db"
     proc = ServeProcess(tmp_path, upstream.url, db, "--otlp-endpoint", url, "--otlp-interval", "0.2")
     try:

@@ -4,7 +4,6 @@ truncations, clients hanging up after [DONE], hop-by-hop headers, labels, unpars
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import sqlite3
@@ -60,19 +59,16 @@ def test_openai_sdk_same_results_through_the_proxy(stack, tiktoken_tok):
     assert streamed.prompt_tools_tokens > 0 and streamed.prompt_new_tokens == tiktoken_tok.count("Say it.")
 
 
-def test_unreachable_upstream_gives_502_json(make_stack):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]  # bound, never listening: connections are refused
-        stack = make_stack(upstream=f"http://127.0.0.1:{dead}")
+def test_unreachable_upstream_gives_502_json(make_stack, refused):
+    stack = make_stack(upstream=f"http://127.0.0.1:{refused}")
 
-        async def go():
-            async with aiohttp.ClientSession() as c:
-                t0 = time.monotonic()
-                async with c.post(stack.url + "/v1/chat/completions", data=b'{"messages": []}') as r:
-                    return r.status, await r.json(), time.monotonic() - t0
+    async def go():
+        async with aiohttp.ClientSession() as c:
+            t0 = time.monotonic()
+            async with c.post(stack.url + "/v1/chat/completions", data=b'{"messages": []}') as r:
+                return r.status, await r.json(), time.monotonic() - t0
 
-        status, body, elapsed = stack.run(go())
+    status, body, elapsed = stack.run(go())
     assert status == 502 and elapsed < 5
     assert body["error"]["type"] == "upstream_unreachable"
     stack.settle()

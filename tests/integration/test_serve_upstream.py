@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import sqlite3
 import time
 
@@ -136,21 +135,13 @@ def test_paths_without_v1_are_measured_like_their_v1_twins(make_stack, tiktoken_
 
 # --- an upstream that does not answer ---------------------------------------------------------------------
 
-@pytest.fixture
-def dead_port():
-    """A port on 127.0.0.1 that is bound but never listening: connections to it are refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
-
-
 def messages(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in list(caplog.records) if text in r.getMessage()]
 
 
-def test_start_up_says_when_the_upstream_is_not_answering(make_stack, dead_port, caplog):
+def test_start_up_says_when_the_upstream_is_not_answering(make_stack, refused, caplog):
     caplog.set_level(logging.INFO, logger="specproxy")
-    dead = f"http://127.0.0.1:{dead_port}/v1"
+    dead = f"http://127.0.0.1:{refused}/v1"
     stack = make_stack(upstream=dead)
     (line,) = messages(caplog, "is not answering")
     assert line.startswith(f"upstream {dead} is not answering (") and "refused" in line
@@ -181,17 +172,17 @@ async def test_the_start_up_check_waits_no_longer_than_its_timeout(monkeypatch):
 
 # --- scrape failures: logged with a back-off -------------------------------------------------------------
 
-def test_failed_scrapes_are_logged_with_a_back_off(make_stack, dead_port, caplog):
+def test_failed_scrapes_are_logged_with_a_back_off(make_stack, refused, caplog):
     """Nothing answers: the 1st, 2nd, 4th, 8th... failure in a row is logged, with its reason, not every one."""
     caplog.set_level(logging.INFO, logger="specproxy")
-    stack = make_stack(upstream=f"http://127.0.0.1:{dead_port}", scrape_interval_s=0.02)
+    stack = make_stack(upstream=f"http://127.0.0.1:{refused}", scrape_interval_s=0.02)
     watch = stack.service.watch
     assert wait_for(lambda: watch.failures >= 9)
     stack.run(stack.service.stop())  # no more scrapes
     lines = messages(caplog, "failed (")
     assert [int(line.split("failed (")[1].split(" ")[0]) for line in lines] == [
         n for n in (1, 2, 4, 8, 16, 32, 64) if n <= watch.failures]
-    assert all(line.startswith(f"scrape of http://127.0.0.1:{dead_port}/metrics failed (") for line in lines)
+    assert all(line.startswith(f"scrape of http://127.0.0.1:{refused}/metrics failed (") for line in lines)
     assert all("Connect" in line for line in lines)
 
 
@@ -219,12 +210,12 @@ def test_the_back_off_logs_powers_of_two_then_at_least_every_few_minutes():
 
 # --- scrape failures: in the report ----------------------------------------------------------------------
 
-def test_a_report_whose_scrapes_all_failed_says_how_many_and_why(make_stack, dead_port):
+def test_a_report_whose_scrapes_all_failed_says_how_many_and_why(make_stack, refused):
     """Every turn 502 and every scrape failed: the report says "0 scrapes, N failed (last error: ...)", not
     "none recorded". N counts the failed attempts around the turns (from the last one before the first turn
     to the first one after the last), so that the report says the same whenever it runs: not every failure
     of the proxy's life."""
-    stack = make_stack(upstream=f"http://127.0.0.1:{dead_port}", scrape_interval_s=0.02)
+    stack = make_stack(upstream=f"http://127.0.0.1:{refused}", scrape_interval_s=0.02)
     watch = stack.service.watch
     assert stack.run(post(stack.url, "/v1/chat/completions", CHAT))[0] == 502
     assert wait_for(lambda: watch.failures >= 5)
