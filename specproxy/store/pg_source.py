@@ -27,6 +27,7 @@ the SQL read here (tests/integration/test_pg_cache.py).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -204,6 +205,20 @@ class PgSource(Source):
         value = self._one(f"SELECT t_wall FROM turns{where} ORDER BY t_wall DESC, seq DESC LIMIT 1 OFFSET %s",
                           (*params, n - 1))
         return None if value is None else float(value)
+
+    @contextmanager
+    def consistent(self) -> Iterator[None]:
+        """One REPEATABLE READ transaction: its reads share one snapshot (the cache's own transaction
+        inside it asks the same level, which PostgreSQL allows)."""
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            yield
+            return
+        with self.conn.transaction():
+            try:
+                self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            except psycopg.Error as exc:
+                raise ConfigError(f"cannot read {self.url}: {one_line(exc)}") from None
+            yield
 
     def rows(self, fields: Sequence[str], window: Window) -> Iterator[tuple]:
         """Every row the window selects (of any path: ``export``), oldest first, as tuples of ``fields``;

@@ -31,6 +31,9 @@ What a store must return (every implementation; ``tests/unit/test_source.py`` ho
 * ``recent(window, fields, limit) -> list[tuple]``: the newest ``limit`` turns of the window (measured),
   oldest of them first, as tuples of ``fields`` (record field names); ``nth_newest_t_wall(window, n)``:
   the ``t_wall`` of the window's ``n``-th newest turn, or None.
+* ``consistent()``: a context in which every read sees one committed state of the store, for a
+  picture made of several reads (the live page's figures and its newest turns must not count a turn
+  committed between them).
 
 A store's missing table (an older database) reads as empty, never as an error.
 """
@@ -38,7 +41,8 @@ A store's missing table (an older database) reads as empty, never as an error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +158,9 @@ class Source(ABC):
 
     @abstractmethod
     def nth_newest_t_wall(self, window: Window, n: int) -> float | None: ...
+
+    @abstractmethod
+    def consistent(self) -> AbstractContextManager[None]: ...
 
     def labels(self) -> list[str]:
         return list(self.database()["labels"])

@@ -9,7 +9,8 @@ scrapes when ``cache`` is set.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,17 @@ class SQLiteSource(Source):
 
     def nth_newest_t_wall(self, window: Window, n: int) -> float | None:
         return queries.nth_newest_t_wall(self.conn, *where_clause(**window.as_dict()), n)
+
+    @contextmanager
+    def consistent(self) -> Iterator[None]:
+        """One read transaction: in WAL mode its reads share the snapshot its first read takes (a
+        transaction the caller holds already is that snapshot)."""
+        if self.conn.in_transaction:
+            yield
+            return
+        self.conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            if self.conn.in_transaction:
+                self.conn.execute("COMMIT")

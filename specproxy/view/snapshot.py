@@ -36,9 +36,10 @@ def snapshot(store: Source, *, source: str, label: str | None = None, since: flo
     cost, with ``by`` its table per group, with ``slo`` its SLO section and each newest turn judged
     (``build_report``)."""
     window = Window(label, since, until)
-    data = store.load(window, report_columns(prices, by), server=True, context=True)
+    with store.consistent():  # the figures and the newest turns from one committed state
+        data = store.load(window, report_columns(prices, by), server=True, context=True)
+        rows = [dict(zip(RECORD_FIELDS, r)) for r in store.recent(window, RECORD_FIELDS, recent + RECENT_CONTEXT)]
     report = build_report(data, source=source, prices=prices, by=by, slo=slo)
-    rows = [dict(zip(RECORD_FIELDS, r)) for r in store.recent(window, RECORD_FIELDS, recent + RECENT_CONTEXT)]
     changes = recent_changes(rows, (report.get("prefix_cache") or {}).get("fit"))[-recent:] if rows else []
     turns = rows[-recent:]
     if slo is not None:  # each newest turn judged by the same rule as the report's share: not a stored field

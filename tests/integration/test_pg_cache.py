@@ -135,6 +135,23 @@ def test_a_late_turn_in_an_old_day_reads_that_day_again(fleet):
     assert_same(fleet, expect="hit")
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_reads_inside_consistent_share_one_snapshot(fleet, cache):
+    """The live page's and ``report --html``'s picture is a load and a read of the newest turns: inside
+    ``consistent()`` a turn shipped between them is seen by neither (through the cache too, whose own
+    transaction nests inside), and by both after it."""
+    window = Window(since=T0)
+    with PgSource(fleet, cache=cache) as pg:
+        with pg.consistent():
+            n = len(pg.load(window).turns)
+            assert len(pg.recent(window, ("id",), 10**6)) == n
+            # into a day that has its partition: a new one would wait for this transaction's lock
+            (row,) = turn_rows(random.Random(11), 1, DAYS - 1, "edge-3")
+            send(fleet, [(*row[:COLUMNS.index("measured")], 1, *row[COLUMNS.index("measured") + 1:])], "edge-3")
+            assert len(pg.recent(window, ("id",), 10**6)) == n and len(pg.load(window).turns) == n
+        assert len(pg.recent(window, ("id",), 10**6)) == n + 1 and len(pg.load(window).turns) == n + 1
+
+
 def test_a_deleted_or_updated_row_reads_its_day_again(fleet):
     assert_same(fleet, expect="build")
     sql(fleet, f"DELETE FROM turns WHERE id = (SELECT id FROM turns WHERE t_wall < {T0 + DAY_S} LIMIT 1)")

@@ -268,3 +268,23 @@ def test_cached_scrapes_follow_appends_deletions_ties_and_nulls(tmp_path):
     conn.close()
     check("build")
     check("hit")
+
+
+def test_reads_inside_consistent_share_one_committed_state(tmp_path):
+    """The live page draws its figures (``load``) and its newest turns (``recent``) in two reads; a turn
+    committed between them once showed in the list and not in the count. Inside ``consistent()`` a
+    commit made by another connection after the first read is seen by neither read; after it, by both."""
+    path = tmp_path / "c.db"
+    w = Writer(path)
+    for i in range(3):
+        w.put(make_record(seed=i, t_wall=T0 + i))
+    w.close()
+    with SQLiteSource(path) as store:
+        with store.consistent():
+            assert len(store.load(Window()).turns) == 3
+            other = Writer(path)
+            other.put(make_record(seed=9, t_wall=T0 + 9))
+            other.close()  # committed
+            assert len(store.recent(Window(), ("id",), 10)) == 3
+            assert store.nth_newest_t_wall(Window(), 1) == T0 + 2
+        assert len(store.recent(Window(), ("id",), 10)) == 4 and len(store.load(Window()).turns) == 4
