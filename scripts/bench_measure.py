@@ -9,8 +9,9 @@ object, created, model, system_fingerprint and one choice ``{index, delta, logpr
 (a role chunk, ~100 content chunks of one token each, cut from real text by the tokenizer, a final
 chunk with finish_reason and usage, ``[DONE]``, the last-chunk frame). Two shapes: ``plain``, and
 ``t_send``, whose chunks end with a field ``"t_send": <ns>`` that changes every chunk (what
-``scripts/bench_overhead.py``'s upstream sends). The request has a ~4000-byte system prompt; the
-tokenizer is ``tiktoken:o200k_base``, loaded as the proxy loads it.
+``scripts/bench_overhead.py``'s upstream sends). The request has a ~4000-byte system prompt and one
+of 8 user messages (8 conversations: each build compares a turn with its session's previous one, as the
+measuring thread does); the tokenizer is ``tiktoken:o200k_base``, loaded as the proxy loads it.
 
 Printed, in µs per chunk (an SSE event read; median over the repeats of the mean over all turns, with
 the range of the repeats): ``build`` (what the proxy runs: the framing joined and the stream read by
@@ -43,6 +44,7 @@ from specproxy.frames import chunked
 from specproxy.measure import fast_texts, texts
 from specproxy.measure.apis import CHAT
 from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.prefix import PrefixTracker
 from specproxy.measure.tokens import load_tokenizer
 
 PROSE = """\
@@ -76,8 +78,9 @@ def _event(choice_rest: bytes, t_send: int | None, extra: bytes = b"") -> bytes:
     return b"data: " + HEAD + choice_rest + b"]" + extra + tail + b"\n\n"
 
 
-def make_turn(pieces: list[str], t_send: bool, rng: random.Random) -> RecordBuilder:
-    """One relayed turn: ``pieces`` streamed as content chunks, a chunked frame per read."""
+def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int = 0) -> RecordBuilder:
+    """One relayed turn: ``pieces`` streamed as content chunks, a chunked frame per read; its prompt is
+    ``session``'s (the same system prompt, a user message per session, as bench_overhead's load sends)."""
     clock = [1_700_000_000_000_000_000]
 
     def stamp() -> int | None:
@@ -93,7 +96,8 @@ def make_turn(pieces: list[str], t_send: bool, rng: random.Random) -> RecordBuil
     events.append(_event(b'"delta":{},"logprobs":null,"finish_reason":"length"}', stamp(), usage))
     events.append(b"data: [DONE]\n\n")
     body = orjson.dumps({"model": "bench-model", "stream": True, "messages": [
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Explain speculative decoding."}]})
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"question {session}: explain speculative decoding."}]})
     b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=0.0)
     b.on_headers(0.01, 200, "text/event-stream", chunked=True)
     t = 0.05
@@ -110,7 +114,7 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
     tokens = enc.encode(PROSE * 4)
     rng = random.Random(7 + t_send)
     turns = []
-    for _ in range(n):
+    for i in range(n):
         start = rng.randrange(0, len(tokens) - chunks)
         # a token a chunk, as an engine streams; bytes that end inside a character wait for the next
         pieces, pending = [], b""
@@ -121,7 +125,7 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
                 pending = b""
             except UnicodeDecodeError:
                 continue
-        turns.append(make_turn(pieces, t_send, rng))
+        turns.append(make_turn(pieces, t_send, rng, i % SESSIONS))
         READS[id(turns[-1])] = list(turns[-1].reads)
     return turns
 
@@ -151,17 +155,20 @@ def time_native(turns: list[RecordBuilder]) -> float:
 
 
 def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
-    """Seconds over all turns for their builds, each of the whole turn: the build consumes its builder's
+    """Seconds over all turns for their builds, each of the whole turn as the measuring thread builds it
+    (each compared with its session's previous turn: ``PrefixTracker``): the build consumes its builder's
     reads (``_build(fast=True)`` lets go of each as it joins them), so each gets them back first, untimed."""
     took = 0.0
+    prefixes = PrefixTracker()
     for b in turns:
         b.reads = list(READS[id(b)])
         t0 = time.perf_counter()
-        b._build(tok, fast=fast)
+        b._build(tok, fast=fast, prefixes=prefixes)
         took += time.perf_counter() - t0
     return took
 
 
+SESSIONS = 8  # the turns' conversations: each turn after a session's first is compared with its previous
 READS: dict[int, list[bytes]] = {}  # each turn's reads as made (make_turns), for time_builds
 
 

@@ -216,8 +216,10 @@ def _check_charts(page, rows: list[dict], report: dict) -> None:
     longest = max(by_id[i]["total_s"] for i, _ in bars)
     largest = max(by_id[i]["prompt_tokens"] for i, _ in bars)
     for turn_id, rects in bars:
-        r, w = by_id[turn_id], dict(rects)
-        assert abs(w["ttft"] - r["ttft_s"] * per_s) <= 0.051 and abs(w["decode"] - r["decode_s"] * per_s) <= 0.051
+        r, w = by_id[turn_id], dict(rects)  # a part of no width has no rect (a loaded machine may deliver a
+        # stream in one read: its decode_s is 0)
+        assert abs(w.get("ttft", 0.0) - r["ttft_s"] * per_s) <= 0.051, (r["ttft_s"], rects)
+        assert abs(w.get("decode", 0.0) - r["decode_s"] * per_s) <= 0.051, (r["decode_s"], rects)
         if r["total_s"] == longest:  # the longest turn spans the whole bar
             assert abs(sum(v for k, v in rects if k in ("ttft", "decode", "rest")) - longest * per_s) <= 0.16
         for field, name in zip(PART_FIELDS, ("system", "tools", "history", "new")):
