@@ -160,11 +160,8 @@ class PgSource(Source):
             return LoneJoins()
         where, params = _where(window, prefix="t.")
         order = "c.seq" if self._counter_seq else "c.turn_id"
-        rows = self._rows(f"SELECT t.seq, c.mal FROM turn_counters c JOIN turns t ON t.id = c.turn_id{where} "
-                          f"ORDER BY {order}", params)
-        if not rows:
-            return LoneJoins()
-        return LoneJoins(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
+        return LoneJoins.from_rows(self._rows(f"SELECT t.seq, c.mal FROM turn_counters c JOIN turns t ON "
+                                              f"t.id = c.turn_id{where} ORDER BY {order}", params))
 
     def unmeasured(self, window: Window) -> int:
         """From the cached columns when the window's turns came from them, else one count in SQL."""

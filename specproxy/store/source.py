@@ -41,7 +41,7 @@ A store's missing table (an older database) reads as empty, never as an error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +113,13 @@ class LoneJoins:
 
     rowid: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     mal: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple]) -> LoneJoins:
+        """From ``(rowid, mal)`` rows as a store's query returns them (MAL None for NULL)."""
+        if not rows:
+            return cls()
+        return cls(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
 
 
 @dataclass

@@ -89,10 +89,7 @@ class SQLiteSource(Source):
         return queries.scrape_at_or_before(self.conn, t, ok=ok)
 
     def lone_joins(self, window: Window) -> LoneJoins:
-        rows = queries.lone_turn_mal(self.conn, *where_clause(**window.as_dict()))
-        if not rows:
-            return LoneJoins()
-        return LoneJoins(np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=float))
+        return LoneJoins.from_rows(queries.lone_turn_mal(self.conn, *where_clause(**window.as_dict())))
 
     def unmeasured(self, window: Window) -> int:
         """From the cached columns when the window's turns came from them, else one count in SQL."""
