@@ -30,10 +30,19 @@ def pg_bin() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORT_TRIES = 3  # a port free when picked may be taken before the server binds it (another test's listener,
+# or the local end of any outgoing connection): a first start picks another
+
+
+def port_taken(log: str) -> bool:
+    """The server said it could not listen because its port was in use."""
+    return "address already in use" in log.lower()
 
 
 class PgServer:
@@ -48,7 +57,7 @@ class PgServer:
         self.root = Path(tempfile.mkdtemp(prefix="specproxy-pg-")) if root is None else root
         self.data = self.root / "data"
         self.log = self.root / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self._user: dict = {}
         if os.geteuid() == 0:
             nobody = pwd.getpwnam("nobody")
@@ -56,14 +65,14 @@ class PgServer:
             self._user = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
         if (self.data / "PG_VERSION").exists():  # a kept server: its roles are there already
             (self.data / "postmaster.pid").unlink(missing_ok=True)  # left by a run that was killed
-            self.start()
+            self._first_start()
             return
         self._run("initdb", "-D", str(self.data), "-U", "fleet", "--auth=trust", "-E", "UTF8", "--no-sync")
         (self.data / "pg_hba.conf").write_text(
             "local all all trust\n"
             "host all fleet,reader 127.0.0.1/32 trust\n"
             "host all all 127.0.0.1/32 scram-sha-256\n")
-        self.start()
+        self._first_start()
         self.admin(f"CREATE ROLE locked LOGIN PASSWORD '{LOCKED_PASSWORD}'", "CREATE ROLE reader LOGIN")
 
     def _run(self, tool: str, *args: str) -> None:
@@ -71,6 +80,17 @@ class PgServer:
                              cwd=self.root, **self._user)
         if out.returncode != 0:
             raise RuntimeError(f"{tool} failed: {out.stderr.strip()} {self.log.read_text() if self.log.exists() else ''}")
+
+    def _first_start(self) -> None:
+        """Start on a port of its own: another when the one picked was taken meanwhile (a restart keeps
+        its port: what it serves points there)."""
+        for attempt in range(PORT_TRIES):
+            try:
+                return self.start()
+            except RuntimeError as exc:
+                if attempt == PORT_TRIES - 1 or not port_taken(str(exc)):
+                    raise
+                self.port = free_port()
 
     def start(self) -> None:
         """Start (again), on the same port; returns once it accepts connections (``pg_ctl -w``, bounded)."""

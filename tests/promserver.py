@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from faultkit import wait_until
+from pgcluster import PORT_TRIES, free_port, port_taken
 
 SCRAPE_S = 1
 
@@ -33,33 +33,35 @@ def prometheus_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """``prometheus`` scraping ``targets`` (host:port) at ``/_specproxy/metrics``; ``close`` kills it."""
 
     def __init__(self, targets: list[str]) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="specproxy-prom-"))
-        self.port = _free_port()
         config = self.root / "prometheus.yml"
         config.write_text(
             f"global:\n  scrape_interval: {SCRAPE_S}s\n  scrape_timeout: {SCRAPE_S}s\n"
             "scrape_configs:\n  - job_name: specproxy\n    metrics_path: /_specproxy/metrics\n"
             f"    static_configs:\n      - targets: {json.dumps(targets)}\n")
-        self.log = open(self.root / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.root)
-        try:
-            wait_until(self._ready, 60, 0.1, "Prometheus to be ready")
-        except BaseException:
-            self.close()
-            raise
+        self.proc: subprocess.Popen | None = None
+        for attempt in range(PORT_TRIES):  # another port when the one picked was taken meanwhile
+            self.port = free_port()
+            self.log = open(self.root / "prometheus.log", "wb")
+            self.proc = subprocess.Popen(
+                [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                stdout=self.log, stderr=subprocess.STDOUT, cwd=self.root)
+            try:
+                wait_until(self._ready, 60, 0.1, "Prometheus to be ready")
+                return
+            except AssertionError as exc:
+                self._end_process()
+                if attempt == PORT_TRIES - 1 or not port_taken(str(exc)):
+                    self.close()
+                    raise
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def url(self) -> str:
@@ -94,7 +96,7 @@ class Prometheus:
             active = json.loads(resp.read())["data"]["activeTargets"]
         return sum(t["health"] == "up" for t in active)
 
-    def close(self) -> None:
+    def _end_process(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -103,4 +105,7 @@ class Prometheus:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+
+    def close(self) -> None:
+        self._end_process()
         shutil.rmtree(self.root, ignore_errors=True)
