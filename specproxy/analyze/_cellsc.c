@@ -565,6 +565,20 @@ static inline int64_t code_slot(const Rows *r, const int32_t *c, int64_t nvalues
     return code < 0 ? nvalues : code;
 }
 
+/* every row's slot (code_slot) written out: with ``table``, out[i] = table[slot]; else seen[slot] = 1.
+ * Runs without the interpreter lock; 0, or why it stopped (code_slot's) */
+static int walk_codes(const Rows *r, const int32_t *c, int64_t nvalues, const int8_t *table, int8_t *out,
+                      char *seen) {
+    int why = 0;
+    for (Py_ssize_t i = 0; i < r->rows; i++) {
+        int64_t slot = code_slot(r, c, nvalues, i, &why);
+        if (slot < 0) break;
+        if (table) out[i] = table[slot];
+        else seen[slot] = 1;
+    }
+    return why;
+}
+
 static void code_error(int why) {
     PyErr_SetString(PyExc_IndexError, why == 1 ? "a position outside the columns" : "a code past the values");
 }
@@ -591,17 +605,9 @@ static PyObject *code_cells(PyObject *self, PyObject *args) {
     }
     if (rows_open(&r, pos_obj, Py_None, Py_None, 1, codes.len / 4) < 0) goto release;
     if (int8_out(out_obj, &out, r.rows) == 0) {
-        const int32_t *c = codes.buf;
-        const int8_t *table = per.buf;
-        int64_t nvalues = per.len - 1;
-        int8_t *o = out.buf;
-        int why = 0;
+        int why;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < r.rows; i++) {
-            int64_t slot = code_slot(&r, c, nvalues, i, &why);
-            if (slot < 0) break;
-            o[i] = table[slot];
-        }
+        why = walk_codes(&r, codes.buf, per.len - 1, per.buf, out.buf, NULL);
         Py_END_ALLOW_THREADS
         PyBuffer_Release(&out);
         if (why) code_error(why);
@@ -638,14 +644,9 @@ static PyObject *codes_present(PyObject *self, PyObject *args) {
     if (result) {
         char *seen = PyBytes_AS_STRING(result);
         memset(seen, 0, (size_t)nvalues + 1);
-        const int32_t *c = codes.buf;
-        int why = 0;
+        int why;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < r.rows; i++) {
-            int64_t slot = code_slot(&r, c, nvalues, i, &why);
-            if (slot < 0) break;
-            seen[slot] = 1;
-        }
+        why = walk_codes(&r, codes.buf, nvalues, NULL, NULL, seen);
         Py_END_ALLOW_THREADS
         if (why) {
             Py_CLEAR(result);
