@@ -2,6 +2,7 @@
 
     python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
     python scripts/bench_measure.py --turns 100 --repeats 15
+    python scripts/bench_measure.py --beside-relay    # also the build sharing its CPU with loopback relaying
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -18,7 +19,15 @@ the range of the repeats): ``build`` (what the proxy runs: the framing joined an
 the chat stream's native reader, ``specproxy.frames._scanc``, where built), its parts (``C join +
 native read``, and the rest: request parse, token counting, the Record), the reference build
 (``_build(fast=False)``) and the reference's parts (``dechunk``, ``reference stream_texts``), measured in
-the same run. The machine may be noisy: compare ratios within one run, not numbers across runs; for a
+the same run. Every figure is the timing thread's CPU time (``time.thread_time``), not the wall clock.
+
+``--beside-relay`` times the build again, alternating with the build alone, beside a process on the same
+CPU that relays small messages over 64 loopback TCP connections in bursts (``RELAY_BESIDE``), paused
+while the build runs alone: what sharing a CPU with kernel networking costs the same Python (the relay
+thread runs beside the measuring thread when the proxy has one CPU, as ``scripts/bench_overhead.py``
+pins it). Printed as the median over the pairs of beside / alone.
+
+The machine may be noisy: compare ratios within one run, not numbers across runs; for a
 before/after, run this script of each checkout in turn, alternating, several times.
 """
 
@@ -26,6 +35,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import signal
+import subprocess
 import random
 import statistics
 import sys
@@ -132,26 +144,26 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
 
 def time_reference_parts(turns: list[RecordBuilder]) -> dict[str, float]:
     """Seconds over all turns to dechunk, and to parse the stream, by the references."""
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     payloads = [chunked.dechunk_reads(b.reads) for b in turns]
-    t1 = time.perf_counter()
+    t1 = time.thread_time()
     for b, p in zip(turns, payloads):
         texts.stream_texts_reference(p, b.read_times)
-    t2 = time.perf_counter()
+    t2 = time.thread_time()
     return {"dechunk": t1 - t0, "reference stream_texts": t2 - t1}
 
 
 def time_native(turns: list[RecordBuilder]) -> float:
     """Seconds over all turns for the build's reading of the stream: the frames joined in C and the chat
     stream read as the builder reads it (``Api.read_stream``)."""
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for b in turns:
         joined = chunked.join_reads(list(b.reads), True)  # (a copy: the join consumes its list)
         if joined is None:  # not built: the Python reference's join, then the reference read
             reads = chunked.dechunk_reads(b.reads)
             joined = b"".join(reads), list(accumulate(map(len, reads))), True
         CHAT.read_stream(joined[0], joined[1], b.read_times)
-    return time.perf_counter() - t0
+    return time.thread_time() - t0
 
 
 def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
@@ -162,14 +174,65 @@ def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
     prefixes = PrefixTracker()
     for b in turns:
         b.reads = list(READS[id(b)])
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         b._build(tok, fast=fast, prefixes=prefixes)
-        took += time.perf_counter() - t0
+        took += time.thread_time() - t0
     return took
 
 
 SESSIONS = 8  # the turns' conversations: each turn after a session's first is compared with its previous
 READS: dict[int, list[bytes]] = {}  # each turn's reads as made (make_turns), for time_builds
+
+
+RELAY_BESIDE = r"""
+import socket, sys, time
+pairs = []
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+for _ in range(64):
+    c = socket.create_connection(server.getsockname())
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    d, _ = server.accept()
+    pairs.append((c, d))
+msg = b"x" * 300
+print("ready", flush=True)
+while True:  # a burst: one message through each connection, as a decoding step's chunks; then a pause
+    for c, d in pairs:
+        c.send(msg)
+        d.recv(4096)
+    time.sleep(0.002)
+"""
+
+
+class _RelayBeside:
+    """A process on this process's CPU relaying small messages over loopback TCP in bursts (see the
+    module's docstring); ``share()`` is the CPU it took since the last call."""
+
+    def __init__(self, cpu: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", RELAY_BESIDE], stdout=subprocess.PIPE,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        self.proc.stdout.readline()  # "ready"
+        self._mark = self._cpu()
+
+    def _cpu(self) -> tuple[float, float]:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+
+    def share(self) -> float:
+        (cpu0, t0), (cpu1, t1) = self._mark, self._cpu()
+        self._mark = (cpu1, t1)
+        return (cpu1 - cpu0) / (t1 - t0)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def same_records(b: RecordBuilder, tok) -> bool:
@@ -181,6 +244,9 @@ def same_records(b: RecordBuilder, tok) -> bool:
 
 def run(args) -> None:
     tok = load_tokenizer("tiktoken:o200k_base")
+    cpu = max(os.sched_getaffinity(0))
+    if args.beside_relay:  # the build and its neighbour on one CPU, as in the proxy under bench_overhead
+        os.sched_setaffinity(0, {cpu})
     print(f"# {cpu_model()}, Python {sys.version.split()[0]}; {args.turns} turns x {args.chunks} chunks, "
           f"{args.repeats} repeats; µs per chunk: median of the repeats [their range]; C scans "
           f"{'built' if fast_texts.C_BUILT else 'NOT built (build is the reference)'}")
@@ -209,6 +275,30 @@ def run(args) -> None:
             spread = f"[{min(samples[k]):6.3f} .. {max(samples[k]):6.3f}]" if k in samples else " " * 18
             ratio = f"  {med[k] / med['reference build']:4.2f}x the reference build" if "build" in k else ""
             print(f"{k:>34}: {med[k]:7.3f}  {spread}{ratio}")
+        if args.beside_relay:
+            beside_relay(turns, tok, nchunks, cpu, args.repeats)
+
+
+def beside_relay(turns: list[RecordBuilder], tok, nchunks: int, cpu: int, repeats: int) -> None:
+    """The build alone and beside a loopback relay on its CPU, alternating (the relay paused between), so
+    that both see the machine alike: the median over the pairs of the ratio beside / alone."""
+    beside = _RelayBeside(cpu)
+    alone, near, shares = [], [], []
+    try:
+        for _ in range(repeats + 1):  # the first pair is a warm-up
+            beside.pause()
+            alone.append(time_builds(turns, tok, True) / nchunks * 1e6)
+            beside.resume()
+            beside.share()
+            near.append(time_builds(turns, tok, True) / nchunks * 1e6)
+            shares.append(beside.share())
+    finally:
+        beside.stop()
+    ratios = [b / a for a, b in zip(alone[1:], near[1:])]
+    print(f"{'build beside a loopback relay':>34}: {statistics.median(near[1:]):7.3f}  "
+          f"[{min(near[1:]):6.3f} .. {max(near[1:]):6.3f}]  {statistics.median(ratios):4.2f}x the build alone "
+          f"in the same pairs [{min(ratios):4.2f} .. {max(ratios):4.2f}] (the relay took "
+          f"{statistics.median(shares[1:]):.2f} of CPU {cpu})")
 
 
 def main() -> None:
@@ -216,6 +306,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=40)
     p.add_argument("--chunks", type=int, default=100, help="content chunks per turn")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--beside-relay", action="store_true",
+                   help="also time the build sharing its CPU with a process relaying over loopback TCP")
     run(p.parse_args())
 
 
