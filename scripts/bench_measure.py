@@ -36,10 +36,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
-import subprocess
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from itertools import accumulate
