@@ -216,8 +216,8 @@ class _RelayBeside:
         self._mark = self._cpu()
 
     def _cpu(self) -> tuple[float, float]:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+        on_cpu_ns = int(Path(f"/proc/{self.proc.pid}/schedstat").read_text().split()[0])  # ns, not 10 ms ticks
+        return on_cpu_ns / 1e9, time.monotonic()
 
     def share(self) -> float:
         (cpu0, t0), (cpu1, t1) = self._mark, self._cpu()
