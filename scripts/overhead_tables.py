@@ -3,6 +3,7 @@ nginx, and the Markdown tables it prints (the results, CPU by thread, the issue'
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 from pathlib import Path
@@ -127,13 +128,16 @@ def git_state(root: Path = ROOT) -> str:
 def render_threads(runs: list[dict], c: int) -> str:
     """Per-thread user/system CPU per chunk of the proxies at concurrency c (median over rounds)."""
     L = [f"Where the proxy's CPU goes at C={c} (µs per chunk, median over rounds; user = in the process, "
-         "sys = in the kernel for it: its syscalls, and the loopback TCP delivery they trigger):", "",
-         "| path | thread | user | sys | total |", "|---|---|---:|---:|---:|"]
+         "sys = in the kernel for it: its syscalls, and the loopback TCP delivery they trigger; per turn: the same "
+         "CPU in µs per turn the load generator completed, the total times the window's chunks per turn, the "
+         "figure to read for work done once a turn):", "",
+         "| path | thread | user | sys | total | per turn |", "|---|---|---:|---:|---:|---:|"]
     for path in PROXY_PATHS:
         rs = [r for r in runs if r["conns"] == c and r["path"] == path and r.get("threads")]
         if not rs:
             continue
         per: dict[str, list[tuple[float, float]]] = {}
+        per_turn = statistics.median(r["chunks"] / r["turns"] if r.get("turns") else math.nan for r in rs)
         for r in rs:
             agg: dict[str, list[float]] = {}
             for tid, (u, sy) in r["threads"].items():
@@ -147,9 +151,11 @@ def render_threads(runs: list[dict], c: int) -> str:
                        for name, v in per.items()), key=lambda x: -(x[1] + x[2]))
         for name, u, sy in rows:
             if u + sy >= 0.05:
-                L.append(f"| {path} | {name} | {u:.1f} | {sy:.1f} | {u + sy:.1f} |")
+                L.append(f"| {path} | {name} | {u:.1f} | {sy:.1f} | {u + sy:.1f} | {(u + sy) * per_turn:,.0f} |")
+        total = sum(r[1] + r[2] for r in rows)
         L.append(f"| {path} | **all** | {sum(r[1] for r in rows):.1f} | {sum(r[2] for r in rows):.1f} | "
-                 f"**{sum(r[1] + r[2] for r in rows):.1f}** |")
+                 f"**{total:.1f}** | {total * per_turn:,.0f} |")
+        L.append(f"| {path} | (chunks per turn) | | | | {per_turn:.0f} |")
     return "\n".join(L)
 
 
