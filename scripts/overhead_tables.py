@@ -137,7 +137,8 @@ def render_threads(runs: list[dict], c: int) -> str:
         if not rs:
             continue
         per: dict[str, list[tuple[float, float]]] = {}
-        per_turn = statistics.median(r["chunks"] / r["turns"] if r.get("turns") else math.nan for r in rs)
+        per_turn = statistics.median(r["chunks"] / r["turns"] if r.get("chunks") and r.get("turns") else math.nan
+                                     for r in rs)  # chunks per turn completed in the window
         for r in rs:
             agg: dict[str, list[float]] = {}
             for tid, (u, sy) in r["threads"].items():

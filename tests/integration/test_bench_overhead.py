@@ -232,7 +232,11 @@ def test_the_baselines_ratios_are_this_over_that_within_each_round_and_its_threa
     for r in runs:
         r["threads"] = {"1": [1.0, 2.0]}
         r["thread_names"] = {"1": "MainThread"}
-    assert f"| {BASELINE} | MainThread | 1.0 | 2.0 | 3.0 |" in render_threads(runs, 256)
+        r["chunks"] = 1000 + 200 * r["round"]  # 10 turns each: 100, 120 and 140 chunks a turn
+    threads = render_threads(runs, 256)
+    # per turn: 3.0 µs per chunk times the median round's 120 chunks per turn
+    assert f"| {BASELINE} | MainThread | 1.0 | 2.0 | 3.0 | 360 |" in threads
+    assert f"| {BASELINE} | (chunks per turn) | | | | 120 |" in threads
 
 
 def test_a_short_run_with_a_baseline_runs_the_other_checkouts_specproxy(tmp_path):
