@@ -98,6 +98,7 @@ class MeasuringWorker:
         self.prefixes = PrefixTracker()  # each session's previous turn, compared with its next (this thread's)
         self._gather_s = GATHER_S if gather_s is None else gather_s
         self._gathered = threading.Event()  # ends a gathering: a full batch, nothing more in flight, stop
+        self._holding = 0  # 1 while the worker holds a batch's first turn, taken off the queue, gathering
         self._activity = activity
         self._loop = loop
         self._done = done
@@ -114,7 +115,8 @@ class MeasuringWorker:
         still running, so more may end soon and join this one's batch."""
         queue = self._queue
         queue.put(builder)
-        if (not more_in_flight or queue.qsize() >= MAX_BATCH) and not self._gathered.is_set():
+        # the turns waiting: those queued and the first the worker took off the queue to gather behind
+        if (not more_in_flight or queue.qsize() + self._holding >= MAX_BATCH) and not self._gathered.is_set():
             self._gathered.set()
 
     def stop(self) -> None:
@@ -131,8 +133,12 @@ class MeasuringWorker:
             batch: list[RecordBuilder] = []
             if not large and not stopping:
                 first = self._queue.get()
-                if first is not None and self._gather_s > 0 and self._queue.qsize() < MAX_BATCH:
-                    self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+                if first is not None and self._gather_s > 0:
+                    # counted by submit from here (a submit before this line is counted by the check below)
+                    self._holding = 1
+                    if self._queue.qsize() + 1 < MAX_BATCH:
+                        self._gathered.wait(self._gather_s)  # let the batch gather (see the module's docstring)
+                    self._holding = 0
                 if first is None:
                     stopping = True
                 else:

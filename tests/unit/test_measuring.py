@@ -313,6 +313,32 @@ def test_a_full_batch_ends_the_gathering():
     assert calls[0] == MAX_BATCH
 
 
+def test_a_full_batch_counts_the_turn_the_worker_already_took():
+    """The batch's first turn, taken off the queue to gather behind, is one of the ``MAX_BATCH`` waiting:
+    when the worker takes it before the others are submitted, the 32nd turn still ends the gathering (it
+    once waited out the window: 31 queued never reached the count)."""
+    calls: list[int] = []
+
+    async def go():
+        built = asyncio.Event()
+        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
+                                 lambda results: (calls.append(len(results)), built.set()), store=_stored,
+                                 gather_s=120.0)
+        worker.submit(_turn(0), more_in_flight=True)
+        for _ in range(10_000):  # until the worker has taken it (bounded: at most ~10 s)
+            if worker._queue.qsize() == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert worker._queue.qsize() == 0
+        for i in range(1, MAX_BATCH):
+            worker.submit(_turn(i), more_in_flight=True)
+        await asyncio.wait_for(built.wait(), 30)
+        await asyncio.to_thread(worker.stop)
+
+    asyncio.run(go())
+    assert calls[0] == MAX_BATCH
+
+
 def test_stop_does_not_wait_out_a_gathering_batch():
     got: list = []
 
