@@ -88,6 +88,7 @@ from overhead_procs import (
     wake_floor,
 )
 from overhead_sink import SinkSide, delivered, shipper_sample, thread_on_cpu_s
+from overhead_steps import render_steps
 from overhead_tables import (BASELINE, OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render,
                              render_baseline, render_otlp, render_polls, render_shipper, render_sink, render_targets,
                              render_threads, summarize)
@@ -158,6 +159,23 @@ CATEGORIES = (  # by the leaf frame of a sample on the event loop's thread
     ("aiohttp server layers (request parsing, StreamResponse, keep-alive)", lambda f: any(x in f for x in ("web_protocol.py", "web_response.py", "web_request.py", "http_writer.py", "streams.py", "base_protocol.py", "aiohttp/helpers.py"))),
     ("specproxy per turn (handler, upstream request and head, hand-over to the relay thread)", lambda f: any(x in f for x in ("proxy.py", "exchange.py", "upstream.py", "pool.py", "relay.py", "relay_thread.py", "sockets.py", "http1.py", "service.py"))),
 )
+
+
+def steps_window(args, tmp: Path, up_port: int, c: int, proxy_cores, load_pids, load_cores) -> str:
+    """One extra window (not in the tables) with a specproxy whose event-loop steps are timed
+    (``overhead_steps.py``); the table of its turn, step by step."""
+    out = tmp / f"loop-steps-{c}.json"
+    runner = [sys.executable, str(Path(__file__).with_name("overhead_steps.py")), str(out)]
+    proc, port, _ = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg, runner)
+    try:
+        r = run_window(args, "specproxy", port, c, [proc.pid], load_pids, load_cores, seed=98)
+    finally:
+        stop(proc)  # its steps are written at exit
+    try:
+        data = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return f"loop steps: the instrumented specproxy wrote no {out.name} (its log is in {tmp})"
+    return render_steps(data, c, r["sched_us_per_chunk"])
 
 
 def profile_window(args, target: tuple[int, list[int]], c: int, load_pids, load_cores, out_path: str) -> str | None:
@@ -269,7 +287,7 @@ def orchestrate(args) -> None:
     held: dict[int, bool] = {}
     polls: dict[int, dict[str, float]] = {}  # specproxy's cadence poll per C, from its state line
     profile_c = 256 if 256 in cs else max(cs)
-    profile = None
+    profile = steps = None
     try:
         up_port = int(up.stdout.readline())
         for c in cs:
@@ -331,6 +349,8 @@ def orchestrate(args) -> None:
                 names["nginx"] = {nginx.pid: "master", **{k: "worker" for k in children(nginx.pid)}} if nginx else {}
                 if c == profile_c and args.py_spy:
                     profile = profile_window(args, targets["specproxy"], c, [up.pid], load_cores, args.py_spy)
+                if c == profile_c and args.loop_steps:
+                    steps = steps_window(args, tmp, up_port, c, proxy_cores, [up.pid], load_cores)
                 hwm = {"nginx": sum(hwm_kb(p) for p in ([nginx.pid, *children(nginx.pid)] if nginx else [])),
                        **{path: sum(hwm_kb(p) for p in (proc.pid, *children(proc.pid)))
                           for path, proc in procs.items()}}
@@ -401,6 +421,9 @@ def orchestrate(args) -> None:
         print()
     if profile:
         print(profile)
+    if steps:
+        print()
+        print(steps)
         print()
     loads = [r["load_cpu_util"] for r in runs]
     others = [r["other_cpu_util"] for r in runs]
@@ -445,6 +468,8 @@ def main() -> None:
     ap.add_argument("--json", help="write every window's raw numbers here")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each window wait until other processes "
                     "use < 0.15 CPU, at most this many seconds in all [60]; 0: never wait")
+    ap.add_argument("--loop-steps", action="store_true", help="add one window at C=256 with specproxy's event-loop "
+                    "steps timed on its thread (scripts/overhead_steps.py) and print its turn step by step")
     ap.add_argument("--py-spy", metavar="PATH", help="add one window at C=256 with py-spy sampling specproxy; "
                     "raw profile to PATH, summary printed")
     # internal roles

@@ -301,13 +301,15 @@ def start_nginx(binary: str, tmp: Path, up_port: int, cores) -> tuple[subprocess
     return proc, port
 
 
-def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str], python: str | None = None,
+def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str], python: str | list[str] | None = None,
                     ) -> tuple[subprocess.Popen, int, Path]:
     """``specproxy serve`` in front of the upstream; ``python``: the interpreter whose install of specproxy
-    runs (another checkout's venv, ``--specproxy-baseline``), this one's by default."""
+    runs (another checkout's venv, ``--specproxy-baseline``), this one's by default; a list: the command
+    that takes ``-m MODULE`` in its place (``overhead_steps.py``, ``--loop-steps``)."""
     port = _free_port()
     db = tmp / f"specproxy-{time.monotonic_ns()}.db"
-    cmd = [python or sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
+    runner = [python] if isinstance(python, str) else python or [sys.executable]
+    cmd = [*runner, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
            "--port", str(port), "--db", str(db), "--tokenizer", "tiktoken:o200k_base", *extra]
     log = open(tmp / f"specproxy-{port}.log", "w")
     proc = subprocess.Popen(cmd, preexec_fn=pin(cores), stdout=log, stderr=log, cwd=str(tmp))

@@ -260,3 +260,46 @@ def test_a_short_run_with_a_baseline_runs_the_other_checkouts_specproxy(tmp_path
     assert set(runs) == {"direct", "specproxy", BASELINE}
     assert runs[BASELINE]["chunks"] > 0 and runs[BASELINE]["errors"] == 0
     assert f"| 4 | {BASELINE} |" in proc.stdout and "against the baseline's" in proc.stdout
+
+
+def test_the_loops_steps_are_per_turn_and_the_rest_is_what_they_leave():
+    """``--loop-steps``' table: each step's time and calls over the turns ended; "the steps above" adds the
+    top-level steps only (a nested one is inside its parent's time), and the rest is the thread's CPU less
+    that."""
+    from overhead_steps import STEPS, TURN_END, render_steps
+
+    steps = {path: [0, 0] for _, path, _, _ in STEPS}
+    steps[TURN_END] = [4_000_000, 100]  # 100 turns: 40 µs each, nested in TurnSink._collect
+    steps["TurnSink._collect"] = [6_000_000, 35]
+    steps["Lane.data_received"] = [7_000_000, 100]
+    steps["read_head"] = [5_000_000, 100]
+    table = render_steps({"steps": steps, "cpu_ns": 50_000_000}, 256, 27.5)
+    assert "at C=256 (one extra window, 27.5 µs/chunk in all its threads" in table and "100 turns" in table
+    assert "| … of which the exchange ended, its connection checked in (`Exchange.end`) | 40.0 | 1.00 |" in table
+    assert "| the thread's ends heard (`TurnSink._collect`) | 60.0 | 0.35 |" in table
+    assert "| the steps above | 130 | |" in table  # 60 + 70: read_head and Exchange.end are inside them
+    assert "system calls | 370 | |" in table and "| **the loop's thread, all** | **500** | |" in table
+    assert render_steps({"steps": {**steps, TURN_END: [0, 0]}, "cpu_ns": 0}, 4, None) == (
+        "loop steps: no turn ended in the window")
+
+
+def test_a_short_run_times_the_loops_steps(tmp_path):
+    """``--loop-steps`` runs one more window with specproxy under ``overhead_steps.py``: every step is
+    timed on the loop's thread, about once a turn for the steps every turn takes."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
+         "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
+         "--loop-steps"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "The event loop's turn, step by step, at C=4 (one extra window" in proc.stdout, proc.stdout[-3000:]
+    rows = {line.split("(`")[1].split("`)")[0]: line.rsplit(" | ", 2)[1:]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "(`" in line}
+    for path in ("Lane.data_received", "read_head", "RecordBuilder.__init__", "UpstreamConn.send",
+                 "Exchange.attach", "ThreadRelay.start", "Exchange.end", "Proxy._submit"):
+        us, calls = float(rows[path][0]), float(rows[path][1].rstrip(" |"))
+        assert us > 0 and 0.9 <= calls <= 1.1, (path, rows[path])  # (a request may come in two reads)
+    total = next(line for line in proc.stdout.splitlines() if "the loop's thread, all" in line)
+    above = next(line for line in proc.stdout.splitlines() if line.startswith("| the steps above |"))
+    assert int(total.split("**")[3]) > int(above.split(" | ")[1]) > 0
