@@ -7,6 +7,7 @@
     python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
     python scripts/bench_overhead.py --with-sink --with-otlp # also with --sink to a local PostgreSQL, and both
     python scripts/bench_overhead.py --specproxy-baseline ../base --no-nginx  # this checkout against another
+    python scripts/bench_overhead.py --concurrency 256 --rounds 1 --loop-steps  # and the loop's turn by step
 
 Three processes besides this orchestrator, all on 127.0.0.1:
 
@@ -41,8 +42,8 @@ seconds behind, and the turns PostgreSQL holds against those the proxy recorded.
 This file is the orchestrator; beside it, ``overhead_peers.py`` holds the upstream and the load
 generator (run as ``--role upstream`` / ``--role loadgen`` of this script), ``overhead_procs.py``
 the processes (pinning, CPU from /proc, starting nginx and specproxy), ``overhead_sink.py`` the
-PostgreSQL of ``--with-sink`` and what is read of the shipping, and ``overhead_tables.py`` the summaries
-and the tables it prints.
+PostgreSQL of ``--with-sink`` and what is read of the shipping, ``overhead_steps.py`` the timed steps of
+``--loop-steps``, and ``overhead_tables.py`` the summaries and the tables it prints.
 """
 
 from __future__ import annotations
