@@ -3,6 +3,7 @@
     python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
     python scripts/bench_measure.py --turns 100 --repeats 15
     python scripts/bench_measure.py --beside-relay    # also the build sharing its CPU with loopback relaying
+    python scripts/bench_measure.py --phases          # also each phase of the build, in µs per turn
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -26,6 +27,10 @@ CPU that relays small messages over 64 loopback TCP connections in bursts (``REL
 while the build runs alone: what sharing a CPU with kernel networking costs the same Python (the relay
 thread runs beside the measuring thread when the proxy has one CPU, as ``scripts/bench_overhead.py``
 pins it). Printed as the median over the pairs of beside / alone.
+
+``--phases`` times each phase of the build in µs per turn (``measure_phases.py``: the request parsed, the
+response read and its parts, the completion and the prompt counted, the prefix tracker, the Record...),
+with the build's whole time with and without the wrappers that time them.
 
 The machine may be noisy: compare ratios within one run, not numbers across runs; for a
 before/after, run this script of each checkout in turn, alternating, several times.
@@ -51,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchlib import cpu_model  # the machine line every benchmark script prints
+from measure_phases import phases_table
 
 from specproxy.frames import chunked
 from specproxy.measure import fast_texts, texts
@@ -275,6 +281,8 @@ def run(args) -> None:
             spread = f"[{min(samples[k]):6.3f} .. {max(samples[k]):6.3f}]" if k in samples else " " * 18
             ratio = f"  {med[k] / med['reference build']:4.2f}x the reference build" if "build" in k else ""
             print(f"{k:>34}: {med[k]:7.3f}  {spread}{ratio}")
+        if args.phases:
+            print(phases_table(turns, tok, time_builds, args.repeats))
         if args.beside_relay:
             beside_relay(turns, tok, nchunks, cpu, args.repeats)
 
@@ -306,6 +314,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=40)
     p.add_argument("--chunks", type=int, default=100, help="content chunks per turn")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--phases", action="store_true", help="also time each phase of the build, in µs per turn")
     p.add_argument("--beside-relay", action="store_true",
                    help="also time the build sharing its CPU with a process relaying over loopback TCP")
     run(p.parse_args())
