@@ -16,11 +16,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+
+from ports import free_port  # noqa: F401 (callers import it from here too)
 
 LOCKED_PASSWORD = "right-password-for-locked"
 
@@ -28,12 +29,6 @@ LOCKED_PASSWORD = "right-password-for-locked"
 def pg_bin() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=lambda p: int(p.split("/")[4]))
     return Path(found[-1]).parent if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PORT_TRIES = 3  # a port free when picked may be taken before the server binds it (another test's listener,

@@ -111,13 +111,12 @@ def test_a_server_that_never_comes_back_is_one_line(restarts):
     assert f"waiting for the server at http://127.0.0.1:{port} to be ready (arm bench, instance 1" in proc.stderr
 
 
-def test_a_wrong_port_without_a_restart_command_fails_at_once(tmp_path):
-    """Nothing is starting a server: a refused connection is an error now, not a 300 s silent wait."""
+def test_a_wrong_port_without_a_restart_command_fails_at_once(tmp_path, refused):
+    """Nothing is starting a server: a refused connection is an error now, not a 300 s silent wait. (The
+    port is held bound, so no other test's server can take it meanwhile.)"""
     import time
 
-    from real.server import free_port
-
-    port = free_port()
+    port = refused
     t0 = time.monotonic()
     proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{port}", "--from", str(workload(tmp_path)),
                      "--db", str(tmp_path / "w.db"), "--tokenizer", "tiktoken:o200k_base", timeout=240)
@@ -136,16 +135,16 @@ def test_a_restart_that_leaves_the_same_server_running_is_refused(tmp_path, upst
     assert up.sent == []  # nothing measured on a server that was not restarted
 
 
-def test_a_hung_restart_command_is_killed_with_its_children(tmp_path):
+def test_a_hung_restart_command_is_killed_with_its_children(tmp_path, refused):
     """The command runs in its own session; on the timeout the whole group is killed, not just the shell
-    (a child it started, here a sleep, would otherwise live on)."""
+    (a child it started, here a sleep, would otherwise live on). The upstream's port refuses connections
+    throughout (held bound: a port merely free a moment ago was once taken by another process's server,
+    which bench then read)."""
     import os
     import time
 
-    from real.server import free_port
-
     pid_file = tmp_path / "child.pid"
-    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{free_port()}", "--from", str(workload(tmp_path)),
+    proc = specproxy("bench", "--upstream", f"http://127.0.0.1:{refused}", "--from", str(workload(tmp_path)),
                      "--db", str(tmp_path / "h.db"), "--restart-cmd", f"sleep 300 & echo $! > {pid_file}; wait",
                      "--ready-timeout", "1")
     one_line_error(proc, "restart command for arm bench (instance 1) did not return within 1 s")

@@ -13,7 +13,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,14 +22,9 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
+from ports import free_port  # noqa: F401 (callers import it from here too)
+
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (the caller must tolerate a lost race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class LlamaServerError(RuntimeError):
