@@ -43,8 +43,9 @@ def test_probes_of_both_phases_against_llama_server(llama_server, hf_tokenizer_d
         assert lv["prefill_tps"]["median"] > 0 and lv["ttft_s"]["median"] > 0
     assert long["prompt_tokens"]["median"] > short["prompt_tokens"]["median"] + 90  # 100 more words asked for
 
-    # 96 tokens (~0.35 s at this model's ~270 tok/s): a decode speed needs its text in more than one read,
-    # and a loaded machine once stalled the reader through all of a 24-token (~90 ms) answer
+    # 96 tokens (~0.35 s at this model's ~270 tok/s): a decode speed needs its text in more than one read.
+    # With 24 (~90 ms) a run on a loaded machine once got none for both turns, which a reader stalled
+    # through the whole answer (one read) would give
     proc = bench("--phase", "decode", "--max-tokens", "96", *common)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
