@@ -9,10 +9,11 @@ and taken out after), so that a change to one phase can be read in µs per turn.
 from __future__ import annotations
 
 import gc
-import importlib
 import statistics
 import time
 from contextlib import contextmanager
+
+from benchlib import owner_of
 
 __all__ = ["PHASES", "phases_table"]
 
@@ -40,10 +41,7 @@ def _timed_phases(tok, spent: dict[str, float], calls: dict[str, int]):
     its calls to ``calls``."""
     undo = []
     for module, path, _, _ in PHASES:
-        owner = type(tok) if module is None else importlib.import_module(module)
-        *outer, name = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part)
+        owner, name = owner_of(type(tok) if module is None else module, path)
         own = not isinstance(owner, type) or name in owner.__dict__  # else inherited: deleted afterwards
         fn = getattr(owner, name)
         spent.setdefault(path, 0.0)

@@ -16,12 +16,13 @@ specproxy's own in the same run says how much.
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import runpy
 import sys
 import threading
 import time
+
+from benchlib import owner_of
 
 __all__ = ["STEPS", "render_steps"]
 
@@ -56,10 +57,7 @@ def _install(out: str) -> None:
     marks = {"first": None, "last": None}
 
     for module, path, _, _ in STEPS:
-        owner = importlib.import_module(module)
-        *outer, name = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part)
+        owner, name = owner_of(module, path)
         spent[path] = [0, 0]
         setattr(owner, name, _timed(getattr(owner, name), spent[path], main, marks, path == TURN_END))
 

@@ -330,10 +330,9 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def kernel_queued(ports: set[int]) -> int:
-    """Bytes sitting in kernel send and receive queues of established TCP sockets that use any of
-    ``ports`` (both ends of each loopback connection are listed)."""
-    total = 0
+def _established(ports: set[int]):
+    """(local port, remote port, send queue, receive queue) of each established TCP socket with an end on
+    one of ``ports`` (both ends of each loopback connection are listed)."""
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(name).read_text().splitlines()[1:]
@@ -348,8 +347,20 @@ def kernel_queued(ports: set[int]) -> int:
             rport = int(remote.rsplit(":", 1)[1], 16)
             if lport in ports or rport in ports:
                 tx, rx = queues.split(":")
-                total += int(tx, 16) + int(rx, 16)
-    return total
+                yield lport, rport, int(tx, 16), int(rx, 16)
+
+
+def kernel_queued(ports: set[int]) -> int:
+    """Bytes sitting in kernel send and receive queues of established TCP sockets that use any of
+    ``ports`` (both ends of each loopback connection are listed)."""
+    return sum(tx + rx for _, _, tx, rx in _established(ports))
+
+
+def kernel_received(ports: set[int]) -> int:
+    """Bytes in the receive queues of the established TCP sockets whose own (local) port is one of
+    ``ports``: what a read on those sockets would get now. (Bytes sent to them may sit in the sender's
+    queue a while first, when the machine defers loopback delivery under load.)"""
+    return sum(rx for lport, _, _, rx in _established(ports) if lport in ports)
 
 
 def blackhole_listener() -> tuple[socket.socket, list[socket.socket]]:

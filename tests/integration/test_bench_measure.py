@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from benchlib import owner_of  # noqa: E402
 from measure_phases import PHASES, _timed_phases  # noqa: E402
 
 
@@ -40,8 +41,6 @@ def test_a_short_run_times_every_phase_of_the_build(tmp_path):
 
 
 def test_the_wrappers_are_taken_out_after_timing():
-    import importlib
-
     from specproxy.measure.tokens import load_tokenizer
 
     tok = load_tokenizer("tiktoken:o200k_base")
@@ -49,10 +48,7 @@ def test_the_wrappers_are_taken_out_after_timing():
     def current():
         got = {}
         for module, path, _, _ in PHASES:
-            owner = type(tok) if module is None else importlib.import_module(module)
-            *outer, name = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
+            owner, name = owner_of(type(tok) if module is None else module, path)
             got[path] = (getattr(owner, name), isinstance(owner, type) and name in owner.__dict__)
         return got
 

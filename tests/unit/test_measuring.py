@@ -294,29 +294,9 @@ def test_a_turn_that_ends_with_none_in_flight_is_built_without_gathering():
     assert [r.model for _, r, _, _ in got] == ["m0", "m1"] and worker.batches == 1
 
 
-def test_a_full_batch_ends_the_gathering():
-    """Under traffic that keeps turns in flight, a batch is built once ``MAX_BATCH`` turns wait, not after
-    the window (120 s here)."""
-    calls: list[int] = []
-
-    async def go():
-        built = asyncio.Event()
-        worker = MeasuringWorker(None, lambda: 0.0, asyncio.get_running_loop(),
-                                 lambda results: (calls.append(len(results)), built.set()), store=_stored,
-                                 gather_s=120.0)
-        for i in range(MAX_BATCH):
-            worker.submit(_turn(i), more_in_flight=True)
-        await asyncio.wait_for(built.wait(), 30)
-        await asyncio.to_thread(worker.stop)
-
-    asyncio.run(go())
-    assert calls[0] == MAX_BATCH
-
-
-def test_a_full_batch_counts_the_turn_the_worker_already_took():
-    """The batch's first turn, taken off the queue to gather behind, is one of the ``MAX_BATCH`` waiting:
-    when the worker takes it before the others are submitted, the 32nd turn still ends the gathering (it
-    once waited out the window: 31 queued never reached the count)."""
+def _batch_sizes(first_taken_alone: bool) -> list[int]:
+    """Submit ``MAX_BATCH`` turns with more in flight and a 120 s gathering window; the sizes of the batches
+    built. ``first_taken_alone``: the worker takes the first turn off the queue before the rest come."""
     calls: list[int] = []
 
     async def go():
@@ -325,18 +305,32 @@ def test_a_full_batch_counts_the_turn_the_worker_already_took():
                                  lambda results: (calls.append(len(results)), built.set()), store=_stored,
                                  gather_s=120.0)
         worker.submit(_turn(0), more_in_flight=True)
-        for _ in range(10_000):  # until the worker has taken it (bounded: at most ~10 s)
-            if worker._queue.qsize() == 0:
-                break
-            await asyncio.sleep(0.001)
-        assert worker._queue.qsize() == 0
+        if first_taken_alone:
+            for _ in range(10_000):  # until the worker has taken it (bounded: at most ~10 s)
+                if worker._queue.qsize() == 0:
+                    break
+                await asyncio.sleep(0.001)
+            assert worker._queue.qsize() == 0
         for i in range(1, MAX_BATCH):
             worker.submit(_turn(i), more_in_flight=True)
         await asyncio.wait_for(built.wait(), 30)
         await asyncio.to_thread(worker.stop)
 
     asyncio.run(go())
-    assert calls[0] == MAX_BATCH
+    return calls
+
+
+def test_a_full_batch_ends_the_gathering():
+    """Under traffic that keeps turns in flight, a batch is built once ``MAX_BATCH`` turns wait, not after
+    the window (120 s here)."""
+    assert _batch_sizes(first_taken_alone=False)[0] == MAX_BATCH
+
+
+def test_a_full_batch_counts_the_turn_the_worker_already_took():
+    """The batch's first turn, taken off the queue to gather behind, is one of the ``MAX_BATCH`` waiting:
+    when the worker takes it before the others are submitted, the 32nd turn still ends the gathering (it
+    once waited out the window: 31 queued never reached the count)."""
+    assert _batch_sizes(first_taken_alone=True)[0] == MAX_BATCH
 
 
 def test_stop_does_not_wait_out_a_gathering_batch():
