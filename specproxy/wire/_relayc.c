@@ -11,12 +11,22 @@ Types:
                  end; raises chunked.FramingError with the reference's words. The Python relay feeds it the
                  reads that came before the thread took the turn; Turn copies its state from it.
   Turn, Sink  -- the relay thread's (see _pump.c).
+
+Functions:
+  tcp_acked   -- tcp_acked(fd) -> the bytes the peer's TCP acknowledged (TCP_INFO), or None where the kernel
+                 does not say; sockets.acked_bytes reads it once a turn, and its Python reference builds a
+                 socket object around the descriptor (and asks the kernel its address) for the same figure.
 */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <errno.h>
+#include <limits.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <linux/tcp.h>
 
 #include "_chunked.h"
 
@@ -102,7 +112,33 @@ static PyTypeObject ChunkedEndType = {
 
 /* ---- module ----------------------------------------------------------------------------------- */
 
-static PyMethodDef module_methods[] = {{NULL}};
+/* ---- tcp_acked ------------------------------------------------------------------------------- */
+
+static PyObject *
+relayc_tcp_acked(PyObject *module, PyObject *arg)
+{
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || fd > INT_MAX) {
+        errno = EBADF;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    struct tcp_info info;
+    socklen_t len = sizeof info;
+    memset(&info, 0, sizeof info);
+    if (getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (len < offsetof(struct tcp_info, tcpi_bytes_acked) + sizeof info.tcpi_bytes_acked)
+        Py_RETURN_NONE; /* a kernel older than 4.1: no such field */
+    return PyLong_FromUnsignedLongLong(info.tcpi_bytes_acked);
+}
+
+static PyMethodDef module_methods[] = {
+    {"tcp_acked", relayc_tcp_acked, METH_O,
+     "tcp_acked(fd) -> bytes of ours the peer's TCP acknowledged on socket fd (TCP_INFO), or None where the "
+     "kernel does not say; raises OSError (a closed descriptor, not a TCP socket)."},
+    {NULL}};
 
 static struct PyModuleDef relayc_module = {
     PyModuleDef_HEAD_INIT, "specproxy.wire._relayc", "The relay thread and the native chunked-framing parser (see relay_thread.py).", -1,
