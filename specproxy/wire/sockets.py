@@ -28,7 +28,9 @@ def plain_socket_fd(transport: asyncio.BaseTransport) -> int | None:
     return fd if fd >= 0 else None
 
 
-try:  # the figure read natively: no socket object made around the descriptor, no address asked (once a turn)
+# the figure read natively: no socket object made around the descriptor, no address asked (once a turn;
+# docs/performance.md, "Design figures")
+try:
     from specproxy.wire._relayc import tcp_acked as _native_acked
 except ImportError:  # without a compiler: the reference, reference_acked
     _native_acked = None
