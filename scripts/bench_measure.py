@@ -55,7 +55,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from benchlib import cpu_model  # the machine line every benchmark script prints
+from benchlib import cpu_model, python_build  # the machine line every benchmark script prints
 from measure_phases import phases_table
 
 from specproxy.frames import chunked
@@ -253,7 +253,7 @@ def run(args) -> None:
     cpu = max(os.sched_getaffinity(0))
     if args.beside_relay:  # the build and its neighbour on one CPU, as in the proxy under bench_overhead
         os.sched_setaffinity(0, {cpu})
-    print(f"# {cpu_model()}, Python {sys.version.split()[0]}; {args.turns} turns x {args.chunks} chunks, "
+    print(f"# {cpu_model()}, Python {python_build()}; {args.turns} turns x {args.chunks} chunks, "
           f"{args.repeats} repeats; µs per chunk: median of the repeats [their range]; C scans "
           f"{'built' if fast_texts.C_BUILT else 'NOT built (build is the reference)'}")
     for shape in ("plain", "t_send"):

@@ -53,7 +53,6 @@ import asyncio
 import datetime as _dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -64,7 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the overhead_* modules and benchlib beside it
-from benchlib import cpu_model
+from benchlib import cpu_model, python_build
 from overhead_peers import loadgen_main, now_ns, otlp_receiver, raise_nofile, upstream_main, use_uvloop
 from overhead_procs import (
     QUIET_WAITED,
@@ -278,7 +277,7 @@ def orchestrate(args) -> None:
         if not os.path.exists(base_python):
             sys.exit(f"--specproxy-baseline: no {base_python} (make the checkout's venv: pip install -e .)")
         paths.append(BASELINE)
-        base_git = git_state(base_root)
+        base_git = f"{git_state(base_root)}, Python {python_build(base_python)}"
     cs = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     env_cores = ",".join(map(str, sorted(load_cores))) if load_cores else "any"
@@ -390,7 +389,7 @@ def orchestrate(args) -> None:
         "stream_mode": args.stream_mode, "step_ms": args.step_ms, "tokens": args.tokens,
         "prompt_bytes": args.prompt_bytes, "rounds": args.rounds, "warmup": args.warmup, "measure": args.measure,
         "proxy_cores": ",".join(map(str, sorted(proxy_cores))) if proxy_cores else "any", "load_cores": env_cores,
-        "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": platform.python_version(),
+        "nginx_version": nginx_version, "wake": wake, "git": git_state(), "python": python_build(),
         "cadence_poll": polls, "sink": deliveries, "baseline_git": base_git,
     }
     print()

@@ -7,6 +7,7 @@ gone once the table is made (the builder's phases are the plain functions again)
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def test_a_short_run_times_every_phase_of_the_build(tmp_path):
     # a role chunk, the first content chunk (the template's), the last with usage, [DONE]: read one by one
     assert all(float(ln.rsplit(", ", 1)[1].split()[0]) >= 3 for ln in events), events
     assert sum("the rest of the build" in ln for ln in lines) == 2
+    # the header names the interpreter and its kind, as this test's own (the same interpreter) maps it
+    with open("/proc/self/maps") as f:
+        kind = "libpython shared" if any("libpython" in line for line in f) else "libpython in the executable"
+    assert f", Python {platform.python_version()}, {kind};" in lines[0], lines[0]
 
 
 def test_the_wrappers_are_taken_out_after_timing():
