@@ -18,7 +18,9 @@ Three processes besides this orchestrator, all on 127.0.0.1:
   JSON field, ``"t_send": time.perf_counter_ns()`` taken just before the chunk is written.
 * a load generator (``--role loadgen``): C keep-alive HTTP/1.1 connections on a raw asyncio/uvloop
   Protocol (chunked decoding and a byte search for ``"t_send":``, no JSON, no aiohttp), each running
-  turn after turn. Per chunk it records ``receive - send`` (same machine, same CLOCK_MONOTONIC).
+  turn after turn. Per chunk it records ``receive - send`` (same machine, same CLOCK_MONOTONIC), and
+  apart the same for each turn's first chunk (printed beside all chunks' added latency: ~1% of the chunks,
+  so where p99 sits, and through specproxy the one chunk that can cross the event loop's per-turn path).
 * the path under test: nothing (direct), nginx (installed from Debian when missing; ``proxy_buffering
   off``, HTTP/1.1 keepalive upstream, one worker, a non-daemon child), or specproxy
   (``python -m specproxy.app.cli serve`` with ``--tokenizer tiktoken:o200k_base`` and a temp database:
@@ -90,8 +92,8 @@ from overhead_procs import (
 from overhead_sink import SinkSide, delivered, shipper_sample, thread_on_cpu_s
 from overhead_steps import render_steps
 from overhead_tables import (BASELINE, OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render,
-                             render_baseline, render_otlp, render_polls, render_shipper, render_sink, render_targets,
-                             render_threads, summarize)
+                             render_baseline, render_first_chunks, render_otlp, render_polls, render_shipper,
+                             render_sink, render_targets, render_threads, summarize)
 from overhead_watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -394,6 +396,10 @@ def orchestrate(args) -> None:
     }
     print()
     print(render(summary, cs, paths, meta, held))
+    first = render_first_chunks(summary, cs, paths)
+    if first is not None:
+        print()
+        print(first)
     print()
     print(render_targets(summary, cs))
     print()

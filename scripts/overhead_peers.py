@@ -211,6 +211,7 @@ class Load:
         self.t_start = args.t_start
         self.t_end = args.t_end
         self.lat = array("q")
+        self.lat_first = array("q")  # a turn's first chunk alone: it crosses the proxy's per-turn path
         self.chunks = 0
         self.turns = 0
         self.turns_all = 0  # completed at any time, warm-up included: what a proxy should have recorded as ok
@@ -253,12 +254,13 @@ class Load:
 
 
 class LoadConn(asyncio.Protocol):
-    __slots__ = ("ld", "tr", "state", "hbuf", "cbuf", "pbuf", "rng")
+    __slots__ = ("ld", "tr", "state", "hbuf", "cbuf", "pbuf", "rng", "first")
 
     def __init__(self, ld: Load, seed: int) -> None:
         self.ld = ld
         self.tr = None
         self.state = 0
+        self.first = True  # the next chunk is its turn's first
         self.hbuf = bytearray()
         self.cbuf = bytearray()
         self.pbuf = bytearray()
@@ -271,6 +273,7 @@ class LoadConn(asyncio.Protocol):
 
     def send(self, pool) -> None:
         self.state = 0
+        self.first = True
         self.hbuf.clear()
         self.cbuf.clear()
         self.pbuf.clear()
@@ -335,6 +338,9 @@ class LoadConn(asyncio.Protocol):
                 m = pb.find(b"}", e)
                 if inside:
                     ld.lat.append(now - int(pb[e:m]))
+                    if self.first:
+                        ld.lat_first.append(now - int(pb[e:m]))
+                self.first = False
                 k = pb.find(MARK, m, last)
             del pb[: last + 2]
         if done:
@@ -369,6 +375,7 @@ async def loadgen_main(args) -> None:
 
     lat = np.frombuffer(ld.lat, dtype=np.int64) / 1000.0 if len(ld.lat) else np.empty(0)
     pct = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99, 99.9)} if len(lat) else {}
+    first = np.frombuffer(ld.lat_first, dtype=np.int64) / 1000.0 if len(ld.lat_first) else np.empty(0)
     window = (args.t_end - args.t_start) / 1e9
     out = {
         "chunks": int(len(lat)),
@@ -378,6 +385,7 @@ async def loadgen_main(args) -> None:
         "errors": ld.errors,
         "error_kinds": ld.error_kinds,
         "lat_us": pct,
+        "first_lat_us": {f"p{q}": float(np.percentile(first, q)) for q in (50, 99)} if len(first) else {},
         "lat_max_us": float(lat.max()) if len(lat) else None,
         "cpu_s": ru.ru_utime + ru.ru_stime,
         "maxrss_kb": ru.ru_maxrss,

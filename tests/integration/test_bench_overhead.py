@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # tests/ is on the path already (pgcluster)
 
 from overhead_tables import (  # noqa: E402
-    BASELINE, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_baseline, render_otlp, render_polls, render_shipper,
-    render_sink, render_targets, render_threads, summarize)
+    BASELINE, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_baseline, render_first_chunks, render_otlp, render_polls,
+    render_shipper, render_sink, render_targets, render_threads, summarize)
 
 
 def _run(path: str, rnd: int, *, cps: float, cpu: float | None, p50: float, p99: float) -> dict:
@@ -64,6 +65,25 @@ def test_ratios_are_taken_within_each_round_and_the_verdicts_follow_the_targets(
     assert [ln for ln in lines if "added p99" in ln][0].endswith("| met |")
 
 
+def test_a_turns_first_chunk_is_summarized_apart_against_direct_in_the_same_round():
+    runs = []
+    for rnd, (d_first, sp_first) in enumerate([(900, 1500), (1000, 4000), (1100, 1400)]):
+        direct = _run("direct", rnd, cps=12800, cpu=None, p50=1000, p99=1400)
+        sp = _run("specproxy", rnd, cps=12800, cpu=10.0, p50=1200, p99=1900)
+        direct["first_lat_us"] = {"p50": 500, "p99": d_first}
+        sp["first_lat_us"] = {"p50": 650, "p99": sp_first}
+        runs += [direct, sp]
+    runs.append(_run("nginx", 0, cps=12800, cpu=9.0, p50=1100, p99=1500))  # an older run's: no first chunks
+    s = summarize(runs, [256], ["direct", "nginx", "specproxy"])
+    assert s[(256, "specproxy")]["first_added_p99"] == (600, 300, 3000)  # per round: 600, 3000, 300
+    assert s[(256, "specproxy")]["first_added_p50"] == (150, 150, 150)
+    assert s[(256, "nginx")]["first_added_p99"] is None
+    table = render_first_chunks(s, [256], ["direct", "nginx", "specproxy"])
+    assert table.splitlines()[-1] == "| 256 | specproxy | 150 | 600 (300–3000) | 200 | 500 |"
+    assert "nginx |" not in table  # no figures, no row
+    assert render_first_chunks(summarize(runs[-1:], [256], ["nginx"]), [256], ["nginx"]) is None
+
+
 def test_a_short_run_measures_every_path(tmp_path):
     out = tmp_path / "runs.json"
     proc = subprocess.run(
@@ -78,6 +98,7 @@ def test_a_short_run_measures_every_path(tmp_path):
     for r in runs.values():
         assert r["chunks"] > 0 and r["errors"] == 0, r
         assert 0 < r["lat_us"]["p50"] <= r["lat_us"]["p99"]
+        assert 0 < r["first_lat_us"]["p50"] <= r["first_lat_us"]["p99"] <= r["lat_max_us"]  # a subset of all chunks
     sp = runs["specproxy"]
     assert sp["cpu_us_per_chunk"] > 0 and sp["sched_us_per_chunk"] > 0
     # --watch: the live page's events were read and /_specproxy/metrics scraped while specproxy relayed
@@ -85,10 +106,17 @@ def test_a_short_run_measures_every_path(tmp_path):
     assert f"watched: {sp['watch']['pictures']} live-page pictures" in proc.stdout
     assert "watch" not in runs["direct"]
     assert "| 4 | specproxy |" in proc.stdout
+    assert "A turn's first chunk, against all chunks" in proc.stdout
     assert "MainThread" in sp["thread_names"].values(), sp["thread_names"]  # the busy threads, by name
     poll = json.loads(out.read_text())["meta"]["cadence_poll"]["4"]  # from specproxy's state line
     assert poll["poll_windows"] >= poll["poll_hits"] >= 0 and poll["cores"] >= 0, poll
     assert "specproxy's cadence poll (its state line" in proc.stdout
+    # the interpreter is named with how it was built (the same Python costs ~15% more from a shared libpython)
+    with open("/proc/self/maps") as f:  # this test's interpreter is the one that ran specproxy
+        shared = any("libpython" in line for line in f)
+    kind = "libpython shared" if shared else "libpython in the executable"
+    assert json.loads(out.read_text())["meta"]["python"] == f"{platform.python_version()}, {kind}"
+    assert f"Python {platform.python_version()}, {kind})" in proc.stdout
 
 
 def test_the_cadence_poll_line_says_windows_catches_and_cores():
@@ -260,6 +288,8 @@ def test_a_short_run_with_a_baseline_runs_the_other_checkouts_specproxy(tmp_path
     assert set(runs) == {"direct", "specproxy", BASELINE}
     assert runs[BASELINE]["chunks"] > 0 and runs[BASELINE]["errors"] == 0
     assert f"| 4 | {BASELINE} |" in proc.stdout and "against the baseline's" in proc.stdout
+    # the baseline's interpreter is named too (asked of the other checkout's, here the same one)
+    assert f", Python {platform.python_version()}, libpython" in proc.stdout
 
 
 def test_the_loops_steps_are_per_turn_and_the_rest_is_what_they_leave():
