@@ -1,4 +1,4 @@
-"""What measuring one streamed turn costs per chunk: ``RecordBuilder.build`` and its parts, in one run.
+"""What measuring one streamed turn costs per chunk: ``build_record`` and its parts, in one run.
 
     python scripts/bench_measure.py                   # 40 turns x 100 chunks, 7 repeats (~5 s)
     python scripts/bench_measure.py --turns 100 --repeats 15
@@ -61,9 +61,10 @@ from measure_phases import phases_table
 from specproxy.frames import chunked
 from specproxy.measure import fast_texts, texts
 from specproxy.measure.apis import CHAT
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
 from specproxy.measure.prefix import PrefixTracker
 from specproxy.measure.tokens import load_tokenizer
+from specproxy.measure.turn_recorder import TurnRecorder
 
 PROSE = """\
 Speculative decoding speeds up inference by letting a small draft model propose several tokens that the
@@ -96,7 +97,7 @@ def _event(choice_rest: bytes, t_send: int | None, extra: bytes = b"") -> bytes:
     return b"data: " + HEAD + choice_rest + b"]" + extra + tail + b"\n\n"
 
 
-def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int = 0) -> RecordBuilder:
+def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int = 0) -> TurnRecorder:
     """One relayed turn: ``pieces`` streamed as content chunks, a chunked frame per read; its prompt is
     ``session``'s (the same system prompt, a user message per session, as bench_overhead's load sends)."""
     clock = [1_700_000_000_000_000_000]
@@ -116,7 +117,7 @@ def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int 
     body = orjson.dumps({"model": "bench-model", "stream": True, "messages": [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"question {session}: explain speculative decoding."}]})
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=0.0)
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=0.0)
     b.on_headers(0.01, 200, "text/event-stream", chunked=True)
     t = 0.05
     for ev in events:
@@ -127,7 +128,7 @@ def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int 
     return b
 
 
-def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
+def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[TurnRecorder]:
     enc = tok._enc
     tokens = enc.encode(PROSE * 4)
     rng = random.Random(7 + t_send)
@@ -148,7 +149,7 @@ def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[RecordBuilder]:
     return turns
 
 
-def time_reference_parts(turns: list[RecordBuilder]) -> dict[str, float]:
+def time_reference_parts(turns: list[TurnRecorder]) -> dict[str, float]:
     """Seconds over all turns to dechunk, and to parse the stream, by the references."""
     t0 = time.thread_time()
     payloads = [chunked.dechunk_reads(b.reads) for b in turns]
@@ -159,9 +160,9 @@ def time_reference_parts(turns: list[RecordBuilder]) -> dict[str, float]:
     return {"dechunk": t1 - t0, "reference stream_texts": t2 - t1}
 
 
-def time_native(turns: list[RecordBuilder]) -> float:
+def time_native(turns: list[TurnRecorder]) -> float:
     """Seconds over all turns for the build's reading of the stream: the frames joined in C and the chat
-    stream read as the builder reads it (``Api.read_stream``)."""
+    stream read as ``build_record`` reads it (``Api.read_stream``)."""
     t0 = time.thread_time()
     for b in turns:
         joined = chunked.join_reads(list(b.reads), True)  # (a copy: the join consumes its list)
@@ -172,16 +173,16 @@ def time_native(turns: list[RecordBuilder]) -> float:
     return time.thread_time() - t0
 
 
-def time_builds(turns: list[RecordBuilder], tok, fast: bool) -> float:
+def time_builds(turns: list[TurnRecorder], tok, fast: bool) -> float:
     """Seconds over all turns for their builds, each of the whole turn as the measuring thread builds it
-    (each compared with its session's previous turn: ``PrefixTracker``): the build consumes its builder's
+    (each compared with its session's previous turn: ``PrefixTracker``): the build consumes its turn's
     reads (``_build(fast=True)`` lets go of each as it joins them), so each gets them back first, untimed."""
     took = 0.0
     prefixes = PrefixTracker()
     for b in turns:
         b.reads = list(READS[id(b)])
         t0 = time.thread_time()
-        b._build(tok, fast=fast, prefixes=prefixes)
+        build_record(b, tok, fast=fast, prefixes=prefixes)
         took += time.thread_time() - t0
     return took
 
@@ -241,9 +242,9 @@ class _RelayBeside:
         self.proc.wait()
 
 
-def same_records(b: RecordBuilder, tok) -> bool:
-    ref = b._build(tok, fast=False)  # first: the reference reads a copy, the build consumes the reads
-    fast = b._build(tok, fast=True)
+def same_records(b: TurnRecorder, tok) -> bool:
+    ref = build_record(b, tok, fast=False)  # first: the reference reads a copy, the build consumes the reads
+    fast = build_record(b, tok, fast=True)
     b.reads = list(READS[id(b)])
     return all(getattr(fast, f) == getattr(ref, f) for f in fast.__dataclass_fields__ if f != "id")
 
@@ -287,7 +288,7 @@ def run(args) -> None:
             beside_relay(turns, tok, nchunks, cpu, args.repeats)
 
 
-def beside_relay(turns: list[RecordBuilder], tok, nchunks: int, cpu: int, repeats: int) -> None:
+def beside_relay(turns: list[TurnRecorder], tok, nchunks: int, cpu: int, repeats: int) -> None:
     """The build alone and beside a loopback relay on its CPU, alternating (the relay paused between), so
     that both see the machine alike: the median over the pairs of the ratio beside / alone."""
     beside = _RelayBeside(cpu)

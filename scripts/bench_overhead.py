@@ -215,7 +215,7 @@ def profile_window(args, target: tuple[int, list[int]], c: int, load_pids, load_
         total += n
         joined = ";".join(frames)
         if "MeasuringWorker" in joined:
-            cat = "measuring thread (RecordBuilder.build: framing, SSE, JSON, tiktoken)"
+            cat = "measuring thread (build_record: framing, SSE, JSON, tiktoken)"
         elif "Writer._run" in joined:
             cat = "SQLite writer thread"
         else:

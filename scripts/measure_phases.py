@@ -1,8 +1,8 @@
 """Measuring one turn, phase by phase: ``bench_measure.py --phases``.
 
 Why: measuring's cost is paid once a turn, in many steps none of which is large; the per-chunk totals
-of ``bench_measure.py`` say how much, not where. This times each phase of ``RecordBuilder.build`` with
-``thread_time`` (wrappers installed for the timing pass only, where the builder looks each phase up,
+of ``bench_measure.py`` say how much, not where. This times each phase of ``build_record`` with
+``thread_time`` (wrappers installed for the timing pass only, where the build looks each phase up,
 and taken out after), so that a change to one phase can be read in µs per turn.
 """
 
@@ -19,19 +19,19 @@ __all__ = ["PHASES", "phases_table"]
 
 # (module, attribute path, what the phase is, nested in the phase above it)
 PHASES = (
-    ("specproxy.measure.builder", "read_request", "the request parsed", False),
-    ("specproxy.measure.builder", "read_response", "the response read", False),
+    ("specproxy.measure.build", "read_request", "the request parsed", False),
+    ("specproxy.measure.build", "read_response", "the response read", False),
     ("specproxy.measure.response_body", "join_reads", "its framing joined (C)", True),
     ("specproxy.measure.fast_texts", "_Gather.event", "its events read one by one (orjson, read_chunk)", True),
     ("specproxy.measure.fast_texts", "_content_template", "its template derived (inside an event's read)", True),
-    ("specproxy.measure.builder", "count_completion", "the completion counted (tiktoken)", False),
+    ("specproxy.measure.build", "count_completion", "the completion counted (tiktoken)", False),
     (None, "count_prompt", "the prompt counted (the tokenizer's memos)", False),
     ("specproxy.measure.prefix", "PrefixTracker.observe", "the prompt compared with the session's last", False),
-    ("specproxy.measure.builder", "content_class_of", "the content class", False),
-    ("specproxy.measure.builder", "client_of", "the client named", False),
-    ("specproxy.measure.builder", "session_of", "the session named", False),
-    ("specproxy.measure.builder", "tool_names", "the tools named", False),
-    ("specproxy.measure.builder", "RecordBuilder._make", "the Record made", False),
+    ("specproxy.measure.build", "content_class_of", "the content class", False),
+    ("specproxy.measure.build", "client_of", "the client named", False),
+    ("specproxy.measure.build", "session_of", "the session named", False),
+    ("specproxy.measure.build", "tool_names", "the tools named", False),
+    ("specproxy.measure.build", "_record_of", "the Record made", False),
 )
 
 

@@ -31,7 +31,7 @@ __all__ = ["STEPS", "render_steps"]
 STEPS = (
     ("specproxy.serve.lane", "Lane.data_received", "the request read from the client, the exchange's task made", None),
     ("specproxy.serve.lane", "read_head", "its head checked", "Lane.data_received"),
-    ("specproxy.measure.builder", "RecordBuilder.__init__", "the turn's builder made", None),
+    ("specproxy.measure.turn_recorder", "TurnRecorder.__init__", "the turn's recorder made", None),
     ("specproxy.serve.proxy", "request_head", "the upstream request's head made", None),
     ("specproxy.wire.pool", "UpstreamPool.checkout", "a connection checked out", None),
     ("specproxy.wire.upstream", "UpstreamConn.send", "the request written upstream", None),

@@ -1,7 +1,8 @@
 """The one schema: a ``Record`` is one turn as specproxy measured it.
 
 Why one frozen record: the proxy (passive traffic) and the benchmark (active traffic) build the same
-record through the same ``RecordBuilder`` (``measure/builder.py``), so reports cannot tell them apart. Names and
+record through the same ``TurnRecorder`` and ``build_record`` (``measure/turn_recorder.py``, ``measure/build.py``),
+so reports cannot tell them apart. Names and
 meanings follow docs/metrics.md exactly; each field's docstring below is its definition, and the
 store's columns, ``export`` and the docs are generated from this list.
 

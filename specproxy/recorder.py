@@ -2,7 +2,7 @@
 
 Why a Protocol here, below both ``wire`` and ``measure``: the wire relays a turn's bytes and must tell
 whoever measures them of each read and of the end, but it never imports ``measure`` (the import
-contracts in ``pyproject.toml`` say so). ``measure.builder.RecordBuilder`` implements it; the wire sees
+contracts in ``pyproject.toml`` say so). ``measure.turn_recorder.TurnRecorder`` implements it; the wire sees
 only these few members, and a type checker holds both sides to them.
 
 Threads: every member is called on the event loop, except that the relay thread's reads reach the

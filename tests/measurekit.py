@@ -1,4 +1,4 @@
-"""A streamed chat turn handed to ``RecordBuilder`` as the proxy hands it, the chat stream's readers
+"""A streamed chat turn handed to ``TurnRecorder`` as the proxy hands it, the chat stream's readers
 over a list of reads, and a count of the JSON parses made meanwhile: how the tests of the native stream
 reader feed it and see what it parsed."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from specproxy.measure import fast_texts
 from specproxy.measure.apis import CHAT
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.measure.texts import Texts
 
 needs_native = pytest.mark.skipif(not fast_texts.C_BUILT, reason="specproxy.frames._scanc is not built")
@@ -27,11 +27,11 @@ def read_chat(reads: list[bytes], times: list[float]) -> Texts:
     return CHAT.read_stream(b"".join(reads), list(accumulate(map(len, reads))), times)
 
 
-def builder(reads: list[bytes], chunked: bool, times: list[float] | None = None) -> RecordBuilder:
+def builder(reads: list[bytes], chunked: bool, times: list[float] | None = None) -> TurnRecorder:
     """A finished turn whose response was ``reads`` (read i at time ``1.0 + i``, or ``times[i]``: nondecreasing,
     from 1.0), chunked-framed or not."""
     body = b'{"model":"m","stream":true,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}'
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5)
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=body, t_wall=1.0, t_request=0.5)
     b.on_headers(0.6, 200, "text/event-stream", chunked=chunked)
     if times is None:
         times = [1.0 + i for i in range(len(reads))]

@@ -30,7 +30,7 @@ from pathlib import Path
 import orjson
 
 from specproxy.errors import ConfigError
-from specproxy.measure.builder import is_measured
+from specproxy.measure.apis import is_measured
 from specproxy.store.captures import Captured
 
 __all__ = ["Request", "infer_path", "read_replay_file", "replay_line", "requests_from_captures"]

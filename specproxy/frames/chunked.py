@@ -1,7 +1,7 @@
 """HTTP/1.1 chunked framing in Python: the parser's reference, and the framing taken off relayed reads.
 
 Why: the proxy passes the upstream's chunked framing through to the client byte for byte (no
-re-framing on the forwarding path), so a ``RecordBuilder`` sees framed reads. Measuring needs the
+re-framing on the forwarding path), so a ``TurnRecorder`` sees framed reads. Measuring needs the
 payload, and it needs it *per read*: an event is timed by the read that completed it, so the output is
 aligned 1:1 with the input (a read that carried only framing gives ``b""``).
 

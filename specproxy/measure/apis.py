@@ -1,4 +1,4 @@
-"""Which API a measured path speaks, and how each is read: the one table the builder consults.
+"""Which API a measured path speaks, and how each is read: the one table ``build_record`` consults.
 
 Why: specproxy measures chat completions, completions, the Anthropic Messages API and the OpenAI
 Responses API with the same record fields and the same accuracy. Each API is written once, in its own

@@ -11,7 +11,7 @@ text to the finish, usage and ``[DONE]`` events, are observed too; specproxy's p
 (``specproxy_time_to_first_token_seconds``, decode time) are the ones about text.
 
 Why here and not in the metrics: a turn of a thousand chunks is a thousand observations. Bucketing
-them costs a step per chunk, which belongs in the measuring thread (``RecordBuilder.build``), never on
+them costs a step per chunk, which belongs in the measuring thread (``build_record``), never on
 the event loop where the metrics take a record: the loop adds a turn's bucket counts, a few additions.
 The gaps are not stored (a turn's row keeps ``chunks``, ``t_first_token`` and ``t_last_token``); they
 go to the metrics beside the record (``StreamTiming``).

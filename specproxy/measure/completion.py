@@ -1,7 +1,7 @@
-"""What a turn's texts and usage say, once the builder has read them: completion tokens per kind (and the
+"""What a turn's texts and usage say, once ``build_record`` has read them: completion tokens per kind (and the
 first chunk's), the content class, and the prompt tokens the server reused from its cache.
 
-Apart from ``builder.py`` so that the builder keeps to the turn's life (bytes in, one Record out) and these
+Apart from ``build.py`` so that the build keeps to the turn's life (bytes in, one Record out) and these
 rules, each decided once, can be read on their own.
 """
 

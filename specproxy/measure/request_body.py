@@ -1,4 +1,4 @@
-"""What measuring reads of a request body: its model and its prompt's parts (``RecordBuilder.build``).
+"""What measuring reads of a request body: its model and its prompt's parts (``build_record``).
 
 Why apart: a request body can be as large as ``max_body_bytes``; one over ``max_counted_bytes`` is not
 parsed at all (orjson takes twice a body's size to parse it) and only its model is read, by a byte search

@@ -1,10 +1,10 @@
 """``read_response``: the kept reads of one response, turned into what it delivered.
 
-Why apart from the builder: this is where one large response would cost its size twice (the reads, and
+Why apart from ``build.py``: this is where one large response would cost its size twice (the reads, and
 their joined copy), so it is written to hold it about once. The reads are consumed as they are joined
 (``frames.chunked.join_reads``: each read let go of once copied, freed heap pages given back every 16
 MiB), an encoded read is let go of once inflated, and the joined payload goes when this returns, before
-the builder counts tokens (docs/operations.md, "Memory"). The order: take the chunked framing off
+``build_record`` counts tokens (docs/operations.md, "Memory"). The order: take the chunked framing off
 (``join_reads`` in C, else ``dechunk_reads``, which also says what is wrong with malformed framing),
 undo a Content-Encoding, then read with the API's stream or body reader.
 """

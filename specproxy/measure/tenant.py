@@ -5,7 +5,7 @@ only thing that tells them apart. The key itself must never reach the database o
 hash of it would let anyone holding the database test guessed keys against it offline, or match one
 database's tenants against another's. An HMAC-SHA256 under a secret drawn at random for each database
 (kept in its ``store_meta`` table) names the same key the same way in that database only. Computed in
-the measuring thread (``RecordBuilder._make``), off the forwarding path.
+the measuring thread (``build._record_of``), off the forwarding path.
 """
 
 from __future__ import annotations

@@ -46,14 +46,14 @@ class Texts:
     # per-chunk metrics; measure/chunk_gaps.py): chunk_counts[i] of them completed at chunk_times[i]
     # (times distinct and increasing; chunk_gaps buckets their gaps), or, read with the C scans, their
     # gaps bucketed already (``gap_buckets``' result; the lists left empty). Not compared: the paths
-    # keep them in different forms; tests compare what the builder makes of them (StreamTiming).
+    # keep them in different forms; tests compare what ``build_record`` makes of them (StreamTiming).
     chunk_times: list[float] = field(default_factory=list, compare=False)
     chunk_counts: list[int] = field(default_factory=list, compare=False)
     gaps: tuple[tuple[int, ...], float] | None = field(default=None, compare=False)
 
     def first_text(self, t: float, first_lens: dict[tuple[int, str], int]) -> None:
         """The first event carrying output text arrived, completed by the read timed ``t``: the one
-        place ``t_first`` is set (TTFT is ``t_first - t_request``, in ``RecordBuilder._record``).
+        place ``t_first`` is set (TTFT is ``t_first - t_request``, in ``build._derive``).
         ``first_lens``: that event's characters per (choice, kind), so tokens map to the first chunk."""
         self.t_first = t
         self.first_lens = first_lens

@@ -19,7 +19,7 @@ Adapters, chosen by ``--tokenizer``:
 
 Every method here is CPU work: call it from a worker thread, never on the event loop.
 
-Two shortcuts keep counting cheap per turn (``RecordBuilder.build`` shares the proxy's small CPU budget
+Two shortcuts keep counting cheap per turn (``build_record`` shares the proxy's small CPU budget
 per streamed chunk (docs/performance.md, "Design figures")), and both give exactly what the plain computation gives:
 
 * ``TiktokenTokenizer.token_ends`` does not call tiktoken's ``decode_with_offsets`` (a Python loop over

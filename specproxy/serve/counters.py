@@ -158,7 +158,7 @@ class Counters:
         self.in_flight -= 1
 
     def turn_began(self) -> None:
-        """A measured turn (``measure.builder.is_measured``) is being forwarded: the operating point rises."""
+        """A measured turn (``measure.apis.is_measured``) is being forwarded: the operating point rises."""
         self.measured_in_flight += 1
 
     def turn_ended(self) -> None:

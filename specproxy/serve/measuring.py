@@ -47,10 +47,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record, unmeasured_record
 from specproxy.measure.prefix import PrefixTracker
-from specproxy.record import Record
 from specproxy.measure.tokens import Tokenizer
+from specproxy.measure.turn_recorder import TurnRecorder
+from specproxy.record import Record
 from specproxy.wire import memory
 from specproxy.wire.os_thread import name_os_thread
 
@@ -75,7 +76,7 @@ class Built(NamedTuple):
     """One turn the worker built: its record (made unmeasured when measuring failed: ``error``), and
     whether the store took it (its queue may be full)."""
 
-    builder: RecordBuilder
+    turn: TurnRecorder
     record: Record
     error: BaseException | None
     stored: bool
@@ -83,16 +84,18 @@ class Built(NamedTuple):
 
 # a finished turn's record (with ``capture``, its request body too) into the store's queue: called in this
 # thread, never blocks; True when the store took the record
-Store = Callable[[RecordBuilder, Record], bool]
+Store = Callable[[TurnRecorder, Record], bool]
 Done = Callable[[list[Built]], None]
+# a finished turn's Record, with the worker's tokenizer and the sessions' previous turns (``build_record``)
+Build = Callable[[TurnRecorder, Tokenizer | None, PrefixTracker], Record]
 
 
 class MeasuringWorker:
     def __init__(self, tokenizer: Tokenizer | None, activity: Callable[[], float],
                  loop: asyncio.AbstractEventLoop, done: Done, *, store: Store,
-                 gather_s: float | None = None, keep_bodies: bool = False) -> None:
+                 gather_s: float | None = None, keep_bodies: bool = False, build: Build | None = None) -> None:
         """``keep_bodies``: ``store`` reads each turn's request body (``capture``): keep it until the turn is
-        stored. Every byte a turn held (its body, its kept response) is let go of here, right after its
+        stored. ``build``: what makes a turn's Record (``build_record``; a test's own, to slow or break it). Every byte a turn held (its body, its kept response) is let go of here, right after its
         build (the body kept, after ``store``), and given back to the memory budget (``wire.memory``)."""
         self.tokenizer = tokenizer
         self.prefixes = PrefixTracker()  # each session's previous turn, compared with its next (this thread's)
@@ -103,6 +106,7 @@ class MeasuringWorker:
         self._loop = loop
         self._done = done
         self._store = store
+        self._build_record = build if build is not None else build_record
         self._keep_bodies = keep_bodies
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="specproxy-measure", daemon=True)
@@ -110,11 +114,11 @@ class MeasuringWorker:
         self.batches = 0
         self.deferred_s = 0.0  # time spent waiting for the relay to pause
 
-    def submit(self, builder: RecordBuilder, *, more_in_flight: bool) -> None:
+    def submit(self, turn: TurnRecorder, *, more_in_flight: bool) -> None:
         """From the event loop: never blocks (an in-memory queue). ``more_in_flight``: other turns are
         still running, so more may end soon and join this one's batch."""
         queue = self._queue
-        queue.put(builder)
+        queue.put(turn)
         # the turns waiting: those queued and the first the worker took off the queue to gather behind
         if (not more_in_flight or queue.qsize() + self._holding >= MAX_BATCH) and not self._gathered.is_set():
             self._gathered.set()
@@ -128,9 +132,9 @@ class MeasuringWorker:
     def _run(self) -> None:
         name_os_thread()
         stopping = False
-        large: deque[RecordBuilder] = deque()  # large turns taken from the queue, built one per batch
+        large: deque[TurnRecorder] = deque()  # large turns taken from the queue, built one per batch
         while not (stopping and not large):
-            batch: list[RecordBuilder] = []
+            batch: list[TurnRecorder] = []
             if not large and not stopping:
                 first = self._queue.get()
                 if first is not None and self._gather_s > 0:
@@ -160,41 +164,41 @@ class MeasuringWorker:
                 return
 
     @staticmethod
-    def _sort(builder: RecordBuilder, batch: list, large: deque) -> None:
-        if _cost(builder) >= LARGE_TURN_BYTES:
-            large.append(builder)
+    def _sort(turn: TurnRecorder, batch: list, large: deque) -> None:
+        if _cost(turn) >= LARGE_TURN_BYTES:
+            large.append(turn)
         else:
-            batch.append(builder)
+            batch.append(turn)
 
-    def _build(self, batch: list[RecordBuilder], behind: bool) -> bool:
+    def _build(self, batch: list[TurnRecorder], behind: bool) -> bool:
         """Build a batch, put its records in the store's queue, and tell the loop once; False when the loop is
         gone."""
         deadline = clock() + MAX_DEFER_S
         made = []
         released = 0
-        for builder in batch:
+        for turn in batch:
             if not behind:  # before each build: a burst that began meanwhile goes first
                 self._wait_for_quiet(deadline)
             try:
-                made.append((builder, builder.build(self.tokenizer, self.prefixes), None))
+                made.append((turn, self._build_record(turn, self.tokenizer, self.prefixes), None))
             except Exception as exc:  # measuring failed: the proxy records the turn unmeasured
                 why = f"{type(exc).__name__} ({where(exc)})"
-                made.append((builder, builder.unmeasured(f"measuring failed: {why}"), exc))
-            freed = builder.let_go(body=not self._keep_bodies)
+                made.append((turn, unmeasured_record(turn, f"measuring failed: {why}"), exc))
+            freed = turn.let_go(body=not self._keep_bodies)
             memory.give(freed)
             # what parsing and counting made of the body (objects several times its size, never charged)
             # is freed too: counted here, or a backlog of such turns would never trim
-            released += freed + builder.request_bytes
+            released += freed + turn.request_bytes
         results = []
-        for builder, record, exc in made:  # the batch to the store at once: the writer wakes once for it
+        for turn, record, exc in made:  # the batch to the store at once: the writer wakes once for it
             try:
-                stored = self._store(builder, record)
+                stored = self._store(turn, record)
             except Exception as error:  # a bug of ours: the turn is lost, this thread is not
                 log.error("storing a turn failed: %s", f"{type(error).__name__} ({where(error)})")
                 stored = False
-            results.append(Built(builder, record, exc, stored))
+            results.append(Built(turn, record, exc, stored))
             if self._keep_bodies:
-                freed = builder.let_go()
+                freed = turn.let_go()
                 memory.give(freed)
                 released += freed
         if released >= TRIM_BYTES:
@@ -217,10 +221,10 @@ class MeasuringWorker:
         self.deferred_s += clock() - t0
 
 
-def _cost(builder: RecordBuilder) -> int:
+def _cost(turn: TurnRecorder) -> int:
     """What building a turn will read: its request body and its kept response (the relay thread's too)."""
-    relayed = builder.relayed
-    return len(builder.body) + sum(map(len, builder.reads)) + (relayed.kept if relayed is not None else 0)
+    relayed = turn.relayed
+    return len(turn.body) + sum(map(len, turn.reads)) + (relayed.kept if relayed is not None else 0)
 
 
 def where(exc: BaseException) -> str:

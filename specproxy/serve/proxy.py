@@ -7,9 +7,9 @@ vets it (``refusals.py``); both call ``Proxy.exchange`` with an ``Incoming`` and
 request's body is whole. Each request is one ``wire.exchange.Exchange``: per read of the upstream's
 body, inside the socket callback (or the relay thread), its relay takes a monotonic timestamp, writes the
 bytes to the client's transport (chunk framing passed verbatim), takes another timestamp and appends to
-the turn's ``RecordBuilder`` (the wire's ``Recorder``). The handler's task only waits: for the end, or for a slow
+the turn's ``TurnRecorder`` (the wire's ``Recorder``). The handler's task only waits: for the end, or for a slow
 client to drain (backpressure). No parsing, tokenizing or database work happens on the event loop; once
-the response has ended, the builder is handed to a worker thread that makes the ``Record`` and puts it
+the response has ended, the turn is handed to a worker thread that makes the ``Record`` and puts it
 in the store's queue (``store``: a put that never blocks); the loop hears of it after (``heard``).
 Request and response bodies pass byte-identical; the header rules are ``headers.py``'s. A request of any method, POST included, is sent twice in one case only:
 the upstream closed a kept-alive connection before a byte of the answer (``UpstreamPool.request``: once
@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from specproxy.config import Config
-from specproxy.measure.builder import RecordBuilder, is_measured
+from specproxy.measure.apis import is_measured
+from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer
@@ -262,7 +263,7 @@ class Proxy:
 
     async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
         """One exchange with the upstream, from either front, the request read whole and vetted: relayed to
-        ``client`` (None), or a refusal when the upstream gave no response. Every exchange gets a builder,
+        ``client`` (None), or a refusal when the upstream gave no response. Every exchange gets a ``TurnRecorder``,
         handed to the measuring worker at the end whatever happened: a measured path's is measured, any
         other path's keeps no body and becomes a row of what the forwarding path saw (``measured`` false)."""
         t_request = clock()
@@ -272,8 +273,8 @@ class Proxy:
             self.turns_started += 1
         started_before = self.turns_started
         prev_done = self.last_turn_done
-        # every exchange gets a row; another path's builder keeps no body bytes (``measured=False``)
-        builder = RecordBuilder(
+        # every exchange gets a row; another path's turn keeps no body bytes (``measured=False``)
+        turn = TurnRecorder(
             method=req.method,
             path=req.path,
             body=body,
@@ -297,27 +298,27 @@ class Proxy:
             tenant_rule=self.tenant_rule,
         )
         try:
-            return await self._relay(req, body, builder, client)
+            return await self._relay(req, body, turn, client)
         except Exception as exc:  # a bug of ours, not the client's nor the upstream's: still one record
-            if not builder.ended:
+            if not turn.ended:
                 reason = f"{type(exc).__name__} ({where(exc)})"  # its message might quote the request
-                if builder.t_upstream_headers is None:
-                    builder.fail(clock(), "proxy_error", None, reason)
+                if turn.t_upstream_headers is None:
+                    turn.fail(clock(), "proxy_error", None, reason)
                 else:
-                    builder.finish(clock(), "proxy_error", reason)
+                    turn.finish(clock(), "proxy_error", reason)
             raise
         finally:
             if measured:
                 self.counters.turn_ended()
-            self._submit(builder)
+            self._submit(turn)
             if measured:
                 # a turn that ran alone can be joined with the server's counter deltas over it
-                alone = builder.concurrency == 1 and self.turns_started == started_before
+                alone = turn.concurrency == 1 and self.turns_started == started_before
                 self.last_turn_done = clock()
                 if self.on_turn_end is not None:
-                    self.on_turn_end(builder.id, t_request, prev_done, alone)
+                    self.on_turn_end(turn.id, t_request, prev_done, alone)
 
-    async def _relay(self, req: Incoming, body: bytes, b: RecordBuilder, client: Client) -> Refusal | None:
+    async def _relay(self, req: Incoming, body: bytes, b: TurnRecorder, client: Client) -> Refusal | None:
         assert self._pool is not None
         exchange = Exchange(self._pool, b)
         self._exchanges.add(exchange)
@@ -326,7 +327,7 @@ class Proxy:
         finally:
             self._exchanges.discard(exchange)
 
-    async def _carry(self, exchange: Exchange, req: Incoming, body: bytes, b: RecordBuilder,
+    async def _carry(self, exchange: Exchange, req: Incoming, body: bytes, b: TurnRecorder,
                      client: Client) -> Refusal | None:
         try:
             head_bytes = request_head(self._base_path, self._host_header, req, body)
@@ -366,24 +367,24 @@ class Proxy:
 
     # --- measuring, off the forwarding path -----------------------------------------------------------
 
-    def _submit(self, builder: RecordBuilder) -> None:
-        if not builder.ended:  # e.g. cancelled while reading: still one record per turn
-            builder.fail(clock(), "client_abort", None, "client disconnected before the response")
-        if self.cutting and builder.outcome == "client_abort":  # the client did not leave: the proxy cut it
-            builder.outcome, builder.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
+    def _submit(self, turn: TurnRecorder) -> None:
+        if not turn.ended:  # e.g. cancelled while reading: still one record per turn
+            turn.fail(clock(), "client_abort", None, "client disconnected before the response")
+        if self.cutting and turn.outcome == "client_abort":  # the client did not leave: the proxy cut it
+            turn.outcome, turn.error = "shutdown", f"cut by specproxy's shutdown: {self.cutting}"
         if self._pending_builds >= MAX_PENDING_BUILDS:
             self.counters.measure_dropped_one()
-            memory.give(builder.let_go())
+            memory.give(turn.let_go())
             return
-        if not builder.measured:  # nothing reads an unmeasured turn's body or response: let go of them now
-            memory.give(builder.let_go())
-        charge = builder.charged()
+        if not turn.measured:  # nothing reads an unmeasured turn's body or response: let go of them now
+            memory.give(turn.let_go())
+        charge = turn.charged()
         if charge and self._backlog_bytes + charge > self.budget * BACKLOG_SHARE:
             # measuring is behind: measure this turn less rather than hold more (the record says so)
             # the larger of its prompt and its response first, the other only if that was not enough
             self.counters.measure_shed_one()
-            sheds = [builder.shed_prompt, builder.shed_response]
-            if builder.body_charge * 2 < charge:
+            sheds = [turn.shed_prompt, turn.shed_response]
+            if turn.body_charge * 2 < charge:
                 sheds.reverse()
             freed = sheds[0]()
             if self._backlog_bytes + charge - freed > self.budget * BACKLOG_SHARE:
@@ -391,10 +392,10 @@ class Proxy:
             memory.give(freed)
             charge -= freed
         self._backlog_bytes += charge
-        builder.backlog_charge = charge
+        turn.backlog_charge = charge
         self._pending_builds += 1
         assert self._measurer is not None
-        self._measurer.submit(builder, more_in_flight=self.counters.measured_in_flight > 0)
+        self._measurer.submit(turn, more_in_flight=self.counters.measured_in_flight > 0)
 
     def _built(self, results: list[Built]) -> None:
         """On the loop, once per batch the measuring worker built and handed to the store. The turns stay
@@ -405,15 +406,15 @@ class Proxy:
             for built in results:
                 if built.error is not None:
                     # measuring failed (a bug, e.g. on input nobody foresaw): the turn still got its row, made
-                    # by the measuring thread (``builder.unmeasured``)
+                    # by the measuring thread (``unmeasured_record``)
                     self.counters.measure_failed()
                     log.error("measuring a turn failed: %s", f"{type(built.error).__name__} ({where(built.error)})")
                     self._heard(built.record, None, built.stored)
                 else:
-                    self._heard(built.record, built.builder.timing, built.stored)
+                    self._heard(built.record, built.turn.timing, built.stored)
         finally:
             for built in results:
-                self._backlog_bytes -= built.builder.backlog_charge
+                self._backlog_bytes -= built.turn.backlog_charge
             self._pending_builds -= len(results)
             if not self._pending_builds:
                 self._idle.set()

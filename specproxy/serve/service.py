@@ -48,7 +48,7 @@ from specproxy.store.shipper import Shipper
 from specproxy.store.sinks import make_sink
 from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 from specproxy.store.db import open_existing
@@ -267,7 +267,7 @@ class Service:
         return {"proxy_name": self.cfg.name_of_proxy, "version": __version__,
                 "upstream_instance": watch.instance_id or ""}
 
-    def _store(self, builder: RecordBuilder, record: Record) -> bool:
+    def _store(self, turn: TurnRecorder, record: Record) -> bool:
         """In the measuring thread: the record to the writer's queue (a put that never blocks), and with
         ``capture`` the request body as the client sent it, beside its turn (store/captures.py)."""
         writer = self.writer
@@ -275,8 +275,8 @@ class Service:
             return True
         stored = writer.put(record)
         if self.cfg.capture and record.measured:
-            writer.put(capture_item(builder.id, builder.t_wall, builder.method, builder.path,
-                                    builder.request_encoding, builder.body))
+            writer.put(capture_item(turn.id, turn.t_wall, turn.method, turn.path,
+                                    turn.request_encoding, turn.body))
         return stored
 
     def _heard(self, record: Record, timing: StreamTiming | None, stored: bool) -> None:

@@ -9,7 +9,7 @@ tokenizer) could take the process past the machine's memory. What counts against
   arrives (aiohttp's front, a chunked body), until measuring is done with it (or the request is refused);
 - every response read kept for measuring, from the read that keeps it until measuring is done with it:
   the relay thread charges it as it keeps it (``_pump.c``, lock-free), the Python relay in
-  ``RecordBuilder.on_bytes``;
+  ``TurnRecorder.on_bytes``;
 - a connection's pipelined requests, read while its exchange runs (``serve/lane.py``, ``charge``);
 - records' texts and captured bodies waiting for the database (``store/writer.py``).
 

@@ -326,7 +326,7 @@ def test_a_short_run_times_the_loops_steps(tmp_path):
     assert "The event loop's turn, step by step, at C=4 (one extra window" in proc.stdout, proc.stdout[-3000:]
     rows = {line.split("(`")[1].split("`)")[0]: line.rsplit(" | ", 2)[1:]
             for line in proc.stdout.splitlines() if line.startswith("| ") and "(`" in line}
-    for path in ("Lane.data_received", "read_head", "RecordBuilder.__init__", "UpstreamConn.send",
+    for path in ("Lane.data_received", "read_head", "TurnRecorder.__init__", "UpstreamConn.send",
                  "Exchange.attach", "ThreadRelay.start", "Exchange.end", "Proxy._submit"):
         us, calls = float(rows[path][0]), float(rows[path][1].rstrip(" |"))
         assert us > 0 and 0.9 <= calls <= 1.1, (path, rows[path])  # (a request may come in two reads)

@@ -397,16 +397,15 @@ def test_hostile_json_in_the_response_stream_is_survived(make_stack, tiktoken_to
 def test_a_turn_whose_measuring_fails_still_gets_its_row(make_stack, monkeypatch):
     """Measuring is code too, and input nobody foresaw may break it: the bytes were already forwarded,
     and the turn still gets a row (``proxy_error``, saying where measuring failed, not what was sent)."""
-    from specproxy.measure.builder import RecordBuilder
+    from specproxy.measure.build import build_record
+    from specproxy.serve import measuring
 
-    build = RecordBuilder.build
-
-    def fragile(self, tokenizer, prefixes=None):
-        if b"break-me" in self.body:
+    def fragile(turn, tokenizer, prefixes=None):
+        if b"break-me" in turn.body:
             raise KeyError("sk-secret-in-a-message")
-        return build(self, tokenizer, prefixes)
+        return build_record(turn, tokenizer, prefixes)
 
-    monkeypatch.setattr(RecordBuilder, "build", fragile)
+    monkeypatch.setattr(measuring, "build_record", fragile)  # what the proxy's measuring worker builds with
     stack = make_stack(scrape_interval_s=0)
 
     async def go(content):

@@ -110,10 +110,10 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
     when the turn is measured, off the loop."""
     from faultkit import db_records
 
-    from specproxy.measure.builder import RecordBuilder
+    from specproxy.measure.turn_recorder import TurnRecorder
 
     takers: list[tuple[int, int]] = []
-    real_take = RecordBuilder.take_relayed
+    real_take = TurnRecorder.take_relayed
 
     def take_relayed(self):
         had = self.relayed is not None
@@ -121,7 +121,7 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
         if had:
             takers.append((threading.get_ident(), len(self.reads)))
 
-    monkeypatch.setattr(RecordBuilder, "take_relayed", take_relayed)
+    monkeypatch.setattr(TurnRecorder, "take_relayed", take_relayed)
     stack, fetch = body_after_head_stack(make_stack, tiktoken_tok, sse_body([f"a{i}" for i in range(20)]))
 
     async def go():

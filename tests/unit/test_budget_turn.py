@@ -1,4 +1,4 @@
-"""A turn under the process's memory budget (``RecordBuilder``'s side of it): what a refused charge, a
+"""A turn under the process's memory budget (``TurnRecorder``'s side of it): what a refused charge, a
 shed prompt or response and ``max_counted_bytes`` leave in the record, and that letting go gives back
 exactly what was charged. The process itself under load: tests/integration/test_memory_budget.py."""
 
@@ -8,8 +8,9 @@ import time
 
 import orjson
 
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
 from specproxy.measure.tokens import PromptCounts
+from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.wire import memory
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
@@ -38,8 +39,8 @@ class _Tok:
         return PromptCounts(total=5, system=0, tools=0, history=0, new=5)
 
 
-def _turn(body: bytes = BODY, *, take=None, max_counted=None, reads: int = 4) -> RecordBuilder:
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=1.0,
+def _turn(body: bytes = BODY, *, take=None, max_counted=None, reads: int = 4) -> TurnRecorder:
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=1.0,
                       take=take, body_charge=len(body), max_counted=max_counted)
     b.on_headers(1.1, 200, "text/event-stream")
     for i in range(reads):
@@ -55,25 +56,25 @@ def test_a_read_the_budget_refuses_ends_keeping_for_that_turn():
     answers = iter([True, True, False, True, True])
     b = _turn(take=lambda n, small: next(answers))
     assert len(b.reads) == 2 and b.budget_capped
-    rec = b.build(None)
+    rec = build_record(b, None)
     assert rec.measure_capped and rec.measure_capped_reason == "response_memory_budget"
     assert rec.chunks == 2 and rec.request_bytes == len(BODY)
 
 
 def test_the_per_turn_cap_says_so_apart_from_the_budget():
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=BODY, t_wall=time.time(), t_request=1.0,
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=BODY, t_wall=time.time(), t_request=1.0,
                       max_bytes=len(EVENT))
     b.on_headers(1.1, 200, "text/event-stream")
     b.on_bytes(EVENT, 1.2, 1.2)
     b.on_bytes(EVENT, 1.3, 1.3)
     b.finish(1.4)
-    rec = b.build(None)
+    rec = build_record(b, None)
     assert rec.measure_capped_reason == "response_over_max_measured_bytes"
 
 
 def test_a_whole_turn_says_nothing():
     tok = _Tok()
-    rec = _turn().build(tok)
+    rec = build_record(_turn(), tok)
     assert not rec.measure_capped and rec.measure_capped_reason is None
     assert rec.prompt_tokens == 5 and rec.completion_tokens == 8 and tok.prompts == 1
 
@@ -92,7 +93,7 @@ def test_a_shed_prompt_is_not_counted_and_its_charge_comes_back():
     b = _turn(take=_charging)
     assert b.charged() == len(BODY) + 4 * len(EVENT) + len(b"data: [DONE]\n\n")
     assert b.shed_prompt() == len(BODY) and b.body == b""
-    rec = b.build(tok)
+    rec = build_record(b, tok)
     assert tok.prompts == 0 and rec.prompt_tokens is None and rec.model is None
     assert rec.request_bytes == len(BODY)  # the size it had: forwarded whole
     assert rec.completion_tokens == 8  # the response is measured
@@ -104,7 +105,7 @@ def test_a_shed_response_is_not_read_as_zero_tokens():
     tok = _Tok()
     b = _turn(take=_charging)
     assert b.shed_response() == 4 * len(EVENT) + len(b"data: [DONE]\n\n")
-    rec = b.build(tok)
+    rec = build_record(b, tok)
     assert rec.completion_tokens is None and rec.prompt_tokens == 5 and rec.model == "m"
     assert rec.measure_capped_reason == "response_memory_budget"
     assert b.let_go() == len(BODY)
@@ -112,12 +113,12 @@ def test_a_shed_response_is_not_read_as_zero_tokens():
 
 def test_max_counted_bytes_bounds_the_tokenizer_work_of_one_turn():
     tok = _Tok()
-    rec = _turn(max_counted=len(BODY) - 1).build(tok)
+    rec = build_record(_turn(max_counted=len(BODY) - 1), tok)
     assert tok.prompts == 0 and rec.prompt_tokens is None
     assert rec.completion_tokens == 8  # 8 characters of completion: within the bound
     assert rec.measure_capped_reason == "prompt_over_max_counted_bytes" and rec.model == "m"
     assert not rec.request_parsed  # not parsed: a byte search found its model
-    rec = _turn(max_counted=7).build(_Tok())
+    rec = build_record(_turn(max_counted=7), _Tok())
     assert rec.completion_tokens is None and rec.prompt_tokens is None
     assert rec.measure_capped_reason == "prompt_over_max_counted_bytes,completion_over_max_counted_bytes"
 
@@ -159,9 +160,9 @@ def test_a_prompt_of_more_messages_than_are_counted_is_not_counted():
         return orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}] * n})
 
     tok = _Tok()
-    rec = _turn(body(MAX_COUNTED_ITEMS + 1)).build(tok)
+    rec = build_record(_turn(body(MAX_COUNTED_ITEMS + 1)), tok)
     assert tok.prompts == 0 and rec.prompt_tokens is None and rec.request_parsed and rec.model == "m"
     assert rec.measure_capped and rec.measure_capped_reason == "prompt_over_max_counted_items"
     assert rec.completion_tokens == 8  # the response is still counted
-    rec = _turn(body(MAX_COUNTED_ITEMS)).build(tok)
+    rec = build_record(_turn(body(MAX_COUNTED_ITEMS)), tok)
     assert tok.prompts == 1 and rec.prompt_tokens == 5 and rec.measure_capped_reason is None

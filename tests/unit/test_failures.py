@@ -11,10 +11,11 @@ import time
 import pytest
 
 from specproxy.app.fake_upstream import LLAMA3_STYLE_TEMPLATE
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
 from specproxy.measure.failures import FAILURES, Failures
 from specproxy.measure.openai import split_prompt
 from specproxy.measure.tokens import load_tokenizer
+from specproxy.measure.turn_recorder import TurnRecorder
 
 SECRET = "sk-secret-0123456789"
 CHAT = {"model": "m", "messages": [
@@ -64,14 +65,14 @@ class _PromptRaises:
 
 
 def test_a_prompt_count_that_raises_leaves_the_prompt_null_counted_and_logged_without_text(tiktoken_tok, caplog):
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=json.dumps(CHAT).encode(),
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=json.dumps(CHAT).encode(),
                       t_wall=time.time(), t_request=1.0)
     b.on_headers(1.1, 200, "text/event-stream")
     b.on_bytes(SSE, 1.2, 1.2)
     b.finish(1.3)
     before = FAILURES.counts().get("counting the prompt failed, its figures null (ValueError)", 0)
     with caplog.at_level(logging.WARNING, logger="specproxy.measure"):
-        rec = b.build(_PromptRaises(tiktoken_tok))
+        rec = build_record(b, _PromptRaises(tiktoken_tok))
     assert rec.prompt_tokens is None and rec.prompt_new_tokens is None
     assert rec.completion_tokens == tiktoken_tok.count("hello there") and rec.outcome == "ok"
     assert FAILURES.counts()["counting the prompt failed, its figures null (ValueError)"] == before + 1

@@ -10,16 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budget import examples
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
 from specproxy.measure.texts import object_of_key
+from specproxy.measure.turn_recorder import TurnRecorder
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 34, "total_tokens": 46,
          "prompt_tokens_details": {"cached_tokens": 8}}
 
 
-def _turn(body: bytes, max_counted: int) -> RecordBuilder:
+def _turn(body: bytes, max_counted: int) -> TurnRecorder:
     req = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=req, t_wall=1.0, t_request=0.5,
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=req, t_wall=1.0, t_request=0.5,
                       max_counted=max_counted)
     b.on_headers(0.6, 200, "application/json")
     for i in range(0, len(body), 1000):
@@ -39,13 +40,13 @@ def _answer(text: str) -> bytes:
 def test_a_body_over_the_limit_is_read_for_its_accounting_only(text, tiktoken_tok):
     body = _answer(text)
     tok = tiktoken_tok
-    over = _turn(body, max_counted=len(body) - 1).build(tok)
+    over = build_record(_turn(body, max_counted=len(body) - 1), tok)
     assert "response_over_max_counted_bytes" in over.measure_capped_reason and over.measure_capped
     assert over.completion_tokens is None and over.content_class is None  # unknown, not zero
     assert (over.usage_prompt_tokens, over.usage_completion_tokens, over.usage_cached_tokens) == (12, 34, 8)
     assert over.ttft_s == pytest.approx(whole_ttft(body)) and over.outcome == "ok"
 
-    within = _turn(body, max_counted=len(body)).build(tok)  # at the limit: parsed as ever
+    within = build_record(_turn(body, max_counted=len(body)), tok)  # at the limit: parsed as ever
     assert within.measure_capped_reason is None and within.completion_tokens > 0
     assert (within.usage_prompt_tokens, within.usage_completion_tokens) == (12, 34)
     assert within.ttft_s == over.ttft_s

@@ -1,6 +1,6 @@
 """The chat stream's native reader gives exactly the reference's result (a differential test).
 
-``RecordBuilder.build`` reads a chat stream with ``Api.read_stream``: the native reader
+``TurnRecorder.build`` reads a chat stream with ``Api.read_stream``: the native reader
 (``fast_texts.read_chat_stream``: runs of chunks read by a template of a plain content chunk in C, every
 other event by ``read_chunk``) where it is built and the stream has its shape, else the reference;
 ``_build(fast=False)`` uses the reference alone (the SSE decoder and ``read_chunk`` per event). On
@@ -21,11 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budget import examples
+from specproxy.frames.chunked import dechunk_reads
 from specproxy.measure import fast_texts
 from specproxy.measure import texts as texts_mod
-from specproxy.frames.chunked import dechunk_reads
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, StreamTiming
+from specproxy.measure.turn_recorder import TurnRecorder
 from measurekit import builder, counting_loads, needs_native, read_chat, read_native
 from readsplit import split
 
@@ -154,17 +155,17 @@ def frame(payload: bytes, sizes: list[int]) -> bytes:
     return bytes(out) + b"0\r\nX-T: 1\r\n\r\n"
 
 
-def _equal_to_reference(tok, b: RecordBuilder, payload: list[bytes]) -> None:
+def _equal_to_reference(tok, b: TurnRecorder, payload: list[bytes]) -> None:
     """The native reader (when built and the stream has its shape) and the builder's reading equal the
     reference, in Texts, in the Record and in what the per-chunk metrics get."""
     ref = texts_mod.stream_texts_reference(list(payload), b.read_times)
-    ref_record = b._build(tok, fast=False)
+    ref_record = build_record(b, tok, fast=False)
     ref_timing = b.timing
     if fast_texts.C_BUILT:
         native = read_native(list(payload), b.read_times)
         assert native is None or native == ref
     assert read_chat(list(payload), b.read_times) == ref
-    assert b._build(tok, fast=True) == ref_record
+    assert build_record(b, tok, fast=True) == ref_record
     assert b.timing == ref_timing
 
 
@@ -274,8 +275,8 @@ def test_template_stream_is_fast_and_equal(tiktoken_tok):
     assert fast is not None and fast == texts_mod.stream_texts_reference(b.reads, b.read_times)
     assert fast.texts[(0, "content")].startswith("Hello wörld 日本 🚀 \n x\"y\xa0 end")
     assert fast.chunks == 40 and fast.finish_reason == "stop" and fast.saw_done
-    ref_record = b._build(tiktoken_tok, fast=False)  # first: the fast build consumes the reads
-    assert b._build(tiktoken_tok, fast=True) == ref_record
+    ref_record = build_record(b, tiktoken_tok, fast=False)  # first: the fast build consumes the reads
+    assert build_record(b, tiktoken_tok, fast=True) == ref_record
 
 
 @needs_native
@@ -291,7 +292,7 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
     reads = split(framed, list(range(0, len(framed), 23)), empty_reads=True)
     chunked = builder(reads, True)
     plain = builder(list(dechunk_reads(reads)), False)
-    a, b = chunked.build(tiktoken_tok), plain.build(tiktoken_tok)
+    a, b = build_record(chunked, tiktoken_tok), build_record(plain, tiktoken_tok)
     assert a.response_bytes == len(events) + len(b"data: [DONE]\n\n")
     fields = [f for f in a.__dataclass_fields__ if f != "id"]
     assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
@@ -300,7 +301,7 @@ def test_chunked_record_matches_the_unframed_one(tiktoken_tok):
 
 def test_malformed_chunked_framing_sets_an_error(tiktoken_tok):
     reads = [b"10\r\ndata: {\"choices\"\r\n", b"zz\r\n"]
-    rec = builder(reads, True).build(tiktoken_tok)
+    rec = build_record(builder(reads, True), tiktoken_tok)
     assert rec.error and "malformed chunked framing" in rec.error
 
 
@@ -372,9 +373,9 @@ def test_chunk_times_count_each_read_s_events_with_data():
     for stream, want in ((reads, StreamTiming(0.5, bucketed(b0_001=4, b1_28=4, b2_56=1), 6.0)),
                          (tail, StreamTiming(0.5, bucketed(b1_28=3), 3.0))):
         b = builder(stream, False)
-        b._build(None, fast=False)  # first: the fast build consumes the reads
+        build_record(b, None, fast=False)  # first: the fast build consumes the reads
         ref = b.timing
-        b._build(None, fast=True)
+        build_record(b, None, fast=True)
         assert b.timing == ref == want
 
 
@@ -411,9 +412,9 @@ def test_the_gaps_the_metrics_get_equal_the_reference_s(stream_times):
     exactly what the reference parse's chunk times bucketed by ``gap_buckets`` give."""
     reads, times = stream_times
     b = builder(reads, False, times)
-    b._build(None, fast=False)  # first: the fast build consumes the reads
+    build_record(b, None, fast=False)  # first: the fast build consumes the reads
     ref = b.timing
-    b._build(None, fast=True)
+    build_record(b, None, fast=True)
     fast = b.timing
     assert fast == ref
     chunks = sum(1 for e in b"".join(reads).split(b"\n\n") if len(e) > 6)  # events with data (not a bare "data: ")

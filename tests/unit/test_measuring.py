@@ -11,17 +11,18 @@ import time
 
 import pytest
 
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
+from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.serve.measuring import MAX_BATCH, MAX_DEFER_S, MeasuringWorker
 
 SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
 
 
-def _chat_turn(model: str, content: bytes | None = None) -> RecordBuilder:
+def _chat_turn(model: str, content: bytes | None = None) -> TurnRecorder:
     """A finished streamed chat turn whose request asks for ``model`` with no messages, or with one user
     message of ``content`` (a large one: a prompt measuring must parse)."""
     messages = b"[]" if content is None else b'[{"role":"user","content":"%s"}]' % content
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", t_wall=time.time(), t_request=1.0,
                       body=b'{"model":"%s","messages":%s}' % (model.encode(), messages))
     b.on_headers(1.1, 200, "text/event-stream")
     b.on_bytes(SSE, 1.2, 1.2)
@@ -29,20 +30,13 @@ def _chat_turn(model: str, content: bytes | None = None) -> RecordBuilder:
     return b
 
 
-def _turn(n: int) -> RecordBuilder:
+def _turn(n: int) -> TurnRecorder:
     return _chat_turn(f"m{n}")
 
 
 def _stored(builder, record) -> bool:
     """The store, for tests of when and how turns are built: it takes every record."""
     return True
-
-
-class _Broken(RecordBuilder):
-    __slots__ = ()
-
-    def build(self, tokenizer, prefixes=None):
-        raise ValueError("nobody foresaw this")
 
 
 class _Held(MeasuringWorker):
@@ -58,10 +52,20 @@ class _Held(MeasuringWorker):
         super()._run()
 
 
-def _run(n: int, activity, *, broken: int | None = None, first: type | None = None) -> tuple[list, MeasuringWorker]:
-    """Submit n turns at once; wait (bounded) until all came back on the loop."""
+def _run(n: int, activity, *, broken: int | None = None, first=None) -> tuple[list, MeasuringWorker]:
+    """Submit n turns at once; wait (bounded) until all came back on the loop. The turn numbered ``broken``
+    fails to build; the first is built by ``first`` (a build function) when given. The worker's
+    ``submitted`` lists the turns in order."""
     got: list = []
     done = asyncio.Event()
+    submitted: list[TurnRecorder] = []
+
+    def build(turn, tokenizer, prefixes):
+        if broken is not None and turn is submitted[broken]:
+            raise ValueError("nobody foresaw this")
+        if first is not None and turn is submitted[0]:
+            return first(turn, tokenizer, prefixes)
+        return build_record(turn, tokenizer, prefixes)
 
     def on_done(results):
         got.extend(results)
@@ -69,13 +73,10 @@ def _run(n: int, activity, *, broken: int | None = None, first: type | None = No
             done.set()
 
     async def go():
-        worker = _Held(None, activity, asyncio.get_running_loop(), on_done, store=_stored)
-        for i in range(n):
-            b = _turn(i)
-            if i == broken:
-                b.__class__ = _Broken
-            if i == 0 and first is not None:
-                b.__class__ = first
+        worker = _Held(None, activity, asyncio.get_running_loop(), on_done, store=_stored, build=build)
+        worker.submitted = submitted
+        submitted.extend(_turn(i) for i in range(n))
+        for i, b in enumerate(submitted):
             worker.submit(b, more_in_flight=i < n - 1)
         worker.held.set()
         await asyncio.wait_for(done.wait(), 30)
@@ -103,21 +104,18 @@ def test_a_burst_that_begins_during_a_build_goes_before_the_next_build():
     busy_until = [0.0]
     took = [0.0]
 
-    class _Waking(RecordBuilder):  # the relay starts a 5 ms burst as this turn's build ends
-        __slots__ = ()
-
-        def build(self, tokenizer, prefixes=None):
-            t0 = time.perf_counter()
-            built = super().build(tokenizer, prefixes)  # however long a loaded CPU makes this, the burst follows it
-            busy_until[0] = time.perf_counter() + 0.005
-            took[0] = busy_until[0] - 0.005 - t0
-            return built
+    def waking(turn, tokenizer, prefixes):  # the relay starts a 5 ms burst as this turn's build ends
+        t0 = time.perf_counter()
+        built = build_record(turn, tokenizer, prefixes)  # however long a loaded CPU makes this, the burst follows it
+        busy_until[0] = time.perf_counter() + 0.005
+        took[0] = busy_until[0] - 0.005 - t0
+        return built
 
     def activity() -> float:
         now = time.perf_counter()
         return now if now < busy_until[0] else 0.0
 
-    got, worker = _run(2, activity, first=_Waking)
+    got, worker = _run(2, activity, first=waking)
     assert len(got) == 2 and worker.batches == 1
     # it waited out the burst, within the batch's cap (which a build slowed by a loaded CPU eats into)
     waited_at_least = min(0.004, MAX_DEFER_S - took[0] - 0.001)
@@ -134,11 +132,11 @@ def test_a_backlog_is_built_without_waiting():
 
 
 def test_a_failing_build_comes_back_as_its_error():
-    got, _ = _run(4, lambda: 0.0, broken=2)
+    got, worker = _run(4, lambda: 0.0, broken=2)
     errors = [(b, exc) for b, rec, exc, _ in got if exc is not None]
     assert len(got) == 4 and len(errors) == 1
     builder, record, exc, _ = next(r for r in got if r[2] is not None)
-    assert isinstance(exc, ValueError) and isinstance(builder, _Broken)
+    assert isinstance(exc, ValueError) and builder is worker.submitted[2]
     # the turn's row, made by the measuring thread, whose bytes it then let go of
     assert record.outcome == "proxy_error" and "measuring failed: ValueError" in record.error
     assert record.response_bytes == len(SSE) and record.request_bytes == len(b'{"model":"m2","messages":[]}')
@@ -198,16 +196,16 @@ def test_stop_builds_what_is_queued(n):
 
 @pytest.mark.parametrize(("delays", "median"), [([0.003, 0.001, 0.010], 0.003), ([0.003, 0.001, 0.002, 0.010], 0.0025)])
 def test_proxy_delay_is_the_median_of_each_reads_write_minus_read(delays, median):
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b"{}", t_wall=time.time(), t_request=1.0)
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=b"{}", t_wall=time.time(), t_request=1.0)
     b.on_headers(1.1, 200, "text/event-stream")
     for i, d in enumerate(delays):
         b.on_bytes(SSE if i == 0 else b"", 2.0 + i, 2.0 + i + d)
     b.finish(9.0)
-    assert b.build(None).proxy_delay_s == pytest.approx(median)
+    assert build_record(b, None).proxy_delay_s == pytest.approx(median)
 
 
-def _json_turn(body: bytes, encoding: str = "", status: int = 200) -> RecordBuilder:
-    b = RecordBuilder(method="POST", path="/v1/chat/completions", body=b'{"messages":[]}', t_wall=time.time(),
+def _json_turn(body: bytes, encoding: str = "", status: int = 200) -> TurnRecorder:
+    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=b'{"messages":[]}', t_wall=time.time(),
                       t_request=1.0)
     b.on_headers(1.1, status, "application/json", encoding)
     b.on_bytes(body, 1.2, 1.2)
@@ -227,7 +225,7 @@ EMPTY_ANSWER = b'{"choices":[{"index":0,"message":{"role":"assistant","content":
 def test_a_2xx_body_that_cannot_be_read_has_null_tokens_not_zero(tiktoken_tok, body, encoding, why):
     """Null, never 0: a successful status whose body could not be read says nothing about its tokens.
     The row says why, and still counts as forwarded (its outcome stays ok: the client got the bytes)."""
-    rec = _json_turn(body, encoding).build(tiktoken_tok)
+    rec = build_record(_json_turn(body, encoding), tiktoken_tok)
     assert rec.completion_tokens is None and rec.content_tokens is None
     assert rec.error == why and rec.outcome == "ok" and rec.response_bytes == len(body)
 
@@ -236,13 +234,13 @@ def test_a_2xx_body_that_cannot_be_read_has_null_tokens_not_zero(tiktoken_tok, b
 def test_a_2xx_answer_read_with_no_text_has_zero_tokens(tiktoken_tok, encoding):
     """The other side of the rule: an answer that was read and holds no text is truly zero tokens."""
     body = gzip.compress(EMPTY_ANSWER) if encoding else EMPTY_ANSWER
-    rec = _json_turn(body, encoding).build(tiktoken_tok)
+    rec = build_record(_json_turn(body, encoding), tiktoken_tok)
     assert rec.completion_tokens == 0 and rec.error is None
 
 
 def test_an_error_status_whose_body_is_not_json_keeps_its_own_error_line(tiktoken_tok):
     """A 502 HTML page is an upstream error; that its body is not JSON adds nothing to say."""
-    rec = _json_turn(b"<html>bad gateway</html>", status=502).build(tiktoken_tok)
+    rec = build_record(_json_turn(b"<html>bad gateway</html>", status=502), tiktoken_tok)
     assert rec.outcome == "upstream_error" and rec.completion_tokens is None and rec.error is None
 
 

@@ -23,6 +23,7 @@ from budget import examples
 from measurekit import builder
 from specproxy.app.fake_upstream import Script
 from specproxy.measure import fast_texts
+from specproxy.measure.build import build_record
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, gap_buckets
 from specproxy.measure.texts import Texts
 
@@ -144,9 +145,9 @@ def test_a_builder_reads_a_chat_stream_natively_and_as_the_reference_does(monkey
     events = [b'data: {"choices":[{"index":0,"delta":{"content":" w%d"}}]}\n\n' % i for i in range(30)]
     reads = [b"%x\r\n%b\r\n" % (len(e), e) for e in [*events, b"data: [DONE]\n\n"]] + [b"0\r\n\r\n"]
     runs = _Runs(monkeypatch)
-    native = builder(reads, True).build(tiktoken_tok)
+    native = build_record(builder(reads, True), tiktoken_tok)
     assert runs.take() > 0
-    reference = builder(reads, True)._build(tiktoken_tok, fast=False)
+    reference = build_record(builder(reads, True), tiktoken_tok, fast=False)
     assert runs.take() == 0
     fields = [f for f in native.__dataclass_fields__ if f != "id"]
     assert [getattr(native, f) for f in fields] == [getattr(reference, f) for f in fields]

@@ -14,7 +14,8 @@ import hashlib
 import orjson
 import pytest
 
-from specproxy.measure.builder import RecordBuilder
+from specproxy.measure.build import build_record
+from specproxy.measure.turn_recorder import TurnRecorder
 
 TOOLS = {"chat": [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("lookup", "grep", "edit")],
          "messages": [{"name": n, "input_schema": {}} for n in ("lookup", "grep", "edit")],
@@ -33,13 +34,13 @@ def request(api: str) -> bytes:
 
 def build(api: str, reads: list[bytes], *, streamed: bool, chunked: bool = False, fast: bool = True,
           store_text: bool = True, body: bytes | None = None):
-    b = RecordBuilder(method="POST", path=PATHS[api], body=request(api) if body is None else body, t_wall=1.0,
+    b = TurnRecorder(method="POST", path=PATHS[api], body=request(api) if body is None else body, t_wall=1.0,
                       t_request=0.5, store_text=store_text)
     b.on_headers(0.6, 200, "text/event-stream" if streamed else "application/json", chunked=chunked)
     for i, r in enumerate(reads):
         b.on_bytes(r, 1.0 + i, 1.0 + i)
     b.finish(2.0 + len(reads))
-    return b._build(None, fast=fast)
+    return build_record(b, None, fast=fast)
 
 
 def called(rec) -> list[str] | None:
@@ -181,9 +182,9 @@ def test_no_call_is_zero_and_an_unread_answer_is_unknown():
     assert (text.tools_defined, text.tools_called, called(text)) == (3, 0, [])
     cut = build("chat", [b'{"choices": [{"message": {"tool_calls": [{"function": {"name": "gr'], streamed=False)
     assert cut.tools_called is None and orjson.loads(cut.tool_names) == {"defined": ["lookup", "grep", "edit"]}
-    b = RecordBuilder(method="POST", path=PATHS["chat"], body=request("chat"), t_wall=1.0, t_request=0.5)
+    b = TurnRecorder(method="POST", path=PATHS["chat"], body=request("chat"), t_wall=1.0, t_request=0.5)
     b.fail(1.0, "upstream_unreachable", 502, "connection refused")
-    failed = b.build(None)
+    failed = build_record(b, None)
     assert (failed.tools_defined, failed.tools_called) == (3, None)
     unread = build("chat", [CHAT_STREAM], streamed=True, body=b"{not json")
     assert (unread.tools_defined, unread.tools_called) == (None, 2)
