@@ -1,6 +1,6 @@
 """The chat stream's native reader gives exactly the reference's result (a differential test).
 
-``TurnRecorder.build`` reads a chat stream with ``Api.read_stream``: the native reader
+``build_record`` reads a chat stream with ``Api.read_stream``: the native reader
 (``fast_texts.read_chat_stream``: runs of chunks read by a template of a plain content chunk in C, every
 other event by ``read_chunk``) where it is built and the stream has its shape, else the reference;
 ``_build(fast=False)`` uses the reference alone (the SSE decoder and ``read_chunk`` per event). On
