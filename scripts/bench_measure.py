@@ -19,7 +19,7 @@ Printed, in µs per chunk (an SSE event read; median over the repeats of the mea
 the range of the repeats): ``build`` (what the proxy runs: the framing joined and the stream read by
 the chat stream's native reader, ``specproxy.frames._scanc``, where built), its parts (``C join +
 native read``, and the rest: request parse, token counting, the Record), the reference build
-(``_build(fast=False)``) and the reference's parts (``dechunk``, ``reference stream_texts``), measured in
+(``build_record(turn, tok, fast=False)``) and the reference's parts (``dechunk``, ``reference stream_texts``), measured in
 the same run. Every figure is the timing thread's CPU time (``time.thread_time``), not the wall clock.
 
 ``--beside-relay`` times the build again, alternating with the build alone, beside a process on the same
@@ -176,7 +176,7 @@ def time_native(turns: list[TurnRecorder]) -> float:
 def time_builds(turns: list[TurnRecorder], tok, fast: bool) -> float:
     """Seconds over all turns for their builds, each of the whole turn as the measuring thread builds it
     (each compared with its session's previous turn: ``PrefixTracker``): the build consumes its turn's
-    reads (``_build(fast=True)`` lets go of each as it joins them), so each gets them back first, untimed."""
+    reads (``build_record`` lets go of each as it joins them), so each gets them back first, untimed."""
     took = 0.0
     prefixes = PrefixTracker()
     for b in turns:
