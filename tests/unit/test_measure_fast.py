@@ -4,8 +4,7 @@
 (``fast_texts.read_chat_stream``: runs of chunks read by a template of a plain content chunk in C, every
 other event by ``read_chunk``) where it is built and the stream has its shape, else the reference;
 ``build_record(turn, tok, fast=False)`` uses the reference alone (the SSE decoder and ``read_chunk`` per
-event). On
-random streams of many shapes, split at random read boundaries and optionally sent with HTTP/1.1
+event). On random streams of many shapes, split at random read boundaries and optionally sent with HTTP/1.1
 chunked framing, both must give equal Texts and Records; ``template_stream`` makes streams of mostly
 one chunk shape, so that runs are long and meet every kind of body and deviation. What the native
 reader must not do (parse, derive templates or look at events more than it needs to) is checked in
