@@ -98,9 +98,10 @@ def which_to_read(concurrency_median: float | None) -> str | None:
     """"per-stream" when the median concurrency is <= 4, else "aggregate"; None without data.
 
     Threshold 4: a single user's chat client plus an agent or two sits at 1-4; there the wall
-    clock of an aggregate figure is mostly gaps between requests (the field note's 0.91x that
-    was really 1.42x per stream), and what a user feels is per-stream speed. Above it the card is
-    shared and total output matters. Use the median of ``concurrency``, never a configured max.
+    clock of an aggregate figure is mostly gaps between requests (a change that read 0.91x in
+    aggregate was 1.42x per stream, in one measured case), and what a user feels is per-stream
+    speed. Above it the card is shared and total output matters. Use the median of
+    ``concurrency``, never a configured max.
     """
     if missing(concurrency_median):
         return None

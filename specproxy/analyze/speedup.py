@@ -9,7 +9,7 @@ is 1.07x, which nobody can feel. These functions make that arithmetic explicit, 
 * ``measured="before"``: the times were measured before the change (planning: "what would an s-
   times faster decode buy?"): ``(ttft + decode) / (ttft + decode / s)``.
 * ``measured="after"``: the times were measured after a change that made decode s times faster
-  (the field note): ``(ttft + decode * s) / (ttft + decode)``.
+  (a before/after comparison read from the new runs): ``(ttft + decode * s) / (ttft + decode)``.
 
 Both say the same thing: with before-times (t, d*s) and after-times (t, d), they are equal.
 """

@@ -2,9 +2,10 @@
 
 Why: specproxy's own numbers are what users receive; the server's counters say what the engine
 did (emitted tokens, drafts, accepted drafts, requests running). Put side by side they explain
-gaps like the field note's 40.7 / 29.4 / 27.8 tok/s, give MAL from the counters, and give the
-operating point from ``num_requests_running``. And because restarts change results (docs/metrics.md:
-"Restarts count"), every scrape carries the ``instance_id`` of the process that produced it.
+gaps like a server logging 40.7 tok/s while 29.4 are accepted and 27.8 delivered, give MAL from
+the counters, and give the operating point from ``num_requests_running``. And because restarts
+change results (docs/metrics.md: "Restarts count"), every scrape carries the ``instance_id`` of the
+process that produced it.
 
 This module is the ``Scraper`` poller; ``specproxy.observe.instance`` tells server processes apart.
 Parsing and the arithmetic are pure and live in ``specproxy.observe.server_metrics``; the names a

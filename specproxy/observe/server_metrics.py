@@ -1,8 +1,8 @@
 """What an inference server's own Prometheus counters say, as plain data (sans-I/O).
 
 Why this module exists: a server's throughput figure and the tokens a user receives are
-different quantities (the field note: 40.7 tok/s in the server log, 29.4 from the accepted
-counter, 27.8 delivered). specproxy measures the delivered side itself; this module reads the
+different quantities (in one measured case: 40.7 tok/s in the server's log, 29.4 from its accepted-token
+counter, 27.8 delivered to the client). specproxy measures the delivered side itself; this module reads the
 *server's* side so the two can be put next to each other and the mean acceptance length (MAL)
 can be taken from the server's counters, as docs/metrics.md asks. Everything here is pure: text in,
 frozen values out. The I/O (polling, instance identity) lives in ``specproxy.observe.scrape``.

@@ -36,9 +36,9 @@ PROMISE = 0.07
 def arm(shape: str, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """Decode speeds of one arm in ``k`` instances: each instance's effect times 15% turn-to-turn noise.
 
-    restarts 10% / 30%: lognormal instance effects with that SD of the log (the field notes' 15-19% run to
-    run); one instance 2.3x: every instance within 5% but one, chosen at random, 2.3x faster (the issue's
-    machine that got quieter)."""
+    restarts 10% / 30%: lognormal instance effects with that SD of the log (a 15-19% run-to-run
+    spread is typical of inference benchmarks); one instance 2.3x: every instance within 5% but one,
+    chosen at random, 2.3x faster (a machine that got quieter)."""
     labels = np.repeat(np.arange(k), PER_INSTANCE)
     if shape == "one instance 2.3x":
         effect = np.exp(rng.normal(0.0, 0.05, k))

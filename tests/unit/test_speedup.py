@@ -1,4 +1,4 @@
-"""Tests for specproxy.analyze.speedup: the field note's numbers, both forms, the inverse, the edges."""
+"""Tests for specproxy.analyze.speedup: a worked example's numbers, both forms, the inverse, the edges."""
 
 import math
 
@@ -9,7 +9,8 @@ from specproxy.analyze.speedup import (
     DEFAULT_SPEEDUPS, required_decode_speedup, ttft_share, whole_turn_speedup, window_speedups,
 )
 
-# The field note: 377 tokens in 10.003 s of decode after 6.084 s to the first token (16.087 s).
+# A worked example (the turn in speedup.py's docstring): 377 tokens in 10.003 s of decode after
+# 6.084 s to the first token (16.087 s).
 TTFT, DECODE = 6.084, 10.003
 
 

@@ -2,7 +2,7 @@
 
 Every simulation is seeded and vectorised where it can be; the measured rates are printed
 (run with -s to see them) so a change in calibration shows up as numbers, not only as a failure.
-Noise model: lognormal with 15% coefficient of variation, the run-to-run spread in the field notes.
+Noise model: lognormal with 15% coefficient of variation, a typical run-to-run spread of inference benchmarks.
 """
 
 import json
