@@ -58,9 +58,9 @@ hex4(const unsigned char *p)
 /* join_frames(reads, chunked, let_go=None): the body's payload as one bytes, with where each read's
    payload ends. It consumes the list: each read is let go of as soon as it is copied, and let_go() (the
    process's way to give freed heap pages back to the system) is called after every LET_GO_BYTES of them,
-   so one large response costs its size about once while it is joined (issue 32, "Memory"), not twice. A first pass over the framing
-   finds the payload's exact size and refuses malformed framing (None, the list untouched: the reference
-   says what is wrong); the second copies. Unframed reads (chunked false) are joined as they are. */
+   so one large response costs its size about once while it is joined, not twice (docs/operations.md,
+   "Memory"). A first pass over the framing finds the payload's exact size and refuses malformed framing
+   (None, the list untouched: the reference says what is wrong); the second copies. Unframed reads (chunked false) are joined as they are. */
 
 #define LET_GO_BYTES (16 << 20)
 

@@ -247,8 +247,8 @@ Turn_dealloc(TurnObject *self)
 
 /* A turn the thread is done with hands its reads over from the last to the first, giving each stretch
    of TAKE_SHRINK_BYTES of its buffer back as soon as it is copied: one large response then costs its size
-   once, not twice, while it changes hands (issue 32's "peak RSS of one large turn within about 1.5x what
-   it keeps"). A realloc that shrinks a buffer of that size unmaps its tail (glibc mremap). */
+   once, not twice, while it changes hands (a large turn's peak RSS stays within about 1.5x what it
+   keeps: docs/operations.md, "Memory"). A realloc that shrinks a buffer of that size unmaps its tail (glibc mremap). */
 #define TAKE_SHRINK_BYTES (8u << 20)
 
 static int
