@@ -55,12 +55,14 @@ _READY = re.compile(r"forwarding http://127\.0\.0\.1:(\d+) ->")
 class ServeProcess:
     """``python -m specproxy.app.cli serve`` with stderr in a file (to read its logs afterwards)."""
 
-    def __init__(self, tmp: Path, upstream: str, db: Path, *args: str, env: dict | None = None, name: str = "serve"):
+    def __init__(self, tmp: Path, upstream: str, db: Path, *args: str, env: dict | None = None, name: str = "serve",
+                 wrap: tuple[str, ...] = ()):
+        """``wrap``: a command that runs serve (``setpriv ...``, say), put before it."""
         self.log_path = tmp / f"{name}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env = {k: v for k, v in full_env.items() if not k.startswith("SPECPROXY_") or k in (env or {})}
-        cmd = [sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
+        cmd = [*wrap, sys.executable, "-m", "specproxy.app.cli", "serve", "--upstream", upstream, "--port", "0",
                "--db", str(db), "--scrape-interval", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, env=full_env, cwd=ROOT)
         self.port = int(wait_until(self._ready_port, 30, 0.02, "specproxy serve to listen"))

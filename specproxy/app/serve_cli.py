@@ -132,6 +132,9 @@ def pages_line(cfg: Config, url: str) -> str:
           type=click.Choice(RELAY_MODES))
 @setting("--relay-slice-us", "relay_slice_us",
           "The relay thread's scheduler slice in microseconds (Linux >= 6.12); 0 = the kernel's default", type=int)
+@setting("--relay-nice", "relay_nice",
+          "The relay thread's nice value, -20 to 0, where the process may lower it (CAP_SYS_NICE, RLIMIT_NICE); "
+          "0 = the process's", type=int)
 @setting("--lane/--no-lane", "lane",
           "Read plainly well-formed requests with the proxy's own reader; --no-lane: aiohttp's server for all")
 @setting("--slo", "slo",

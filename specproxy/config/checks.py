@@ -133,6 +133,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("admin_token must be at least 16 characters (e.g. the output of `openssl rand -hex 16`)")
     if cfg.relay_slice_us < 0:
         raise ConfigError("relay_slice_us must be >= 0 (0 keeps the kernel's default)")
+    if not -20 <= cfg.relay_nice <= 0:
+        raise ConfigError("relay_nice must be -20 to 0 (0 keeps the process's nice value)")
     if cfg.proxy_name is not None and not (0 < len(cfg.proxy_name) <= 100 and cfg.proxy_name.isprintable()):
         raise ConfigError(f"proxy_name {cfg.proxy_name!r} must be 1 to 100 printable characters")
     for url in cfg.sinks:

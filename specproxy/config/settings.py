@@ -136,6 +136,12 @@ class Config:
     """The relay thread's scheduler slice in microseconds (Linux >= 6.12 honours it; older kernels ignore
     it): a short one lets a token's read preempt Python at once instead of waiting out its slice. 0 keeps
     the kernel's default. Applied when the thread starts (the first relayed body of the process)."""
+    relay_nice: int = -10
+    """The relay thread's nice value, -20 to 0, where the process may lower one (``CAP_SYS_NICE``, as root
+    has, or an ``RLIMIT_NICE`` that allows it: systemd's ``LimitNICE=``); elsewhere it keeps the process's.
+    A lower one lets the relay win its core from Python's threads when a decode step's tokens and the
+    turns it ended come at once, instead of waiting for them; it stays an ordinary task, sharing the core
+    with everything else by weight. 0 leaves the process's value. Applied when the thread starts."""
     lane: bool = True
     """Read plainly well-formed requests with the proxy's own lean request reader, handing every other to
     aiohttp's server; off sends every connection to aiohttp's server (more CPU per request; for

@@ -149,6 +149,7 @@ class Proxy:
         pool = self._pool = UpstreamPool(self.upstream, connect_timeout_s=self.cfg.connect_timeout_s,
                                          idle_timeout_s=self.cfg.idle_timeout_s, relay=self.cfg.relay,
                                          relay_slice_us=self.cfg.relay_slice_us,
+                                         relay_nice=self.cfg.relay_nice,
                                          reuse=self.cfg.upstream_reuse != "off",
                                          send_timeout_s=self.cfg.send_timeout_s)
         self._measurer = MeasuringWorker(self.tokenizer, pool.activity, asyncio.get_running_loop(),

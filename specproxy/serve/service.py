@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from specproxy.wire.cadence_poll import CadenceGate, cpu_quota, poll_stats
+from specproxy.wire.relay_thread import relay_nice
 from specproxy import __version__
 from specproxy.config import Config, parse_slo
 from specproxy.errors import SpecproxyError
@@ -379,6 +380,7 @@ class Service:
             "measure_failures": FAILURES.total(),  # figures left null by a step that failed (logged per cause)
             "gc_frozen": gc.get_freeze_count(),  # objects start-up left that collections skip (settle_heap)
             **poll_stats(),  # the relay thread's cadence poll: windows, tokens caught in one, seconds spent
+            "relay_nice": relay_nice(),  # the relay thread's nice value: Config relay_nice where it may be lowered
         }
 
     def log_state(self) -> asyncio.Future:

@@ -328,6 +328,7 @@ struct pump_sched_attr {
 };
 
 static long pump_slice_us; /* set by pump_start_locked, before the thread starts */
+static int pump_nice;      /* likewise: the nice value the thread asks for; 0 leaves its own */
 
 static void
 pump_short_slice(void)
@@ -346,10 +347,34 @@ pump_short_slice(void)
 #endif
 }
 
+/* A higher weight for the relay thread than Python's: nice relay_nice (-10 by default; Config's relay_nice),
+   where the process may lower a nice value (CAP_SYS_NICE, as root has, or an RLIMIT_NICE that allows it).
+   Why: a decode step brings every stream's token at once, and the event loop's work for the turns that step
+   ended and began comes in the same moments; at equal weight the relay, even with its short slice, waited
+   for the loop there (p99 1-2.6 ms in a scheduler trace at C = 256), and the tokens at a step's end (a new
+   turn's first among them: a server appends new requests to its batch) waited with it. With the weight the
+   relay wins the core when both want it, and stays an ordinary task: the kernel's own deferred network
+   work and every other process keep their share (real-time priority did not: docs/performance.md,
+   "Design figures"). Without the privilege the call fails and the thread keeps the process's nice value.
+   Linux's nice is per thread: Python's threads keep theirs. Set before the slice, which keeps it. Returns
+   the thread's nice value then. */
+static int
+pump_weight(void)
+{
+    errno = 0;
+    int nice = getpriority(PRIO_PROCESS, 0); /* this thread's; -1 may be a nice value */
+    if (nice == -1 && errno != 0)
+        return 0;
+    if (pump_nice < 0 && pump_nice < nice && setpriority(PRIO_PROCESS, 0, pump_nice) == 0)
+        return pump_nice;
+    return nice;
+}
+
 static void *
 pump_main(void *arg)
 {
     pthread_setname_np(pthread_self(), "specproxy-relay"); /* what top -H and /proc/.../comm show */
+    __atomic_store_n(&pump_g.nice, pump_weight(), __ATOMIC_RELAXED);
     pump_short_slice();
     struct epoll_event evs[MAX_EVENTS];
     for (;;) {
@@ -417,9 +442,10 @@ pump_after_fork_in_child(void)
     cadence_forget(&pump_g.cad);
 }
 
-/* start the thread once per process, with a scheduler slice of slice_us; call with pump_g.mu held */
+/* start the thread once per process, with a scheduler slice of slice_us and the nice value nice (pump_weight;
+   0 leaves the process's); call with pump_g.mu held */
 int
-pump_start_locked(long slice_us)
+pump_start_locked(long slice_us, int nice)
 {
     if (pump_g.started)
         return 0;
@@ -440,6 +466,7 @@ pump_start_locked(long slice_us)
     pump_g.wakefd = wakefd;
     pump_g.cancelled = NULL;
     pump_slice_us = slice_us;
+    pump_nice = nice;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);

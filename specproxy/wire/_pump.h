@@ -60,6 +60,7 @@ typedef struct turn {
 typedef struct sink {
     int efd;       /* eventfd: written when done goes from empty to not */
     long slice_us; /* the thread's scheduler slice, if this sink's turn starts it (Sink(slice_us)) */
+    int nice;      /* the nice value it asks for, likewise (Sink(nice); 0: the process's) */
     turn *done; /* ended by the thread, not yet returned by Sink.done() (holds the thread's refs) */
     int refs;   /* Python's object and each turn: under g.mu */
 } sink;
@@ -79,6 +80,7 @@ struct pump_globals {
     cadence cad; /* the server's clock, as the thread's reads see it (the thread's alone) */
     long long poll_windows, poll_hits; /* windows polled, and those in which something arrived (atomic) */
     long long poll_ns;                 /* time spent polling (atomic) */
+    int nice;                          /* the thread's nice value, once it runs (atomic; _pump.c) */
     long long mem_used;  /* bytes charged to the process's memory budget (atomic; both sides take and give) */
     long long mem_limit; /* the budget's share for large turns; <= 0: none (atomic: set by Python) */
     long long mem_full;  /* the whole budget, for small ones; <= 0: none */
@@ -108,7 +110,7 @@ PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu
 PUMP_HIDDEN void pump_turn_release(turn *t);           /* callers hold pump_g.mu */
 PUMP_HIDDEN int pump_watch(turn *t, int client, int on); /* callers hold t->mu */
 PUMP_HIDDEN void pump_unwatch(turn *t);                /* callers hold t->mu; closes the dups */
-PUMP_HIDDEN int pump_start_locked(long slice_us);      /* callers hold pump_g.mu */
+PUMP_HIDDEN int pump_start_locked(long slice_us, int nice); /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_after_fork_in_child(void);
 PUMP_HIDDEN int pump_wait_events(struct epoll_event *evs); /* the thread's next batch (_pump_wait.c) */
 

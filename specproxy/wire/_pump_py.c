@@ -23,10 +23,15 @@ typedef struct {
 static PyObject *
 Sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"slice_us", NULL};
+    static char *kwlist[] = {"slice_us", "nice", NULL};
     long slice_us = 100;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|l:Sink", kwlist, &slice_us))
+    int nice = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|li:Sink", kwlist, &slice_us, &nice))
         return NULL;
+    if (nice < -20 || nice > 0) {
+        PyErr_SetString(PyExc_ValueError, "Sink: nice must be -20 to 0");
+        return NULL;
+    }
     SinkObject *self = (SinkObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
@@ -43,6 +48,7 @@ Sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     k->refs = 1;
     k->slice_us = slice_us;
+    k->nice = nice;
     self->k = k;
     return (PyObject *)self;
 }
@@ -107,8 +113,9 @@ static PyTypeObject SinkType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy.wire._relayc.Sink",
     .tp_basicsize = sizeof(SinkObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Sink(slice_us=100): where the relay thread puts the turns it ended, for one event loop to "
-              "collect; slice_us is the thread's scheduler slice if one of its turns starts the thread.",
+    .tp_doc = "Sink(slice_us=100, nice=0): where the relay thread puts the turns it ended, for one event loop "
+              "to collect; if one of its turns starts the thread, slice_us is its scheduler slice and nice the "
+              "nice value it asks for (0: the process's).",
     .tp_new = Sink_new,
     .tp_dealloc = (destructor)Sink_dealloc,
     .tp_methods = Sink_methods,
@@ -156,7 +163,8 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     int failed = t->cl_fd < 0, err = errno;
     if (!failed) {
         pthread_mutex_lock(&pump_g.mu);
-        failed = pump_start_locked(((SinkObject *)sink_obj)->k->slice_us) < 0;
+        sink *k = ((SinkObject *)sink_obj)->k;
+        failed = pump_start_locked(k->slice_us, k->nice) < 0;
         err = errno;
         pthread_mutex_unlock(&pump_g.mu);
     }
@@ -519,11 +527,12 @@ pump_stats(PyObject *module, PyObject *unused)
     pthread_mutex_lock(&pump_g.mu);
     long long turns = pump_g.turns, reads = pump_g.reads;
     pthread_mutex_unlock(&pump_g.mu);
-    return Py_BuildValue("{sLsLsisLsLsd}", "turns", turns, "reads", reads, "active",
+    return Py_BuildValue("{sLsLsisLsLsdsi}", "turns", turns, "reads", reads, "active",
                          __atomic_load_n(&pump_g.active, __ATOMIC_RELAXED), "poll_windows",
                          __atomic_load_n(&pump_g.poll_windows, __ATOMIC_RELAXED), "poll_hits",
                          __atomic_load_n(&pump_g.poll_hits, __ATOMIC_RELAXED), "poll_s",
-                         (double)__atomic_load_n(&pump_g.poll_ns, __ATOMIC_RELAXED) * 1e-9);
+                         (double)__atomic_load_n(&pump_g.poll_ns, __ATOMIC_RELAXED) * 1e-9, "nice",
+                         __atomic_load_n(&pump_g.nice, __ATOMIC_RELAXED));
 }
 
 static PyObject *
@@ -584,7 +593,7 @@ static PyMethodDef pump_functions[] = {
     {"pump_last_read", pump_last_read, METH_NOARGS, "the relay thread's latest read (monotonic s; 0.0: none)"},
     {"pump_stats", pump_stats, METH_NOARGS,
      "the relay thread's counters: turns started, reads relayed, turns active now, cadence-poll windows, "
-     "those in which something arrived, and seconds spent polling"},
+     "those in which something arrived, seconds spent polling, and its nice value (0 before it runs)"},
     {"set_cadence_poll", pump_cadence_poll, METH_O,
      "allow (True) or forbid (False) the relay thread's cadence poll; returns the previous setting"},
     {NULL}};

@@ -65,10 +65,11 @@ class UpstreamPool:
     exchange for the client connection that exchange came from, the fresh ones for anyone."""
 
     def __init__(self, url: URL, *, connect_timeout_s: float, idle_timeout_s: float, relay: str = "thread",
-                 relay_slice_us: int = 100, reuse: bool = True, send_timeout_s: float = 60.0) -> None:
+                 relay_slice_us: int = 100, relay_nice: int = 0, reuse: bool = True,
+                 send_timeout_s: float = 60.0) -> None:
         """``relay``: ``thread`` (a chunked body passed through goes to the relay thread where it can) or
-        ``python`` (every body relayed on the loop); Config's ``relay``, ``relay_slice_us`` and
-        ``send_timeout_s`` (how long a client may take nothing more of a body: ``exchange.py``). ``reuse``
+        ``python`` (every body relayed on the loop); Config's ``relay``, ``relay_slice_us``, ``relay_nice``
+        and ``send_timeout_s`` (how long a client may take nothing more of a body: ``exchange.py``). ``reuse``
         False (Config ``upstream_reuse = "off"``): a connection that carried an exchange is closed after
         it, never kept for anyone."""
         if url.scheme not in ("http", "https") or not url.host:
@@ -82,6 +83,7 @@ class UpstreamPool:
         self.send_timeout_s = send_timeout_s
         self.relay_thread = relay == "thread" and THREAD_BUILT
         self.relay_slice_us = relay_slice_us
+        self.relay_nice = relay_nice
         self.reuse = reuse
         self.fresh: list[UpstreamConn] = []  # idle, never carried an exchange: for any client
         self.kept: dict[asyncio.BaseTransport, list[UpstreamConn]] = {}  # idle, by the client they served
@@ -106,7 +108,7 @@ class UpstreamPool:
     def turn_sink(self) -> TurnSink:
         """This loop's mailbox for the relay thread (made on first use)."""
         if self._turn_sink is None:
-            self._turn_sink = TurnSink(self.loop, self.relay_slice_us)
+            self._turn_sink = TurnSink(self.loop, self.relay_slice_us, self.relay_nice)
         return self._turn_sink
 
     def activity(self) -> float:

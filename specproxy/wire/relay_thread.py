@@ -24,7 +24,8 @@ from specproxy.recorder import Recorder
 from specproxy.wire.relay import CLIENT_GONE, OK, TRUNCATED, RelayReport
 from specproxy.wire.sockets import plain_socket_fd
 
-__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "ThreadRelay", "TurnSink", "ended_reason", "last_read"]
+__all__ = ["THREAD_BUILT", "NativeChunkedEnd", "ThreadRelay", "TurnSink", "ended_reason", "last_read",
+           "relay_nice"]
 
 log = logging.getLogger("specproxy.relay")
 
@@ -41,6 +42,11 @@ NativeChunkedEnd = _relayc.ChunkedEnd if _relayc is not None else None
 def last_read() -> float:
     """The thread's latest read of any turn (``perf_counter`` seconds; 0.0 before the first)."""
     return _relayc.pump_last_read() if _relayc is not None else 0.0
+
+
+def relay_nice() -> int:
+    """The relay thread's nice value (Config ``relay_nice``, where the process may lower it); 0 before it runs."""
+    return _relayc.pump_stats()["nice"] if _relayc is not None else 0
 
 
 class ThreadRelay:
@@ -140,9 +146,9 @@ class ThreadRelay:
 class TurnSink:
     """The turns one event loop handed to the relay thread; ended ones come back through an eventfd."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, slice_us: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, slice_us: int, nice: int = 0) -> None:
         self.loop = loop
-        self._sink = _relayc.Sink(slice_us)  # the thread's scheduler slice, if this loop's turn starts it
+        self._sink = _relayc.Sink(slice_us, nice)  # the thread's slice and nice value, if this loop's turn starts it
         self._relays: dict[int, ThreadRelay] = {}
         self._fd = self._sink.fileno()
         loop.add_reader(self._fd, self._collect)

@@ -2,13 +2,15 @@
 
 A client hanging up right after the body's end leaves the turn as the thread saw it end; the thread's
 reads become Python objects in the measuring thread, not on the event loop; and the thread asks the
-kernel for a short scheduler slice (Config ``relay_slice_us``). The thread on its own, on real sockets,
-is tested in test_relay_thread.py.
+kernel for a short scheduler slice (Config ``relay_slice_us``) and, where the process may, a lower nice
+value than Python's threads (Config ``relay_nice``). The thread on its own, on real sockets, is tested
+in test_relay_thread.py.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
@@ -162,6 +164,66 @@ def _relay_slice_ns(pid: int) -> int | None:
     return None
 
 
+def _nice_of(pid: int, name: str | None = None) -> int | None:
+    """The nice value of the process's thread named ``name`` (its main thread, the event loop's, for None):
+    field 19 of ``/proc/PID/task/TID/stat``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if name is None and int(tid) != pid:
+                continue
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if name is not None and f.read().strip() != name:
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[16])
+        except OSError:
+            continue
+    return None
+
+
+def _may_lower_nice() -> bool:
+    """Whether a process started as this one is may lower a nice value to -10: CAP_SYS_NICE (bit 23 of
+    its effective capabilities; root has it) or an RLIMIT_NICE of at least 30 (20 - 30 = -10)."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return bool(caps >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 30
+
+
+def _streamed_turn_through_the_thread(tmp_path, *args, wrap=()):
+    """Start serve (``args``, run by ``wrap``) before a scripted upstream whose body comes after its head,
+    so that the relay thread carries it; send one streamed chat turn; return the relay thread's nice value,
+    the event loop's (the main thread's) and the state line."""
+    import json
+    import urllib.request
+
+    from faultkit import wait_until
+    from serveproc import LoopThread, ServeProcess
+    from specproxy.app.fake_upstream import FakeUpstream, Script
+
+    loop = LoopThread()
+    upstream = FakeUpstream(Script(pieces=["a", "b", "c"], ttft_s=0.05, interval_s=0.01))
+    loop.run(upstream.start())
+    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", *args, wrap=wrap)
+    try:
+        body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        req = urllib.request.Request(proc.url + "/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert b"[DONE]" in resp.read()  # a streamed body: the relay thread carried it
+        # the thread sets its nice value before its first event: it relayed the body, so the value is set
+        wait_until(lambda: _nice_of(proc.proc.pid, "specproxy-relay") is not None, 10, 0.02, "the relay thread")
+        relay = _nice_of(proc.proc.pid, "specproxy-relay")
+        main = _nice_of(proc.proc.pid)
+        state = proc.state()
+    finally:
+        assert proc.stop() == 0
+        loop.run(upstream.close())
+        loop.close()
+    return relay, main, state
+
+
 @pytest.mark.skipif(not _kernel_has_task_slices(), reason="this kernel has no per-task scheduler slice")
 @pytest.mark.parametrize("setting", [None, "0", "250"])
 def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
@@ -196,3 +258,37 @@ def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
         assert got != 100_000 and got != 250_000  # the kernel's default, whatever it is here
     else:
         assert got == (100_000 if setting is None else 250_000)
+
+
+# --- the thread's weight against Python ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, asked", [((), -10), (("--relay-nice", "-5"), -5), (("--relay-nice", "0"), 0)])
+def test_the_relay_thread_lowers_its_nice_value_where_the_process_may(tmp_path, args, asked):
+    """When a decode step's tokens and the turns it ended come at once, the relay must win its core from
+    Python's threads: nice -10 by default (Config ``relay_nice``), where the process may lower it; Python's
+    threads keep the process's value (Linux's nice is per thread); the state line says the relay's."""
+    relay, main, state = _streamed_turn_through_the_thread(tmp_path, *args)
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # serve inherits this process's nice value
+    expected = min(asked, base) if asked < 0 and _may_lower_nice() else base
+    assert relay == expected
+    assert main == base
+    assert state["relay_nice"] == expected
+
+
+@pytest.mark.skipif(not _may_lower_nice(), reason="this process may not lower a nice value anyway")
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) is not installed")
+def test_without_the_privilege_the_relay_keeps_the_processes_nice_value(tmp_path):
+    """Where the process may not lower a nice value (run here without CAP_SYS_NICE and with an RLIMIT_NICE
+    of 0, as an unprivileged user or a container is), asking is refused and the thread relays as before."""
+    import resource
+
+    wrap = ("setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
+    resource.setrlimit(resource.RLIMIT_NICE, (0, hard))  # inherited by serve; this process's own is put back
+    try:
+        relay, main, state = _streamed_turn_through_the_thread(tmp_path, wrap=wrap)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NICE, (soft, hard))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert relay == main == state["relay_nice"] == base

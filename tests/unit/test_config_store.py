@@ -34,6 +34,8 @@ def test_precedence_file_env_flags(tmp_path):
     ("[[", "not valid TOML"),
     ("client_header = 'Authorization'", "may carry credentials"),
     ("client_header = 'x client'", "not a header name"),
+    ("relay_nice = 5", "relay_nice must be -20 to 0"),
+    ("relay_nice = -21", "relay_nice must be -20 to 0"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, message):
     f = tmp_path / "c.toml"
