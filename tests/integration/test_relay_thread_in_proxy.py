@@ -181,6 +181,11 @@ def _nice_of(pid: int, name: str | None = None) -> int | None:
     return None
 
 
+def _nices_and_state(proc) -> tuple[int | None, int | None, dict]:
+    """The relay thread's nice value, the event loop's (the main thread's) and serve's state line."""
+    return _nice_of(proc.proc.pid, "specproxy-relay"), _nice_of(proc.proc.pid), proc.state()
+
+
 def _may_lower_nice() -> bool:
     """Whether a process started as this one is may lower a nice value to -10: CAP_SYS_NICE (bit 23 of
     its effective capabilities; root has it) or an RLIMIT_NICE of at least 30 (20 - 30 = -10)."""
@@ -191,10 +196,11 @@ def _may_lower_nice() -> bool:
     return bool(caps >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 30
 
 
-def _streamed_turn_through_the_thread(tmp_path, *args, wrap=()):
-    """Start serve (``args``, run by ``wrap``) before a scripted upstream whose body comes after its head,
-    so that the relay thread carries it; send one streamed chat turn; return the relay thread's nice value,
-    the event loop's (the main thread's) and the state line."""
+def _after_one_streamed_turn(tmp_path, read, *args, env=None, wrap=()):
+    """Start serve (``args``, ``env``, run by ``wrap``) before a scripted upstream whose body comes after its
+    head, so that the relay thread carries it (bytes that come with the head are relayed by the event loop,
+    and a body that came whole with it would never start the thread); send one streamed chat turn; return
+    ``read(proc)`` once the relay thread runs, before serve stops."""
     import json
     import urllib.request
 
@@ -205,23 +211,20 @@ def _streamed_turn_through_the_thread(tmp_path, *args, wrap=()):
     loop = LoopThread()
     upstream = FakeUpstream(Script(pieces=["a", "b", "c"], ttft_s=0.05, interval_s=0.01))
     loop.run(upstream.start())
-    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", *args, wrap=wrap)
+    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", *args, env=env, wrap=wrap)
     try:
         body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
         req = urllib.request.Request(proc.url + "/v1/chat/completions", data=body.encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert b"[DONE]" in resp.read()  # a streamed body: the relay thread carried it
-        # the thread sets its nice value before its first event: it relayed the body, so the value is set
+        # the thread sets its nice value and slice before its first event: it relayed the body, so both are set
         wait_until(lambda: _nice_of(proc.proc.pid, "specproxy-relay") is not None, 10, 0.02, "the relay thread")
-        relay = _nice_of(proc.proc.pid, "specproxy-relay")
-        main = _nice_of(proc.proc.pid)
-        state = proc.state()
+        return read(proc)
     finally:
         assert proc.stop() == 0
         loop.run(upstream.close())
         loop.close()
-    return relay, main, state
 
 
 @pytest.mark.skipif(not _kernel_has_task_slices(), reason="this kernel has no per-task scheduler slice")
@@ -229,31 +232,8 @@ def _streamed_turn_through_the_thread(tmp_path, *args, wrap=()):
 def test_the_relay_thread_asks_for_a_short_scheduler_slice(tmp_path, setting):
     """Its reads must preempt Python at once, not after a Python thread's slice: 0.1 ms by default
     (Config ``relay_slice_us``, here from ``SPECPROXY_RELAY_SLICE_US``; 0 leaves the kernel's default)."""
-    import json
-    import urllib.request
-
-    from faultkit import wait_until
-    from serveproc import LoopThread, ServeProcess
-    from specproxy.app.fake_upstream import FakeUpstream, Script
-
-    loop = LoopThread()
-    # the body after the head, not with it: bytes that come with the head are relayed by the event loop,
-    # and a body that came whole with it would never start the thread
-    upstream = FakeUpstream(Script(pieces=["a", "b", "c"], ttft_s=0.05, interval_s=0.01))
-    loop.run(upstream.start())
     env = {} if setting is None else {"SPECPROXY_RELAY_SLICE_US": setting}
-    proc = ServeProcess(tmp_path, upstream.url, tmp_path / "turns.db", env=env)
-    try:
-        body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
-        req = urllib.request.Request(proc.url + "/v1/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert b"[DONE]" in resp.read()  # a streamed body: the relay thread carried it
-        got = wait_until(lambda: _relay_slice_ns(proc.proc.pid), 10, 0.02, "the relay thread")
-    finally:
-        assert proc.stop() == 0
-        loop.run(upstream.close())
-        loop.close()
+    got = _after_one_streamed_turn(tmp_path, lambda proc: _relay_slice_ns(proc.proc.pid), env=env)
     if setting == "0":
         assert got != 100_000 and got != 250_000  # the kernel's default, whatever it is here
     else:
@@ -268,7 +248,7 @@ def test_the_relay_thread_lowers_its_nice_value_where_the_process_may(tmp_path, 
     """When a decode step's tokens and the turns it ended come at once, the relay must win its core from
     Python's threads: nice -10 by default (Config ``relay_nice``), where the process may lower it; Python's
     threads keep the process's value (Linux's nice is per thread); the state line says the relay's."""
-    relay, main, state = _streamed_turn_through_the_thread(tmp_path, *args)
+    relay, main, state = _after_one_streamed_turn(tmp_path, _nices_and_state, *args)
     base = os.getpriority(os.PRIO_PROCESS, 0)  # serve inherits this process's nice value
     expected = min(asked, base) if asked < 0 and _may_lower_nice() else base
     assert relay == expected
@@ -287,7 +267,7 @@ def test_without_the_privilege_the_relay_keeps_the_processes_nice_value(tmp_path
     soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
     resource.setrlimit(resource.RLIMIT_NICE, (0, hard))  # inherited by serve; this process's own is put back
     try:
-        relay, main, state = _streamed_turn_through_the_thread(tmp_path, wrap=wrap)
+        relay, main, state = _after_one_streamed_turn(tmp_path, _nices_and_state, wrap=wrap)
     finally:
         resource.setrlimit(resource.RLIMIT_NICE, (soft, hard))
     base = os.getpriority(os.PRIO_PROCESS, 0)
