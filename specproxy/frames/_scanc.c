@@ -60,7 +60,8 @@ hex4(const unsigned char *p)
    process's way to give freed heap pages back to the system) is called after every LET_GO_BYTES of them,
    so one large response costs its size about once while it is joined, not twice (docs/operations.md,
    "Memory"). A first pass over the framing finds the payload's exact size and refuses malformed framing
-   (None, the list untouched: the reference says what is wrong); the second copies. Unframed reads (chunked false) are joined as they are. */
+   (None, the list untouched: the reference says what is wrong); the second copies. Unframed reads
+   (chunked false) are joined as they are. */
 
 #define LET_GO_BYTES (16 << 20)
 

@@ -439,6 +439,7 @@ pump_after_fork_in_child(void)
     pump_g.started = 0;
     pump_g.cancelled = NULL;
     pump_g.active = 0; /* the parent's turns are not this process's */
+    pump_g.nice = 0;   /* nor its thread's nice value: the child's thread sets its own */
     cadence_forget(&pump_g.cad);
 }
 
