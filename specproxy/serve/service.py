@@ -86,9 +86,10 @@ class _HeadDeadline(asyncio.Protocol):
     request's headers (up to the blank line that ends them) have not all arrived within ``timeout`` of
     connecting.
 
-    It looks at incoming bytes only until that blank line, then only forwards. Requests never pass
-    through here (the lane or aiohttp parses them); responses never do (they go straight to the
-    transport)."""
+    It looks at incoming bytes only until that blank line, then steps aside: the transport's protocol is
+    the wrapped one from then on (``set_protocol``), so no later read of the connection passes through
+    here. Requests are never parsed here (the lane or aiohttp parses them); responses never pass (they go
+    straight to the transport)."""
 
     __slots__ = ("_handle", "_inner", "_on_expire", "_tail", "_timeout", "_transport")
 
@@ -118,6 +119,8 @@ class _HeadDeadline(asyncio.Protocol):
                 self._handle.cancel()
                 self._handle = None
                 self._tail = b""
+                if self._transport is not None and not self._transport.is_closing():
+                    self._transport.set_protocol(self._inner)  # the deadline is met: out of the way
             else:
                 self._tail = seen[-3:]
         self._inner.data_received(data)

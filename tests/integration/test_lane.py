@@ -192,6 +192,30 @@ def test_common_requests_are_served_by_the_lane(make_stack, tiktoken_tok):
     assert [(r.outcome, r.completion_tokens, r.chunks) for r in stack.records] == [expected] * 5
 
 
+def test_the_head_deadline_steps_aside_once_the_first_head_is_in(make_stack):
+    """Until the first request's head is whole, the connection's reads go through the head deadline
+    (``service._HeadDeadline``); from then on the transport hands them to the lane itself."""
+    upstream = ScriptedUpstream(_ok)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+
+    async def go():
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        raw = post_head(CHAT, BODY)
+        cut = raw.index(b"\r\n\r\n")
+        writer.write(raw[:cut])  # the head, but for its blank line
+        [lane] = await await_until(lambda: list(stack.service.lanes.open), 30, what="the connection's lane")
+        before = type(lane.transport.get_protocol()).__name__
+        writer.write(raw[cut:])
+        [first] = await _read_responses(reader, 1)
+        after = lane.transport.get_protocol()
+        writer.write(raw)
+        [second] = await _read_responses(reader, 1)
+        writer.close()
+        return before, after is lane, first.status, second.status
+
+    assert stack.run(go()) == ("_HeadDeadline", True, 200, 200)
+
+
 def test_a_declined_request_hands_the_connection_to_aiohttp_in_order(make_stack):
     """Common, then a chunked request body (the lane declines it), then common again, pipelined on one
     connection: three answers in order, three exact bodies upstream; aiohttp has the connection from
