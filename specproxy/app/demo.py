@@ -2,9 +2,10 @@
 
 It starts the package's own scripted upstream (behaving like a speculative-decoding server: several
 tokens per chunk, a prefill time that grows with the prompt, a slower decode step when more requests
-share it, llama.cpp-style counters at /metrics), the real proxy in front of it, and a client that
-chats the way a real chat client does (a long system prompt and tool definitions prepended to every
-turn, a growing history), first alone and then with company. Then it prints the real report of what
+share it, llama.cpp-style counters at /metrics; without a prefix cache, so the tokens the client
+prepends are prefilled every turn and its counters report no cache hit), the real proxy in front of
+it, and a client that chats the way a real chat client does (a long system prompt and tool
+definitions prepended to every turn, a growing history), first alone and then with company. Then it prints the real report of what
 was measured. Nothing is faked after the upstream: the proxy, the measuring and the store are the
 ones ``serve`` runs, and so is the live page at ``/_specproxy/`` (drawn from the demo's database
 while the traffic runs; ``linger`` keeps the proxy up after it, for ``specproxy demo --stay``).
@@ -133,7 +134,9 @@ async def run_demo(db: str | Path, *, turns: int = 8, levels: tuple[int, ...] = 
     service.writer = Writer(cfg.db, queue_size=cfg.queue_size, scrape_retention_days=cfg.scrape_retention_days)
     service.pages = LivePages(cfg.db, writer=service.writer)  # the live page, as serve has it
     await service.start()
-    progress(f"demo: scripted upstream at {upstream.url}, specproxy at {service.url}, database {db}\n"
+    # said up front: the report's prefix-cache line reads 0% of this server, which would look like a bug
+    progress(f"demo: scripted upstream at {upstream.url} (no prefix cache: it prefills every prompt whole), "
+             f"specproxy at {service.url}, database {db}\n"
              f"demo: live page {service.url}/_specproxy/, Prometheus {service.url}/_specproxy/metrics")
     tools = _tools()
     system = SYSTEM_PROMPT * 12

@@ -40,6 +40,9 @@ def test_demo_prints_a_real_report(demo_db):
     for section in ("What users got", "Prompt make-up", "By concurrency", "Whole-turn speedup"):
         assert section in out
     assert "15 turns (15 ok)" in out  # 3 turns alone + 3 turns x 4 clients
+    # the scripted server has no prefix cache, and says so before its counters' 0% shows in the report
+    assert "(no prefix cache: it prefills every prompt whole)" in proc.stderr.splitlines()[0]
+    assert "were found (hit rate 0.0%)" in out
 
 
 def test_demo_serves_its_live_page_and_stays_until_ctrl_c(tmp_path):
