@@ -3,11 +3,11 @@
 It starts the package's own scripted upstream (behaving like a speculative-decoding server: several
 tokens per chunk, a prefill time that grows with the prompt, a slower decode step when more requests
 share it, llama.cpp-style counters at /metrics; without a prefix cache, so the tokens the client
-prepends are prefilled every turn and its counters report no cache hit), the real proxy in front of
-it, and a client that chats the way a real chat client does (a long system prompt and tool
-definitions prepended to every turn, a growing history), first alone and then with company. Then it prints the real report of what
-was measured. Nothing is faked after the upstream: the proxy, the measuring and the store are the
-ones ``serve`` runs, and so is the live page at ``/_specproxy/`` (drawn from the demo's database
+prepends are prefilled every turn and its counters report no cache hit), the real proxy in front of it,
+and a client that chats the way a real chat client does (a long system prompt and tool definitions
+prepended to every turn, a growing history), first alone and then with company. Then it prints the real
+report of what was measured. Nothing is faked after the upstream: the proxy, the measuring and the store
+are the ones ``serve`` runs, and so is the live page at ``/_specproxy/`` (drawn from the demo's database
 while the traffic runs; ``linger`` keeps the proxy up after it, for ``specproxy demo --stay``).
 """
 
