@@ -41,7 +41,8 @@ def test_demo_prints_a_real_report(demo_db):
         assert section in out
     assert "15 turns (15 ok)" in out  # 3 turns alone + 3 turns x 4 clients
     # the scripted server has no prefix cache, and says so before its counters' 0% shows in the report
-    assert "(no prefix cache: it prefills every prompt whole)" in proc.stderr.splitlines()[0]
+    [first] = [line for line in proc.stderr.splitlines() if line.startswith("demo: scripted upstream at")]
+    assert "(no prefix cache: it prefills every prompt whole)" in first
     assert "were found (hit rate 0.0%)" in out
 
 
