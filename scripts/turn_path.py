@@ -71,7 +71,7 @@ def _probe(out: str, argv: list[str]) -> None:
         state["on"] = False
         tmp = out + ".tmp"
         with open(tmp, "w") as fh:
-            json.dump(calls, fh)
+            json.dump(calls[:], fh)  # a copy: a thread past its check of "on" may still append
         os.replace(tmp, out)
 
     signal.signal(signal.SIGUSR2, toggle)
