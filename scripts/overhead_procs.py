@@ -202,13 +202,13 @@ def hwm_kb(pid: int) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -291,13 +291,13 @@ def start_nginx(binary: str, tmp: Path, up_port: int, cores) -> tuple[subprocess
     d = tmp / f"nginx-{time.monotonic_ns()}"
     d.mkdir()
     os.chmod(d, 0o777)
-    port = _free_port()
+    port = free_port()
     (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, up=up_port, port=port))
     proc = subprocess.Popen(
         [binary, "-p", str(d), "-e", str(d / "error.log"), "-c", str(d / "nginx.conf"), "-g", "daemon off;"],
         preexec_fn=pin(cores), stdout=subprocess.DEVNULL, stderr=open(d / "stderr.log", "w"),
     )
-    _wait_port(port, proc)
+    wait_port(port, proc)
     return proc, port
 
 
@@ -306,14 +306,14 @@ def start_specproxy(tmp: Path, up_port: int, cores, extra: list[str], python: st
     """``specproxy serve`` in front of the upstream; ``python``: the interpreter whose install of specproxy
     runs (another checkout's venv, ``--specproxy-baseline``), this one's by default; a list: the command
     that takes ``-m MODULE`` in its place (``overhead_steps.py``, ``--loop-steps``)."""
-    port = _free_port()
+    port = free_port()
     db = tmp / f"specproxy-{time.monotonic_ns()}.db"
     runner = [python] if isinstance(python, str) else python or [sys.executable]
     cmd = [*runner, "-m", "specproxy.app.cli", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
            "--port", str(port), "--db", str(db), "--tokenizer", "tiktoken:o200k_base", *extra]
     log = open(tmp / f"specproxy-{port}.log", "w")
     proc = subprocess.Popen(cmd, preexec_fn=pin(cores), stdout=log, stderr=log, cwd=str(tmp))
-    _wait_port(port, proc, timeout=60)
+    wait_port(port, proc, timeout=60)
     return proc, port, db
 
 

@@ -151,16 +151,11 @@ def _until(what: str, ok, proc: subprocess.Popen, timeout: float = 60.0) -> None
         time.sleep(0.05)
 
 
-def _port_open(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def trace(python: str, workdir: Path) -> TurnPath:
     """Run ``python``'s specproxy in front of a scripted upstream; trace its third turn."""
     import asyncio
+
+    from overhead_procs import free_port, stop, wait_port
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from specproxy.app.fake_upstream import FakeUpstream, Script
@@ -169,11 +164,7 @@ def trace(python: str, workdir: Path) -> TurnPath:
     threading.Thread(target=loop.run_forever, daemon=True).start()
     upstream = FakeUpstream(Script(pieces=["tok"] * 40, interval_s=0.001))
     asyncio.run_coroutine_threadsafe(upstream.start(), loop).result(30)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     db, out = workdir / "turns.db", workdir / "trace.json"
     cmd = [python, str(Path(__file__).resolve()), "--probe", str(out), "-m", "specproxy.app.cli", "serve",
            "--upstream", upstream.url, "--port", str(port), "--db", str(db), "--tokenizer", "tiktoken:o200k_base",
@@ -181,7 +172,7 @@ def trace(python: str, workdir: Path) -> TurnPath:
     log = open(workdir / "serve.log", "w")
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=log)
     try:
-        _until("listening port", lambda: _port_open(port), proc)
+        wait_port(port, proc, timeout=60)
         body = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True},
                            "messages": [{"role": "system", "content": "You are terse. " * 40},
                                         {"role": "user", "content": "Say something."}]}).encode()
@@ -201,11 +192,7 @@ def trace(python: str, workdir: Path) -> TurnPath:
         calls = [tuple(c) for c in json.loads(out.read_text())]
         conn.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=30)
         log.close()
         asyncio.run_coroutine_threadsafe(upstream.close(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
@@ -229,7 +216,10 @@ def main() -> None:
     args = ap.parse_args()
     for python in [sys.executable, *args.python]:
         with tempfile.TemporaryDirectory(prefix="turn-path-") as tmp:
-            p = trace(python, Path(tmp))
+            try:
+                p = trace(python, Path(tmp))
+            except RuntimeError as exc:  # the proxy did not start (overhead_procs.wait_port)
+                raise SystemExit(f"turn_path: {exc}") from None
         print(render("this checkout" if python == sys.executable else python, p))
 
 
