@@ -1,4 +1,4 @@
-"""Socket pairs and a bounded wait for tests that drive the relay thread directly."""
+"""Socket pairs and their fixtures, reads from them, and a bounded wait: for tests driving the relay thread."""
 
 import select
 import socket
@@ -24,7 +24,6 @@ def give_back_what_the_turns_kept():
         memory.give(kept)
 
 
-
 def wait_done(sink, timeout: float = 5.0) -> list[int]:
     """The ids the thread reports next (bounded: fails after ``timeout``)."""
     deadline = time.monotonic() + timeout
@@ -37,6 +36,27 @@ def wait_done(sink, timeout: float = 5.0) -> list[int]:
     return ids
 
 
+@pytest.fixture
+def sink():
+    return relayc.Sink()
+
+
+@pytest.fixture
+def ends():
+    """Unix socket pairs for both sides of a turn (closed after the test, whatever it asserted)."""
+    e = Ends()
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def tcp_ends():
+    """As ``ends``, with TCP on the upstream side (resets, send buffers)."""
+    e = Ends(socket.AF_INET)
+    yield e
+    e.close()
+
+
 class Ends:
     """An upstream socket pair and a client socket pair; the turn gets ``up_theirs`` and ``cl_ours``."""
 
@@ -47,8 +67,14 @@ class Ends:
             self.up_server, self.up_proxy = tcp_pair()
         self.cl_proxy, self.cl_client = socket.socketpair()
 
-    def turn(self, sink, framing=None):
-        return relayc.Turn(sink, self.up_proxy.fileno(), self.cl_proxy.fileno(), framing or relayc.ChunkedEnd())
+    def turn(self, sink, framing=None, keep=None, first=None):
+        """A turn over these ends; ``first``: reads that came with the head, relayed before it returns."""
+        args = [sink, self.up_proxy.fileno(), self.cl_proxy.fileno(), framing or relayc.ChunkedEnd()]
+        if keep is not None or first is not None:
+            args.append(keep if keep is not None else 1 << 40)
+        if first is not None:
+            args.append(first)
+        return relayc.Turn(*args)
 
     def close(self) -> None:
         for s in (self.up_server, self.up_proxy, self.cl_proxy, self.cl_client):
@@ -63,3 +89,23 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     b, _ = lst.accept()
     lst.close()
     return a, b
+
+
+def recv_until(sock: socket.socket, n: int, timeout: float = 5.0) -> bytes:
+    """Exactly ``n`` bytes from ``sock`` (bounded)."""
+    sock.settimeout(timeout)
+    got = bytearray()
+    while len(got) < n:
+        data = sock.recv(n - len(got))
+        assert data, f"the peer closed after {len(got)} of {n} bytes"
+        got += data
+    return bytes(got)
+
+
+def taken(turn) -> tuple[list[bytes], list[float], list[float]]:
+    """The reads a turn kept since the last take, with their read and write times."""
+    reads: list[bytes] = []
+    rtimes: list[float] = []
+    wtimes: list[float] = []
+    turn.take(reads, rtimes, wtimes)
+    return reads, rtimes, wtimes

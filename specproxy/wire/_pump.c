@@ -141,8 +141,8 @@ pump_watch(turn *t, int client, int on)
     return 0;
 }
 
-static void
-end_turn(turn *t, int outcome, int err_no, turn **ended)
+void
+pump_end_turn(turn *t, int outcome, int err_no, turn **ended)
 {
     __atomic_sub_fetch(&pump_g.active, 1, __ATOMIC_RELAXED);
     t->state = T_ENDED;
@@ -152,6 +152,25 @@ end_turn(turn *t, int outcome, int err_no, turn **ended)
     pump_unwatch(t);
     t->next = *ended; /* handed to the sink after this batch */
     *ended = t;
+}
+
+/* the turns ended (a list through ->next) to their sinks, which wake their loops (callers hold pump_g.mu) */
+void
+pump_hand_over(turn *ended)
+{
+    while (ended != NULL) { /* to their sinks: the thread's reference goes with each */
+        turn *t = ended;
+        ended = t->next;
+        sink *k = t->sink;
+        int was_empty = k->done == NULL;
+        t->next = k->done;
+        k->done = t;
+        if (was_empty) {
+            uint64_t one = 1;
+            ssize_t w = write(k->efd, &one, sizeof one);
+            (void)w; /* an eventfd write fails only when its counter would overflow: already signalled */
+        }
+    }
 }
 
 /* send what the client has not taken: 0 all taken, 1 some left, -1 error (errno) */
@@ -173,8 +192,8 @@ flush(turn *t)
     return 0;
 }
 
-static int
-grow(turn *t, size_t more)
+int
+pump_grow(turn *t, size_t more)
 {
     if (t->len + more > t->cap) {
         size_t cap = t->cap ? t->cap : 4096;
@@ -202,7 +221,7 @@ on_client_writable(turn *t, turn **ended)
 {
     int r = flush(t);
     if (r < 0) {
-        end_turn(t, O_CLIENT_GONE, errno, ended);
+        pump_end_turn(t, O_CLIENT_GONE, errno, ended);
         return;
     }
     if (r > 0)
@@ -210,11 +229,11 @@ on_client_writable(turn *t, turn **ended)
     t->len = t->sent = t->kept; /* what was relayed and not kept: its room is free again */
     t->blocked = 0;
     if (t->end_seen) {
-        end_turn(t, O_END, 0, ended);
+        pump_end_turn(t, O_END, 0, ended);
         return;
     }
     if (pump_watch(t, 1, 0) < 0 || pump_watch(t, 0, 1) < 0)
-        end_turn(t, O_THREAD_ERROR, errno, ended);
+        pump_end_turn(t, O_THREAD_ERROR, errno, ended);
 }
 
 /* one recv() and what follows it; 1 when the turn goes on and more may be waiting: the read filled the
@@ -223,8 +242,8 @@ static int
 read_once(turn *t, int closing, turn **ended)
 {
     /* straight into the turn's buffer (which keeps the body for measuring, up to its allowance): no copy */
-    if (grow(t, READ_ROOM) < 0) {
-        end_turn(t, O_THREAD_ERROR, ENOMEM, ended);
+    if (pump_grow(t, READ_ROOM) < 0) {
+        pump_end_turn(t, O_THREAD_ERROR, ENOMEM, ended);
         return 0;
     }
     char *at = t->buf + t->len;
@@ -236,25 +255,35 @@ read_once(turn *t, int closing, turn **ended)
     double t_read = pump_now();
     if (n < 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK)
-            end_turn(t, O_UPSTREAM_ERROR, errno, ended);
+            pump_end_turn(t, O_UPSTREAM_ERROR, errno, ended);
         return 0;
     }
     if (n == 0) {
-        end_turn(t, O_UPSTREAM_EOF, 0, ended);
+        pump_end_turn(t, O_UPSTREAM_EOF, 0, ended);
         return 0;
     }
     t->last_activity = t_read;
     __atomic_store(&pump_g.last_read, &t_read, __ATOMIC_RELAXED); /* read without a lock: any recent value does */
     cadence_read(&pump_g.cad, t_read);
+    return pump_relay_read(t, (size_t)n, t_read, ended) && ((size_t)n == room || closing);
+}
+
+/* What follows a read of n bytes, read at t_read into the turn's buffer at t->len (by the thread, or by
+   the event loop before the turn began: the reads that came with the response head, Turn's ``first``):
+   find the body's end, send, keep. 1 when the turn goes on and the upstream may be read again. */
+int
+pump_relay_read(turn *t, size_t n, double t_read, turn **ended)
+{
+    char *at = t->buf + t->len;
     const char *err = NULL;
     ssize_t end = chunked_scan(&t->cs, at, n, &err, NULL, NULL);
     if (end == -2) { /* as the Python path: nothing of this read reaches the client */
         t->framing_error = err;
-        end_turn(t, O_FRAMING, 0, ended);
+        pump_end_turn(t, O_FRAMING, 0, ended);
         return 0;
     }
-    size_t take = (size_t)(end >= 0 ? end : n);
-    if (end >= 0 && end != n)
+    size_t take = end >= 0 ? (size_t)end : n;
+    if (end >= 0 && (size_t)end != n)
         t->past_end = 1; /* the bytes past the end stay beyond t->len: never sent, never kept */
     int keep = !t->capped && take <= t->keep_left;
     if (keep && take && !pump_mem_take((long long)take, t->kept + take <= PUMP_SMALL_KEEP))
@@ -277,7 +306,7 @@ read_once(turn *t, int closing, turn **ended)
             t->len = t->sent = t->kept;
     }
     if (r < 0) {
-        end_turn(t, O_CLIENT_GONE, flush_errno, ended);
+        pump_end_turn(t, O_CLIENT_GONE, flush_errno, ended);
         return 0;
     }
     if (end >= 0)
@@ -285,14 +314,14 @@ read_once(turn *t, int closing, turn **ended)
     if (r > 0) { /* the client is slower than the upstream: hold the upstream until it has taken this */
         t->blocked = 1;
         if (pump_watch(t, 0, 0) < 0 || pump_watch(t, 1, 1) < 0)
-            end_turn(t, O_THREAD_ERROR, errno, ended);
+            pump_end_turn(t, O_THREAD_ERROR, errno, ended);
         return 0;
     }
     if (end >= 0) {
-        end_turn(t, O_END, 0, ended);
+        pump_end_turn(t, O_END, 0, ended);
         return 0;
     }
-    return (size_t)n == room || closing;
+    return 1;
 }
 
 /* The upstream's socket is watched edge-triggered, as nginx watches its sockets (level-triggered epoll
@@ -406,19 +435,7 @@ pump_main(void *arg)
         }
         pthread_mutex_lock(&pump_g.mu);
         pump_g.reads += reads;
-        while (ended != NULL) { /* to their sinks: the thread's reference goes with each */
-            turn *t = ended;
-            ended = t->next;
-            sink *k = t->sink;
-            int was_empty = k->done == NULL;
-            t->next = k->done;
-            k->done = t;
-            if (was_empty) {
-                uint64_t one = 1;
-                ssize_t w = write(k->efd, &one, sizeof one);
-                (void)w; /* an eventfd write fails only when its counter would overflow: already signalled */
-            }
-        }
+        pump_hand_over(ended);
         turn *dead = pump_g.cancelled;
         pump_g.cancelled = NULL;
         while (dead != NULL) {

@@ -109,6 +109,10 @@ PUMP_HIDDEN double pump_now(void);                     /* CLOCK_MONOTONIC second
 PUMP_HIDDEN void pump_sink_release(sink *k);           /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_turn_release(turn *t);           /* callers hold pump_g.mu */
 PUMP_HIDDEN int pump_watch(turn *t, int client, int on); /* callers hold t->mu */
+PUMP_HIDDEN int pump_grow(turn *t, size_t more);        /* room for a read of more bytes; callers hold t->mu */
+PUMP_HIDDEN int pump_relay_read(turn *t, size_t n, double t_read, turn **ended); /* callers hold t->mu */
+PUMP_HIDDEN void pump_end_turn(turn *t, int outcome, int err_no, turn **ended);  /* callers hold t->mu */
+PUMP_HIDDEN void pump_hand_over(turn *ended);           /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_unwatch(turn *t);                /* callers hold t->mu; closes the dups */
 PUMP_HIDDEN int pump_start_locked(long slice_us, int nice); /* callers hold pump_g.mu */
 PUMP_HIDDEN void pump_after_fork_in_child(void);

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -135,13 +136,43 @@ typedef struct {
     chunked_state s;
 } ChunkedEndView;
 
+/* The reads that came with the response head (``first``: (bytes, read time) each), relayed here, on the
+   caller's thread, as the thread relays its own (pump_relay_read), before the turn is watched: the thread
+   cannot see the turn meanwhile, so one that ends here (its whole body came with the head, or the client
+   has gone) goes straight to its sink with the thread's reference. A turn still active is then watched:
+   its upstream, or its client when the client did not take all of it. Called with t->mu held. */
+static void
+relay_first(turn *t, PyObject *first, Py_ssize_t nfirst)
+{
+    turn *ended = NULL;
+    for (Py_ssize_t i = 0; i < nfirst && t->state == T_ACTIVE && !t->blocked; i++) {
+        PyObject *r = PyList_GET_ITEM(first, i);
+        PyObject *data = PyTuple_GET_ITEM(r, 0);
+        size_t n = (size_t)PyBytes_GET_SIZE(data);
+        if (pump_grow(t, n) < 0) {
+            pump_end_turn(t, O_THREAD_ERROR, ENOMEM, &ended);
+            break;
+        }
+        memcpy(t->buf + t->len, PyBytes_AS_STRING(data), n);
+        pump_relay_read(t, n, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(r, 1)), &ended);
+    }
+    if (t->state == T_ACTIVE && !t->blocked && pump_watch(t, 0, 1) < 0)
+        pump_end_turn(t, O_THREAD_ERROR, errno, &ended);
+    if (ended != NULL) {
+        pthread_mutex_lock(&pump_g.mu);
+        pump_hand_over(ended);
+        pthread_mutex_unlock(&pump_g.mu);
+    }
+}
+
 static PyObject *
 Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *sink_obj, *framing;
+    PyObject *sink_obj, *framing, *first = NULL;
     int up, cl;
     Py_ssize_t keep = PY_SSIZE_T_MAX; /* bytes of the body to keep for measuring; by default all */
-    if (!PyArg_ParseTuple(args, "O!iiO|n:Turn", &SinkType, &sink_obj, &up, &cl, &framing, &keep))
+    if (!PyArg_ParseTuple(args, "O!iiO|nO!:Turn", &SinkType, &sink_obj, &up, &cl, &framing, &keep, &PyList_Type,
+                          &first))
         return NULL;
     if (keep < 0) {
         PyErr_SetString(PyExc_ValueError, "Turn: keep must be >= 0");
@@ -150,6 +181,15 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!Py_IS_TYPE(framing, ChunkedEndTypeRef)) {
         PyErr_SetString(PyExc_TypeError, "Turn needs the C ChunkedEnd as framing");
         return NULL;
+    }
+    Py_ssize_t nfirst = first != NULL ? PyList_GET_SIZE(first) : 0;
+    for (Py_ssize_t i = 0; i < nfirst; i++) { /* all checked before a byte of them is sent */
+        PyObject *r = PyList_GET_ITEM(first, i);
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(r, 0)) ||
+            !PyFloat_Check(PyTuple_GET_ITEM(r, 1))) {
+            PyErr_SetString(PyExc_TypeError, "Turn: first must be a list of (bytes, float) reads");
+            return NULL;
+        }
     }
     turn *t = calloc(1, sizeof(turn));
     if (t == NULL)
@@ -187,7 +227,7 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     pump_g.turns++;
     pthread_mutex_unlock(&pump_g.mu);
     pthread_mutex_lock(&t->mu); /* before the thread can see it */
-    if (self == NULL || pump_watch(t, 0, 1) < 0) {
+    if (self == NULL || (nfirst == 0 && pump_watch(t, 0, 1) < 0)) {
         err = errno;
         t->state = T_CANCELLED;
         pump_unwatch(t);
@@ -198,6 +238,8 @@ Turn_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         pthread_mutex_lock(&pump_g.mu);
         t->refs = 2; /* this object, the thread */
         pthread_mutex_unlock(&pump_g.mu);
+        if (nfirst > 0)
+            relay_first(t, first, nfirst);
     }
     pthread_mutex_unlock(&t->mu);
     if (!failed) {
@@ -447,8 +489,9 @@ static PyTypeObject TurnType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specproxy.wire._relayc.Turn",
     .tp_basicsize = sizeof(TurnObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Turn(sink, upstream_fd, client_fd, framing, keep=all): a body relayed by the relay thread, "
-              "keeping its first reads within keep bytes for measuring.",
+    .tp_doc = "Turn(sink, upstream_fd, client_fd, framing, keep=all, first=[]): a body relayed by the relay "
+              "thread, keeping its first reads within keep bytes for measuring; first: reads that came with the "
+              "response head, (bytes, perf_counter time) each, relayed before Turn returns.",
     .tp_new = Turn_new,
     .tp_dealloc = (destructor)Turn_dealloc,
     .tp_methods = Turn_methods,

@@ -24,24 +24,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from framing_strategies import chunked_bodies
-from relaykit import Ends, give_back_what_the_turns_kept, wait_done  # noqa: F401 (an autouse fixture)
+from relaykit import (  # noqa: F401 (fixtures)
+    Ends, ends, give_back_what_the_turns_kept, recv_until, sink, taken, tcp_ends, wait_done)
 
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire import memory, relay_thread
 
 relayc = relay_thread._relayc
 pytestmark = pytest.mark.skipif(relayc is None, reason="specproxy.wire._relayc is not built")
-
-
-def recv_until(sock: socket.socket, n: int, timeout: float = 5.0) -> bytes:
-    """Exactly ``n`` bytes from ``sock`` (bounded)."""
-    sock.settimeout(timeout)
-    got = bytearray()
-    while len(got) < n:
-        data = sock.recv(n - len(got))
-        assert data, f"the peer closed after {len(got)} of {n} bytes"
-        got += data
-    return bytes(got)
 
 
 def open_fds() -> int:
@@ -60,27 +50,6 @@ def fds_on(sock: socket.socket) -> int:
     return n
 
 
-@pytest.fixture
-def sink():
-    return relayc.Sink()
-
-
-@pytest.fixture
-def ends():
-    """Unix socket pairs for both sides of a turn (closed after the test, whatever it asserted)."""
-    e = Ends()
-    yield e
-    e.close()
-
-
-@pytest.fixture
-def tcp_ends():
-    """As ``ends``, with TCP on the upstream side (resets, send buffers)."""
-    e = Ends(socket.AF_INET)
-    yield e
-    e.close()
-
-
 def reference(prefix: bytes, rest: bytes) -> tuple[str, int | str]:
     """chunked.ChunkedEnd (the Python reference) fed the same two reads: ("end", index in rest),
     ("framing", message) or ("more", 0)."""
@@ -91,14 +60,6 @@ def reference(prefix: bytes, rest: bytes) -> tuple[str, int | str]:
     except FramingError as exc:
         return "framing", str(exc)
     return ("end", end) if end >= 0 else ("more", 0)
-
-
-def taken(turn) -> tuple[list[bytes], list[float], list[float]]:
-    reads: list[bytes] = []
-    rtimes: list[float] = []
-    wtimes: list[float] = []
-    turn.take(reads, rtimes, wtimes)
-    return reads, rtimes, wtimes
 
 
 # --- what reaches the client ----------------------------------------------------------------------------
