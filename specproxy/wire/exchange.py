@@ -128,14 +128,25 @@ class Exchange:
         else:
             framing = LengthEnd(0)
         self.framing = framing
-        relay = PythonRelay(self, conn.transport, out, framing, mode, self.recorder)
-        self.relay = relay
-        parked, eof = conn.start_body(relay.on_read, self._lost, self._let_go)
+        parked, eof = conn.start_body(self._lost, self._let_go)
         if head.framing == NO_BODY or (head.framing == LENGTH and head.length == 0):
             if parked:
                 conn.forbid_reuse()  # bytes after a body-less response: not a connection to reuse
             self.end("ok", None)
             return
+        upstream = conn.transport
+        if thread and not eof and upstream is not None:
+            # the thread relays the reads that came with the head too, before it returns
+            threaded = ThreadRelay.start(pool.turn_sink(), self, upstream, conn.fd, out, framing, self.recorder,
+                                         parked)
+            if threaded is not None:
+                self.relay = threaded
+                self._took, self._took_at = taken(out), clock()  # from where the client's progress counts
+                self._arm(self._look())  # soon enough to see the client hold the thread back (_send_left)
+                return
+        relay = PythonRelay(self, upstream, out, framing, mode, self.recorder)
+        self.relay = relay
+        conn.read_to(relay.on_read)
         for data, t_read in parked:
             relay.on_read(data, t_read)
             if self.outcome is not None:
@@ -143,18 +154,8 @@ class Exchange:
         if eof:
             self._lost(None)
             return
-        upstream = conn.transport
-        if upstream is None:
-            return
-        if thread and not relay.paused:
-            threaded = ThreadRelay.start(pool.turn_sink(), self, upstream, out, framing, self.recorder,
-                                         relay.last_activity)
-            if threaded is not None:
-                self.relay = threaded
-                self._took, self._took_at = taken(out), clock()  # from where the client's progress counts
-        # reads go on through the thread, or PythonRelay.on_read on the loop; the timer looks at the client
-        # soon enough to see it hold the body back (_send_left)
-        self._arm(self._look())
+        if upstream is not None:
+            self._arm(self._look())  # the upstream's idle deadline, and looks at the client
 
     @property
     def paused(self) -> bool:

@@ -29,7 +29,6 @@ from yarl import URL
 from specproxy.errors import UpstreamError
 from specproxy.wire.relay_thread import THREAD_BUILT, TurnSink
 from specproxy.wire.relay_thread import last_read as thread_last_read
-from specproxy.wire.sockets import plain_socket_fd
 from specproxy.wire.upstream import ConnState, UpstreamConn
 
 __all__ = ["POOL_IDLE_S", "SWEEP_S", "UpstreamPool"]
@@ -42,15 +41,14 @@ SWEEP_S = 1.0  # how often idle connections kept for client connections are chec
 _WAITING = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 
 
-def _pending(transport: asyncio.Transport, poller: select.poll) -> bool:
-    """Whether the socket under an idle connection has bytes waiting, its end of file, or an error (a
-    reset: not one to send on); a TLS connection is not looked at (its records are not the exchange's
-    bytes). One ``poll`` with no timeout on ``poller`` (the pool's, the loop's thread alone uses it).
+def _pending(fd: int | None, poller: select.poll) -> bool:
+    """Whether the socket under an idle connection (``fd``: its descriptor, None under TLS) has bytes
+    waiting, its end of file, or an error (a reset: not one to send on); a TLS connection is not looked at
+    (its records are not the exchange's bytes). One ``poll`` with no timeout on ``poller`` (the pool's, the loop's thread alone uses it).
 
     Why not a ``recv(1, MSG_PEEK)``: on a Python socket over the transport's descriptor it costs ~10 µs per
     checkout (the socket object, the timeout set, the ``BlockingIOError`` raised when nothing waits, the
     usual case), a poll ~1.4 µs (uvloop, this machine), and it tells the same three cases apart."""
-    fd = plain_socket_fd(transport)
     if fd is None:
         return False
     poller.register(fd, _WAITING)
@@ -129,7 +127,7 @@ class UpstreamPool:
                     self._cancel_idle_timer(conn)
                     transport = conn.transport
                     if transport is not None and not transport.is_closing() and conn.state is ConnState.IDLE:
-                        if not _pending(transport, self._poller):
+                        if not _pending(conn.fd, self._poller):
                             self._lend(conn, owner)
                             return conn
                     conn.close()

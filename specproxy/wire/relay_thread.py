@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 from specproxy.recorder import Recorder
@@ -28,6 +29,8 @@ __all__ = ["THREAD_BUILT", "NativeChunkedEnd", "ThreadRelay", "TurnSink", "ended
            "relay_nice"]
 
 log = logging.getLogger("specproxy.relay")
+
+clock = time.perf_counter
 
 try:
     from specproxy.wire import _relayc
@@ -65,22 +68,24 @@ class ThreadRelay:
         self._last = last_read  # the body's latest read before the thread took it
 
     @classmethod
-    def start(cls, sink: TurnSink, report: RelayReport, upstream: asyncio.Transport, out: asyncio.Transport,
-              framing: Any, recorder: Recorder | None, last_read: float) -> ThreadRelay | None:
-        """Hand the body to the thread: only when both ends are plain sockets and nothing of ours waits in
-        the client's write buffer (the thread's bytes must come after it). None: relay it on the loop."""
-        if out.is_closing() or out.get_write_buffer_size():
+    def start(cls, sink: TurnSink, report: RelayReport, upstream: asyncio.Transport, upstream_fd: int | None,
+              out: asyncio.Transport, framing: Any, recorder: Recorder | None,
+              first: list[tuple[bytes, float]]) -> ThreadRelay | None:
+        """Hand the body to the thread, with ``first``, the reads that came with the response head (the
+        thread's turn relays them before it returns): only when both ends are plain sockets and nothing of
+        ours waits in the client's write buffer (the thread's bytes must come after it). None: relay it on
+        the loop (nothing of the body has been relayed)."""
+        if upstream_fd is None or out.is_closing() or out.get_write_buffer_size():
             return None
-        up_fd = plain_socket_fd(upstream)
         client_fd = plain_socket_fd(out)
-        if up_fd is None or client_fd is None:
+        if client_fd is None:
             return None
-        relay = cls(sink, report, upstream, recorder, last_read)
+        relay = cls(sink, report, upstream, recorder, first[-1][1] if first else clock())
         upstream.pause_reading()  # from now on the thread reads this socket, not the loop
         try:
             # keep for measuring what the recorder has room for; of an unmeasured turn, nothing
             keep = max(recorder.room, 0) if recorder is not None else 0
-            relay.turn = sink.start(relay, up_fd, client_fd, framing, keep)
+            relay.turn = sink.start(relay, upstream_fd, client_fd, framing, keep, first)
         except OSError:
             upstream.resume_reading()
             return None
@@ -155,10 +160,12 @@ class TurnSink:
         self.closed = False
         self.started = 0  # turns handed to the thread: tests read it to know the thread took a body
 
-    def start(self, relay: ThreadRelay, upstream_fd: int, client_fd: int, framing: Any, keep: int):
-        """The thread relays the body from now on, keeping its first reads within ``keep`` bytes for
-        measuring. Raises OSError (no descriptor left, no thread)."""
-        turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing, keep)
+    def start(self, relay: ThreadRelay, upstream_fd: int, client_fd: int, framing: Any, keep: int,
+              first: list[tuple[bytes, float]]):
+        """The thread relays the body from now on, ``first`` (reads that came with the head) at once, keeping
+        its first reads within ``keep`` bytes for measuring. Raises OSError (no descriptor left, no thread:
+        nothing was relayed then)."""
+        turn = _relayc.Turn(self._sink, upstream_fd, client_fd, framing, keep, first)
         self._relays[turn.id] = relay
         self.started += 1
         return turn

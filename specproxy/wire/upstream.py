@@ -34,7 +34,7 @@ from specproxy.errors import UpstreamError
 from specproxy.frames.chunked import ChunkedEnd, FramingError
 from specproxy.wire.relay import DECHUNK, ENCODE, PASS
 from specproxy.wire.response_head import CHUNKED, CLOSE, LENGTH, NO_BODY, ResponseHead, parse_head
-from specproxy.wire.sockets import no_delay
+from specproxy.wire.sockets import no_delay, plain_socket_fd
 
 __all__ = [
     "CHUNKED",
@@ -86,12 +86,14 @@ class ConnHome(Protocol):
 class UpstreamConn(asyncio.Protocol):
     """One connection to the upstream, carrying one exchange at a time.
 
-    ``send`` a request and await its head; then ``start_body`` names who gets the body's reads (and
-    which reads came meanwhile); ``body_lost`` is told if the connection goes during the body."""
+    ``send`` a request and await its head; then ``start_body`` says which reads came meanwhile and whom to
+    tell if the connection goes during the body, and ``read_to`` names who gets its reads on the loop (none
+    while the relay thread reads the socket)."""
 
     def __init__(self, home: ConnHome) -> None:
         self.home = home
         self.transport: asyncio.Transport | None = None
+        self.fd: int | None = None  # the socket's descriptor, where the transport's bytes are the wire's (no TLS)
         self.state = IDLE
         self._head_buf = b""
         self._head_waiter: asyncio.Future | None = None
@@ -116,6 +118,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.fd = plain_socket_fd(transport)
         no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -129,15 +132,20 @@ class UpstreamConn(asyncio.Protocol):
             self._on_head_bytes(data, t_read)
         elif state is PARKED:
             self._parked.append((data, t_read))
-        else:  # bytes nobody asked for: this connection cannot be trusted with another exchange
-            self.reusable = False
-            self.transport.close()
+        else:
+            self._stray(data, t_read)
+
+    def _stray(self, data: bytes, t_read: float) -> None:
+        """Bytes nobody asked for: this connection cannot be trusted with another exchange."""
+        self.reusable = False
+        self.transport.close()
 
     def eof_received(self) -> bool:
         return False  # close our side too: HTTP/1.1 has no half-closed exchanges
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
+        self.fd = None  # the number may name another socket from now on
         self.reusable = False
         self._cancel_timer()
         state = self.state
@@ -177,19 +185,23 @@ class UpstreamConn(asyncio.Protocol):
         self._arm_timer()
         return self._head_waiter
 
-    def start_body(self, reader: Callable[[bytes, float], None], lost: Callable[[BaseException | None], None],
+    def start_body(self, lost: Callable[[BaseException | None], None],
                    letgo: Callable[[], None]) -> tuple[list[tuple[bytes, float]], bool]:
-        """From now on each read of the body goes to ``reader``, a lost connection to ``lost``, and
-        ``letgo`` is called before the connection is closed (the relay thread lets go of the sockets
-        first). Returns the reads that came with or after the head (with their times) and whether the
-        upstream has closed."""
+        """The body begins: a lost connection goes to ``lost`` from now on, and ``letgo`` is called before the
+        connection is closed (the relay thread lets go of the sockets first). Returns the reads that came
+        with or after the head (with their times) and whether the upstream has closed. Reads on the loop
+        go nowhere until ``read_to`` names their reader."""
         assert self.state is PARKED and self.head is not None
         self.state = BODY
-        self._reader = reader
+        self._reader = self._stray
         self._lost = lost
         self._letgo = letgo
         parked, self._parked = self._parked, []
         return parked, self._eof
+
+    def read_to(self, reader: Callable[[bytes, float], None]) -> None:
+        """Each read of the body on the loop goes to ``reader`` (the loop's relay) from now on."""
+        self._reader = reader
 
     def end_body(self) -> None:
         """The exchange ended: no read goes anywhere until the pool makes the connection idle again."""

@@ -14,6 +14,7 @@ import socket
 import struct
 
 from specproxy.wire.pool import _pending
+from specproxy.wire.sockets import plain_socket_fd
 
 
 class _Quiet(asyncio.Protocol):
@@ -38,7 +39,7 @@ async def _pair() -> tuple[asyncio.Transport, socket.socket, socket.socket]:
 async def _until(transport: asyncio.Transport, poller: select.poll, want: bool) -> bool:
     """The look's answer once what the peer did has arrived (loopback: within a few loop turns)."""
     for _ in range(200):  # bounded: loopback delivers within microseconds
-        if _pending(transport, poller) == want:
+        if _pending(plain_socket_fd(transport), poller) == want:  # the descriptor, as the connection keeps it
             return want
         await asyncio.sleep(0.005)
     return not want

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(relay_thread._relayc is None, reason="specproxy.
 
 def body_after_head_stack(make_stack, tok, body: bytes):
     """A proxy in front of an upstream that sends a stream's head, then ``body`` (chunked) only once the
-    client has the head: by then the loop has handed the body to the relay thread (bytes that came with
-    the head would be relayed by the loop). Returns the stack and ``fetch(hold)``, a coroutine for the
+    client has the head: by then the loop has handed the body to the relay thread, and the thread reads
+    every byte of it (bytes that came with the head are relayed as the turn begins, on the loop's thread:
+    test_a_body_that_came_with_its_head_goes_to_the_thread_with_it). Returns the stack and ``fetch(hold)``, a coroutine for the
     stack's loop: one chat request, the head, then the body to its end; returns the client's writer
     (``hold()`` runs just before the request is sent)."""
     import asyncio
@@ -134,6 +135,65 @@ def test_the_reads_become_python_objects_in_the_measuring_thread(make_stack, tik
     (rec,) = db_records(stack, 1)
     assert rec["outcome"] == "ok" and rec["chunks"] == 20
     assert takers and all(ident != loop_thread and n > 0 for ident, n in takers)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole body with the head", "first chunks with the head"])
+def test_a_body_that_came_with_its_head_goes_to_the_thread_with_it(make_stack, tiktoken_tok, monkeypatch, whole):
+    """The upstream writes the head and the body's first chunks (or all of it) at once: the loop reads them
+    with the head, and the exchange hands them to the thread's turn with the body; the loop's relay is never
+    made, and the record is the same as when the thread read every byte."""
+    import asyncio
+
+    from faultkit import ScriptedUpstream, db_records, post_head
+
+    from specproxy.wire import relay
+
+    made: list[str] = []  # the relays made, by kind
+    real_init, real_start = relay.PythonRelay.__init__, relay_thread.TurnSink.start
+
+    def counted_init(self, *args, **kwargs):
+        made.append("loop")
+        real_init(self, *args, **kwargs)
+
+    def counted_start(self, *args, **kwargs):
+        turn = real_start(self, *args, **kwargs)
+        made.append("thread")
+        return turn
+
+    monkeypatch.setattr(relay.PythonRelay, "__init__", counted_init)
+    monkeypatch.setattr(relay_thread.TurnSink, "start", counted_start)
+    body = sse_body([f"w{i}" for i in range(6)])
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    cut = len(body) if whole else body.index(b"w3") - 40  # mid-chunk: the thread takes the framing from there
+
+    async def respond(_req, writer, _i):
+        writer.write(head + body[:cut])
+        await writer.drain()
+        if not whole:
+            await asyncio.sleep(0.05)  # a scripted server's next decoding step
+            writer.write(body[cut:])
+            await writer.drain()
+        return True
+
+    stack = make_stack(tiktoken_tok, raw_script=ScriptedUpstream(respond).serve, scrape_interval_s=0)
+
+    async def go():
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.service.port)
+        writer.write(post_head("/v1/chat/completions", b'{"model":"m","stream":true,"messages":[]}'))
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        got = b""
+        while not got.endswith(body):
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, "the proxy closed before the end of the body"
+            got += data
+        writer.close()
+        return got
+
+    assert stack.run(go()) == body
+    (rec,) = db_records(stack, 1)
+    assert rec["outcome"] == "ok" and rec["chunks"] == 6 and rec["completion_tokens"] > 0
+    assert made == ["thread"]
 
 
 # --- the thread's scheduler slice -------------------------------------------------------------------------
