@@ -196,7 +196,7 @@ def unmeasured_record(turn: TurnRecorder, error: str) -> Record:
         turn,
         outcome="proxy_error",
         error=f"{error}; forwarding outcome {turn.outcome}"[:300],
-        response_bytes=turn.kept_bytes,
+        response_bytes=turn.response_kept,
     )
 
 

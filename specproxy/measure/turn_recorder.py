@@ -201,6 +201,12 @@ class TurnRecorder:
             self.capped = self.capped or turn.capped
             self.budget_capped = self.budget_capped or getattr(turn, "capped_budget", False)
 
+    @property
+    def response_kept(self) -> int:
+        """Bytes of the response kept for measuring: the reads appended, and those the relay thread still
+        holds (before ``take_relayed``, or when it never ran: measuring failed first)."""
+        return self.kept_bytes + (self.relayed.kept if self.relayed is not None else 0)
+
     # --- the memory budget: what this turn holds, and letting go of it -----------------------------
 
     def charged(self) -> int:
