@@ -130,7 +130,8 @@ def render_first_chunks(summary: dict, cs: list[int], paths: list[str]) -> str |
         return None
     L = ["A turn's first chunk, against all chunks (µs added to direct's in the same round, median over rounds; "
          "first chunks are about 1% of all, where p99 sits; through specproxy one that comes with the response "
-         "head is written by the event loop, the rest by the relay thread):", "",
+         "head is written on the event loop's thread, as the relay thread's turn begins; the rest by the relay "
+         "thread):", "",
          "| C | path | first chunk: added p50 | added p99 | all chunks: added p50 | added p99 |",
          "|---:|---|---:|---:|---:|---:|"]
     for c, p, row in rows:
