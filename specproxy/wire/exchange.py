@@ -9,7 +9,8 @@ The handler (``serve/proxy.py``) makes one per request: ``send`` (a connection f
 the response head; a kept-alive connection the upstream closed as the request went out is tried once
 more on a new one), then, once the client has the response head, ``attach`` starts the body: to the relay
 thread (``relay_thread.ThreadRelay``) when it is a chunked body passed through and the thread can take
-it, else on the loop (``relay.PythonRelay``); either reports back through ``relay_ended``. The handler
+it, the reads that came with the head included, else on the loop (``relay.PythonRelay``); either reports
+back through ``relay_ended``. The handler
 waits on ``wait()``, which returns when the body has ended (``outcome``) or when the client's transport is
 full (``paused``): then it waits for the client to drain and calls ``resume()``.
 
