@@ -23,7 +23,7 @@ PHASES = (
     ("specproxy.measure.build", "read_response", "the response read", False),
     ("specproxy.measure.response_body", "join_reads", "its framing joined (C)", True),
     ("specproxy.measure.fast_texts", "_Gather.event", "its events read one by one (orjson, read_chunk)", True),
-    ("specproxy.measure.fast_texts", "_content_template", "its template derived (inside an event's read)", True),
+    ("specproxy.measure.fast_texts", "content_template", "its template derived (inside an event's read)", True),
     ("specproxy.measure.build", "count_completion", "the completion counted (tiktoken)", False),
     (None, "count_prompt", "the prompt counted (the tokenizer's memos)", False),
     ("specproxy.measure.prefix", "PrefixTracker.observe", "the prompt compared with the session's last", False),

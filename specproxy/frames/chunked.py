@@ -22,12 +22,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-__all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_reads"]
+__all__ = ["MAX_LINE_BYTES", "ChunkedEnd", "Dechunked", "FramingError", "dechunk_reads", "join_reads", "scans"]
 
 try:  # the per-chunk scans in C (setup.py; optional); measure/fast_texts.py takes them from here too
-    from specproxy.frames import _scanc
+    from specproxy.frames import _scanc as scans
 except ImportError:  # no C compiler at install: the Python references read every turn, same results
-    _scanc = None
+    scans = None
 
 _HEX = b"0123456789abcdefABCDEF"
 MAX_LINE_BYTES = 4096  # a chunk-size or trailer line's most bytes, CRLF aside (_chunked.h's CHUNKED_MAX_LINE)
@@ -166,11 +166,11 @@ def join_reads(reads: list[bytes], chunked: bool, let_go: Callable[[], None] | N
     empty, so a large body is held about once while it is joined, not twice: ``let_go`` (the process's
     way to give freed heap pages back to the system, ``wire.memory.trim``) is called after every 16 MiB
     of reads let go of, since the allocator keeps them otherwise. By the native parser when
-    ``_scanc`` is built (``_scanc.join_frames``); otherwise, or when the framing is malformed, None with
+    ``_scanc`` is built (``scans.join_frames``); otherwise, or when the framing is malformed, None with
     ``reads`` untouched (``dechunk_reads`` then decides, and says what is wrong)."""
-    if _scanc is None:
+    if scans is None:
         return None
-    return _scanc.join_frames(reads, chunked, let_go)
+    return scans.join_frames(reads, chunked, let_go)
 
 
 def _stepwise(reads: list[bytes], out: Dechunked) -> Dechunked:

@@ -2,7 +2,7 @@
 (and a number the measuring never reads), so that a run of them can be read many at once.
 
 Most chunks of a stream differ only in their content string (and often a timestamp). Once that is
-proved on one chunk (``_content_template``, ``_varying_number``), a run of the chunks that follow is
+proved on one chunk (``content_template``, ``_varying_number``), a run of the chunks that follow is
 read by one C call (``_scanc.template_run``, from ``fast_texts``), which checks each event's bytes
 against the template and decodes its string. No regular expression holds a template's bytes:
 compiling one costs more than the whole turn, and the chunk id differs every turn.
@@ -14,7 +14,7 @@ import re
 
 import orjson
 
-__all__ = ["MAX_VARYING_DIGITS"]
+__all__ = ["MAX_VARYING_DIGITS", "ChunkTemplate", "content_template"]
 
 # a "content" key and its value's opening quote (a literal first, so the search is fast; a key whose
 # opening quote is escaped is skipped by the caller), and the rest of a JSON string up to its closing quote
@@ -22,7 +22,7 @@ _CONTENT_KEY = re.compile(rb'"content"[ \t]*:[ \t]*"')
 _STRING_REST = re.compile(rb'(?:[^"\\]|\\.)*+')
 
 
-def _content_template(seg: bytes, obj: dict, content: str, texts: list[str]) -> _Template | None:
+def content_template(seg: bytes, obj: dict, content: str, texts: list[str]) -> ChunkTemplate | None:
     """A template of the events that are ``seg`` but for their content string, if provably safe.
 
     ``seg`` is ``data: `` + JSON that parsed to ``obj``, a chunk that ``openai.read_chunk`` reads as the
@@ -60,7 +60,7 @@ def _content_template(seg: bytes, obj: dict, content: str, texts: list[str]) -> 
     if other != obj:
         return None
     head, dlen, closing = _varying_number(prefix[6:] + raw, suffix, obj)
-    return _Template(prefix, head, dlen, closing, texts)
+    return ChunkTemplate(prefix, head, dlen, closing, texts)
 
 
 # the chunk fields the measuring reads (openai.read_chunk): a digit run anywhere else cannot change a Record
@@ -97,9 +97,9 @@ def _varying_number(json_head: bytes, suffix: bytes, obj: dict) -> tuple[bytes, 
     return suffix, 0, b""
 
 
-class _Template:
+class ChunkTemplate:
     """The events ``prefix + body + head + digits + closing`` of one plain content chunk
-    (``_content_template``): ``"body"`` a JSON string and, when the chunk has a varying number, ``dlen``
+    (``content_template``): ``"body"`` a JSON string and, when the chunk has a varying number, ``dlen``
     digits of the allowed shape between ``head`` and ``closing`` (without one, ``head`` is all the rest).
     A run of them is read by ``_scanc.template_run``; ``texts``: the list their text goes to."""
 

@@ -12,14 +12,14 @@ the events that make up almost all of a stream.
   offsets: the same read the SSE decoder reports.
 * Templates: most chunks of a stream differ only in their content string (and often a timestamp). Once
   a template is proved on one chunk (``chunk_templates``), a run of the chunks that follow is one C call
-  (``_scanc.template_run``) that checks each event's bytes, decodes its JSON string and joins the
+  (``scans.template_run``) that checks each event's bytes, decodes its JSON string and joins the
   text: no object per event.
 * Every other event (the first ones, the last ones, another shape) is parsed with orjson and read by
   ``openai.read_chunk``, the reference's own reader: a chat chunk is read one way. A chunk with a tool
   call is never a template's (its delta holds ``tool_calls``), so the tools called (``Texts.calls``)
   cost nothing on the chunks that have none.
 * When the chunks arrived (for the per-chunk metrics; a chunk is any event with data, ``[DONE]`` too):
-  one C call (``_scanc.chunk_gaps``) counts the events each read ended, less those with no data (a
+  one C call (``scans.chunk_gaps``) counts the events each read ended, less those with no data (a
   bare ``data: ``), and buckets the gaps between them (``Texts.gaps``).
 
 Without ``specproxy.frames._scanc`` (no C compiler at install) there is no native reader:
@@ -36,13 +36,13 @@ from bisect import bisect_right
 
 import orjson
 
-from specproxy.frames.chunked import _scanc  # the per-chunk scans in C; None when not built
+from specproxy.frames.chunked import scans  # the per-chunk scans in C; None when not built
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S
-from specproxy.measure.chunk_templates import _Template, _content_template
+from specproxy.measure.chunk_templates import ChunkTemplate, content_template
 from specproxy.measure.openai import read_chunk
-from specproxy.measure.texts import Texts, _take_accounting
+from specproxy.measure.texts import Texts, take_accounting
 
-C_BUILT = _scanc is not None
+C_BUILT = scans is not None
 
 __all__ = ["C_BUILT", "read_chat_stream"]
 
@@ -56,7 +56,7 @@ def _read_chat_stream(buf: bytes, ends: list[int], times: list[float]) -> Texts 
     if len(times) < nreads or b"\r" in buf:
         return None
     g = _Gather()
-    run = _scanc.template_run
+    run = scans.template_run
     find = buf.find
     n = len(buf)
     pos = 0
@@ -110,7 +110,7 @@ class _Gather:
         self.parts: dict[tuple[int, str], list[str]] = {}
         self.chunks = 0
         self.t_last: float | None = None
-        self.tmpl: _Template | None = None
+        self.tmpl: ChunkTemplate | None = None
         self.derive = 3
         self.skip: list[int] = []  # the read of each event ended by a blank line that had no data (no chunk)
         self.tail_chunk = False  # the stream's tail (an event not ended by a blank line) had data: a chunk
@@ -155,10 +155,10 @@ class _Gather:
             if self.derive and _plain_content(delta):
                 self.derive -= 1
                 (key, content), = dt.items()
-                derived = _content_template(seg, obj, content, self.parts[key])
+                derived = content_template(seg, obj, content, self.parts[key])
                 if derived is not None:
                     self.tmpl = derived
-        _take_accounting(acc, delta)
+        take_accounting(acc, delta)
         return True
 
     def texts(self, buf: bytes, ends: list[int], times: list[float]) -> Texts:
@@ -167,12 +167,12 @@ class _Gather:
         out.chunks = self.chunks
         out.t_last = self.t_last
         if out.t_first_event is not None:  # a chunk came (an event with data): counted and bucketed in C
-            out.gaps = _scanc.chunk_gaps(buf, ends, times, self.skip, self.tail_chunk, GAP_BOUNDS_S)
+            out.gaps = scans.chunk_gaps(buf, ends, times, self.skip, self.tail_chunk, GAP_BOUNDS_S)
         return out
 
 
 def _plain_content(delta) -> bool:
     """The chunk was read as one choice's content and nothing else: a template may be derived from it
-    (``_content_template`` proves the rest)."""
+    (``content_template`` proves the rest)."""
     return (len(delta.texts) == 1 and next(iter(delta.texts))[1] == "content" and delta.usage is None
             and delta.timings is None and delta.finish_reason is None and not delta.calls)

@@ -7,7 +7,7 @@ reader too (``fast_texts.read_chat_stream``), which must give identical ``Texts`
 the reference alone would cost about half the proxy's whole CPU budget per chunk (docs/performance.md,
 "Design figures"). Which reads a turn is ``Api.read_stream``'s choice (``apis.py``). What an event says
 besides its text (usage, timings, finish reason, ``[DONE]``, an error) is taken by one rule,
-``_take_accounting``, for every path.
+``take_accounting``, for every path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from specproxy.measure.json_keys import sole_key
 from specproxy.measure.openai import parse_json, read_chunk, read_full_response
 from specproxy.frames.sse import SSEDecoder
 
-__all__ = ["Texts", "body_accounting", "body_texts", "stream_texts_reference"]
+__all__ = ["Texts", "body_accounting", "body_texts", "stream_texts_reference", "take_accounting"]
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ def _stream_event(texts: Texts, ev, times: list[float], read) -> None:
         texts.bad_events += 1
         return
     texts.add(delta.texts, t)
-    _take_accounting(texts, delta)
+    take_accounting(texts, delta)
 
 
 def body_texts(body: bytes, times: list[float], read=read_full_response) -> Texts:
@@ -124,7 +124,7 @@ def body_texts(body: bytes, times: list[float], read=read_full_response) -> Text
         texts.unreadable = "response body was not JSON"
         return texts
     texts.add(delta.texts, times[-1])  # a non-streamed answer is usable only once it is whole
-    _take_accounting(texts, delta)
+    take_accounting(texts, delta)
     return texts
 
 
@@ -185,7 +185,9 @@ def _object_end(body: bytes, start: int, limit: int = 1 << 16) -> int | None:
     return None
 
 
-def _take_accounting(texts: Texts, delta) -> None:
+def take_accounting(texts: Texts, delta) -> None:
+    """What one event says besides its text (usage, timings, finish reason, ``[DONE]``, an error, the
+    calls it names), into ``texts``: the one rule for every reader of a stream, native or not."""
     if delta.usage is not None:
         texts.usage = delta.usage  # servers may send usage cumulatively: the last one wins
     if delta.timings is not None:

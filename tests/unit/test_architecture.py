@@ -38,10 +38,14 @@ def _foreign_underscores(path: Path) -> list[str]:
     return found
 
 
-def test_the_wire_reads_no_other_modules_underscore_names():
+def test_the_wire_and_measuring_read_no_other_modules_underscore_names():
     """The wire's modules talk through public names (the pool's checkout, check-in and discard; the relay
     interface; the Recorder protocol), so that each can change inside without the others knowing; the
-    one handler that drives an exchange (serve/proxy.py) likewise."""
-    files = sorted((ROOT / "specproxy" / "wire").glob("*.py")) + [ROOT / "specproxy" / "serve" / "proxy.py"]
+    one handler that drives an exchange (serve/proxy.py) likewise; and so do measuring's readers (the
+    native chat reader takes the chunk templates, the accounting rule and the C scans by public names)
+    and the framing they read."""
+    packages = ("wire", "measure", "frames")
+    files = [p for pkg in packages for p in sorted((ROOT / "specproxy" / pkg).glob("*.py"))]
+    files.append(ROOT / "specproxy" / "serve" / "proxy.py")
     found = [hit for path in files for hit in _foreign_underscores(path)]
     assert found == [], found

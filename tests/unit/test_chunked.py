@@ -174,7 +174,7 @@ def _joined(reads: list[bytes]):
     return expected, (b"".join(expected), ends, expected.complete)
 
 
-needs_scanc = pytest.mark.skipif(chunked_mod._scanc is None, reason="specproxy.frames._scanc is not built")
+needs_scanc = pytest.mark.skipif(chunked_mod.scans is None, reason="specproxy.frames._scanc is not built")
 
 
 def join_whole_frames(reads):

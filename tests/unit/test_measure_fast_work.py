@@ -27,15 +27,15 @@ class _Watch:
         self.loads = counting_loads(monkeypatch)
         self.parses = 0
         self.derivations = 0
-        derive = fast_texts._content_template
+        derive = fast_texts.content_template
 
         def counted_derive(*args):
             self.derivations += 1
             return derive(*args)
 
-        monkeypatch.setattr(fast_texts, "_content_template", counted_derive)
+        monkeypatch.setattr(fast_texts, "content_template", counted_derive)
         self.c_runs: list[int] = []  # events each template_run call read
-        scanc, runs = fast_texts._scanc, self.c_runs
+        scanc, runs = fast_texts.scans, self.c_runs
 
         class _Recorded:
             join_frames = staticmethod(scanc.join_frames)
@@ -47,7 +47,7 @@ class _Watch:
                 runs.append(out[0])
                 return out
 
-        monkeypatch.setattr(fast_texts, "_scanc", _Recorded)
+        monkeypatch.setattr(fast_texts, "scans", _Recorded)
 
     def read(self, reads: list[bytes]):
         """``reads`` read by the native reader (checked equal to the reference)."""

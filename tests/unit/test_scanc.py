@@ -27,7 +27,7 @@ from specproxy.measure.build import build_record
 from specproxy.measure.chunk_gaps import GAP_BOUNDS_S, gap_buckets
 from specproxy.measure.texts import Texts
 
-_scanc = fast_texts._scanc
+_scanc = fast_texts.scans
 pytestmark = pytest.mark.skipif(_scanc is None, reason="specproxy.frames._scanc is not built")
 
 PREFIX, HEAD, CLOSING = b'data: {"choices":[{"delta":{"content":"', b'"}}],"t":', b"}"
