@@ -40,7 +40,8 @@ def reads_of(body: bytes, cuts: list[int]) -> list[bytes]:
 @given(body=chunked_bodies(), cuts=st.lists(st.integers(0, 3000), max_size=4), rest_at=st.integers(0, 5))
 def test_the_client_gets_what_the_reference_decides_from_the_first_reads_and_the_rest(body, cuts, rest_at):
     """The body cut into reads; the first ``rest_at`` of them came with the head, the others are in the
-    upstream's socket. The Python reference, fed the same reads in order, decides: the client gets the
+    upstream's socket before the turn starts (the thread takes them in one read, as the reference is fed
+    them). The Python reference, fed the same reads in order, decides: the client gets the
     body up to its end and nothing past it, nothing of a malformed read, and the reads kept are what it got."""
     reads = reads_of(body, cuts)
     first, rest = reads[:rest_at], b"".join(reads[rest_at:])
