@@ -312,7 +312,6 @@ async def _run_blocks(service: Service, collector: _Collector, plan: BenchPlan, 
     """Every block of the schedule (arm, instance): restart, warm up, then its rounds."""
     await service.start()
     assert service.proxy is not None
-    default_instance = service.proxy.instance_id
     async with _session() as session:
         for arm, k in schedule(plan.arms, plan.instances):
             if run.interrupted:
@@ -325,9 +324,9 @@ async def _run_blocks(service: Service, collector: _Collector, plan: BenchPlan, 
                 await asyncio.to_thread(run_restart, command, arm, k, plan.ready_timeout_s)
                 instance = f"bench-{run.run_id}-{arm}-{k}"
                 run.instance_ids[(arm, k)] = instance
-                service.proxy.instance_id = lambda instance=instance: instance
+                service.proxy.instance_override = instance
             else:
-                service.proxy.instance_id = default_instance
+                service.proxy.instance_override = None
             progress.phase(f"{arm} #{k}: waiting for the server")
             await wait_ready(base, plan.ready_timeout_s, arm=arm, instance=k, fail_fast=plan.restart_cmd is None,
                              note=note)

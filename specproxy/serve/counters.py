@@ -124,7 +124,8 @@ class OtlpCounts(Protocol):
 
 
 class Counters:
-    """The proxy's own counts, changed through its methods (on the loop), and the store's and the server
+    """The proxy's own counts, changed through its methods (on the loop) but for the two gauges of requests
+    in flight, which ``Proxy.exchange`` and ``Proxy.forward`` move themselves, and the store's and the server
     watch's read beside them (``read``). ``store`` and ``scrape_failures`` are where those live; the
     memory budget is the proxy's (set once it is known, ``memory_budget``)."""
 
@@ -138,8 +139,8 @@ class Counters:
         self.otlp = otlp
         self.sinks = sinks
         self.scrape_failures = scrape_failures
-        self.in_flight = 0  # every request being handled
-        self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees
+        self.in_flight = 0  # every request being handled (``Proxy.exchange``)
+        self.measured_in_flight = 0  # measured turns in flight: the operating point the upstream sees (``Proxy.forward``)
         self.rejected_busy = 0
         self.rejected_bad = 0  # malformed, ambiguous, too large or too slow requests, never forwarded
         self.rejected_memory = 0  # request bodies refused (503) because the memory budget had no room
@@ -150,19 +151,6 @@ class Counters:
         self.memory_budget = 0
 
     # --- the changes, each in one place -----------------------------------------------------------
-
-    def request_began(self) -> None:
-        self.in_flight += 1
-
-    def request_ended(self) -> None:
-        self.in_flight -= 1
-
-    def turn_began(self) -> None:
-        """A measured turn (``measure.apis.is_measured``) is being forwarded: the operating point rises."""
-        self.measured_in_flight += 1
-
-    def turn_ended(self) -> None:
-        self.measured_in_flight -= 1
 
     def rejected(self, why: Rejection) -> None:
         """A request refused before it was forwarded: over ``max_concurrent`` (busy), malformed, ambiguous,

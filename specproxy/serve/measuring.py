@@ -45,17 +45,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from specproxy.measure.build import build_record, unmeasured_record
 from specproxy.measure.prefix import PrefixTracker
 from specproxy.measure.tokens import Tokenizer
 from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.record import Record
+from specproxy.store.captures import capture_item
 from specproxy.wire import memory
 from specproxy.wire.os_thread import name_os_thread
 
-__all__ = ["MAX_DEFER_S", "QUIET_S", "Built", "MeasuringWorker", "Store", "where"]
+__all__ = ["MAX_DEFER_S", "QUIET_S", "Built", "MeasuringWorker", "RecordQueue", "Store", "to_writer", "where"]
 
 log = logging.getLogger("specproxy.serve.measuring")
 
@@ -83,8 +84,30 @@ class Built(NamedTuple):
 
 
 # a finished turn's record (with ``capture``, its request body too) into the store's queue: called in this
-# thread, never blocks; True when the store took the record
+# thread, never blocks; True when the store took the record (``to_writer``, or a test's own)
 Store = Callable[[TurnRecorder, Record], bool]
+
+
+class RecordQueue(Protocol):
+    """The store's queue (``store.writer.Writer``): a put that never blocks; False when it dropped the item."""
+
+    def put(self, item: Any) -> bool: ...
+
+
+def to_writer(writer: RecordQueue | None, capture: bool) -> Store:
+    """The measuring thread's ``Store``: each record straight into the writer's queue, and with ``capture``
+    a measured turn's request body as the client sent it, beside its record (``store/captures.py``). No
+    writer: records go nowhere, taken."""
+    if writer is None:
+        return lambda turn, record: True
+
+    def store(turn: TurnRecorder, record: Record) -> bool:
+        stored = writer.put(record)
+        if capture and record.measured:
+            writer.put(capture_item(turn.id, turn.t_wall, turn.method, turn.path, turn.request_encoding, turn.body))
+        return stored
+
+    return store
 Done = Callable[[list[Built]], None]
 # a finished turn's Record, with the worker's tokenizer and the sessions' previous turns (``build_record``)
 Build = Callable[[TurnRecorder, Tokenizer | None, PrefixTracker], Record]

@@ -25,8 +25,8 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from specproxy.config import Config
 from specproxy.measure.apis import is_measured
@@ -45,7 +45,7 @@ from specproxy.wire.exchange import Exchange
 from specproxy.wire.pool import UpstreamPool
 from specproxy.wire.upstream import UpstreamError
 
-__all__ = ["Proxy", "conn_id", "where"]
+__all__ = ["Proxy", "Sink", "TurnMetrics", "TurnWatch", "conn_id", "where"]
 
 log = logging.getLogger("specproxy.serve.proxy")
 
@@ -81,20 +81,35 @@ def conn_id(transport: asyncio.BaseTransport | None) -> int | None:
 
 
 # What the service gives the proxy, each at construction (``service.py`` composes them):
-# each turn that ended: its id, when its request was read, when the measured turn before it ended, and
-# whether it ran alone (``watch.ServerWatch.turn_ended``: to join it with the server's counter deltas)
-TurnEnded = Callable[[str, float, float, bool], object]
-# each record, on the loop, after the measuring thread handed it to the store (``Store``): its stream's
-# per-chunk times (None when its measuring failed) and whether the store took it (/metrics counts only those)
-Heard = Callable[[Record, StreamTiming | None, bool], object]
+class TurnWatch(Protocol):
+    """Who watches the upstream's own counters beside the turns (``watch.ServerWatch``)."""
+
+    # the upstream instance a turn starting now is stamped with (None: not known); read once a turn
+    instance_id: str | None
+
+    def turn_ended(self, turn_id: str, t_request: float, prev_done: float) -> object:
+        """A measured turn that ran alone ended (its id, when its request was read, when the measured turn
+        before it ended): to join it with the server's counter deltas over it."""
+
+
+class TurnMetrics(Protocol):
+    """What hears of each measured record the store took, on the loop (``own_metrics.OwnMetrics``)."""
+
+    def record(self, r: Record, timing: StreamTiming | None) -> object: ...
+
+
+# each measured record, on the loop, whether the store took it or not (tests, ``bench``): it must not raise
+Sink = Callable[[Record], object]
 # specproxy's own pages (``admin.Admin.handle``), answered by aiohttp's front: the lane declines them
 AdminPages = Callable[[Any], Awaitable[Any]]
 
 
 class Proxy:
     """Holds the upstream pool, the measuring worker and what it was given: the counters it and the fronts
-    keep (``counters.Counters``), where records go (``store``, in the measuring thread; ``heard``, on the
-    loop) and who hears of turns ending (``on_turn_end``) or answers the reserved pages (``admin``)."""
+    keep (``counters.Counters``), where records go (``store``, in the measuring thread; ``metrics`` and
+    ``sinks``, on the loop), who watches the upstream beside the turns (``watch``) and who answers the
+    reserved pages (``admin``). ``instance_override``, when set, stamps every turn instead of the watch's
+    instance (``bench``, whose restarts name their own)."""
 
     def __init__(
         self,
@@ -103,9 +118,9 @@ class Proxy:
         tokenizer: Tokenizer | None,
         counters: Counters,
         store: Store,
-        heard: Heard,
-        instance_id: Callable[[], str | None] = lambda: None,
-        on_turn_end: TurnEnded | None = None,
+        metrics: TurnMetrics | None = None,
+        sinks: Sequence[Sink] = (),
+        watch: TurnWatch | None = None,
         admin: AdminPages | None = None,
         tenant_rule: TenantRule | None = None,
     ) -> None:
@@ -119,9 +134,10 @@ class Proxy:
         self.tokenizer = tokenizer
         self.counters = counters
         self._store = store
-        self._heard = heard
-        self.instance_id = instance_id
-        self.on_turn_end = on_turn_end
+        self.metrics = metrics
+        self.sinks = sinks
+        self.watch = watch
+        self.instance_override: str | None = None
         self.admin = admin
         self.tenant_rule = tenant_rule
         self.turns_started = 0
@@ -254,12 +270,13 @@ class Proxy:
             memory.give(len(body))
             return error_response(400, "bad_label", f"{LABEL_HEADER} {req.label[:64]!r} begins with '@', which "
                                   "compare reads as a time window (@START..END): choose a label that does not")
-        self.counters.request_began()
+        counters = self.counters
+        counters.in_flight += 1
         try:
             return await self.forward(req, body, client)
         finally:
-            self.counters.request_ended()
-            if not self.counters.in_flight and self._quiet is not None:
+            counters.in_flight -= 1
+            if not counters.in_flight and self._quiet is not None:
                 self._quiet.set()
 
     async def forward(self, req: Incoming, body: bytes, client: Client) -> Refusal | None:
@@ -269,8 +286,9 @@ class Proxy:
         other path's keeps no body and becomes a row of what the forwarding path saw (``measured`` false)."""
         t_request = clock()
         measured = is_measured(req.method, req.path)
+        counters = self.counters
         if measured:
-            self.counters.turn_began()
+            counters.measured_in_flight += 1  # the operating point the upstream sees rises
             self.turns_started += 1
         started_before = self.turns_started
         prev_done = self.last_turn_done
@@ -281,9 +299,9 @@ class Proxy:
             body=body,
             t_wall=time.time(),
             t_request=t_request,
-            concurrency=self.counters.measured_in_flight,
+            concurrency=counters.measured_in_flight,
             label=req.label or self.cfg.label,
-            instance_id=self.instance_id(),
+            instance_id=self._instance(),
             conn_id=conn_id(client.transport),
             store_text=self.cfg.store_text,
             request_encoding=req.content_encoding,
@@ -310,14 +328,19 @@ class Proxy:
             raise
         finally:
             if measured:
-                self.counters.turn_ended()
+                counters.measured_in_flight -= 1
             self._submit(turn)
             if measured:
-                # a turn that ran alone can be joined with the server's counter deltas over it
-                alone = turn.concurrency == 1 and self.turns_started == started_before
                 self.last_turn_done = clock()
-                if self.on_turn_end is not None:
-                    self.on_turn_end(turn.id, t_request, prev_done, alone)
+                # a turn that ran alone can be joined with the server's counter deltas over it
+                if turn.concurrency == 1 and self.turns_started == started_before and self.watch is not None:
+                    self.watch.turn_ended(turn.id, t_request, prev_done)
+
+    def _instance(self) -> str | None:
+        if self.instance_override is not None:
+            return self.instance_override
+        watch = self.watch
+        return watch.instance_id if watch is not None else None
 
     async def _relay(self, req: Incoming, body: bytes, b: TurnRecorder, client: Client) -> Refusal | None:
         assert self._pool is not None
@@ -399,20 +422,29 @@ class Proxy:
         self._measurer.submit(turn, more_in_flight=self.counters.measured_in_flight > 0)
 
     def _built(self, results: list[Built]) -> None:
-        """On the loop, once per batch the measuring worker built and handed to the store. The turns stay
-        pending until they have been heard of: another thread that reads ``pending_measure`` as 0 (a test, a
-        drain) must find every record already with the store and the listeners, and the interpreter may
-        switch threads between any two lines here."""
+        """On the loop, once per batch the measuring worker built and handed to the store: each measured
+        record to ``metrics`` (when the store took it: /metrics counts the store's rows, not those it
+        dropped) and to the ``sinks``. The turns stay pending until they have been heard of: another thread
+        that reads ``pending_measure`` as 0 (a test, a drain) must find every record already with the store
+        and the listeners, and the interpreter may switch threads between any two lines here."""
+        metrics, sinks = self.metrics, self.sinks
         try:
             for built in results:
+                record = built.record
                 if built.error is not None:
                     # measuring failed (a bug, e.g. on input nobody foresaw): the turn still got its row, made
                     # by the measuring thread (``unmeasured_record``)
                     self.counters.measure_failed()
                     log.error("measuring a turn failed: %s", f"{type(built.error).__name__} ({where(built.error)})")
-                    self._heard(built.record, None, built.stored)
-                else:
-                    self._heard(built.record, built.turn.timing, built.stored)
+                if not record.measured:  # another path's row: stored, not a turn of the figures
+                    continue
+                if metrics is not None and built.stored:
+                    metrics.record(record, built.turn.timing if built.error is None else None)  # a failed build's: no times
+                for sink in sinks:
+                    try:
+                        sink(record)
+                    except Exception as exc:  # a broken observer must not cost the record
+                        log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
         finally:
             for built in results:
                 self._backlog_bytes -= built.turn.backlog_charge

@@ -38,18 +38,16 @@ from specproxy.serve.admin import Admin, Pages, is_loopback
 from specproxy.serve.aiohttp_front import AiohttpFront
 from specproxy.serve.counters import Counters
 from specproxy.serve.lane import Lane, Lanes
-from specproxy.measure.chunk_gaps import StreamTiming
 from specproxy.serve.otlp import Otlp
 from specproxy.serve.own_metrics import OwnMetrics
 from specproxy.serve.watch import ServerWatch
+from specproxy.serve.measuring import to_writer
 from specproxy.serve.proxy import Proxy
 from specproxy.record import Record
-from specproxy.store.captures import capture_item
 from specproxy.store.shipper import Shipper
 from specproxy.store.sinks import make_sink
 from specproxy.store.writer import Writer
 from specproxy.measure.failures import FAILURES
-from specproxy.measure.turn_recorder import TurnRecorder
 from specproxy.measure.tenant import TenantRule
 from specproxy.measure.tokens import Tokenizer, load_tokenizer
 from specproxy.store.db import open_existing
@@ -271,30 +269,6 @@ class Service:
         return {"proxy_name": self.cfg.name_of_proxy, "version": __version__,
                 "upstream_instance": watch.instance_id or ""}
 
-    def _store(self, turn: TurnRecorder, record: Record) -> bool:
-        """In the measuring thread: the record to the writer's queue (a put that never blocks), and with
-        ``capture`` the request body as the client sent it, beside its turn (store/captures.py)."""
-        writer = self.writer
-        if writer is None:
-            return True
-        stored = writer.put(record)
-        if self.cfg.capture and record.measured:
-            writer.put(capture_item(turn.id, turn.t_wall, turn.method, turn.path,
-                                    turn.request_encoding, turn.body))
-        return stored
-
-    def _heard(self, record: Record, timing: StreamTiming | None, stored: bool) -> None:
-        """On the loop, each record once the store has it (or refused it): /metrics and the observers."""
-        if not record.measured:  # another path's row: stored, but no turn of the figures or observers
-            return
-        if self.metrics is not None and stored:  # the metrics count the store's rows, not those it dropped
-            self.metrics.record(record, timing)
-        for sink in self.extra_sinks:
-            try:
-                sink(record)
-            except Exception as exc:  # a broken observer must not cost the record
-                log.error("sink failed: %s", type(exc).__name__)  # the message may quote the record
-
     async def start(self) -> int:
         # a measuring worker thread holding the GIL must not delay the forwarding loop for long
         sys.setswitchinterval(0.001)
@@ -311,9 +285,11 @@ class Service:
         if not is_loopback(self.cfg.host) and self.cfg.admin_token is None:
             log.warning("listening on %s without admin_token: the live page and /_specproxy/metrics answer 401 "
                         "to every client (set admin_token to reach them)", self.cfg.host)
-        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, counters=counters, store=self._store,
-                           heard=self._heard, instance_id=lambda: watch.instance_id, on_turn_end=watch.turn_ended,
-                           admin=self.admin.handle, tenant_rule=self.tenant_rule)
+        # the watch only when it scrapes: without, it knows no instance and has no turn to join
+        self.proxy = Proxy(self.cfg, tokenizer=self.tokenizer, counters=counters,
+                           store=to_writer(writer, self.cfg.capture), metrics=self.metrics, sinks=self.extra_sinks,
+                           watch=watch if self.cfg.scrape_interval_s > 0 else None, admin=self.admin.handle,
+                           tenant_rule=self.tenant_rule)
         await self.proxy.start()
         for shipper in self.shippers:  # after the writer made the file: they read it forward
             shipper.start()

@@ -48,6 +48,9 @@ class ServerWatch:
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._turn_tasks: set[asyncio.Task] = set()
+        # the upstream instance a turn starting now is stamped with: an attribute, kept current after each
+        # scrape (the only moment it can change), so that a turn reads it without a call
+        self.instance_id: str | None = None
         self._last_instance: str | None = None
         # One scrape at a time. The poller and lone turns' after-scrapes would otherwise overlap,
         # and an overlapping pair can finish in the other order than it was stamped (a big page is
@@ -55,10 +58,6 @@ class ServerWatch:
         # newer page with an older one, see counters go down, and declare a restart that never
         # happened (a new instance id, a window split in two).
         self._scrape_lock = asyncio.Lock()
-
-    @property
-    def instance_id(self) -> str | None:
-        return self.scraper.instance_id if self.scraper is not None else None
 
     @property
     def failures(self) -> int:
@@ -110,6 +109,7 @@ class ServerWatch:
         assert self.scraper is not None
         failures = self.scraper.failures
         sample = await self.scraper.scrape_once()
+        self.instance_id = self.scraper.instance_id
         if sample is None and self.scraper.failures > failures and self.writer is not None:
             self.writer.put(rows.failed_scrape(time.time(), clock(), self.instance_id, self.scraper.last_error))
         return sample
@@ -135,9 +135,9 @@ class ServerWatch:
 
     # --- lone turns ---------------------------------------------------------------------------------
 
-    def turn_ended(self, turn_id: str, t_request: float, prev_done: float, alone: bool) -> None:
-        """Called by the proxy when a measured turn ends (on the loop; must not block)."""
-        if not alone or self.scraper is None or self.scraper.disabled_reason is not None or self._stop.is_set():
+    def turn_ended(self, turn_id: str, t_request: float, prev_done: float) -> None:
+        """Called by the proxy when a measured turn that ran alone ends (on the loop; must not block)."""
+        if self.scraper is None or self.scraper.disabled_reason is not None or self._stop.is_set():
             return
         task = asyncio.get_running_loop().create_task(self._join(turn_id, t_request, prev_done))
         self._turn_tasks.add(task)
