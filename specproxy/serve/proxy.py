@@ -452,6 +452,3 @@ class Proxy:
             if not self._pending_builds:
                 self._idle.set()
 
-
-def _latin(value: bytes | None) -> str:
-    return value.decode("latin-1") if value is not None else ""

@@ -106,8 +106,8 @@ class Exchange:
         self.head = head
         recorder = self.recorder
         if recorder is not None:
-            recorder.on_headers(conn.t_head, head.status, _latin(head.get(b"content-type")),
-                                _latin(head.get(b"content-encoding")), chunked=head.framing == CHUNKED)
+            recorder.on_headers(conn.t_head, head.status, head.content_type, head.content_encoding,
+                                chunked=head.framing == CHUNKED)
         return head
 
     # --- the body ----------------------------------------------------------------------------------
@@ -375,6 +375,3 @@ def watch_unsent(out: asyncio.Transport, loop: asyncio.AbstractEventLoop, timeou
 
     loop.call_later(timeout, look)
 
-
-def _latin(value: bytes | None) -> str:
-    return value.decode("latin-1") if value is not None else ""

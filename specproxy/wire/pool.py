@@ -1,9 +1,10 @@
 """Which upstream connection carries which exchange: the pool of connections to the one upstream origin.
 
-Idle connections are reused newest first and closed after ``POOL_IDLE_S``. A connection that has carried
-an exchange is private to the client connection it served (its ``owner``, as HAProxy's private
-connections): only that client's next request reuses it, and it is closed once that client has gone (at
-release, or by a sweep every ``SWEEP_S``). Why: bytes an upstream sends after a response it framed wrongly
+Idle connections are reused newest first. A connection that has carried an exchange is private to the
+client connection it served (its ``owner``, as HAProxy's private connections): only that client's next
+request reuses it, and it is closed once that client has gone (at release, or by the sweep). One sweep
+every ``SWEEP_S``, while any connection is idle, closes those whose client has gone and those idle for
+``POOL_IDLE_S`` (so between that and ``SWEEP_S`` more): one timer for the pool, none per exchange. Why: bytes an upstream sends after a response it framed wrongly
 (or past its end, in a later segment) cannot be told from the answer to the next request on that
 connection, by any proxy; kept per client, they can confuse at most the client whose own exchange the
 upstream misframed, never another. A fresh connection that never carried an exchange (start-up's probe)
@@ -23,6 +24,7 @@ import asyncio
 import os
 import select
 import ssl
+import time
 
 from yarl import URL
 
@@ -33,9 +35,10 @@ from specproxy.wire.upstream import ConnState, UpstreamConn
 
 __all__ = ["POOL_IDLE_S", "SWEEP_S", "UpstreamPool"]
 
-POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long
-SWEEP_S = 1.0  # how often idle connections kept for client connections are checked for their client gone
+POOL_IDLE_S = 15.0  # an idle kept-alive connection is closed after this long (at the next sweep)
+SWEEP_S = 1.0  # how often idle connections are looked at: their client gone, or idle for POOL_IDLE_S
 
+clock = time.perf_counter  # the connections' clock (``UpstreamConn.idle_since``)
 
 # what a zero-timeout poll reports for a socket that has bytes waiting, its end of file, or an error (a reset)
 _WAITING = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
@@ -90,7 +93,6 @@ class UpstreamPool:
         self.last_read = 0.0  # the latest read on the loop, any connection (perf_counter)
         self._turn_sink: TurnSink | None = None
         self._sweep: asyncio.TimerHandle | None = None
-        self._idle_timers: dict[UpstreamConn, asyncio.TimerHandle] = {}  # an idle connection's close
         self._poller = select.poll()  # checkout's look at an idle connection's socket (_pending)
 
     @property
@@ -124,7 +126,6 @@ class UpstreamPool:
             for conns in (mine, self.fresh):
                 while conns:
                     conn = conns.pop()
-                    self._cancel_idle_timer(conn)
                     transport = conn.transport
                     if transport is not None and not transport.is_closing() and conn.state is ConnState.IDLE:
                         if not _pending(conn.fd, self._poller):
@@ -191,13 +192,10 @@ class UpstreamPool:
             return
         self._idle(conn)
         self.kept.setdefault(owner, []).append(conn)
-        if self._sweep is None:
-            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
 
     def discard(self, conn: UpstreamConn) -> None:
         """Forget a connection and close it (idempotent: also what a connection that was lost calls)."""
         self.active.discard(conn)
-        self._cancel_idle_timer(conn)
         if conn in self.fresh:
             self.fresh.remove(conn)
         conns = self.kept.get(conn.owner) if conn.owner is not None else None
@@ -209,21 +207,20 @@ class UpstreamPool:
 
     def _idle(self, conn: UpstreamConn) -> None:
         conn.make_idle()
-        self._idle_timers[conn] = self.loop.call_later(POOL_IDLE_S, self.discard, conn)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_idle)
 
-    def _cancel_idle_timer(self, conn: UpstreamConn) -> None:
-        timer = self._idle_timers.pop(conn, None)
-        if timer is not None:
-            timer.cancel()
-
-    def _sweep_kept(self) -> None:
-        """Close the connections kept for clients that have gone; again in ``SWEEP_S`` while any are kept."""
+    def _sweep_idle(self) -> None:
+        """Close the idle connections kept for clients that have gone, and those idle for ``POOL_IDLE_S``;
+        again in ``SWEEP_S`` while any are idle."""
         self._sweep = None
-        for owner in [o for o in self.kept if o.is_closing()]:
-            for conn in list(self.kept.get(owner, ())):
+        stale = clock() - POOL_IDLE_S
+        for conn in self.idle:
+            owner = conn.owner
+            if conn.idle_since <= stale or (owner is not None and owner.is_closing()):
                 self.discard(conn)
-        if self.kept and not self.closed:
-            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_kept)
+        if (self.fresh or self.kept) and not self.closed:
+            self._sweep = self.loop.call_later(SWEEP_S, self._sweep_idle)
 
     def close(self) -> None:
         self.closed = True

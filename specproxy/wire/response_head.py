@@ -34,11 +34,12 @@ _BAD_REASON = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 class ResponseHead:
     """A parsed response head; ``headers`` are the (name, value) byte pairs as received, values stripped."""
 
-    __slots__ = ("framing", "headers", "keep_alive", "length", "reason", "status", "transfer_encoding",
-                 "version")
+    __slots__ = ("content_encoding", "content_type", "framing", "headers", "keep_alive", "length", "reason",
+                 "status", "transfer_encoding", "version")
 
     def __init__(self, status: int, reason: bytes, version: bytes, headers: list[tuple[bytes, bytes]],
-                 framing: str, length: int, keep_alive: bool, transfer_encoding: bool = False) -> None:
+                 framing: str, length: int, keep_alive: bool, transfer_encoding: bool = False,
+                 content_type: str = "", content_encoding: str = "") -> None:
         self.status = status
         self.reason = reason
         self.version = version
@@ -47,6 +48,9 @@ class ResponseHead:
         self.length = length
         self.keep_alive = keep_alive
         self.transfer_encoding = transfer_encoding  # the head had a Transfer-Encoding field
+        # the first Content-Type and Content-Encoding values, as text ("" without): what measuring reads
+        self.content_type = content_type
+        self.content_encoding = content_encoding
 
     def get(self, name: bytes) -> bytes | None:
         """The first value of a header (``name`` in lower case), or None."""
@@ -104,6 +108,7 @@ def parse_head(raw: bytes, method: str) -> ResponseHead:
     lengths: list[bytes] = []
     codings: list[bytes] = []
     connection: list[bytes] = []
+    content_type = content_encoding = None
     for name, value in headers:
         low = name.lower()
         if low == b"content-length":
@@ -112,7 +117,13 @@ def parse_head(raw: bytes, method: str) -> ResponseHead:
             codings.append(value)
         elif low == b"connection":
             connection.append(value)
-    keep_alive = version == "1.1" and b"close" not in _comma_tokens(connection)
+        elif low == b"content-type":
+            if content_type is None:
+                content_type = value
+        elif low == b"content-encoding":
+            if content_encoding is None:
+                content_encoding = value
+    keep_alive = version == "1.1" and not (connection and b"close" in _comma_tokens(connection))
     length = -1
     if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
         framing = NO_BODY
@@ -129,4 +140,8 @@ def parse_head(raw: bytes, method: str) -> ResponseHead:
     if framing == CLOSE:
         keep_alive = False
     return ResponseHead(status, fields.reason, b"HTTP/" + version.encode(), headers, framing, length, keep_alive,
-                        bool(codings))
+                        bool(codings), _latin(content_type), _latin(content_encoding))
+
+
+def _latin(value: bytes | None) -> str:
+    return value.decode("latin-1") if value is not None else ""

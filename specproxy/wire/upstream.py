@@ -110,6 +110,7 @@ class UpstreamConn(asyncio.Protocol):
         self.reusable = True  # False once anything makes the connection untrustworthy for another exchange
         self.exchanges = 0  # requests sent on this connection
         self.owner: asyncio.BaseTransport | None = None  # the client connection of its latest exchange
+        self.idle_since = 0.0  # when it last went back to the pool (``make_idle``; perf_counter)
         self._head_seen = 0  # bytes of this exchange's interim heads
         self._interim = 0
         self.unanswered = False  # closed by the upstream while waiting for a head, before any byte of it
@@ -211,6 +212,7 @@ class UpstreamConn(asyncio.Protocol):
     def make_idle(self) -> None:
         """Back in the pool after an exchange: ready for the next request."""
         self.state = IDLE
+        self.idle_since = clock()  # the pool's sweep closes it POOL_IDLE_S from here
         self.head = None
         self._parked = []
         self._eof = False

@@ -364,6 +364,44 @@ def test_a_client_connection_reuses_its_own_upstream_connection_and_no_other(mak
     _assert_relayed_by(stack, each_relay, 3)
 
 
+def test_an_idle_connection_is_closed_once_it_has_been_idle_for_the_pool_s_limit(make_stack, monkeypatch):
+    """An upstream connection kept for a client that stays connected is reused while it has been idle less
+    than ``POOL_IDLE_S`` (its idle time counts from its latest exchange), and closed by the pool's sweep
+    once it has been idle that long: never before, and within a sweep or two after."""
+    from faultkit import ScriptedUpstream
+    from specproxy.wire import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "POOL_IDLE_S", 2.0)
+    monkeypatch.setattr(pool_module, "SWEEP_S", 0.05)
+
+    async def respond(_req, writer, i):
+        writer.write(PROBE_HEAD + PROBE_CHUNKED)
+        await writer.drain()
+        return True
+
+    upstream = ScriptedUpstream(respond)
+    stack = make_stack(raw_script=upstream.serve, scrape_interval_s=0)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with KeptClient(stack.service.port) as client:
+            for _ in range(3):  # each 0.5 s after the one before: idle far less than 2 s each time
+                t_sent = loop.time()
+                assert (await client.ask(post_head(CHAT, BODY))).body == b"".join(PROBE_EVENTS)
+                t_answered = loop.time()
+                await asyncio.sleep(0.5)
+            assert upstream.connections == 1 and upstream.peer_closed_at == []
+            await await_until(lambda: upstream.peer_closed_at, 10, what="the idle connection closed")
+            return t_sent, t_answered, upstream.peer_closed_at[0]
+
+    t_sent, t_answered, closed = stack.run(go())
+    # its last exchange ended between t_sent and t_answered: closed POOL_IDLE_S after that, not before;
+    # the upper bound is loose (a loaded machine's timers), never reached by a per-connection 15 s timer
+    assert closed - t_sent >= 2.0
+    assert closed - t_answered < 7.0
+    assert len(upstream.requests) == 3
+
+
 # --- 2. Content-Length beside Transfer-Encoding --------------------------------------------------------
 
 

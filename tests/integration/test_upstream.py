@@ -102,6 +102,14 @@ def test_header_bytes_are_kept_as_they_came():
     assert parsed.reason == b"Fine" and parsed.status == 200
 
 
+def test_the_content_type_and_encoding_measuring_reads_are_the_first_of_each():
+    parsed = parse_head(b"HTTP/1.1 200 OK\r\ncontent-TYPE: text/event-stream; charset=\xe9\r\nContent-Type: a/b\r\n"
+                        b"Content-Encoding: gzip \r\nContent-Length: 0\r\n\r\n", "POST")
+    assert (parsed.content_type, parsed.content_encoding) == ("text/event-stream; charset=\xe9", "gzip")
+    bare = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", "POST")
+    assert (bare.content_type, bare.content_encoding) == ("", "")
+
+
 @pytest.mark.parametrize(
     "head",
     [
