@@ -98,7 +98,8 @@ class TurnMetrics(Protocol):
     def record(self, r: Record, timing: StreamTiming | None) -> object: ...
 
 
-# each measured record, on the loop, whether the store took it or not (tests, ``bench``): it must not raise
+# each measured record, on the loop, whether the store took it or not (tests, ``bench``); one that raises is
+# logged by its exception's type alone, and the others still hear of the record
 Sink = Callable[[Record], object]
 # specproxy's own pages (``admin.Admin.handle``), answered by aiohttp's front: the lane declines them
 AdminPages = Callable[[Any], Awaitable[Any]]
