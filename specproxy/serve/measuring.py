@@ -86,6 +86,9 @@ class Built(NamedTuple):
 # a finished turn's record (with ``capture``, its request body too) into the store's queue: called in this
 # thread, never blocks; True when the store took the record (``to_writer``, or a test's own)
 Store = Callable[[TurnRecorder, Record], bool]
+Done = Callable[[list[Built]], None]
+# a finished turn's Record, with the worker's tokenizer and the sessions' previous turns (``build_record``)
+Build = Callable[[TurnRecorder, Tokenizer | None, PrefixTracker], Record]
 
 
 class RecordQueue(Protocol):
@@ -108,9 +111,6 @@ def to_writer(writer: RecordQueue | None, capture: bool) -> Store:
         return stored
 
     return store
-Done = Callable[[list[Built]], None]
-# a finished turn's Record, with the worker's tokenizer and the sessions' previous turns (``build_record``)
-Build = Callable[[TurnRecorder, Tokenizer | None, PrefixTracker], Record]
 
 
 class MeasuringWorker:

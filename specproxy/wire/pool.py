@@ -4,10 +4,11 @@ Idle connections are reused newest first. A connection that has carried an excha
 client connection it served (its ``owner``, as HAProxy's private connections): only that client's next
 request reuses it, and it is closed once that client has gone (at release, or by the sweep). One sweep
 every ``SWEEP_S``, while any connection is idle, closes those whose client has gone and those idle for
-``POOL_IDLE_S`` (so between that and ``SWEEP_S`` more): one timer for the pool, none per exchange. Why: bytes an upstream sends after a response it framed wrongly
-(or past its end, in a later segment) cannot be told from the answer to the next request on that
-connection, by any proxy; kept per client, they can confuse at most the client whose own exchange the
-upstream misframed, never another. A fresh connection that never carried an exchange (start-up's probe)
+``POOL_IDLE_S`` (so between that and ``SWEEP_S`` more): one timer for the pool, none per exchange.
+
+Why private: bytes an upstream sends after a response it framed wrongly (or past its end, in a later
+segment) cannot be told from the answer to the next request on that connection, by any proxy; kept per
+client, they can confuse at most the client whose own exchange the upstream misframed, never another. A fresh connection that never carried an exchange (start-up's probe)
 may go to anyone. An idle connection with bytes waiting, or closed, when it is taken from the pool is
 dropped (a peek; a TLS connection is not peeked). A request is sent twice only when a connection kept
 alive after an exchange is closed by the upstream before one byte of the next answer (its close raced
