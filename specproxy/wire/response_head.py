@@ -52,13 +52,6 @@ class ResponseHead:
         self.content_type = content_type
         self.content_encoding = content_encoding
 
-    def get(self, name: bytes) -> bytes | None:
-        """The first value of a header (``name`` in lower case), or None."""
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
 
 class _Collect:
     """llhttp's callbacks for one head: the fields and the reason phrase, nothing of the body."""
