@@ -7,6 +7,7 @@
     python scripts/bench_overhead.py --with-otlp --no-nginx  # specproxy with and without --otlp-endpoint
     python scripts/bench_overhead.py --with-sink --with-otlp # also with --sink to a local PostgreSQL, and both
     python scripts/bench_overhead.py --specproxy-baseline ../base --no-nginx  # this checkout against another
+    python scripts/bench_overhead.py --concurrency 256 --with-unmeasured  # measuring's share of specproxy's CPU
     python scripts/bench_overhead.py --concurrency 256 --rounds 1 --loop-steps  # and the loop's turn by step
 
 Three processes besides this orchestrator, all on 127.0.0.1:
@@ -41,6 +42,11 @@ proxy), and with both when both are given (issue 35's case); each is printed as 
 specproxy without, against the targets, and for the sink the shipper thread's CPU per turn, its rows and
 seconds behind, and the turns PostgreSQL holds against those the proxy recorded.
 
+``--with-unmeasured`` adds specproxy again, sent the same requests on a path that is not a generation
+endpoint (``UNMEASURED_PATH``; the upstream answers any path alike), which specproxy forwards and stores as
+unmeasured rows: its CPU is forwarding and storing alone, and its per-round ratio to specproxy is what
+measuring costs. It is checked to have recorded its turns, none of them measured.
+
 This file is the orchestrator; beside it, ``overhead_peers.py`` holds the upstream and the load
 generator (run as ``--role upstream`` / ``--role loadgen`` of this script), ``overhead_procs.py``
 the processes (pinning, CPU from /proc, starting nginx and specproxy), ``overhead_sink.py`` the
@@ -66,7 +72,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the overhead_* modules and benchlib beside it
 from benchlib import cpu_model, python_build
-from overhead_peers import loadgen_main, now_ns, otlp_receiver, raise_nofile, upstream_main, use_uvloop
+from overhead_peers import CHAT_PATH, loadgen_main, now_ns, otlp_receiver, raise_nofile, upstream_main, use_uvloop
 from overhead_procs import (
     QUIET_WAITED,
     children,
@@ -91,9 +97,9 @@ from overhead_procs import (
 )
 from overhead_sink import SinkSide, delivered, shipper_sample, thread_on_cpu_s
 from overhead_steps import render_steps
-from overhead_tables import (BASELINE, OTLP_INTERVAL_S, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, git_state, render,
-                             render_baseline, render_first_chunks, render_otlp, render_polls, render_shipper,
-                             render_sink, render_targets, render_threads, summarize)
+from overhead_tables import (BASELINE, OTLP_INTERVAL_S, UNMEASURED, UNMEASURED_PATH, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP,
+                             git_state, render, render_baseline, render_first_chunks, render_measuring, render_otlp,
+                             render_polls, render_shipper, render_sink, render_targets, render_threads, summarize)
 from overhead_watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +114,8 @@ def run_window(args, path: str, port: int, conns: int, pids: list[int], load_pid
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "loadgen", "--port", str(port),
            "--conns", str(conns), "--t0", str(t0), "--t-start", str(t_start), "--t-end", str(t_end),
            "--tokens", f"{args.tokens[0]}-{args.tokens[1]}", "--prompt-bytes", str(args.prompt_bytes),
-           "--stream-mode", args.stream_mode, "--seed", str(seed)]
+           "--stream-mode", args.stream_mode, "--seed", str(seed),
+           "--request-path", UNMEASURED_PATH if path == UNMEASURED else CHAT_PATH]
     lg = subprocess.Popen(cmd, preexec_fn=pin(load_cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     watcher = Watcher(port, t_end) if getattr(args, "watch", False) and path in ("specproxy", BASELINE) else None
     all_pids = lambda: [p for pid in pids for p in (pid, *children(pid))]  # noqa: E731
@@ -266,6 +273,8 @@ def orchestrate(args) -> None:
         variant_args[WITH_SINK] = lambda: ["--sink", sink.new_url()]
         if args.with_otlp:
             variant_args[WITH_SINK_OTLP] = lambda: ["--sink", sink.new_url(), *otlp_args]
+    if args.with_unmeasured:  # the same specproxy, asked on a path it forwards unmeasured (run_window)
+        variant_args[UNMEASURED] = lambda: []
     paths += list(variant_args)
     deliveries: dict[str, dict[str, dict]] = {}  # --with-sink: per C and path, the turns and the shipper's life
     nginx_version = "-"
@@ -305,7 +314,7 @@ def orchestrate(args) -> None:
                 for path, extra_of in variant_args.items():
                     extra = extra_of()
                     vproc, vport, vdb = start_specproxy(tmp, up_port, proxy_cores, [*args.specproxy_arg, *extra])
-                    variants[path] = (vproc, vport, vdb, extra[1] if extra[0] == "--sink" else None)
+                    variants[path] = (vproc, vport, vdb, extra[1] if extra[:1] == ["--sink"] else None)
                     targets[path] = (vport, [vproc.pid])
                 if base_python is not None:  # the other checkout's specproxy, by its own interpreter
                     bproc, bport, bdb = start_specproxy(tmp, up_port, proxy_cores, args.specproxy_arg, base_python)
@@ -378,6 +387,12 @@ def orchestrate(args) -> None:
                     print(f"C={c}: specproxy recorded {n[0]} turns ({n[1]} ok) in {db.name}", file=sys.stderr)
                 except sqlite3.Error as exc:
                     print(f"C={c}: cannot read specproxy's database: {exc}", file=sys.stderr)
+            if UNMEASURED in variants:  # its figures are forwarding's alone only if it measured nothing
+                n, measured = unmeasured_rows(variants[UNMEASURED][2])
+                if not n or measured:
+                    raise RuntimeError(f"C={c}: {UNMEASURED} recorded {n} turns, {measured} of them measured: "
+                                       "not the unmeasured path it is meant to be")
+                print(f"C={c}: {UNMEASURED} recorded {n} turns, none measured", file=sys.stderr)
     finally:
         stop(up)
         if receiver is not None:
@@ -422,6 +437,9 @@ def orchestrate(args) -> None:
         print(render_sink(runs, cs))
         print()
         print(render_shipper(runs, cs, deliveries))
+    if UNMEASURED in paths:
+        print(render_measuring(runs, cs))
+        print()
     if base_git is not None:
         print(render_baseline(runs, cs, base_git))
         print()
@@ -442,6 +460,18 @@ def orchestrate(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def unmeasured_rows(db: Path) -> tuple[int, int]:
+    """The turns a specproxy recorded in ``db``, and how many of them it measured."""
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        n, measured = con.execute("SELECT count(*), coalesce(sum(measured), 0) FROM turns").fetchone()
+    finally:
+        con.close()
+    return n, measured
 
 
 def _tokens(s: str) -> tuple[int, int]:
@@ -468,6 +498,9 @@ def main() -> None:
     ap.add_argument("--with-sink", action="store_true", help="also run specproxy with --sink to a PostgreSQL this "
                     "script starts (and, with --with-otlp, one with both) in the same rotation; print the with/without "
                     "ratios, the shipper's CPU per turn and lag, and the turns PostgreSQL holds")
+    ap.add_argument("--with-unmeasured", action="store_true", help="also run specproxy sent the same streams on a "
+                    "path it forwards without measuring, in the same rotation, and print the measured / unmeasured "
+                    "ratios: measuring's share of its CPU")
     ap.add_argument("--specproxy-baseline", metavar="CHECKOUT", help="also run the specproxy of another checkout "
                     "(its .venv, made with pip install -e .) in the same rotation, and print this / that ratios per "
                     "round: a before/after on one machine in one run")
@@ -486,6 +519,7 @@ def main() -> None:
     ap.add_argument("--t-start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--t-end", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--request-path", default=CHAT_PATH, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "orchestrate":
         sys.path.insert(0, str(ROOT))

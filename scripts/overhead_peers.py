@@ -24,6 +24,8 @@ from array import array
 
 now_ns = time.perf_counter_ns
 
+CHAT_PATH = "/v1/chat/completions"  # where the load generator asks, unless told another path (--request-path)
+
 WORDS = (
     b" the of and to in is that for it as was with be by on not he this are or his from at which but"
     b" have an they you were their one all we can her has there been if more when will would who so no"
@@ -243,8 +245,9 @@ class Load:
         ).encode()
         host = f"127.0.0.1:{self.args.port}".encode()
         return (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%b" % (host, len(body), body)
+            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%b"
+            % (self.args.request_path.encode(), host, len(body), body)
         )
 
     def error(self, kind: str) -> None:

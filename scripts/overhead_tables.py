@@ -14,7 +14,11 @@ WITH_OTLP = "specproxy+otlp"  # the same specproxy with --otlp-endpoint (--with-
 WITH_SINK = "specproxy+sink"  # with --sink postgresql://... (--with-sink)
 WITH_SINK_OTLP = "specproxy+sink+otlp"  # with both (--with-sink --with-otlp): issue 35's case
 BASELINE = "specproxy-base"  # --specproxy-baseline: the same benchmark's specproxy from another checkout
-PROXY_PATHS = ("nginx", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, BASELINE)  # the paths with a process to read
+# --with-unmeasured: the same specproxy, the same streams, asked for on a path it forwards and records without
+# measuring (not a generation endpoint): what forwarding and storing cost, measuring apart
+UNMEASURED = "specproxy-unmeasured"
+UNMEASURED_PATH = "/v1/bench/unmeasured"
+PROXY_PATHS = ("nginx", "specproxy", WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, BASELINE, UNMEASURED)  # the paths with a process to read
 OTLP_INTERVAL_S = 5.0  # several exports inside each measured window's lifetime (the default is 15 s)
 SHIPPER_THREAD = "specproxy-ship"  # store/shipper.py's thread, by the name the benchmark reads it under
 
@@ -261,6 +265,13 @@ def render_otlp(runs: list[dict], cs: list[int], exports: int) -> str:
     return render_versus(runs, cs, WITH_OTLP, "specproxy", f"OTLP's cost (--otlp-endpoint to a local receiver, every "
                          f"{OTLP_INTERVAL_S:g} s; it took {exports} exports): median over rounds of the per-round "
                          "ratio with / without (min–max)")
+
+
+def render_measuring(runs: list[dict], cs: list[int]) -> str:
+    """``--with-unmeasured``: specproxy measuring its turns against the same streams forwarded unmeasured."""
+    return render_versus(runs, cs, "specproxy", UNMEASURED, "Measuring's cost: specproxy on the chat path, every turn "
+                         f"measured, against specproxy forwarding the same streams on {UNMEASURED_PATH}, which it "
+                         "records unmeasured: median over rounds of the per-round ratio measured / unmeasured (min–max)")
 
 
 def render_sink(runs: list[dict], cs: list[int]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # tests/ is on the path already (pgcluster)
 
 from overhead_tables import (  # noqa: E402
-    BASELINE, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_baseline, render_first_chunks, render_otlp, render_polls,
+    BASELINE, UNMEASURED, WITH_OTLP, WITH_SINK, WITH_SINK_OTLP, render_baseline, render_first_chunks, render_otlp, render_polls,
     render_shipper, render_sink, render_targets, render_threads, summarize)
 
 
@@ -89,12 +90,12 @@ def test_a_short_run_measures_every_path(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--concurrency", "4", "--rounds", "1",
          "--warmup", "0.3", "--measure", "0.8", "--tokens", "5-10", "--no-nginx", "--quiet-wait", "0",
-         "--watch", "--json", str(out)],
+         "--watch", "--with-unmeasured", "--json", str(out)],
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {r["path"]: r for r in json.loads(out.read_text())["runs"]}
-    assert set(runs) == {"direct", "specproxy"}
+    assert set(runs) == {"direct", "specproxy", UNMEASURED}
     for r in runs.values():
         assert r["chunks"] > 0 and r["errors"] == 0, r
         assert 0 < r["lat_us"]["p50"] <= r["lat_us"]["p99"]
@@ -105,6 +106,11 @@ def test_a_short_run_measures_every_path(tmp_path):
     assert sp["watch"]["scrapes"] >= 1 and sp["watch"]["pictures"] >= 1 and sp["watch"]["errors"] == [], sp["watch"]
     assert f"watched: {sp['watch']['pictures']} live-page pictures" in proc.stdout
     assert "watch" not in runs["direct"]
+    # --with-unmeasured: the same streams on a path specproxy forwards unmeasured, checked to be so, and the ratio
+    assert runs[UNMEASURED]["cpu_us_per_chunk"] > 0 and runs[UNMEASURED]["turns"] > 0
+    assert re.search(rf"C=4: {UNMEASURED} recorded [1-9][0-9]* turns, none measured", proc.stderr), proc.stderr[-2000:]
+    measuring = proc.stdout.split("Measuring's cost", 1)[1]
+    assert re.search(r"^\| 4 \| [0-9.]+ \([0-9.]+–[0-9.]+\) \|", measuring.split("\n\n", 2)[1], re.M), measuring
     assert "| 4 | specproxy |" in proc.stdout
     assert "A turn's first chunk, against all chunks" in proc.stdout
     assert "MainThread" in sp["thread_names"].values(), sp["thread_names"]  # the busy threads, by name
