@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from specproxy.fielddocs import field_docs
@@ -273,6 +273,33 @@ class Record:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Record))
+
+
+def _slot_setting_init(cls: type) -> None:
+    """Give a frozen, slotted, keyword-only dataclass an ``__init__`` that sets each slot through its own
+    descriptor. Why: the one dataclasses generates for a frozen class calls ``object.__setattr__`` for each
+    field (its ``__setattr__`` refuses), ~9 µs for Record's 64 fields, once a turn on the measuring thread;
+    each slot's own setter does the same assignment in ~2/3 of the time. Same signature, defaults and
+    errors (a missing or unknown keyword, a positional argument); the class stays frozen."""
+    params, lines, names = [], [], {}
+    for f in fields(cls):
+        names[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        if f.default is not MISSING:
+            names[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        elif f.default_factory is not MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: a default factory is not supported here")
+        else:
+            params.append(f.name)
+        lines.append(f"    _set_{f.name}(self, {f.name})")
+    exec(f"def __init__(self, *, {', '.join(params)}):\n" + "\n".join(lines), names)  # the names are the class's own fields
+    init = names["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init
+
+
+_slot_setting_init(Record)
 
 
 FIELD_DOCS: dict[str, str] = field_docs(Record)

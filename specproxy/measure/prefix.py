@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -139,7 +139,7 @@ class PrefixTracker:
             same = (result.reused or 0) // BLOCK_TOKENS if prev is not None else 0
             cur.digests = block_digests(np.frombuffer(b"".join(s[2] for s in segments), dtype=np.uint32),
                                         prev.digests[:same] if prev is not None else ())
-            result = replace(result, blocks=b"".join(cur.digests).hex())
+            result = TurnPrefix(result.reused, result.part, result.diff, b"".join(cur.digests).hex())
         if session is None:
             return result
         with self._lock:
