@@ -4,6 +4,7 @@
     python scripts/bench_measure.py --turns 100 --repeats 15
     python scripts/bench_measure.py --beside-relay    # also the build sharing its CPU with loopback relaying
     python scripts/bench_measure.py --phases          # also each phase of the build, in µs per turn
+    python scripts/bench_measure.py --baseline ../before --pairs 5   # the same turns built by another checkout
 
 The turns are what the proxy sees relaying an OpenAI-compatible engine: HTTP/1.1 chunked framing kept
 verbatim, one frame per read (one chunk per decode step), ``chat.completion.chunk`` JSON with id,
@@ -32,16 +33,21 @@ pins it). Printed as the median over the pairs of beside / alone.
 response read and its parts, the completion and the prompt counted, the prefix tracker, the Record...),
 with the build's whole time with and without the wrappers that time them.
 
-The machine may be noisy: compare ratios within one run, not numbers across runs; for a
-before/after, run this script of each checkout in turn, alternating, several times.
+``--baseline CHECKOUT`` builds the same turns with another checkout's package, by that checkout's
+``.venv/bin/python`` (``measure_vs.py`` on each side, in alternating order, ``--pairs`` times): the
+median over the pairs of this / that build, per shape. Both sides compare each turn with its session's
+previous one (``PrefixTracker``), as the proxy's measuring thread does. A checkout from before issue 33
+(whose recorder built its own Record) is built through its own API.
+
+The machine may be noisy: compare ratios within one run, not numbers across runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -50,13 +56,12 @@ import time
 from itertools import accumulate
 from pathlib import Path
 
-import orjson
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchlib import cpu_model, python_build  # the machine line every benchmark script prints
 from measure_phases import phases_table
+from measure_turns import READS, make_turns
 
 from specproxy.frames import chunked
 from specproxy.measure import fast_texts, texts
@@ -65,89 +70,6 @@ from specproxy.measure.build import build_record
 from specproxy.measure.prefix import PrefixTracker
 from specproxy.measure.tokens import load_tokenizer
 from specproxy.measure.turn_recorder import TurnRecorder
-
-PROSE = """\
-Speculative decoding speeds up inference by letting a small draft model propose several tokens that the
-large model then verifies in one forward pass. When the draft is right, the server emits more than one
-token per step; when it is wrong, it falls back to a single token. The effect on latency depends on the
-acceptance rate, which varies with the kind of text: code and structured output are often predictable,
-while creative writing is not.
-
-To measure it honestly you need the time each token reached the client, not just the total. A proxy in
-front of the server can stamp every read as it crosses the socket, then count tokens with the model's own
-tokenizer once the turn is over. The résumé of the results: first-token latency, decode rate, tokens per
-chunk — and whether the speed-up you paid for is real. Ça dépend du modèle, naturellement.
-
-Here is a short list:
-- "draft" acceptance: 62%
-- tokens/s: 48.5 → 91.2
-- 日本語のテキストも同じように数えられます。
-"""
-
-HEAD = (
-    b'{"id":"chatcmpl-5f0c8e2a9b7d4c1e8a6f3b2d1c0e9f8a","object":"chat.completion.chunk",'
-    b'"created":1700000000,"model":"bench-model","system_fingerprint":"fp_bench","choices":[{"index":0,'
-)
-SYSTEM = ("You are a careful assistant. Answer briefly and cite the measurement you rely on. " * 60)[:4000]
-
-
-def _event(choice_rest: bytes, t_send: int | None, extra: bytes = b"") -> bytes:
-    """``data: {...,"choices":[{"index":0,<choice_rest>]<extra>[,"t_send":N]}`` and the blank line."""
-    tail = b"}" if t_send is None else b',"t_send":%d}' % t_send
-    return b"data: " + HEAD + choice_rest + b"]" + extra + tail + b"\n\n"
-
-
-def make_turn(pieces: list[str], t_send: bool, rng: random.Random, session: int = 0) -> TurnRecorder:
-    """One relayed turn: ``pieces`` streamed as content chunks, a chunked frame per read; its prompt is
-    ``session``'s (the same system prompt, a user message per session, as bench_overhead's load sends)."""
-    clock = [1_700_000_000_000_000_000]
-
-    def stamp() -> int | None:
-        clock[0] += rng.randrange(10**6, 10**8)  # ns between chunks
-        return clock[0] if t_send else None
-
-    events = [_event(b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}', stamp())]
-    for piece in pieces:
-        content = orjson.dumps(piece)  # as engines write it: raw UTF-8, escapes for quotes and controls
-        events.append(_event(b'"delta":{"content":' + content + b'},"logprobs":null,"finish_reason":null}', stamp()))
-    n = len(pieces)
-    usage = b',"usage":{"prompt_tokens":1000,"completion_tokens":%d,"total_tokens":%d}' % (n, 1000 + n)
-    events.append(_event(b'"delta":{},"logprobs":null,"finish_reason":"length"}', stamp(), usage))
-    events.append(b"data: [DONE]\n\n")
-    body = orjson.dumps({"model": "bench-model", "stream": True, "messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"question {session}: explain speculative decoding."}]})
-    b = TurnRecorder(method="POST", path="/v1/chat/completions", body=body, t_wall=time.time(), t_request=0.0)
-    b.on_headers(0.01, 200, "text/event-stream", chunked=True)
-    t = 0.05
-    for ev in events:
-        t += 0.02
-        b.on_bytes(b"%x\r\n%b\r\n" % (len(ev), ev), t, t + 0.00002)
-    b.on_bytes(b"0\r\n\r\n", t + 0.001, t + 0.00102)
-    b.finish(t + 0.002)
-    return b
-
-
-def make_turns(tok, n: int, chunks: int, t_send: bool) -> list[TurnRecorder]:
-    enc = tok._enc
-    tokens = enc.encode(PROSE * 4)
-    rng = random.Random(7 + t_send)
-    turns = []
-    for i in range(n):
-        start = rng.randrange(0, len(tokens) - chunks)
-        # a token a chunk, as an engine streams; bytes that end inside a character wait for the next
-        pieces, pending = [], b""
-        for tid in tokens[start : start + chunks]:
-            pending += enc.decode_single_token_bytes(tid)
-            try:
-                pieces.append(pending.decode())
-                pending = b""
-            except UnicodeDecodeError:
-                continue
-        turns.append(make_turn(pieces, t_send, rng, i % SESSIONS))
-        READS[id(turns[-1])] = list(turns[-1].reads)
-    return turns
-
 
 def time_reference_parts(turns: list[TurnRecorder]) -> dict[str, float]:
     """Seconds over all turns to dechunk, and to parse the stream, by the references."""
@@ -185,10 +107,6 @@ def time_builds(turns: list[TurnRecorder], tok, fast: bool) -> float:
         build_record(b, tok, fast=fast, prefixes=prefixes)
         took += time.thread_time() - t0
     return took
-
-
-SESSIONS = 8  # the turns' conversations: each turn after a session's first is compared with its previous
-READS: dict[int, list[bytes]] = {}  # each turn's reads as made (make_turns), for time_builds
 
 
 RELAY_BESIDE = r"""
@@ -310,6 +228,39 @@ def beside_relay(turns: list[TurnRecorder], tok, nchunks: int, cpu: int, repeats
           f"{statistics.median(shares[1:]):.2f} of CPU {cpu})")
 
 
+def versus(args) -> None:
+    """``--baseline``: this checkout's build and the baseline's, of the same turns, in alternating pairs."""
+    other = Path(args.baseline).resolve() / ".venv" / "bin" / "python"
+    if not other.exists():
+        sys.exit(f"--baseline: no {other} (make the checkout's venv: pip install -e .)")
+    worker = [str(ROOT / "scripts" / "measure_vs.py"), str(args.turns), str(args.chunks), str(args.repeats)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # each side imports its own package
+
+    def side(python: str) -> dict[str, float]:
+        done = subprocess.run([python, *worker], capture_output=True, text=True, env=env, cwd=ROOT)
+        if done.returncode != 0:
+            sys.exit(f"--baseline: {python} failed: {done.stderr.strip().splitlines()[-1:]}")
+        return json.loads(done.stdout)
+
+    sides = {"this": [], "baseline": []}
+    for i in range(args.pairs):
+        order = (("this", sys.executable), ("baseline", str(other)))
+        for name, python in order if i % 2 == 0 else order[::-1]:
+            sides[name].append(side(python))
+            print(f"pair {i + 1}/{args.pairs} {name:8}: " + ", ".join(f"{k} {v:.3f}" for k, v in sides[name][-1].items())
+                  + " µs per chunk", file=sys.stderr, flush=True)
+    print(f"# {cpu_model()}, Python {python_build()}; {args.turns} turns x {args.chunks} chunks, {args.repeats} "
+          f"repeats a side, {args.pairs} alternating pairs; baseline {args.baseline} ({python_build(str(other))})")
+    print("\n| shape | this µs/chunk | baseline µs/chunk | this / baseline (median of the pairs, min–max) |")
+    print("|---|---:|---:|---:|")
+    for shape in sides["this"][0]:
+        a = [p[shape] for p in sides["this"]]
+        b = [p[shape] for p in sides["baseline"]]
+        r = [x / y for x, y in zip(a, b)]
+        print(f"| {shape} | {statistics.median(a):.3f} | {statistics.median(b):.3f} | "
+              f"{statistics.median(r):.3f} ({min(r):.3f}–{max(r):.3f}) |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--turns", type=int, default=40)
@@ -318,7 +269,11 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="also time each phase of the build, in µs per turn")
     p.add_argument("--beside-relay", action="store_true",
                    help="also time the build sharing its CPU with a process relaying over loopback TCP")
-    run(p.parse_args())
+    p.add_argument("--baseline", metavar="CHECKOUT", help="instead, build the same turns with another checkout's "
+                   "package (its .venv) and this one's, in alternating pairs, and print this / that")
+    p.add_argument("--pairs", type=int, default=5, help="with --baseline: the alternating pairs [5]")
+    args = p.parse_args()
+    versus(args) if args.baseline else run(args)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,21 @@ def test_the_wrappers_are_taken_out_after_timing():
         during = current()
         assert all(during[p][0] is not before[p][0] for p in before)  # every phase is wrapped meanwhile
     assert current() == before and set(spent) == set(calls) == set(before)
+
+
+def test_a_baseline_builds_the_same_turns_with_another_checkouts_package(tmp_path):
+    # this checkout against itself: its .venv (what `.ci/run` and the README's setup make) is the baseline's
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    assert venv_python.exists(), "the README's setup makes .venv in the checkout"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_measure.py"), "--baseline", str(ROOT), "--pairs", "2",
+         "--turns", "3", "--chunks", "12", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count(" this    : plain ") == 2 and proc.stderr.count(" baseline: plain ") == 2, proc.stderr
+    rows = {ln.split(" | ")[0].lstrip("| "): ln for ln in proc.stdout.splitlines() if ln.startswith("| ")}
+    for shape in ("plain", "t_send"):
+        this, base, ratio = (cell.strip() for cell in rows[shape].strip("| ").split(" | ")[1:])
+        assert float(this) > 0 and float(base) > 0, rows[shape]
+        assert float(ratio.split()[0]) > 0 and "–" in ratio, rows[shape]

@@ -260,3 +260,21 @@ def test_a_joined_read_is_let_go_of_by_the_join():
     payload, ends, complete = join_reads(big, True)
     assert sys.getrefcount(first) == before - 1 and big == []
     assert len(payload) == 300_000 and ends == [100_000, 200_000, 300_000, 300_000] and complete
+
+
+@needs_scanc
+def test_a_large_body_is_joined_as_the_reference_reads_it():
+    """Over a megabyte in frames of 300 kB, split in several ways: the same payload as the reference, and
+    malformed framing or bytes after the end left, untouched, to the reference (the property tests above
+    use small bodies)."""
+    parts = [bytes([i]) * 300_000 for i in range(4)]  # 1.2 MB of payload
+    frames = [b"%x\r\n%b\r\n" % (len(p), p) for p in parts]
+    for reads in (frames + [b"0\r\n\r\n"], frames[:2] + [frames[2][:7], frames[2][7:]] + frames[3:],
+                  [b"".join(frames)]):
+        expected, as_joined = _joined(reads)
+        assert join_whole_frames(reads) == as_joined and expected.error is None
+        assert as_joined[0] == b"".join(parts)
+    for reads in (frames[:3] + [frames[3][:-2] + b"XX"], frames + [b"0\r\n\r\n", b"1\r\nx\r\n"],
+                  frames + [b"0\r\n\r\nz"]):
+        assert join_whole_frames(reads) is None  # (join_whole_frames checks the list is untouched)
+        assert dechunk_reads(reads).error is not None
