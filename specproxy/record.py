@@ -281,8 +281,12 @@ def _slot_setting_init(cls: type) -> None:
     field (its ``__setattr__`` refuses), ~9 µs for Record's 64 fields, once a turn on the measuring thread;
     each slot's own setter does the same assignment in ~2/3 of the time. Same signature, defaults and
     errors (a missing or unknown keyword, a positional argument); the class stays frozen."""
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: a __post_init__ is not supported here")
     params, lines, names = [], [], {}
     for f in fields(cls):
+        if not f.init:
+            raise TypeError(f"{cls.__name__}.{f.name}: a field outside __init__ is not supported here")
         names[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
         if f.default is not MISSING:
             names[f"_default_{f.name}"] = f.default

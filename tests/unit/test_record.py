@@ -63,3 +63,24 @@ def test_a_record_takes_its_fields_by_keyword_with_their_defaults_and_stays_froz
     with pytest.raises(TypeError):
         Record("ab" * 16, **{k: v for k, v in REQUIRED.items() if k != "id"})
     assert dataclasses.replace(r, model="n").model == "n"  # replace() goes through __init__ too
+
+
+def test_what_the_slot_setting_init_cannot_do_the_same_way_is_refused_at_import():
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class Factory:
+        a: list = dataclasses.field(default_factory=list)
+
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class NotInInit:
+        a: int = dataclasses.field(default=0, init=False)
+
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class PostInit:
+        a: int = 0
+
+        def __post_init__(self) -> None:
+            pass
+
+    for cls in (Factory, NotInInit, PostInit):
+        with pytest.raises(TypeError, match=cls.__name__):
+            _slot_setting_init(cls)
