@@ -74,6 +74,43 @@ def schema_md() -> str:
             "| `method`, `path` | `str` | as the client sent them |",
             "| `content_encoding` | `str` | the request's Content-Encoding (empty when none); `body` is in it |",
             "| `body` | `bytes` | the request body, byte for byte |",
+            "", "## The server's tables", "",
+            "Written by `serve`, which polls the upstream's Prometheus page (Config `metrics_path`, every "
+            "`scrape_interval_s`; [operations.md](operations.md), \"The server's counters\"). Counters are the "
+            "server's own totals since it started; a report reads their differences between two scrapes of "
+            "one instance.", "",
+            "| table | field | meaning |", "| --- | --- | --- |",
+            "| `scrapes` | `t_wall`, `t_mono` | when the scrape's response headers arrived: UTC epoch seconds, and "
+            "the proxy's monotonic clock (for order and durations within one process). The server built the "
+            "page before then |",
+            "| `scrapes` | `latency_s` | seconds from sending the scrape's request to its headers' arrival: "
+            "the page was built after `t_wall - latency_s`. A report's span ends at a scrape sent after the last "
+            "turn ended, so that its page counts that turn ([report.md](report.md), \"The span\"); null for "
+            "a failed scrape and on rows recorded before it (read as 0) |",
+            "| `scrapes` | `instance_id` | the server process that built the page (a new start time, build or "
+            "model list is a new instance: a restart); null when none was known yet |",
+            "| `scrapes` | `server_kind` | `vllm`, `sglang` or `llamacpp`, read from the page's metric names; "
+            "null for a failed scrape |",
+            "| `scrapes` | `requests_running`, `requests_waiting` | the server's gauges of requests decoding "
+            "and queued |",
+            "| `scrapes` | `generation_tokens_total`, `prompt_tokens_total` | the server's counters of tokens "
+            "generated (accepted draft tokens included) and of prompt tokens processed |",
+            "| `scrapes` | `spec_drafts_total`, `spec_draft_tokens_total`, `spec_accepted_tokens_total` | "
+            "speculative decoding's counters: verification passes that checked a draft, draft tokens proposed, "
+            "draft tokens accepted (MAL is `1 + accepted / drafts` over a difference) |",
+            "| `scrapes` | `spec_accept_length`, `spec_accept_rate` | SGLang's gauges of tokens per verification "
+            "pass and of accepted over drafted tokens, over its last log interval (not counters) |",
+            "| `scrapes` | `prefix_cache_queries_total`, `prefix_cache_hits_total` | prompt tokens looked up in "
+            "the server's prefix cache, and those found there |",
+            "| `scrapes` | `raw` | the page's samples as JSON `[name, labels, value]`, for what the columns do "
+            "not hold |",
+            "| `scrapes` | `error` | why a scrape failed (no figures then), null when it succeeded |",
+            "| `instances` | `instance_id`, `first_seen`, `last_seen`, `detail` | each server instance, when "
+            "the scrapes first and last saw it (UTC epoch seconds), and what identifies it (JSON) |",
+            "| `turn_counters` | `turn_id`, `instance_id`, `seconds`, `generated_tokens`, `drafts`, "
+            "`draft_tokens`, `accepted_tokens`, `mal`, `acceptance_rate` | a turn that ran alone joined with "
+            "the server's counter differences over its own lifetime: from the last scrape taken between the "
+            "previous turn's end and its start, to one sent after it ended |",
             "", "## The fleet's tables", "",
             "In the local SQLite file (its outbox for the sinks, `serve --sink`; [operations.md](operations.md), \"Fleet\"):", "",
             "| table | field | meaning |", "| --- | --- | --- |",

@@ -36,9 +36,10 @@ def _failures(scrapes: Scrapes, ok: np.ndarray, t0: float, t1: float) -> tuple[i
 def _sample(scrapes: Scrapes, i: int) -> ScrapeSample:
     """Stored scrape ``i`` as the ScrapeSample ``serve`` saw (wall time as its clock; None for NULL)."""
     fields = {f: (None if np.isnan(v) else v) for f, v in ((f, float(scrapes.num[f][i])) for f in SCRAPE_FIELDS)}
+    latency = fields.pop("latency_s")  # the scrape's, not the page's
     t = float(scrapes.t_wall[i])
     snap = Snapshot(server_kind=scrapes.server_kind[i], **fields)
-    return ScrapeSample(t_mono=t, t_wall=t, snapshot=snap, instance_id=scrapes.instance_id[i] or "")
+    return ScrapeSample(t_mono=t, t_wall=t, snapshot=snap, instance_id=scrapes.instance_id[i] or "", latency_s=latency)
 
 
 def _stretches(scrapes: Scrapes, idx: np.ndarray) -> list[tuple[int, int]]:
@@ -95,10 +96,14 @@ def _last_at_or_before(t: np.ndarray, ok: np.ndarray | None, at: float) -> float
     return float(t[idx[-1]]) if len(idx) else None
 
 
-def _first_at_or_after(t: np.ndarray, ok: np.ndarray | None, at: float, not_after: float | None) -> float | None:
+def _first_sent_at_or_after(t: np.ndarray, sent: np.ndarray, ok: np.ndarray | None, at: float,
+                            not_after: float | None) -> float | None:
+    """The ``t_wall`` of the first scrape sent at or after ``at`` (``Scrapes.sent``; a ``t_wall`` is never
+    before its sending, so the search starts at ``at`` in ``t``) and not after ``not_after``."""
     i = int(np.searchsorted(t, at, side="left"))
     j = len(t) if not_after is None else int(np.searchsorted(t, not_after, side="right"))
-    idx = np.flatnonzero(ok[i:j]) if ok is not None else np.arange(i, j) - i
+    keep = sent[i:j] >= at
+    idx = np.flatnonzero(keep & ok[i:j] if ok is not None else keep)
     return float(t[i + idx[0]]) if len(idx) else None
 
 
@@ -116,24 +121,26 @@ def _turn_times(turns: Turns) -> tuple[np.ndarray, np.ndarray]:
 
 def _span(scrapes: Scrapes, times: tuple[np.ndarray, np.ndarray], until: float | None) -> dict[str, Any]:
     """The scrapes the counters are read between, fixed by the turns alone (so a report gives the same
-    figures whenever it runs): the last successful scrape at or before the first turn's start and the
-    first at or after the last turn's end, never past ``until``. Where there is none, the nearest one
-    inside the turns' time (the span then cuts them: said by ``cut_s``). ``from``/``to``: where the
-    failed scrapes are counted: from the same start (the last attempt before the turns when none
-    succeeded) to the first attempt, failed or not, after the last turn's end. ``scrapes``: the store's
+    figures whenever it runs): the last successful scrape at or before the first turn's start (its page
+    was built before its ``t_wall``) and the first sent at or after the last turn's end (its page was
+    built after its sending: a scrape sent before the end whose headers came after it may predate the
+    server's count of the last turn), never past ``until``. Where there is none, the nearest one inside
+    the turns' time (the span then cuts them: said by ``cut_s``). ``from``/``to``: where the failed
+    scrapes are counted: from the same start (the last attempt before the turns when none succeeded) to
+    the first attempt, failed or not, sent after the last turn's end. ``scrapes``: the store's
     (``Source.load``), which hold every scrape these bounds can be. ``times``: the turns' (``_turn_times``)."""
     start, end = times
     first, last = float(np.min(start)), float(np.max(end))
     stop = last if until is None else min(last, until)
-    t, ok = scrapes.t_wall, scrapes.ok()
-    s1 = _first_at_or_after(t, ok, last, until)
+    t, sent, ok = scrapes.t_wall, scrapes.sent(), scrapes.ok()
+    s1 = _first_sent_at_or_after(t, sent, ok, last, until)
     if s1 is None:
         s1 = _last_at_or_before(t, ok, stop)
     s0 = _last_at_or_before(t, ok, first)
     if s0 is None and s1 is not None:
-        s0 = _first_at_or_after(t, ok, first, s1)
+        s0 = _first_sent_at_or_after(t, sent, ok, first, s1)
     lo = s0 if s0 is not None else (_last_at_or_before(t, None, first) or first)
-    after = _first_at_or_after(t, None, last, until)  # the first attempt after, failed or not
+    after = _first_sent_at_or_after(t, sent, None, last, until)  # the first attempt after, failed or not
     hi = max(s1 if s1 is not None else stop, after if after is not None else stop)
     return {"from": lo, "to": max(hi, lo), "first_scrape": s0, "last_scrape": s1, "turns_from": first,
             "turns_to": last}

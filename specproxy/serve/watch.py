@@ -126,7 +126,7 @@ class ServerWatch:
             s.requests_waiting, s.generation_tokens_total, s.prompt_tokens_total, s.spec_drafts_total,
             s.spec_draft_tokens_total, s.spec_accepted_tokens_total, s.spec_accept_length,
             s.spec_accept_rate, raw, None), prefix_cache_queries=s.prefix_cache_queries_total,
-            prefix_cache_hits=s.prefix_cache_hits_total))
+            prefix_cache_hits=s.prefix_cache_hits_total, latency_s=sample.latency_s))
         if sample.instance_id and sample.instance_id != self._last_instance:
             self._last_instance = sample.instance_id
             inst = self.scraper.instance if self.scraper is not None else None

@@ -143,6 +143,12 @@ BEGIN UPDATE "table_edits" SET "edits" = "edits" + 1 WHERE "name" = 'scrapes'; E
     ("016_unmeasured_index", (
         'CREATE INDEX "idx_turns_unmeasured" ON "turns" ("t_wall") WHERE "measured" = 0',
     )),
+    # A scrape's page was built between its request's sending and its headers' arrival (``t_wall``): the
+    # headers' time says the page is from no later, the sending time that it is from no earlier, which is
+    # what a span's last scrape must be (docs/report.md, "The span").
+    ("017_scrape_latency", (
+        'ALTER TABLE "scrapes" ADD COLUMN "latency_s" REAL',
+    )),
 ]
 
 

@@ -79,12 +79,20 @@ class PgSource(Source):
             self.tables = {name for (name,) in self.conn.execute(
                 "SELECT c.relname FROM pg_class c WHERE c.relname IN ('turns', 'scrapes', 'turn_counters') AND "
                 "pg_table_is_visible(c.oid)")}
-            self._counter_seq = "turn_counters" in self.tables and bool(self.conn.execute(
-                "SELECT 1 FROM information_schema.columns WHERE table_name = 'turn_counters' AND "
-                "column_name = 'seq' AND table_schema = current_schema()").fetchone())
+            self._counter_seq = "turn_counters" in self.tables and self._has_column("turn_counters", "seq")
+            # a database no sink of this version has migrated yet (007_scrape_latency): its scrapes read
+            # as sent when their headers came, as Scrapes.sent reads a NULL latency
+            latency = "scrapes" in self.tables and self._has_column("scrapes", "latency_s")
+            self._scrape_fields = ", ".join(f if f != "latency_s" or latency else "NULL" for f in SCRAPE_FIELDS)
+            self._sent = "t_wall - coalesce(latency_s, 0)" if latency else "t_wall"
         except psycopg.Error as exc:
             self.conn.close()
             raise ConfigError(f"cannot read {url}: {one_line(exc)}") from None
+
+    def _has_column(self, table: str, column: str) -> bool:
+        return bool(self.conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = %s AND column_name = %s AND "
+            "table_schema = current_schema()", (table, column)).fetchone())
 
     def close(self) -> None:
         self.conn.close()
@@ -143,16 +151,17 @@ class PgSource(Source):
         if "scrapes" not in self.tables:
             return Scrapes.empty()
         return Scrapes.from_rows(self._rows(
-            f"SELECT t_wall, instance_id, server_kind, error, {', '.join(SCRAPE_FIELDS)} FROM scrapes "
+            f"SELECT t_wall, instance_id, server_kind, error, {self._scrape_fields} FROM scrapes "
             "WHERE t_wall >= %s AND t_wall <= %s ORDER BY t_wall, store_id, id", (t0, t1)))
 
     def scrape_time(self, t: float, *, after: bool, ok: bool = True, not_after: float | None = None) -> float | None:
         if "scrapes" not in self.tables:
             return None
         where = f" AND {_OK_SCRAPE}" if ok else ""
-        if after:
+        if after:  # sent at or after t (Source's contract), walked in t_wall order from t
             bound = float("inf") if not_after is None else not_after
-            return self._one(f"SELECT min(t_wall) FROM scrapes WHERE t_wall >= %s AND t_wall <= %s{where}", (t, bound))
+            return self._one(f"SELECT t_wall FROM scrapes WHERE t_wall >= %s AND t_wall <= %s AND {self._sent} >= %s"
+                             f"{where} ORDER BY t_wall LIMIT 1", (t, bound, t))
         return self._one(f"SELECT max(t_wall) FROM scrapes WHERE t_wall <= %s{where}", (t,))
 
     def lone_joins(self, window: Window) -> LoneJoins:

@@ -88,16 +88,18 @@ def scrape_at_or_before(conn: Connection, t: float, *, ok: bool = True) -> float
 
 
 def scrape_at_or_after(conn: Connection, t: float, not_after: float | None = None, *, ok: bool = True) -> float | None:
-    """The wall time of the first stored scrape at or after ``t`` and not after ``not_after`` (a successful
-    one unless ``ok`` is false), or None."""
+    """The wall time of the first stored scrape sent at or after ``t`` (``Scrapes.sent``) and not after
+    ``not_after`` (a successful one unless ``ok`` is false), or None. Walked in ``t_wall`` order from
+    ``t`` (a scrape's ``t_wall`` is never before its sending), so the index bounds the search."""
     where = f" AND {_OK_SCRAPE}" if ok else ""
     bound = math.inf if not_after is None else not_after
     try:
-        row = conn.execute(f"SELECT min(t_wall) FROM scrapes WHERE t_wall >= ? AND t_wall <= ?{where}",
-                           (t, bound)).fetchone()
+        row = conn.execute(f"SELECT t_wall FROM scrapes WHERE t_wall >= ? AND t_wall <= ? "
+                           f"AND t_wall - coalesce(latency_s, 0) >= ?{where} ORDER BY t_wall LIMIT 1",
+                           (t, bound, t)).fetchone()
     except sqlite3.OperationalError:
         return None
-    return row[0]
+    return row[0] if row is not None else None
 
 
 def lone_turn_mal(conn: Connection, where: str = "", params: Sequence[Any] = ()) -> list[tuple[int, float | None]]:

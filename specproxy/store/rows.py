@@ -13,7 +13,7 @@ SCRAPE_COLUMNS = (
     "t_wall", "t_mono", "instance_id", "server_kind", "requests_running", "requests_waiting",
     "generation_tokens_total", "prompt_tokens_total", "spec_drafts_total", "spec_draft_tokens_total",
     "spec_accepted_tokens_total", "spec_accept_length", "spec_accept_rate", "raw", "error",
-    "prefix_cache_queries_total", "prefix_cache_hits_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "latency_s",
 )
 _INSERT_SCRAPE = f"INSERT INTO scrapes ({', '.join(SCRAPE_COLUMNS)}) VALUES ({', '.join('?' * len(SCRAPE_COLUMNS))})"
 _UPSERT_INSTANCE = (
@@ -27,11 +27,11 @@ _INSERT_TURN_COUNTERS = (f"INSERT OR REPLACE INTO turn_counters ({', '.join(TURN
 
 
 def scrape(values: tuple, *, prefix_cache_queries: float | None = None,
-           prefix_cache_hits: float | None = None) -> tuple[str, tuple]:
-    """A scrape row: ``values`` in ``SCRAPE_COLUMNS`` order up to ``error``; the prefix cache's counters
-    (added later, at the end) by name."""
-    assert len(values) == len(SCRAPE_COLUMNS) - 2
-    return _INSERT_SCRAPE, (*values, prefix_cache_queries, prefix_cache_hits)
+           prefix_cache_hits: float | None = None, latency_s: float | None = None) -> tuple[str, tuple]:
+    """A scrape row: ``values`` in ``SCRAPE_COLUMNS`` order up to ``error``; the columns added later, at
+    the end, by name (the prefix cache's counters; ``latency_s``, the request sent to the headers)."""
+    assert len(values) == len(SCRAPE_COLUMNS) - 3
+    return _INSERT_SCRAPE, (*values, prefix_cache_queries, prefix_cache_hits, latency_s)
 
 
 def failed_scrape(t_wall: float, t_mono: float, instance_id: str | None, error: str | None) -> tuple[str, tuple]:

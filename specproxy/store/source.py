@@ -18,9 +18,11 @@ What a store must return (every implementation; ``tests/unit/test_source.py`` ho
 * ``scrapes(t0, t1) -> Scrapes``: the stored scrapes with ``t0 <= t_wall <= t1``, oldest first, all
   of them, failed ones included (``error`` not None, or ``server_kind`` None).
 * ``scrape_time(t, after=..., ok=..., not_after=...)``: the wall time of the last stored scrape at or
-  before ``t`` (``after`` false) or the first at or after ``t`` and not after ``not_after``
-  (``after`` true); a successful one (``error`` NULL and ``server_kind`` not NULL) when ``ok``; None
-  when there is none.
+  before ``t`` (``after`` false), or of the first one sent at or after ``t`` (``t_wall - latency_s``,
+  a NULL latency read as 0) and not after ``not_after`` (``after`` true); a successful one (``error``
+  NULL and ``server_kind`` not NULL) when ``ok``; None when there is none. Why the sending time: a
+  scrape's page was built between its sending and its ``t_wall`` (the headers' arrival), so only one
+  sent after ``t`` is sure to count what happened before ``t`` (``Scrapes.sent``).
 * ``lone_joins(window) -> LoneJoins``: the lone-turn counter deltas (``turn_counters``) of the turns
   the window selects, as the joined turn's ``rowid`` and its MAL (``nan`` for NULL), in the order
   the deltas were stored.
@@ -55,7 +57,8 @@ __all__ = ["SCRAPE_FIELDS", "LoneJoins", "Scrapes", "Source", "Window", "WindowD
 # the numeric fields of a stored scrape that the server section reads (float64, nan for NULL)
 SCRAPE_FIELDS = ("requests_running", "requests_waiting", "generation_tokens_total", "prompt_tokens_total",
                  "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
-                 "spec_accept_length", "spec_accept_rate", "prefix_cache_queries_total", "prefix_cache_hits_total")
+                 "spec_accept_length", "spec_accept_rate", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "latency_s")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,12 @@ class Scrapes:
     def ok(self) -> np.ndarray:
         """Which scrapes succeeded (no error, a server kind)."""
         return np.equal(self.error, None) & np.not_equal(self.server_kind, None)
+
+    def sent(self) -> np.ndarray:
+        """When each scrape's request was sent (wall time): its page was built between then and its
+        ``t_wall``, when the headers came. A scrape stored without its latency (a failed one, or one from
+        before the column) reads as sent at its ``t_wall``."""
+        return self.t_wall - np.nan_to_num(self.num["latency_s"])
 
 
 @dataclass

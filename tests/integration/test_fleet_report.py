@@ -81,7 +81,8 @@ def make_db(path: Path, seed: int = 5, n: int = 400, proxy: str = "edge-1", coun
         else:
             tokens += rng.randint(100, 900)
             w.put(rows.scrape((t, t - T0, rng.choice(["i1", "i2"]), "llamacpp", float(rng.randint(0, 5)), 0.0,
-                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None)))
+                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None),
+                               latency_s=rng.choice([None, 0.01, rng.uniform(0.5, 6.0)])))
         t += rng.uniform(2.0, 8.0)
     w.close()
     return path
@@ -104,6 +105,30 @@ def fleet(tmp_path_factory, pg_server):
     url = pg_server.url(pg_server.new_database())
     ship(db, url, "edge-1")
     return db, url
+
+
+def test_a_fleet_database_no_sink_has_given_scrape_latency_yet_reads_as_sent_when_the_headers_came(
+        tmp_path, pg_server):
+    """A fleet's database that no proxy of this version has shipped to lacks ``scrapes.latency_s``
+    (migration 007_scrape_latency): it is read, its scrapes as sent at their ``t_wall``, as a SQLite file
+    whose latencies are NULL reads them."""
+    import psycopg
+
+    db = make_db(tmp_path / "a.db")
+    url = pg_server.url(pg_server.new_database())
+    ship(db, url, "edge-1")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE scrapes DROP COLUMN latency_s")
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM scrapes WHERE latency_s > 0.1").fetchone()[0] > 20
+        conn.execute("UPDATE scrapes SET latency_s = NULL")
+    with SQLiteSource(db) as lite, PgSource(url) as pg:
+        for t in (T0 - 100, T0 + 1000, T0 + 1500, T0 + 2000):
+            assert lite.scrape_time(t, after=True) == pg.scrape_time(t, after=True) is not None
+        a, b = lite.load(Window(), server=True, context=True), pg.load(Window(), server=True, context=True)
+        assert len(b.scrapes) > 100 and np.isnan(b.scrapes.num["latency_s"]).all()
+        assert np.array_equal(a.scrapes.sent(), b.scrapes.sent())
+        assert np.array_equal(b.scrapes.sent(), b.scrapes.t_wall)
 
 
 def test_lone_turn_figures_do_not_depend_on_the_order_counters_were_stored(tmp_path):

@@ -247,6 +247,7 @@ RELEASED_MIGRATIONS = {
     "014_prompt_block_digests": "2f81afa0ba32d252",
     "015_table_edits": "fbb236bb460825ba",
     "016_unmeasured_index": "fa8ad0e5a1b1c99a",
+    "017_scrape_latency": "3b275c6ee8d5297e",
 }
 
 

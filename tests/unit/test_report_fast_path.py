@@ -60,7 +60,8 @@ def plain_counters(scrapes, idx):
     """A ScrapeSample for every successful scrape of the window, then window_counters."""
     samples = []
     for i in idx.tolist():
-        fields = {f: (None if np.isnan(scrapes.num[f][i]) else float(scrapes.num[f][i])) for f in SCRAPE_FIELDS}
+        fields = {f: (None if np.isnan(scrapes.num[f][i]) else float(scrapes.num[f][i])) for f in SCRAPE_FIELDS
+                  if f != "latency_s"}  # the scrape's, not the page's
         t = float(scrapes.t_wall[i])
         samples.append(ScrapeSample(t, t, Snapshot(server_kind=scrapes.server_kind[i], **fields),
                                     scrapes.instance_id[i] or ""))

@@ -51,6 +51,7 @@ def random_scrapes(seed: int, n: int = 240) -> Scrapes:
             "spec_accept_rate": np.nan,
             "prefix_cache_queries_total": 3 * gen if kind != "sglang" and rng.random() < 0.95 else np.nan,
             "prefix_cache_hits_total": gen if kind != "sglang" and rng.random() < 0.95 else np.nan,
+            "latency_s": np.nan if failed else float(rng.uniform(0.001, 0.05)),
         }
         for f in SCRAPE_FIELDS:
             num[f].append(values[f])
@@ -64,7 +65,8 @@ def reference(scrapes: Scrapes, w0: float, w1: float):
     for i in range(len(scrapes)):
         if scrapes.error[i] is not None or scrapes.server_kind[i] is None or not w0 <= scrapes.t_wall[i] <= w1:
             continue
-        fields = {f: (None if np.isnan(scrapes.num[f][i]) else float(scrapes.num[f][i])) for f in SCRAPE_FIELDS}
+        fields = {f: (None if np.isnan(scrapes.num[f][i]) else float(scrapes.num[f][i])) for f in SCRAPE_FIELDS
+                  if f != "latency_s"}  # the scrape's, not the page's
         t = float(scrapes.t_wall[i])
         samples.append(ScrapeSample(t, t, Snapshot(server_kind=scrapes.server_kind[i], **fields),
                                     scrapes.instance_id[i] or ""))

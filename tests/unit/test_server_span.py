@@ -105,6 +105,32 @@ def test_the_same_report_gives_the_same_counters_whenever_it_runs(fine):
     assert "\n  MAL - (no counters; " in text and "no counters over these turns yet" not in text
 
 
+def test_a_scrape_sent_before_the_last_turn_ended_does_not_end_the_span(tmp_path):
+    """A slow scrape: sent at 76.3, before the last turns ended (76.5), its headers came at 77.0, and its
+    page counts none of the last two turns (the server built it before they finished). Stamped at 77.0
+    it is the first at or after the end, yet the span must end at the next one, sent after the end (at
+    78.0); else the window would miss the last turns' tokens while counting them delivered."""
+    path = tmp_path / "slow.db"
+    times = turn_times(T0 + 60.5)
+    last = max(end for _, end in times)
+    w = Writer(path)
+    write_turns(w, "B", times)
+    write_scrapes(w, times, 1.0, T0, T0 + 76.0)
+    stale = sum(TOKENS for _, end in times if end < last)  # the page as the server built it before the end
+    w.put(rows.scrape((T0 + 77.0, 77.0, "inst-1", "llamacpp", 0, 0, float(stale), 0.0, None, None, None, None,
+                       None, "[]", None), latency_s=0.7))
+    w.put(rows.scrape((T0 + 78.0, 78.0, "inst-1", "llamacpp", 0, 0, float(16 * TOKENS), 0.0, None, None, None,
+                       None, None, "[]", None), latency_s=0.01))
+    w.close()
+    assert stale == 14 * TOKENS
+    win = report(path, label="B")["server"]["window"]
+    assert (win["from"], win["to"]) == (T0 + 60.0, T0 + 78.0)
+    assert win["generated_tokens"] == win["delivered_tokens"] == 16 * TOKENS
+    with SQLiteSource(path) as store:  # the load path reads through the scrape the span ends at
+        assert store.scrape_time(last, after=True) == T0 + 78.0
+        assert store.scrape_time(last - 1.0, after=True) == T0 + 76.0
+
+
 def test_the_span_never_reads_past_until(fine):
     """--until inside the turns: the span ends at the last scrape before it, not 60 s after the turns."""
     path, times = fine

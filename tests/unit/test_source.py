@@ -64,7 +64,8 @@ def db(tmp_path_factory) -> Path:
         else:
             tokens += rng.randint(100, 900)
             w.put(rows.scrape((t, t - T0, rng.choice(["i1", "i2"]), "llamacpp", float(rng.randint(0, 5)), 0.0,
-                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None)))
+                               tokens, tokens * 3, tokens / 3, tokens / 1.5, tokens / 2, None, None, "[]", None),
+                               latency_s=rng.choice([None, 0.01, rng.uniform(0.5, 6.0)])))
         t += rng.uniform(2.0, 8.0)
     w.close()
     return path
@@ -93,8 +94,12 @@ def test_a_window_loads_fewer_scrapes_than_the_store_holds(db):
     with SQLiteSource(db) as store:
         short = store.load(Window(since=T0 + 300, until=T0 + 420), REPORT_COLUMNS, server=True)
         held = len(store.scrapes(-np.inf, np.inf))
+        start = short.turns.num["t_wall"]
+        during = store.scrapes(start.min(), min(np.max(start + short.turns.num["total_s"]), T0 + 420))
     assert 0 < len(short.scrapes) < held / 10
-    assert short.scrapes.t_wall.min() <= short.turns.num["t_wall"].min() <= short.turns.num["t_wall"].max() <= short.scrapes.t_wall.max()
+    # yet it holds the scrape before the turns and every one taken while they ran
+    assert short.scrapes.t_wall.min() <= start.min() and len(during) > 0
+    assert set(during.t_wall.tolist()) <= set(short.scrapes.t_wall.tolist())
 
 
 def test_what_a_store_returns(db):
@@ -174,9 +179,9 @@ def test_the_whole_database_summary_equals_plain_scans(tmp_path):
 
 def test_scrapes_from_rows_as_columns_one_by_one():
     """``Scrapes.from_rows`` casts one 2-D array; the same columns built one by one, None as nan."""
-    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None, 40.0, 10.0),
-            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None, None, None),
-            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4, None, None)]
+    rows = [(T0, "i1", "llamacpp", None, 1.0, None, 10.0, 30.0, None, None, None, None, None, 40.0, 10.0, 0.004),
+            (T0 + 5, None, None, "refused", None, None, None, None, None, None, None, None, None, None, None, None),
+            (T0 + 9, "i2", "sglang", None, 2.0, 0.0, 20.0, 60.0, 3.0, 6.0, 1.5, 2.5, 0.4, None, None, 0.02)]
     assert all(len(r) == 4 + len(SCRAPE_FIELDS) for r in rows)
     got = Scrapes.from_rows(rows)
     cols = list(zip(*rows))

@@ -105,4 +105,7 @@ END $$""",
         "CREATE TRIGGER turn_days_update AFTER UPDATE ON turns REFERENCING OLD TABLE AS old_rows NEW TABLE AS "
         "new_rows FOR EACH STATEMENT EXECUTE FUNCTION specproxy_turn_days()",
     )),
+    ("007_scrape_latency", (
+        "ALTER TABLE scrapes ADD COLUMN latency_s DOUBLE PRECISION",
+    )),
 ]
