@@ -109,8 +109,8 @@ def schema_md() -> str:
             "the scrapes first and last saw it (UTC epoch seconds), and what identifies it (JSON) |",
             "| `turn_counters` | `turn_id`, `instance_id`, `seconds`, `generated_tokens`, `drafts`, "
             "`draft_tokens`, `accepted_tokens`, `mal`, `acceptance_rate` | a turn that ran alone joined with "
-            "the server's counter differences over its own lifetime: from the last scrape taken between the "
-            "previous turn's end and its start, to one sent after it ended |",
+            "the server's counter differences over its own lifetime: from the latest scrape sent after the "
+            "previous turn ended and back before this one began, to one sent after it ended |",
             "", "## The fleet's tables", "",
             "In the local SQLite file (its outbox for the sinks, `serve --sink`; [operations.md](operations.md), \"Fleet\"):", "",
             "| table | field | meaning |", "| --- | --- | --- |",

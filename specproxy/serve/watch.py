@@ -20,6 +20,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Reversible
 
 import aiohttp
 import orjson
@@ -29,7 +30,7 @@ from specproxy.observe.scrape import Scraper, ScrapeSample, delta
 from specproxy.store import rows
 from specproxy.store.writer import Writer
 
-__all__ = ["ServerWatch"]
+__all__ = ["ServerWatch", "page_between"]
 
 log = logging.getLogger("specproxy.serve.watch")
 
@@ -144,8 +145,8 @@ class ServerWatch:
         task.add_done_callback(self._turn_tasks.discard)
 
     async def _join(self, turn_id: str, t_request: float, prev_done: float) -> None:
-        before = next((s for s in reversed(self.recent) if prev_done <= s.t_mono <= t_request), None)
-        after = await self._scrape()
+        before = page_between(self.recent, prev_done, t_request)
+        after = await self._scrape()  # sent now, after the turn ended: its page counts the turn
         if before is None or after is None or after.instance_id != before.instance_id:
             return
         d = delta(before, after)
@@ -155,3 +156,14 @@ class ServerWatch:
         self.writer.put(rows.turn_counters(
             turn_id, after.instance_id, d.seconds, d.generated_tokens, d.drafts, d.draft_tokens,
             d.accepted_tokens, d.mal, d.acceptance_rate))
+
+
+def page_between(samples: Reversible[ScrapeSample], t0: float, t1: float) -> ScrapeSample | None:
+    """The latest of ``samples`` (in the order they were taken) whose page the server built between ``t0``
+    and ``t1`` (monotonic): its request sent at or after ``t0`` (a page is built after its request came),
+    its headers back by ``t1`` (and before they left). A lone turn's counters start from it: one sent
+    before the previous turn ended may come back after it without that turn's counts."""
+    for s in reversed(samples):
+        if s.t_mono <= t1 and s.t_mono - (s.latency_s or 0.0) >= t0:
+            return s
+    return None
